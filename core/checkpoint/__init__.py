@@ -1,0 +1,136 @@
+"""Header-only view of a checkpoint directory: config, sidecar JSON files, every tensor's info.
+
+``Checkpoint.open(path)`` reads no tensor data. :meth:`Checkpoint.tensor` later returns a
+zero-copy view of one tensor's bytes from a private memory map of its file.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+from collections.abc import Iterator
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError
+from ..types import TensorInfo
+from .gguf_index import index_gguf
+from .safetensors_index import TORCH_DTYPES, index_safetensors
+
+__all__ = ["Checkpoint", "TORCH_DTYPES"]
+
+
+class Checkpoint:
+    """A checkpoint directory (config.json + safetensors shards and/or GGUF files)."""
+
+    def __init__(self, path: Path, config: dict[str, Any], tensors: dict[str, TensorInfo],
+                 files: list[Path], gguf_metadata: dict[str, Any]) -> None:
+        self.path = path
+        self.config = config
+        self.tensors = tensors
+        self.files = files
+        self.gguf_metadata = gguf_metadata
+        self._maps: dict[Path, mmap.mmap] = {}
+        self._sidecars: dict[str, Any] = {}
+
+    @classmethod
+    def open(cls, path: str | Path) -> Checkpoint:
+        root = Path(path)
+        if root.is_file():
+            raise CheckpointError(f"{root}: expected a checkpoint directory holding config.json, got a file")
+        if not root.is_dir():
+            raise CheckpointError(f"{root}: no such checkpoint directory")
+        cfg_path = root / "config.json"
+        if not cfg_path.is_file():
+            raise CheckpointError(f"{root}: config.json is missing")
+        try:
+            config = json.loads(cfg_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{cfg_path}: not valid JSON ({exc})") from None
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{cfg_path}: expected a JSON object")
+        tensors, files = index_safetensors(root)
+        gguf_tensors, gguf_files, metadata = index_gguf(root)
+        for name, info in gguf_tensors.items():
+            if name in tensors:
+                raise CheckpointError(f"tensor {name} is in both {tensors[name].file.name} and {info.file.name}")
+            tensors[name] = info
+        files += gguf_files
+        if not files:
+            raise CheckpointError(f"{root}: no .safetensors or .gguf weight files found")
+        return cls(root, config, tensors, files, metadata)
+
+    # -- sidecars -----------------------------------------------------------------------------
+
+    @cached_property
+    def sidecar_names(self) -> list[str]:
+        skip = {"config.json", "model.safetensors.index.json"}
+        return sorted(p.name for p in self.path.glob("*.json") if p.name not in skip)
+
+    def sidecar(self, name: str) -> Any:
+        """Parsed JSON of a sidecar file next to config.json (read on first use), or None."""
+        if name not in self._sidecars:
+            p = self.path / name
+            if not p.is_file():
+                return None
+            try:
+                self._sidecars[name] = json.loads(p.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise CheckpointError(f"{p}: not valid JSON ({exc})") from None
+        return self._sidecars[name]
+
+    # -- tensors ------------------------------------------------------------------------------
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def __iter__(self) -> Iterator[TensorInfo]:
+        return iter(self.tensors.values())
+
+    def get(self, name: str) -> TensorInfo | None:
+        return self.tensors.get(name)
+
+    def weight_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def _map(self, file: Path) -> mmap.mmap:
+        mm = self._maps.get(file)
+        if mm is None:
+            with open(file, "rb") as fh:
+                # ACCESS_COPY: private, writable pages (torch wants writable buffers); pages stay
+                # shared with the page cache until written, so views cost no memory of their own.
+                mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+            self._maps[file] = mm
+        return mm
+
+    def raw(self, info: TensorInfo) -> torch.Tensor:
+        """The tensor's bytes as a zero-copy uint8 view of the memory-mapped file."""
+        mm = self._map(info.file)
+        if info.offset + info.nbytes > len(mm):
+            raise CheckpointError(f"{info.where()}: byte range {info.offset}+{info.nbytes} is past the end "
+                                  f"of the file ({len(mm)} bytes); the file is truncated")
+        if info.nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(mm, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
+
+    def tensor(self, info: TensorInfo) -> torch.Tensor:
+        """A safetensors tensor as stored (dtype and shape), zero-copy; GGUF data as raw bytes
+        shaped [rows, bytes_per_row] for quantized types."""
+        raw = self.raw(info)
+        if info.format == "gguf":
+            from .gguf_index import gguf_view
+
+            return gguf_view(raw, info)
+        dtype = TORCH_DTYPES[info.dtype]
+        if info.offset % dtype.itemsize == 0:
+            mm = self._map(info.file)
+            if info.numel == 0:
+                return torch.empty(info.shape, dtype=dtype)
+            return torch.frombuffer(mm, dtype=dtype, count=info.numel, offset=info.offset).view(info.shape)
+        return raw.clone().view(dtype).view(info.shape)  # unaligned: one copy, still correct
+
+    def close(self) -> None:
+        self._maps.clear()

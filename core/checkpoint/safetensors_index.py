@@ -1,0 +1,94 @@
+"""Index safetensors files from their headers: names, dtypes, shapes, absolute byte ranges.
+
+``safetensors.safe_open`` validates each header (JSON, offsets, file size); the byte offsets,
+which its Python API does not expose, come from the same header's JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..errors import CheckpointError
+from ..types import TensorInfo
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
+}
+ST_DTYPES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def read_header(file: Path) -> dict[str, TensorInfo]:
+    """Every tensor of one safetensors file, from its header only."""
+    try:
+        with safe_open(str(file), framework="pt"):
+            pass
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{file}: corrupt or truncated safetensors file ({exc})") from None
+    with open(file, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(n))
+    base = 8 + n
+    out: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = entry["dtype"]
+        if dtype not in TORCH_DTYPES:
+            raise CheckpointError(f"tensor {name} in {file.name}: dtype {dtype} is not supported; "
+                                  f"expected one of {', '.join(TORCH_DTYPES)}")
+        start, end = entry["data_offsets"]
+        shape = tuple(int(d) for d in entry["shape"])
+        if end - start != math.prod(shape) * TORCH_DTYPES[dtype].itemsize:
+            raise CheckpointError(f"tensor {name} in {file.name}: {end - start} bytes for {dtype}{list(shape)}")
+        out[name] = TensorInfo(name, file, dtype, shape, base + start, end - start)
+    return out
+
+
+def index_safetensors(root: Path) -> tuple[dict[str, TensorInfo], list[Path]]:
+    """All tensors of the safetensors files in ``root``, checked against the shard index if any."""
+    files = sorted(root.glob("*.safetensors"))
+    index_path = root / INDEX_NAME
+    tensors: dict[str, TensorInfo] = {}
+    if index_path.is_file():
+        try:
+            weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index_path}: not a safetensors index ({exc})") from None
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (root / s).is_file()]
+        if missing:
+            raise CheckpointError(f"{index_path.name} lists shard(s) missing from disk: {', '.join(missing)}")
+        unlisted = [f.name for f in files if f.name not in set(shards)]
+        if unlisted:
+            raise CheckpointError(f"{root}: file(s) not in {INDEX_NAME}: {', '.join(unlisted)}")
+        for shard in shards:
+            for name, info in read_header(root / shard).items():
+                listed = weight_map.get(name)
+                if listed is None:
+                    raise CheckpointError(f"tensor {name} is in {shard} but not in {INDEX_NAME}")
+                if listed != shard:
+                    raise CheckpointError(f"tensor {name} is in {shard} but {INDEX_NAME} puts it in {listed}")
+                if name in tensors:
+                    raise CheckpointError(f"tensor {name} is in two shards: {tensors[name].file.name} and {shard}")
+                tensors[name] = info
+        absent = [n for n in weight_map if n not in tensors]
+        if absent:
+            raise CheckpointError(f"{INDEX_NAME} lists tensor {absent[0]} in {weight_map[absent[0]]}, "
+                                  f"but that shard does not hold it ({len(absent)} such tensor(s))")
+        return tensors, [root / s for s in shards]
+    for file in files:
+        for name, info in read_header(file).items():
+            if name in tensors:
+                raise CheckpointError(f"tensor {name} is in two files: {tensors[name].file.name} and {file.name}")
+            tensors[name] = info
+    return tensors, files

@@ -1,0 +1,232 @@
+"""The whole plugin contract: every hook quantplug calls, when, and what an answer means.
+
+Hooks are called with keyword arguments only. An implementation may accept any subset of a
+hook's arguments (pluggy matches by name), so a hook can gain arguments without breaking
+plugins. Two kinds of hooks:
+
+* **global** hooks are called on every registered plugin (only ``quantplug_detect``);
+* **backend** hooks are called only on the backend selected for a checkpoint and on the core's
+  own defaults, which are registered ``trylast`` and therefore answer last. An installed plugin
+  can never change a load it did not claim.
+
+Answers are frozen dataclasses from :mod:`quantplug.types` (or a ``LinearScheme`` object), never
+dicts with magic keys. The plugin manager stamps every answer with the plugin that gave it, and
+the plan records it as a :class:`~quantplug.types.Decision`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+from .types import AttentionLayout, Claim, ExportResult, Problem
+
+if TYPE_CHECKING:
+    import torch
+
+    from .checkpoint import Checkpoint
+    from .layers.linear import LinearScheme
+    from .models.config import ModelConfig
+    from .plan import LoadPlan
+
+PROJECT = "quantplug"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+#: Hooks called on every plugin.
+GLOBAL_HOOKS = frozenset({"quantplug_detect"})
+#: Hooks called only on the selected backend plus the core defaults.
+BACKEND_HOOKS = frozenset({
+    "quantplug_resolve_prefix",
+    "quantplug_packed_modules",
+    "quantplug_attention_layout",
+    "quantplug_linear_scheme",
+    "quantplug_validate_plan",
+    "quantplug_process_after_loading",
+    "quantplug_export",
+})
+
+
+# ---------------------------------------------------------------------------------------------
+# Detection (global)
+# ---------------------------------------------------------------------------------------------
+
+@hookspec
+def quantplug_detect(checkpoint: Checkpoint) -> Claim | None:
+    """Say whether this backend can load ``checkpoint``.
+
+    Called once per load on **every** plugin, after the checkpoint's headers, config.json and
+    sidecar JSON files have been read (no tensor data). All answers are collected.
+
+    Return a :class:`Claim` carrying the parsed, frozen quantization config (passed back to
+    every backend hook as ``quant_config``) and a human reason, or None: "not mine".
+
+    No claim: the checkpoint loads as dense if all its tensors are floating point, else
+    :class:`NoBackendError` lists the installed backends. Several claims:
+    :class:`AmbiguousBackendError` lists every claimant, unless ``backend=`` names one.
+    Raising :class:`QuantplugError` here means "mine, but broken" and stops the load.
+
+    Example::
+
+        @hookimpl
+        def quantplug_detect(checkpoint):
+            qc = checkpoint.config.get("quantization_config") or {}
+            if qc.get("quant_method") != "quark":
+                return None
+            return Claim("quark", QuarkConfig.parse(qc), "quantization_config.quant_method == 'quark'")
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# Decisions (backend-scoped)
+# ---------------------------------------------------------------------------------------------
+
+@hookspec(firstresult=True)
+def quantplug_resolve_prefix(
+    architecture: str, model_config: ModelConfig, quant_config: Any, checkpoint: Checkpoint
+) -> str | None:
+    """Name the prefix under which the checkpoint (and the quant config) name the text model.
+
+    Backend hook, called once per load. Stops at first non-None result. ``""`` means "no
+    prefix" (``model.layers.0...``); ``"language_model"`` means the text weights are named
+    ``language_model.model.layers.0...`` (Kimi-K2.5 / K2.6 / K3 wrappers). Return None to let
+    the core default infer it from the tensor names.
+
+    Example::
+
+        @hookimpl
+        def quantplug_resolve_prefix(model_config):
+            return "language_model" if model_config.is_wrapper else ""
+    """
+
+
+@hookspec
+def quantplug_packed_modules(architecture: str, quant_config: Any) -> Mapping[str, Sequence[str]] | None:
+    """Add fused-module names and their shards, e.g. ``{"gate_up_proj": ["gate_proj", "up_proj"]}``.
+
+    Backend hook, called once per load; all answers are merged with the model class's own
+    ``packed_modules_mapping``. An entry that names the same fused module with different shards
+    is a :class:`PlanError` naming both sources. None: nothing to add. The mapping lets the plan
+    ask for a fused module's scheme and check that its shards agree (one excluded and one
+    quantized is a Problem).
+
+    Example::
+
+        @hookimpl
+        def quantplug_packed_modules():
+            return {"fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"]}
+    """
+
+
+@hookspec(firstresult=True)
+def quantplug_attention_layout(
+    architecture: str, layer_name: str, model_config: ModelConfig, quant_config: Any, checkpoint: Checkpoint
+) -> AttentionLayout | None:
+    """Choose how the MLA layer ``layer_name`` (checkpoint name of ``...self_attn``) stores K/V.
+
+    Backend hook, called once per attention layer. Stops at first non-None result. The core
+    default answers ``AttentionLayout("dense")`` (one ``kv_b_proj``). A backend whose format
+    splits ``kv_b`` returns ``AttentionLayout("split_kv", k_b=..., v_b=...)`` naming the
+    tensors. The plan cross-checks the answer against the tensors present: a dense layout
+    without ``kv_b_proj`` or a split one without its tensors is a Problem before any data is read.
+    A backend with nothing to say about attention simply does not implement this hook.
+
+    Example::
+
+        @hookimpl
+        def quantplug_attention_layout(layer_name, checkpoint):
+            if f"{layer_name}.k_b_proj.weight" in checkpoint:
+                return AttentionLayout("split_kv", "k_b/v_b present",
+                                       k_b=f"{layer_name}.k_b_proj", v_b=f"{layer_name}.v_b_proj")
+            return None
+    """
+
+
+@hookspec(firstresult=True)
+def quantplug_linear_scheme(
+    layer_name: str,
+    layer_kind: str,
+    shard_names: Sequence[str],
+    quant_config: Any,
+    checkpoint: Checkpoint,
+    options: Mapping[str, Any],
+) -> LinearScheme | None:
+    """Return the :class:`~quantplug.layers.linear.LinearScheme` for one linear (or expert group).
+
+    Backend hook, called for every linear of the model, for every fused module of the packed
+    mapping (``shard_names`` = its shards) and for every routed-expert projection. Stops at
+    first non-None result; the core default answers a dense scheme.
+
+    ``layer_name`` is the checkpoint name (prefix applied), e.g.
+    ``language_model.model.layers.3.self_attn.q_a_proj``. ``layer_kind`` is ``"linear"``,
+    ``"experts"`` (stacked routed experts; ``shard_names`` lists the checkpoint modules that feed
+    it, per-expert or fused) or ``"attn_k_b"`` / ``"attn_v_b"`` (split MLA, stacked per head).
+    The answers for a fused module and for each of its shards must agree (equal ``key``), else
+    the plan reports a Problem. ``options`` is the ``options=`` mapping given to ``load``.
+
+    Example::
+
+        @hookimpl
+        def quantplug_linear_scheme(layer_name, quant_config):
+            if quant_config.is_excluded(layer_name):
+                return None           # the core's dense scheme answers
+            return MXFP4Scheme()
+    """
+
+
+@hookspec
+def quantplug_validate_plan(plan: LoadPlan, quant_config: Any) -> Sequence[Problem] | None:
+    """Check the finished plan against the format's own rules, from headers only.
+
+    Backend hook, called once per plan; all answers are collected. Return Problems (errors stop
+    the load, warnings are listed in the plan), or None / ``[]``. Every Problem should name the
+    tensor or layer and what was expected.
+
+    Example::
+
+        @hookimpl
+        def quantplug_validate_plan(plan):
+            return [Problem("MLA K projection must be GGUF Q4_0, found Q8_0", tensor=t.name)
+                    for t in plan.tensors_matching("attn_k_b") if t.dtype != "Q4_0"]
+    """
+
+
+@hookspec
+def quantplug_process_after_loading(model: torch.nn.Module, quant_config: Any, options: Mapping[str, Any]) -> None:
+    """Post-process the whole model after every tensor is loaded (and each scheme's own
+    ``process_after_loading`` has run).
+
+    Backend hook, called once per load on the selected backend; return value ignored.
+
+    Example::
+
+        @hookimpl
+        def quantplug_process_after_loading(model):
+            model.language_model.config_note = "mxfp4"
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# Export (called on one backend, by name)
+# ---------------------------------------------------------------------------------------------
+
+@hookspec(firstresult=True)
+def quantplug_export(
+    model: torch.nn.Module, model_config: ModelConfig, destination: Path, options: Mapping[str, Any]
+) -> ExportResult | None:
+    """Write a checkpoint in this backend's format from a dense model (optional hook).
+
+    Called on one backend, chosen by name (``quantplug demo``, tests, vendor test kits).
+    ``model`` is a dense quantplug model; ``model_config`` its config. ``destination`` is an
+    empty directory to write config.json and weights into. Return what was written.
+
+    Example::
+
+        @hookimpl
+        def quantplug_export(model, model_config, destination):
+            write_quark_checkpoint(model, model_config, destination)
+            return ExportResult(destination, "quark-mxfp4")
+    """

@@ -1,0 +1,218 @@
+"""Linear layers whose storage and arithmetic belong to a pluggable :class:`LinearScheme`.
+
+A scheme (vLLM's ``create_weights`` / ``apply`` / ``process_weights_after_loading`` shape)
+declares the checkpoint tensors it needs as :class:`~quantplug.types.TensorSpec` so the plan can
+check names, dtypes and shapes from headers before any data is read. Dense loading is the same
+interface: :class:`DenseScheme` is the core's default answer to ``quantplug_linear_scheme``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..types import FLOAT_DTYPES, Problem, TensorInfo, TensorSpec
+
+FLOATS = tuple(sorted(FLOAT_DTYPES))
+
+
+@dataclass(frozen=True)
+class Source:
+    """One checkpoint tensor feeding (part of) one parameter.
+
+    ``narrow`` = (axis, start, length) selects a slice of the stored tensor (transformers 5 fused
+    ``gate_up_proj``); ``index`` writes into slot ``index`` of the parameter's leading (stacked)
+    dimension (hub per-expert tensors). ``shape`` is the stored shape the plan expects.
+    """
+
+    tensor: str
+    shape: tuple[int, ...]
+    dtypes: tuple[str, ...]
+    narrow: tuple[int, int, int] | None = None
+    index: int | None = None
+    optional: bool = False
+
+
+class LinearScheme:
+    """How one linear (or a stack of them: routed experts, per-head MLA K/V) is stored and run.
+
+    Subclasses override :meth:`tensor_specs`, :meth:`dequantize` (or :meth:`apply`) and, where the
+    stored form is not what forward wants, :meth:`process_after_loading`. Parameters are created
+    with exactly the names of the specs' suffixes, with a leading dimension when stacked.
+    """
+
+    #: short name shown in plans, e.g. "dense", "mxfp4", "w8a8"
+    name = "dense"
+
+    @property
+    def key(self) -> str:
+        """Equality key: two answers with equal keys are the same scheme (fused shards must agree)."""
+        return self.describe()
+
+    def describe(self) -> str:
+        return self.name
+
+    def tensor_specs(self, out_features: int, in_features: int) -> list[TensorSpec]:
+        raise NotImplementedError(f"{type(self).__name__} must implement tensor_specs")
+
+    def check(self, layer_name: str, tensors: Mapping[str, TensorInfo]) -> list[Problem]:
+        """Extra header-only checks of the tensors found (keyed by suffix); default none."""
+        return []
+
+    def target_dtype(self, spec: TensorSpec, model_dtype: torch.dtype, stored: str) -> torch.dtype:
+        """dtype the parameter holds: ``spec.target`` if set, else floats in the model dtype, else as stored."""
+        from ..checkpoint import TORCH_DTYPES
+
+        if spec.target is not None:
+            return TORCH_DTYPES[spec.target]
+        if stored in FLOAT_DTYPES:
+            return model_dtype
+        return TORCH_DTYPES.get(stored, torch.uint8)
+
+    def dequantize(self, layer: nn.Module, index: int | None = None) -> torch.Tensor:
+        """The dense weight [out, in] (of stacked slot ``index``), in the model dtype."""
+        w = layer.weight
+        return w if index is None else w[index]
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
+        w = self.dequantize(layer, index)
+        return F.linear(x.to(w.dtype), w)
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        """Called once per layer after all its tensors are loaded."""
+
+
+class DenseScheme(LinearScheme):
+    """Unquantized weight [out, in]; F32 / F16 / BF16 on disk, model dtype in memory."""
+
+    name = "dense"
+
+    def tensor_specs(self, out_features: int, in_features: int) -> list[TensorSpec]:
+        return [TensorSpec("weight", FLOATS, (out_features, in_features))]
+
+
+class PlannedModule(nn.Module):
+    """A module whose parameters the plan fills from named checkpoint tensors.
+
+    ``qp_sources`` maps each local parameter name to its :class:`Source` list; ``qp_ckpt`` is the
+    module's checkpoint name (for messages and decisions).
+    """
+
+    qp_ckpt: str
+    qp_sources: dict[str, list[Source]]
+
+    def qp_init(self, ckpt: str) -> None:
+        self.qp_ckpt = ckpt
+        self.qp_sources = {}
+
+    def qp_target_dtype(self, name: str, stored: str, model_dtype: torch.dtype) -> torch.dtype:
+        """dtype parameter ``name`` holds in memory: floats in the model dtype, others as stored."""
+        from ..checkpoint import TORCH_DTYPES
+
+        return model_dtype if stored in FLOAT_DTYPES else TORCH_DTYPES.get(stored, torch.uint8)
+
+    def qp_finish(self) -> None:
+        """Called after loading (schemes post-process here)."""
+
+
+class FloatParams(PlannedModule):
+    """Helper for modules holding plain float parameters (norms, embeddings, routers)."""
+
+    qp_fp32: frozenset[str] = frozenset()
+
+    def add_float(self, name: str, shape: tuple[int, ...], ckpt_tensor: str, optional: bool = False) -> None:
+        self.qp_sources[name] = [Source(ckpt_tensor, shape, FLOATS, optional=optional)]
+
+    def qp_target_dtype(self, name: str, stored: str, model_dtype: torch.dtype) -> torch.dtype:
+        return torch.float32 if name in self.qp_fp32 else model_dtype
+
+
+class QuantLinear(PlannedModule):
+    """``y = x W^T`` with W stored and applied by ``scheme``; no bias (MLA / MoE linears have none)."""
+
+    def __init__(self, in_features: int, out_features: int, scheme: LinearScheme, ckpt: str,
+                 model_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.scheme = scheme
+        self.qp_init(ckpt)
+        self.specs = {s.suffix: s for s in scheme.tensor_specs(out_features, in_features)}
+        for s in self.specs.values():
+            shape = s.shape if s.shape is not None else ()
+            self.qp_sources[s.suffix] = [Source(f"{ckpt}.{s.suffix}", shape, s.dtypes, optional=s.optional)]
+        self.model_dtype = model_dtype
+
+    def qp_target_dtype(self, name: str, stored: str, model_dtype: torch.dtype) -> torch.dtype:
+        return self.scheme.target_dtype(self.specs[name], model_dtype, stored)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scheme.apply(self, x)
+
+    def qp_finish(self) -> None:
+        self.scheme.process_after_loading(self)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, scheme={self.scheme.describe()}"
+
+
+class StackedLinear(PlannedModule):
+    """``n`` linears of one shape stored as one stacked tensor per spec: routed experts
+    (``[E, out, in]``) or split MLA K/V per head.
+
+    ``layout`` says where the stacked tensors come from:
+    * ``("fused", name, half)``: one stored tensor per spec named ``name`` (``weight``) or
+      ``name_<suffix>``; ``half`` = (part, parts) picks rows part*len/parts.. of axis 1
+      (transformers 5 ``gate_up_proj`` holds gate rows then up rows);
+    * ``("per_index", [names])``: one stored module per slot, ``names[i].<suffix>``;
+    * ``("stacked", name)``: one stored module ``name.<suffix>`` holding all slots (GGUF k_b/v_b).
+    """
+
+    def __init__(self, n: int, in_features: int, out_features: int, scheme: LinearScheme, ckpt: str,
+                 layout: tuple, model_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.n, self.in_features, self.out_features = n, in_features, out_features
+        self.scheme = scheme
+        self.model_dtype = model_dtype
+        self.qp_init(ckpt)
+        self.specs = {s.suffix: s for s in scheme.tensor_specs(out_features, in_features)}
+        for s in self.specs.values():
+            shape = s.shape if s.shape is not None else ()
+            if layout[0] == "stacked":
+                self.qp_sources[s.suffix] = [Source(f"{layout[1]}.{s.suffix}", (n, *shape), s.dtypes,
+                                                    optional=s.optional)]
+            elif layout[0] == "per_index":
+                self.qp_sources[s.suffix] = [Source(f"{name}.{s.suffix}", shape, s.dtypes, index=i, optional=s.optional)
+                                             for i, name in enumerate(layout[1])]
+            else:
+                _, name, (part, parts) = layout
+                tensor = name if s.suffix == "weight" else f"{name}_{s.suffix}"
+                if parts == 1:
+                    self.qp_sources[s.suffix] = [Source(tensor, (n, *shape), s.dtypes, optional=s.optional)]
+                else:
+                    rows = shape[0]
+                    stored = (n, rows * parts, *shape[1:])
+                    self.qp_sources[s.suffix] = [Source(tensor, stored, s.dtypes, narrow=(1, part * rows, rows),
+                                                        optional=s.optional)]
+
+    def qp_target_dtype(self, name: str, stored: str, model_dtype: torch.dtype) -> torch.dtype:
+        return self.scheme.target_dtype(self.specs[name], model_dtype, stored)
+
+    def forward(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        return self.scheme.apply(self, x, index)
+
+    def forward_all(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., n, T, in] -> [..., n, T, out], slot i applied to x[..., i, :, :]."""
+        outs = [self.scheme.apply(self, x[..., i, :, :], i) for i in range(self.n)]
+        return torch.stack(outs, dim=-3)
+
+    def qp_finish(self) -> None:
+        self.scheme.process_after_loading(self)
+
+    def extra_repr(self) -> str:
+        return f"n={self.n}, in={self.in_features}, out={self.out_features}, scheme={self.scheme.describe()}"
+
+

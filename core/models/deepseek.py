@@ -1,0 +1,302 @@
+"""DeepSeek-V3 (MLA + MoE) and the Kimi wrappers, built with full qualified names from the root.
+
+Modules are built from a :class:`Decisions` object (prefix, attention layout and linear
+scheme per module, answered by the plugins), on no device: the plan reads each planned
+module's ``qp_sources`` and the loader registers the parameters.
+
+Kimi-K3 output gate (``mla_use_output_gate``): each MLA layer has ``self_attn.g_proj``
+(Linear hidden_size -> num_heads * v_head_dim, no bias); the attention output, before
+``o_proj``, is multiplied elementwise by ``sigmoid(g_proj(hidden_states))`` where
+``hidden_states`` is the attention block's (normed) input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.linear import FloatParams, LinearScheme, QuantLinear, StackedLinear
+from ..layers.norm import RMSNorm, Rotary, softmax_scale
+from ..types import AttentionLayout
+from .config import ModelConfig
+
+
+class Decisions(Protocol):
+    """What the model needs to know from the plan to build itself."""
+
+    prefix: str
+    model_dtype: torch.dtype
+
+    def ck(self, rel: str) -> str:
+        """Checkpoint name of a text-model-relative name (prefix applied)."""
+        ...
+
+    def scheme(self, ckpt_name: str, kind: str = "linear", shards: Sequence[str] | None = None) -> LinearScheme:
+        """Scheme for one linear (``kind`` "linear"), expert projection ("experts") or MLA
+        K/V stack ("attn_k_b" / "attn_v_b"); ``shards``: checkpoint modules feeding it."""
+        ...
+
+    def layout(self, attn_ckpt_name: str) -> AttentionLayout: ...
+
+    def expert_layout(self, experts_ckpt_name: str) -> str:
+        """``"hub"`` (per-expert tensors) or ``"fused"`` (transformers 5 gate_up_proj / down_proj)."""
+        ...
+
+
+def _lin(d: Decisions, rel: str, i: int, o: int) -> QuantLinear:
+    name = d.ck(rel)
+    return QuantLinear(i, o, d.scheme(name), name, d.model_dtype)
+
+
+class Embedding(FloatParams):
+    def __init__(self, vocab: int, dim: int, ckpt: str) -> None:
+        super().__init__()
+        self.qp_init(ckpt)
+        self.add_float("weight", (vocab, dim), f"{ckpt}.weight")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class TiedHead(nn.Module):
+    """lm_head sharing the embedding matrix (tie_word_embeddings)."""
+
+    def __init__(self, embed: Embedding) -> None:
+        super().__init__()
+        self._embed = [embed]  # a list, so the embedding is not registered twice
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self._embed[0].weight
+        return F.linear(x.to(w.dtype), w)
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention; ``kv_b_proj`` dense, or split per head into k_b / v_b."""
+
+    def __init__(self, cfg: ModelConfig, i: int, d: Decisions, rotary: Rotary) -> None:
+        super().__init__()
+        base = f"model.layers.{i}.self_attn"
+        self.cfg = cfg
+        self.rotary = [rotary]
+        h, nh = cfg.hidden_size, cfg.num_attention_heads
+        self.q_lora = cfg.q_lora_rank
+        if cfg.q_lora_rank is None:
+            self.q_proj = _lin(d, f"{base}.q_proj", h, nh * cfg.qk_head_dim)
+        else:
+            self.q_a_proj = _lin(d, f"{base}.q_a_proj", h, cfg.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6, d.ck(f"{base}.q_a_layernorm"))
+            self.q_b_proj = _lin(d, f"{base}.q_b_proj", cfg.q_lora_rank, nh * cfg.qk_head_dim)
+        self.kv_a_proj_with_mqa = _lin(d, f"{base}.kv_a_proj_with_mqa", h, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6, d.ck(f"{base}.kv_a_layernorm"))
+        self.layout = d.layout(d.ck(base))
+        if self.layout.kind == "dense":
+            self.kv_b_proj = _lin(d, f"{base}.kv_b_proj", cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        else:
+            assert self.layout.k_b and self.layout.v_b
+            self.k_b = StackedLinear(nh, cfg.qk_nope_head_dim, cfg.kv_lora_rank, d.scheme(self.layout.k_b, "attn_k_b"),
+                                     self.layout.k_b, ("stacked", self.layout.k_b), d.model_dtype)
+            self.v_b = StackedLinear(nh, cfg.kv_lora_rank, cfg.v_head_dim, d.scheme(self.layout.v_b, "attn_v_b"),
+                                     self.layout.v_b, ("stacked", self.layout.v_b), d.model_dtype)
+        if cfg.mla_use_output_gate:
+            self.g_proj = _lin(d, f"{base}.g_proj", h, nh * cfg.v_head_dim)
+        self.o_proj = _lin(d, f"{base}.o_proj", nh * cfg.v_head_dim, h)
+        self.scale = softmax_scale(cfg.rope, cfg.qk_head_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        b, t, _ = x.shape
+        nh, nope, rope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        q = self.q_proj(x) if self.q_lora is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(b, t, nh, nope + rope).transpose(1, 2)
+        q_pass, q_rot = torch.split(q, [nope, rope], dim=-1)
+        ckv = self.kv_a_proj_with_mqa(x)
+        kv_nope, k_rot = torch.split(ckv, [cfg.kv_lora_rank, rope], dim=-1)
+        kv_nope = self.kv_a_layernorm(kv_nope).view(b, 1, t, cfg.kv_lora_rank)
+        k_rot = k_rot.reshape(b, 1, t, rope)
+        rot = self.rotary[0]
+        q_rot, k_rot = rot.apply(q_rot, cos, sin), rot.apply(k_rot, cos, sin)
+        if self.layout.kind == "dense":
+            kv = self.kv_b_proj(kv_nope).view(b, t, nh, nope + v).transpose(1, 2)
+            k_nope, val = torch.split(kv, [nope, v], dim=-1)
+            k = torch.cat([k_nope, k_rot.expand(-1, nh, -1, -1)], dim=-1)
+            qs = torch.cat([q_pass, q_rot], dim=-1)
+            out = F.scaled_dot_product_attention(qs, k, val, is_causal=True, scale=self.scale)
+        else:
+            # Absorbed form (llama.cpp): scores = (q_nope k_b) . c + q_rot . k_rot; out = (p c) v_b^T.
+            q_lat = self.k_b.forward_all(q_pass)                      # [b, nh, t, kv_lora]
+            scores = (q_lat @ kv_nope.transpose(-1, -2) + q_rot @ k_rot.transpose(-1, -2)) * self.scale
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+            p = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+            out = self.v_b.forward_all(p @ kv_nope)                  # [b, nh, t, v]
+        out = out.transpose(1, 2).reshape(b, t, nh * v)
+        if cfg.mla_use_output_gate:
+            out = out * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, d: Decisions, base: str, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = _lin(d, f"{base}.gate_proj", hidden, inter)
+        self.up_proj = _lin(d, f"{base}.up_proj", hidden, inter)
+        self.down_proj = _lin(d, f"{base}.down_proj", inter, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(FloatParams):
+    """Sigmoid router; ``e_score_correction_bias`` shifts the choice only, not the weights."""
+
+    qp_fp32 = frozenset({"weight", "e_score_correction_bias"})
+
+    def __init__(self, cfg: ModelConfig, ckpt: str) -> None:
+        super().__init__()
+        self.qp_init(ckpt)
+        self.cfg = cfg
+        self.add_float("weight", (cfg.n_routed_experts, cfg.hidden_size), f"{ckpt}.weight")
+        self.add_float("e_score_correction_bias", (cfg.n_routed_experts,), f"{ckpt}.e_score_correction_bias")
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        e = cfg.n_routed_experts
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        group_scores = choice.view(-1, cfg.n_group, e // cfg.n_group).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=cfg.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(-1, cfg.n_group, e // cfg.n_group).reshape(-1, e)
+        choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+        idx = torch.topk(choice, k=cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
+        w = scores.gather(1, idx)
+        if cfg.norm_topk_prob:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return idx, w * cfg.routed_scaling_factor
+
+
+class Experts(nn.Module):
+    """Routed experts as three stacked linears (gate, up: [E, I, H]; down: [E, H, I])."""
+
+    def __init__(self, cfg: ModelConfig, d: Decisions, base: str) -> None:
+        super().__init__()
+        e, h, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.n = e
+        ckb = d.ck(base)
+        layout = d.expert_layout(ckb)
+        for proj, (i, o) in (("gate_proj", (h, inter)), ("up_proj", (h, inter)), ("down_proj", (inter, h))):
+            name = f"{ckb}.{proj}"
+            if layout == "hub":
+                src: tuple = ("per_index", [f"{ckb}.{k}.{proj}" for k in range(e)])
+            elif proj == "down_proj":
+                src = ("fused", f"{ckb}.down_proj", (0, 1))
+            else:
+                src = ("fused", f"{ckb}.gate_up_proj", (0 if proj == "gate_proj" else 1, 2))
+            shards = src[1] if src[0] == "per_index" else [src[1]]
+            setattr(self, proj, StackedLinear(e, i, o, d.scheme(name, "experts", shards), name, src, d.model_dtype))
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        hit = torch.unique(idx).tolist()
+        for k in hit:
+            pos, tok = torch.where(idx.t() == k)
+            xs = x[tok]
+            hs = F.silu(self.gate_proj(xs, k)) * self.up_proj(xs, k)
+            hs = self.down_proj(hs, k) * w[tok, pos, None]
+            out.index_add_(0, tok, hs.to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, d: Decisions, base: str) -> None:
+        super().__init__()
+        self.gate = Router(cfg, d.ck(f"{base}.gate"))
+        self.experts = Experts(cfg, d, f"{base}.experts")
+        self.shared_experts = (MLP(d, f"{base}.shared_experts", cfg.hidden_size,
+                                   cfg.moe_intermediate_size * cfg.n_shared_experts)
+                               if cfg.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        idx, w = self.gate(flat)
+        out = self.experts(flat, idx, w).view(shape)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int, d: Decisions, rotary: Rotary) -> None:
+        super().__init__()
+        base = f"model.layers.{i}"
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, d.ck(f"{base}.input_layernorm"))
+        self.self_attn = MLA(cfg, i, d, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                d.ck(f"{base}.post_attention_layernorm"))
+        self.mlp: nn.Module = (MoE(cfg, d, f"{base}.mlp") if cfg.is_moe_layer(i)
+                               else MLP(d, f"{base}.mlp", cfg.hidden_size, cfg.intermediate_size))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TextModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, d: Decisions) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, d.ck("model.embed_tokens"))
+        self.rotary = Rotary(cfg.rope, cfg.qk_rope_head_dim, cfg.rope_interleave)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, d, self.rotary) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, d.ck("model.norm"))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(ids)
+        pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand(ids.shape[0], -1)
+        cos, sin = self.rotary.cos_sin(pos, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """DeepSeek-V3 / Kimi-K2 text model: ``model.*`` and ``lm_head``."""
+
+    packed_modules_mapping = {
+        "fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    def __init__(self, cfg: ModelConfig, d: Decisions) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = TextModel(cfg, d)
+        self.lm_head: nn.Module
+        if cfg.tie_word_embeddings:
+            self.lm_head = TiedHead(self.model.embed_tokens)
+        else:
+            self.lm_head = _lin(d, "lm_head", cfg.hidden_size, cfg.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model(input_ids))
+
+
+class KimiK25ForConditionalGeneration(nn.Module):
+    """Kimi-K2.5 / K2.6: the DeepSeek-V3 text model under ``language_model``; vision not loaded."""
+
+    packed_modules_mapping = DeepseekV3ForCausalLM.packed_modules_mapping
+
+    def __init__(self, cfg: ModelConfig, d: Decisions) -> None:
+        super().__init__()
+        self.config = cfg
+        self.language_model = DeepseekV3ForCausalLM(cfg, d)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model(input_ids)
+
+
+class KimiK3ForConditionalGeneration(KimiK25ForConditionalGeneration):
+    """Kimi-K3: as K2.5, plus the optional MLA output gate (see the module docstring)."""

@@ -1,0 +1,389 @@
+"""The load plan: every parameter <- the checkpoint tensors that feed it, decided and checked
+from headers alone.
+
+Flow: detect -> architecture -> decisions (prefix, packed modules, attention layout, linear
+scheme: each through its hook, the core default answering last, each recorded as a Decision
+with its plugin) -> model skeleton (no parameters yet) -> sources -> validate (missing,
+unexpected, shape, dtype, decision-vs-tensor mismatches, backend Problems) -> LoadPlan.
+
+Tensor-parallel room: a :class:`ParamPlan` names whole source tensors and, via ``narrow``, row
+ranges of them; a rank-sharded plan would narrow each source to that rank's slice so every
+rank reads only its bytes. Not implemented yet.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .checkpoint import Checkpoint
+from .errors import PlanError, QuantplugError
+from .layers.linear import LinearScheme, PlannedModule, QuantLinear, Source, StackedLinear
+from .models.config import ModelConfig, parse_model_config
+from .models.registry import ArchSpec, get_arch
+from .plugins import PluginManager, get_plugin_manager
+from .types import CORE, AttentionLayout, Claim, Decision, PluginInfo, Problem, SkipRule, TensorInfo
+
+
+@dataclass
+class ParamPlan:
+    """One model parameter and the tensors that feed it."""
+
+    param: str
+    module: PlannedModule = field(repr=False)
+    local: str
+    sources: list[tuple[Source, TensorInfo]]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def zero_copy(self) -> bool:
+        """Used exactly as stored: one source, whole slot, same dtype -> a view of the file."""
+        if len(self.sources) != 1:
+            return False
+        src, info = self.sources[0]
+        from .checkpoint import TORCH_DTYPES
+
+        return (src.index is None and info.format == "safetensors"
+                and TORCH_DTYPES.get(info.dtype) == self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class LoadPlan:
+    path: Path
+    architecture: str
+    model_config: ModelConfig
+    backend: str | None
+    claim: Claim | None
+    quant_config: Any
+    prefix: str
+    packed_modules: dict[str, list[str]]
+    decisions: list[Decision]
+    params: list[ParamPlan]
+    skipped: dict[str, list[str]]
+    problems: list[Problem]
+    options: Mapping[str, Any]
+    checkpoint: Checkpoint = field(repr=False)
+    model: nn.Module = field(repr=False)
+    plan_seconds: float = 0.0
+
+    @property
+    def errors(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "error"]
+
+    @property
+    def warnings(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "warning"]
+
+    def raise_for_problems(self) -> None:
+        if self.errors:
+            raise PlanError(self.errors, str(self.path))
+
+    def tensors_matching(self, pattern: str) -> list[TensorInfo]:
+        """Checkpoint tensors whose name matches the regex ``pattern`` (for validate_plan hooks)."""
+        rx = re.compile(pattern)
+        return [t for t in self.checkpoint.tensors.values() if rx.search(t.name)]
+
+    def decisions_for(self, layer: str) -> list[Decision]:
+        """Decisions whose target is ``layer`` or lies under it (checkpoint or module names)."""
+        keys = {layer, f"{self.prefix}.{layer}" if self.prefix else layer}
+        return [d for d in self.decisions
+                if d.target in keys or any(d.target.startswith(k + ".") for k in keys)
+                or (d.target == "*")]
+
+    def schemes(self) -> dict[str, str]:
+        return {d.target: str(d.value) for d in self.decisions if d.hook == "quantplug_linear_scheme"}
+
+    def weight_bytes(self) -> int:
+        used = {info.name for p in self.params for _, info in p.sources}
+        return sum(self.checkpoint.tensors[n].nbytes for n in used)
+
+    def to_dict(self) -> dict[str, Any]:
+        layouts = {d.target: d.value for d in self.decisions if d.hook == "quantplug_attention_layout"}
+        return {
+            "path": str(self.path),
+            "architecture": self.architecture,
+            "backend": self.backend or "dense",
+            "backend_plugin": str(self.claim.plugin) if self.claim and self.claim.plugin else "core",
+            "detect_reason": self.claim.reason if self.claim else "no backend claimed it; all tensors are float",
+            "prefix": self.prefix,
+            "packed_modules": self.packed_modules,
+            "attention_layouts": layouts,
+            "schemes": self.schemes(),
+            "decisions": [{"hook": d.hook, "target": d.target, "value": str(d.value), "plugin": str(d.plugin),
+                           "reason": d.reason} for d in self.decisions],
+            "parameters": len(self.params),
+            "tensors_used": sum(len(p.sources) for p in self.params),
+            "weight_bytes": self.weight_bytes(),
+            "skipped": {k: v for k, v in self.skipped.items()},
+            "problems": [{"severity": p.severity, "kind": p.kind, "message": p.describe()} for p in self.problems],
+            "plan_ms": round(self.plan_seconds * 1000, 2),
+        }
+
+
+class _Decider:
+    """Answers the model's questions through the backend's hooks and records every answer."""
+
+    def __init__(self, pm: PluginManager, backend: str | None, ckpt: Checkpoint, arch: ArchSpec,
+                 mcfg: ModelConfig, qc: Any, prefix: str, options: Mapping[str, Any], dtype: torch.dtype) -> None:
+        self.pm, self.backend, self.ckpt, self.arch, self.mcfg = pm, backend, ckpt, arch, mcfg
+        self.qc, self.prefix, self.options, self.model_dtype = qc, prefix, options, dtype
+        self.decisions: list[Decision] = []
+        self.problems: list[Problem] = []
+        self._scheme_cache: dict[tuple[str, str, tuple[str, ...]], tuple[LinearScheme, PluginInfo]] = {}
+        self._names = sorted(ckpt.tensors)
+
+    def ck(self, rel: str) -> str:
+        return f"{self.prefix}.{rel}" if self.prefix else rel
+
+    def ask_scheme(self, name: str, kind: str, shards: Sequence[str]) -> tuple[LinearScheme, PluginInfo]:
+        key = (name, kind, tuple(shards))
+        if key not in self._scheme_cache:
+            scheme, info = self.pm.backend_first(
+                self.backend, "quantplug_linear_scheme", layer_name=name, layer_kind=kind,
+                shard_names=tuple(shards), quant_config=self.qc, checkpoint=self.ckpt, options=self.options)
+            if not isinstance(scheme, LinearScheme):
+                raise QuantplugError(f"plugin {info} returned {type(scheme).__name__} from quantplug_linear_scheme "
+                                     f"for {name}; expected a quantplug.layers.linear.LinearScheme")
+            self._scheme_cache[key] = (scheme, info)
+        return self._scheme_cache[key]
+
+    def scheme(self, ckpt_name: str, kind: str = "linear", shards: Sequence[str] | None = None) -> LinearScheme:
+        shards = list(shards) if shards is not None else [ckpt_name]
+        scheme, info = self.ask_scheme(ckpt_name, kind, shards)
+        reason = f"{kind}" + (f", {len(shards)} shard(s)" if kind != "linear" else "")
+        self.decisions.append(Decision("quantplug_linear_scheme", ckpt_name, scheme.describe(), info, reason))
+        return scheme
+
+    def layout(self, attn: str) -> AttentionLayout:
+        layout, info = self.pm.backend_first(
+            self.backend, "quantplug_attention_layout", architecture=self.arch.name, layer_name=attn,
+            model_config=self.mcfg, quant_config=self.qc, checkpoint=self.ckpt)
+        if not isinstance(layout, AttentionLayout):
+            raise QuantplugError(f"plugin {info} returned {type(layout).__name__} from quantplug_attention_layout "
+                                 f"for {attn}; expected quantplug.types.AttentionLayout")
+        self.decisions.append(Decision("quantplug_attention_layout", attn, layout.kind, info, layout.reason))
+        # Cross-check the answer against the tensors present, before any data is read.
+        if layout.kind == "dense" and not self._has_module(f"{attn}.kv_b_proj"):
+            present = [n for n in (f"{attn}.k_b_proj", f"{attn}.attn_k_b") if self._has_module(n)]
+            self.problems.append(Problem(
+                f"attention layout 'dense' (decided by {info}) needs {attn}.kv_b_proj, which the checkpoint "
+                f"does not have" + (f"; it has {present[0]} (split K/V)" if present else ""),
+                layer=attn, plugin=info, kind="layout"))
+        if layout.kind == "split_kv":
+            for n in (layout.k_b, layout.v_b):
+                if n and not self._has_module(n):
+                    self.problems.append(Problem(f"attention layout 'split_kv' (decided by {info}) names {n}, "
+                                                 "which the checkpoint does not have", layer=attn, plugin=info,
+                                                 kind="layout"))
+        return layout
+
+    def _has_module(self, name: str) -> bool:
+        import bisect
+
+        i = bisect.bisect_left(self._names, name)
+        return i < len(self._names) and (self._names[i] == name or self._names[i].startswith(name + "."))
+
+    def expert_layout(self, experts: str) -> str:
+        fused = self._has_module(f"{experts}.gate_up_proj") or f"{experts}.gate_up_proj" in self.ckpt
+        value = "fused" if fused else "hub"
+        why = ("transformers 5 layout: gate_up_proj [E, 2I, H] / down_proj [E, H, I]" if fused
+               else "hub layout: one tensor per expert and projection")
+        self.decisions.append(Decision("expert_layout", experts, value, CORE, why))
+        return value
+
+
+def _merge_packed(pm: PluginManager, backend: str | None, arch: ArchSpec, qc: Any,
+                  problems: list[Problem]) -> dict[str, list[str]]:
+    merged: dict[str, list[str]] = {k: list(v) for k, v in getattr(arch.cls, "packed_modules_mapping", {}).items()}
+    source: dict[str, str] = {k: f"model class {arch.name}" for k in merged}
+    for answer, info in pm.backend_all(backend, "quantplug_packed_modules", architecture=arch.name, quant_config=qc):
+        if not isinstance(answer, Mapping):
+            raise QuantplugError(f"plugin {info} returned {type(answer).__name__} from quantplug_packed_modules; "
+                                 "expected a mapping of fused name -> shard names")
+        for fused, shards in answer.items():
+            shards = list(shards)
+            if fused in merged and merged[fused] != shards:
+                problems.append(Problem(f"packed module {fused!r}: {source[fused]} says {merged[fused]}, "
+                                        f"plugin {info} says {shards}", plugin=info, kind="packed"))
+                continue
+            merged[fused] = shards
+            source.setdefault(fused, f"plugin {info}")
+    return merged
+
+
+def _check_packed(d: _Decider, model: nn.Module, packed: dict[str, list[str]]) -> None:
+    """A fused module's scheme is its shards' scheme; shards (and the fused answer) must agree."""
+    linears = {m.qp_ckpt: m for m in model.modules() if isinstance(m, QuantLinear)}
+    for fused, shards in packed.items():
+        parents = {n.rsplit(".", 1)[0] for n in linears if n.rsplit(".", 1)[-1] == shards[0]}
+        for parent in sorted(parents):
+            names = [f"{parent}.{s}" for s in shards]
+            if not all(n in linears for n in names):
+                continue
+            fused_name = f"{parent}.{fused}"
+            fused_scheme, info = d.ask_scheme(fused_name, "linear", names)
+            keys = {n: linears[n].scheme.key for n in names}
+            d.decisions.append(Decision("quantplug_linear_scheme", fused_name, fused_scheme.describe(), info,
+                                        f"fused module of {', '.join(shards)}"))
+            if len(set(keys.values()) | {fused_scheme.key}) > 1:
+                listing = ", ".join(f"{n.rsplit('.', 1)[-1]}={k}" for n, k in keys.items())
+                d.problems.append(Problem(
+                    f"fused module {fused} has shards that disagree: {listing}; as fused: {fused_scheme.key}",
+                    layer=fused_name, plugin=info, kind="packed"))
+
+
+def _collect_params(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype,
+                    problems: list[Problem]) -> tuple[list[ParamPlan], set[str]]:
+    params: list[ParamPlan] = []
+    used: set[str] = set()
+    for mname, mod in model.named_modules():
+        if not isinstance(mod, PlannedModule):
+            continue
+        found: dict[str, TensorInfo] = {}
+        for local, sources in mod.qp_sources.items():
+            resolved: list[tuple[Source, TensorInfo]] = []
+            for src in sources:
+                info = ckpt.get(src.tensor)
+                if info is None:
+                    if not src.optional:
+                        problems.append(Problem(f"missing: the model needs it for {mname}.{local} "
+                                                f"(expected {'/'.join(src.dtypes)} {list(src.shape)})",
+                                                tensor=src.tensor, file=str(ckpt.path), kind="missing"))
+                    continue
+                used.add(info.name)
+                if info.dtype not in src.dtypes:
+                    problems.append(Problem(f"dtype {info.dtype}, expected {' or '.join(src.dtypes)} "
+                                            f"(scheme of {mod.qp_ckpt}: {_scheme_name(mod)})",
+                                            tensor=info.name, file=info.file.name, kind="dtype"))
+                    continue
+                if src.shape and info.shape != tuple(src.shape):
+                    problems.append(Problem(f"shape {list(info.shape)}, expected {list(src.shape)} "
+                                            f"(scheme of {mod.qp_ckpt}: {_scheme_name(mod)})",
+                                            tensor=info.name, file=info.file.name, kind="shape"))
+                    continue
+                resolved.append((src, info))
+                found.setdefault(local, info)
+            if len(resolved) != len(sources) and not all(s.optional for s in sources):
+                continue
+            if not resolved:
+                continue
+            stored = {info.dtype for _, info in resolved}
+            if len(stored) > 1:
+                problems.append(Problem(f"the tensors feeding {mname}.{local} mix dtypes {sorted(stored)}",
+                                        tensor=resolved[0][1].name, file=resolved[0][1].file.name, kind="dtype"))
+                continue
+            target = mod.qp_target_dtype(local, resolved[0][1].dtype, dtype)
+            src0, info0 = resolved[0]
+            if src0.index is not None:
+                n = len(sources)
+                shape = (n, *info0.shape)
+            elif src0.narrow is not None:
+                axis, _, length = src0.narrow
+                shape = tuple(length if i == axis else s for i, s in enumerate(info0.shape))
+            else:
+                shape = info0.shape
+            params.append(ParamPlan(f"{mname}.{local}" if mname else local, mod, local, resolved, shape, target))
+        if isinstance(mod, QuantLinear | StackedLinear):
+            for p in mod.scheme.check(mod.qp_ckpt, found):
+                problems.append(p)
+    return params, used
+
+
+def _scheme_name(mod: PlannedModule) -> str:
+    scheme = getattr(mod, "scheme", None)
+    return scheme.describe() if scheme is not None else "float"
+
+
+def _skips(ckpt: Checkpoint, arch: ArchSpec, mcfg: ModelConfig, prefix: str,
+           used: set[str]) -> tuple[dict[str, list[str]], list[str]]:
+    rules = list(arch.skip_rules)
+    p = re.escape(prefix + ".") if prefix else ""
+    rules.append(SkipRule("mtp-layers", rf"^{p}model\.layers\.(\d+)\.",
+                          f"layers >= num_hidden_layers ({mcfg.num_hidden_layers}): multi-token-prediction heads"))
+    compiled = [(r, re.compile(r.pattern)) for r in rules]
+    skipped: dict[str, list[str]] = defaultdict(list)
+    unexpected: list[str] = []
+    for name in ckpt.tensors:
+        if name in used:
+            continue
+        for rule, rx in compiled:
+            m = rx.search(name)
+            if m and (rule.name != "mtp-layers" or int(m.group(1)) >= mcfg.num_hidden_layers):
+                skipped[f"{rule.name}: {rule.reason}"].append(name)
+                break
+        else:
+            unexpected.append(name)
+    return dict(skipped), unexpected
+
+
+def build_plan(path: str | Path, *, backend: str | None = None, options: Mapping[str, Any] | None = None,
+               dtype: torch.dtype = torch.float32, plugin_manager: PluginManager | None = None) -> LoadPlan:
+    """Compute the plan from headers only; problems are collected in ``plan.problems``."""
+    t0 = time.perf_counter()
+    pm = plugin_manager or get_plugin_manager()
+    options = dict(options or {})
+    ckpt = Checkpoint.open(path)
+    arch = get_arch(ckpt.config)
+    mcfg = parse_model_config(ckpt.config, arch.name, arch.wrapped)
+    claim = pm.detect(ckpt, backend)
+    be = claim.backend if claim else None
+    qc = claim.quant_config if claim else None
+    problems: list[Problem] = []
+    decisions: list[Decision] = []
+    if claim is not None:
+        decisions.append(Decision("quantplug_detect", "*", claim.backend, claim.plugin or CORE, claim.reason))
+
+    prefix, pinfo = pm.backend_first(be, "quantplug_resolve_prefix", architecture=arch.name, model_config=mcfg,
+                                     quant_config=qc, checkpoint=ckpt)
+    if not isinstance(prefix, str):
+        raise QuantplugError(f"plugin {pinfo} returned {type(prefix).__name__} from quantplug_resolve_prefix; "
+                             "expected str")
+    prefix = prefix.rstrip(".")
+    decisions.append(Decision("quantplug_resolve_prefix", "*", prefix or "(none)", pinfo,
+                              "text weights named " + (f"{prefix}.model.layers..." if prefix else "model.layers...")))
+    packed = _merge_packed(pm, be, arch, qc, problems)
+    decider = _Decider(pm, be, ckpt, arch, mcfg, qc, prefix, options, dtype)
+    model = arch.cls(mcfg, decider)
+    _check_packed(decider, model, packed)
+    decisions += decider.decisions
+    problems += decider.problems
+    params, used = _collect_params(model, ckpt, dtype, problems)
+    skipped, unexpected = _skips(ckpt, arch, mcfg, prefix, used)
+    for name in unexpected:
+        info = ckpt.tensors[name]
+        problems.append(Problem("unexpected: no parameter of the model takes it and no skip rule covers it",
+                                tensor=name, file=info.file.name, kind="unexpected"))
+    plan = LoadPlan(Path(path), arch.name, mcfg, be, claim, qc, prefix, packed, decisions, params, skipped,
+                    problems, options, ckpt, model)
+    for answer, info in pm.backend_all(be, "quantplug_validate_plan", plan=plan, quant_config=qc):
+        for p in answer:
+            if not isinstance(p, Problem):
+                raise QuantplugError(f"plugin {info} returned {type(p).__name__} in quantplug_validate_plan; "
+                                     "expected quantplug.types.Problem")
+            plan.problems.append(p if p.plugin else Problem(p.message, p.tensor, p.file, p.layer, info,
+                                                            p.severity, p.kind))
+    plan.plan_seconds = time.perf_counter() - t0
+    return plan
+
+
+def plan(path: str | Path, *, backend: str | None = None, options: Mapping[str, Any] | None = None) -> LoadPlan:
+    """The LoadPlan for ``path`` (headers only), or :class:`PlanError` listing every problem."""
+    p = build_plan(path, backend=backend, options=options)
+    p.raise_for_problems()
+    return p

@@ -1,0 +1,285 @@
+"""A typed facade over pluggy's PluginManager.
+
+* Backends are found through the ``quantplug.backends`` entry-point group, loaded one at a
+  time; one that fails to import or to validate is recorded as failed and skipped
+  (``QUANTPLUG_STRICT_PLUGINS=1`` makes that a :class:`PluginLoadError`).
+* ``QUANTPLUG_PLUGINS`` is an allow-list of backend names (empty string = none),
+  ``QUANTPLUG_DISABLE`` a deny-list.
+* Every hook answer comes back stamped with the plugin that gave it.
+* Backend hooks are called only on the selected backend and the core defaults.
+* ``QUANTPLUG_TRACE=1`` logs every hook call, a summary of its arguments and each answer.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import logging
+import os
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import pluggy
+
+from . import hookspecs
+from .errors import AmbiguousBackendError, NoBackendError, PluginLoadError, QuantplugError
+from .types import CORE, Claim, PluginInfo
+
+ENTRY_POINT_GROUP = "quantplug.backends"
+CORE_NAME = "core"
+
+log = logging.getLogger("quantplug.plugins")
+trace_log = logging.getLogger("quantplug.trace")
+
+Status = Literal["active", "disabled", "failed"]
+
+
+@dataclass
+class PluginRecord:
+    """What ``quantplug plugins`` shows for one backend."""
+
+    name: str
+    distribution: str
+    version: str
+    status: Status
+    hooks: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def info(self) -> PluginInfo:
+        return PluginInfo(self.name, self.distribution, self.version)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "distribution": self.distribution, "version": self.version,
+                "status": self.status, "hooks": list(self.hooks), "error": self.error}
+
+
+def _env_list(env: Mapping[str, str], key: str) -> set[str] | None:
+    if key not in env:
+        return None
+    return {p.strip() for p in env[key].split(",") if p.strip()}
+
+
+def _summary(value: Any, limit: int = 80) -> str:
+    text = type(value).__name__ if hasattr(value, "tensors") and hasattr(value, "config") else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class PluginManager:
+    """Loads, validates and calls quantplug plugins.
+
+    ``PluginManager()`` loads the core defaults and every entry point allowed by the
+    environment; tests use ``PluginManager(entry_points=False)`` and :meth:`register`.
+    """
+
+    def __init__(self, *, entry_points: bool = True, env: Mapping[str, str] | None = None) -> None:
+        self.env: Mapping[str, str] = os.environ if env is None else env
+        self.strict = self.env.get("QUANTPLUG_STRICT_PLUGINS", "") not in ("", "0")
+        self.trace = self.env.get("QUANTPLUG_TRACE", "") not in ("", "0")
+        if self.trace and not trace_log.handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("quantplug-trace: %(message)s"))
+            trace_log.addHandler(handler)
+            trace_log.setLevel(logging.DEBUG)
+        self._pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self._pm.add_hookspecs(hookspecs)
+        self._records: dict[str, PluginRecord] = {}
+        from . import defaults
+
+        self._pm.register(defaults, name=CORE_NAME)
+        if entry_points:
+            self.load_entry_points()
+
+    # -- loading ------------------------------------------------------------------------------
+
+    def load_entry_points(self) -> None:
+        allow = _env_list(self.env, "QUANTPLUG_PLUGINS")
+        deny = _env_list(self.env, "QUANTPLUG_DISABLE") or set()
+        eps = sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+        for ep in eps:
+            dist = getattr(ep, "dist", None)
+            dist_name = dist.metadata["Name"] if dist is not None else ""
+            version = dist.version if dist is not None else ""
+            if ep.name in self._records:
+                self._fail(ep.name, dist_name, version,
+                           f"entry point name {ep.name!r} is also provided by "
+                           f"{self._records[ep.name].distribution}; backend names must be unique")
+                continue
+            if (allow is not None and ep.name not in allow) or ep.name in deny:
+                why = "not in QUANTPLUG_PLUGINS" if allow is not None and ep.name not in allow else "in QUANTPLUG_DISABLE"
+                self._records[ep.name] = PluginRecord(ep.name, dist_name, version, "disabled", error=why)
+                continue
+            try:
+                obj = ep.load()
+            except Exception as exc:  # any import-time failure of third-party code is reported, not fatal
+                self._fail(ep.name, dist_name, version,
+                           f"import of {ep.value!r} failed: {type(exc).__name__}: {exc}")
+                continue
+            try:
+                self.register(obj, ep.name, distribution=dist_name, version=version)
+            except PluginLoadError as exc:
+                self._fail(ep.name, dist_name, version, str(exc))
+
+    def _fail(self, name: str, dist: str, version: str, error: str) -> None:
+        self._records[name] = PluginRecord(name, dist, version, "failed", error=error)
+        message = f"plugin {name!r} ({dist} {version}) skipped: {error}"
+        if self.strict:
+            raise PluginLoadError(message + " [QUANTPLUG_STRICT_PLUGINS=1]")
+        log.warning(message)
+
+    def register(self, plugin: object, name: str, *, distribution: str = "", version: str = "") -> None:
+        """Register ``plugin`` (module, class or instance with hookimpls) as backend ``name``.
+
+        Raises :class:`PluginLoadError` naming the plugin and hook when a hookimpl has no spec
+        (a misspelled hook), asks for an argument the spec lacks, or is a wrapper.
+        """
+        if name == CORE_NAME or name in self._records and self._records[name].status == "active":
+            raise PluginLoadError(f"plugin name {name!r} is already registered")
+        try:
+            self._pm.register(plugin, name=name)
+        except pluggy.PluginValidationError as exc:
+            raise PluginLoadError(f"plugin {name!r} ({distribution} {version}): {exc}") from None
+        try:
+            self._check_plugin(plugin, name)
+        except PluginLoadError:
+            self._pm.unregister(plugin)
+            raise
+        hooks = sorted(h.name for h in (self._pm.get_hookcallers(plugin) or []))
+        self._records[name] = PluginRecord(name, distribution, version, "active", hooks)
+
+    def _check_plugin(self, plugin: object, name: str) -> None:
+        where = f"plugin {name!r}"
+        for caller in self._pm.get_hookcallers(plugin) or []:
+            if caller.spec is None:
+                raise PluginLoadError(f"{where}: hook {caller.name!r} is not in the quantplug contract "
+                                      f"(misspelled?); known hooks: {', '.join(self.hook_names())}")
+            for impl in caller.get_hookimpls():
+                if impl.plugin is plugin and (impl.hookwrapper or impl.wrapper):
+                    raise PluginLoadError(f"{where}: hook {caller.name!r} is a wrapper; quantplug hooks "
+                                          "answer, they do not wrap")
+        try:
+            self._pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            raise PluginLoadError(f"{where}: {exc}") from None
+
+    # -- introspection ------------------------------------------------------------------------
+
+    @staticmethod
+    def hook_names() -> list[str]:
+        return sorted(n for n in dir(hookspecs) if n.startswith("quantplug_"))
+
+    def records(self) -> list[PluginRecord]:
+        return sorted(self._records.values(), key=lambda r: r.name)
+
+    def active(self) -> list[str]:
+        return [r.name for r in self.records() if r.status == "active"]
+
+    def info(self, name: str) -> PluginInfo:
+        if name == CORE_NAME:
+            return CORE
+        rec = self._records.get(name)
+        return rec.info if rec else PluginInfo(name)
+
+    def implements(self, name: str, hook: str) -> bool:
+        rec = self._records.get(name)
+        return rec is not None and rec.status == "active" and hook in rec.hooks
+
+    # -- calling ------------------------------------------------------------------------------
+
+    def call(self, hook: str, plugins: Iterable[str] | None, *, firstresult: bool,
+             **kwargs: Any) -> list[tuple[Any, PluginInfo]]:
+        """Call ``hook`` on the named plugins (None: all) in pluggy's order; stamp each answer.
+
+        Implementations run last-registered first with ``tryfirst``/``trylast`` honoured, and
+        receive only the arguments they name. An exception that is not a QuantplugError is
+        wrapped in one naming the plugin and hook.
+        """
+        allowed = None if plugins is None else set(plugins)
+        caller = getattr(self._pm.hook, hook)
+        answers: list[tuple[Any, PluginInfo]] = []
+        for impl in reversed(caller.get_hookimpls()):
+            if allowed is not None and impl.plugin_name not in allowed:
+                continue
+            info = self.info(impl.plugin_name)
+            args = {a: kwargs[a] for a in impl.argnames}
+            try:
+                result = impl.function(**args)
+            except QuantplugError:
+                raise
+            except Exception as exc:
+                raise QuantplugError(f"plugin {info} failed in {hook}: {type(exc).__name__}: {exc}") from exc
+            if self.trace:
+                summary = ", ".join(f"{k}={_summary(v)}" for k, v in args.items())
+                trace_log.debug("%s(%s) -> %s [%s]", hook, summary, _summary(result), info)
+            if result is None:
+                continue
+            answers.append((result, info))
+            if firstresult:
+                break
+        return answers
+
+    def backend_first(self, backend: str | None, hook: str, **kwargs: Any) -> tuple[Any, PluginInfo]:
+        """First non-None answer of a backend hook: the backend's, else the core default's."""
+        plugins = [CORE_NAME] + ([backend] if backend else [])
+        answers = self.call(hook, plugins, firstresult=True, **kwargs)
+        if not answers:
+            return None, CORE
+        return answers[0]
+
+    def backend_all(self, backend: str | None, hook: str, **kwargs: Any) -> list[tuple[Any, PluginInfo]]:
+        plugins = [CORE_NAME] + ([backend] if backend else [])
+        return self.call(hook, plugins, firstresult=False, **kwargs)
+
+    # -- detection ----------------------------------------------------------------------------
+
+    def detect(self, checkpoint: Any, backend: str | None = None) -> Claim | None:
+        """Collect every Claim; pick the backend (None: dense) or raise, listing the candidates."""
+        installed = self.active()
+        if backend is not None and backend not in installed:
+            raise NoBackendError(f"backend {backend!r} is not installed or not active; installed: "
+                                 f"{', '.join(installed) or 'none'}")
+        claims = []
+        for claim, info in self.call("quantplug_detect", installed, firstresult=False, checkpoint=checkpoint):
+            if not isinstance(claim, Claim):
+                raise QuantplugError(f"plugin {info} returned {type(claim).__name__} from quantplug_detect; "
+                                     "expected quantplug.types.Claim or None")
+            if claim.backend != info.name:
+                raise QuantplugError(f"plugin {info} claimed as {claim.backend!r}; a Claim must carry the "
+                                     "backend's own entry-point name")
+            claims.append(Claim(claim.backend, claim.quant_config, claim.reason, info))
+        if backend is not None:
+            for c in claims:
+                if c.backend == backend:
+                    return c
+            raise NoBackendError(f"backend {backend!r} was named but does not recognise {checkpoint.path}")
+        if len(claims) > 1:
+            listing = "; ".join(f"{c.backend} ({c.plugin}): {c.reason}" for c in claims)
+            raise AmbiguousBackendError(f"{len(claims)} backends claim {checkpoint.path}: {listing}. "
+                                        "Pass backend=NAME (CLI: --backend NAME) to choose one.")
+        if claims:
+            return claims[0]
+        nonfloat = [t for t in checkpoint.tensors.values() if not t.is_float]
+        if nonfloat:
+            t = nonfloat[0]
+            raise NoBackendError(
+                f"no installed backend recognises {checkpoint.path}, and it is not dense: "
+                f"{len(nonfloat)} tensor(s) are not floating point (first: {t.name} is {t.dtype} in "
+                f"{t.file.name}); installed backends: {', '.join(installed) or 'none'}")
+        return None
+
+
+_default: PluginManager | None = None
+
+
+def get_plugin_manager() -> PluginManager:
+    """The process-wide manager (entry points loaded once, honouring the environment then)."""
+    global _default
+    if _default is None:
+        _default = PluginManager()
+    return _default
+
+
+def reset_plugin_manager() -> None:
+    global _default
+    _default = None

@@ -1,0 +1,176 @@
+"""Tiny DeepSeek-V3 / Kimi checkpoints for the demo, tests and plugin authors' test kits.
+
+Writes real safetensors checkpoints (hub or transformers-5 expert layout, optional Kimi wrapper,
+both rope spellings, optional shards with an index) from random weights, with no dependency
+beyond torch and safetensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+
+def tiny_config(**overrides: Any) -> dict[str, Any]:
+    """A small DeepSeek-V3 config.json (transformers 5 spelling), yarn rope, 3 layers, 8 experts."""
+    cfg: dict[str, Any] = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": 160, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+        "v_head_dim": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "n_group": 2, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 1, "rms_norm_eps": 1e-6, "max_position_embeddings": 1024,
+        "rope_interleave": True, "tie_word_embeddings": False, "attention_bias": False,
+        "hidden_act": "silu", "scoring_func": "sigmoid",
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1,
+                            "mscale": 1.0, "mscale_all_dim": 1.0},
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def hub_rope_spelling(cfg: dict[str, Any], key: str = "type") -> dict[str, Any]:
+    """The same config with hub spelling: rope_theta + rope_scaling {type|rope_type: ...}."""
+    out = copy.deepcopy(cfg)
+    params = dict(out.pop("rope_parameters"))
+    out["rope_theta"] = params.pop("rope_theta")
+    rtype = params.pop("rope_type")
+    if rtype != "default":
+        out["rope_scaling"] = {key: rtype, **params}
+    return out
+
+
+def text_names(cfg: Mapping[str, Any], layout: str = "hub") -> dict[str, tuple[int, ...]]:
+    """Every tensor name and shape of a text model with this config (names relative to the root)."""
+    h, v, nh = cfg["hidden_size"], cfg["vocab_size"], cfg["num_attention_heads"]
+    nope, rope, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    ql, kl = cfg.get("q_lora_rank"), cfg["kv_lora_rank"]
+    e, mi, inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["intermediate_size"]
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not cfg.get("tie_word_embeddings"):
+        out["lm_head.weight"] = (v, h)
+    for i in range(cfg["num_hidden_layers"]):
+        b = f"model.layers.{i}"
+        out[f"{b}.input_layernorm.weight"] = (h,)
+        out[f"{b}.post_attention_layernorm.weight"] = (h,)
+        a = f"{b}.self_attn"
+        if ql is None:
+            out[f"{a}.q_proj.weight"] = (nh * (nope + rope), h)
+        else:
+            out[f"{a}.q_a_proj.weight"] = (ql, h)
+            out[f"{a}.q_a_layernorm.weight"] = (ql,)
+            out[f"{a}.q_b_proj.weight"] = (nh * (nope + rope), ql)
+        out[f"{a}.kv_a_proj_with_mqa.weight"] = (kl + rope, h)
+        out[f"{a}.kv_a_layernorm.weight"] = (kl,)
+        out[f"{a}.kv_b_proj.weight"] = (nh * (nope + vd), kl)
+        if cfg.get("mla_use_output_gate"):
+            out[f"{a}.g_proj.weight"] = (nh * vd, h)
+        out[f"{a}.o_proj.weight"] = (h, nh * vd)
+        m = f"{b}.mlp"
+        if i < cfg["first_k_dense_replace"] or not e:
+            for p, shp in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+                out[f"{m}.{p}.weight"] = shp
+            continue
+        out[f"{m}.gate.weight"] = (e, h)
+        out[f"{m}.gate.e_score_correction_bias"] = (e,)
+        si = mi * cfg.get("n_shared_experts", 0)
+        if si:
+            for p, shp in (("gate_proj", (si, h)), ("up_proj", (si, h)), ("down_proj", (h, si))):
+                out[f"{m}.shared_experts.{p}.weight"] = shp
+        if layout == "fused":
+            out[f"{m}.experts.gate_up_proj"] = (e, 2 * mi, h)
+            out[f"{m}.experts.down_proj"] = (e, h, mi)
+        else:
+            for k in range(e):
+                for p, shp in (("gate_proj", (mi, h)), ("up_proj", (mi, h)), ("down_proj", (h, mi))):
+                    out[f"{m}.experts.{k}.{p}.weight"] = shp
+    return out
+
+
+def random_state(cfg: Mapping[str, Any], seed: int = 0, layout: str = "hub") -> dict[str, torch.Tensor]:
+    """Random weights (std 0.02 like transformers' init; norms near 1; router bias random)."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in text_names(cfg, layout).items():
+        if name.endswith("norm.weight") or "layernorm" in name:
+            out[name] = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        elif name.endswith("e_score_correction_bias"):
+            out[name] = 0.05 * torch.randn(shape, generator=g)
+        else:
+            out[name] = 0.02 * torch.randn(shape, generator=g) * (3.0 if "embed" in name else 1.0)
+    return out
+
+
+def to_layout(state: Mapping[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
+    """Convert routed experts between the hub (per-expert) and fused (transformers 5) layouts."""
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, t in state.items():
+        if ".mlp.experts." not in name:
+            out[name] = t
+            continue
+        base, rest = name.split(".mlp.experts.", 1)
+        if layout == "fused" and rest[0].isdigit():
+            k, proj, _ = rest.split(".", 2)
+            groups.setdefault(base, {}).setdefault(int(k), {})[proj] = t
+        elif layout == "hub" and not rest[0].isdigit():
+            for k in range(t.shape[0]):
+                if rest == "gate_up_proj":
+                    inter = t.shape[1] // 2
+                    out[f"{base}.mlp.experts.{k}.gate_proj.weight"] = t[k, :inter].clone()
+                    out[f"{base}.mlp.experts.{k}.up_proj.weight"] = t[k, inter:].clone()
+                else:
+                    out[f"{base}.mlp.experts.{k}.down_proj.weight"] = t[k].clone()
+        else:
+            out[name] = t
+    for base, experts in groups.items():
+        ks = sorted(experts)
+        out[f"{base}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([experts[k]["gate_proj"], experts[k]["up_proj"]]) for k in ks])
+        out[f"{base}.mlp.experts.down_proj"] = torch.stack([experts[k]["down_proj"] for k in ks])
+    return out
+
+
+def wrap_kimi(cfg: dict[str, Any], state: Mapping[str, torch.Tensor], arch: str = "KimiK25ForConditionalGeneration",
+              vision: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Kimi-K2.5-style wrapper: text config under text_config, weights under language_model."""
+    model_type = {"KimiK25ForConditionalGeneration": "kimi_k25", "KimiK3ForConditionalGeneration": "kimi_k3"}[arch]
+    text = {k: v for k, v in cfg.items() if k != "architectures"}
+    text["model_type"] = "kimi_k2"
+    wrapped = {"architectures": [arch], "model_type": model_type, "text_config": text}
+    tensors = {f"language_model.{k}": v for k, v in state.items()}
+    if vision:
+        tensors["vision_tower.patch_embed.proj.weight"] = torch.zeros(8, 3, 2, 2)
+        tensors["mm_projector.proj.0.weight"] = torch.zeros(cfg["hidden_size"], 8)
+    return wrapped, tensors
+
+
+def write_checkpoint(path: str | Path, config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
+                     shards: int = 1, dtype: torch.dtype | None = None) -> Path:
+    """Write config.json and safetensors weights (``shards`` > 1: with model.safetensors.index.json)."""
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(config, indent=2))
+    items = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
+             for k, v in tensors.items()}
+    if shards <= 1:
+        save_file(items, str(root / "model.safetensors"))
+        return root
+    names = sorted(items)
+    weight_map = {}
+    for s in range(shards):
+        part = names[s::shards]
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: items[n] for n in part}, str(root / fname))
+        weight_map.update({n: fname for n in part})
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return root

@@ -1,0 +1,196 @@
+"""Frozen values that cross the hook boundary.
+
+Every value validates itself in ``__post_init__`` so a plugin that returns something malformed
+fails at the hook call, with the plugin named, not later inside the loader.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from .errors import QuantplugError
+
+#: safetensors dtype names we understand, and their torch equivalents (looked up lazily).
+SAFETENSORS_DTYPES = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL",
+                      "F8_E4M3", "F8_E5M2", "F8_E8M0")
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
+
+
+def _need(cond: bool, what: str) -> None:
+    if not cond:
+        raise QuantplugError(what)
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """Who answered: the entry-point name, its distribution and version ("core" for defaults)."""
+
+    name: str
+    distribution: str = ""
+    version: str = ""
+
+    def __post_init__(self) -> None:
+        _need(bool(self.name), "PluginInfo.name must be non-empty")
+
+    def __str__(self) -> str:
+        if self.distribution:
+            return f"{self.name} ({self.distribution} {self.version})".rstrip()
+        return self.name
+
+
+CORE = PluginInfo("core", "quantplug", "")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a checkpoint, known from headers only.
+
+    ``dtype`` is the safetensors dtype name ("F32", "U8", ...) or, for GGUF, the ggml type name
+    ("Q4_0", "F16", ...). ``shape`` is in PyTorch order (GGUF's ``ne`` reversed). ``offset`` is the
+    absolute byte offset of the data in ``file``; ``nbytes`` its length.
+    """
+
+    name: str
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    format: Literal["safetensors", "gguf"] = "safetensors"
+
+    def __post_init__(self) -> None:
+        _need(bool(self.name), "TensorInfo.name must be non-empty")
+        _need(all(isinstance(d, int) and d >= 0 for d in self.shape),
+              f"tensor {self.name!r}: shape {self.shape} must be non-negative ints")
+        _need(self.offset >= 0 and self.nbytes >= 0, f"tensor {self.name!r}: bad byte range")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype in FLOAT_DTYPES
+
+    def where(self) -> str:
+        return f"{self.name} in {self.file.name}"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A backend's claim on a checkpoint: which backend, its parsed (frozen) config, and why."""
+
+    backend: str
+    quant_config: Any
+    reason: str
+    plugin: PluginInfo | None = None
+
+    def __post_init__(self) -> None:
+        _need(bool(self.backend), "Claim.backend must name the backend")
+        _need(bool(self.reason), f"Claim by {self.backend!r} must give a reason")
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """How one MLA layer's key/value up-projection is stored.
+
+    ``dense``: one ``kv_b_proj`` [n_head*(nope+v), kv_lora]. ``split_kv``: llama.cpp's
+    ``k_b`` [n_head, kv_lora, nope] and ``v_b`` [n_head, v, kv_lora] (GGUF ``attn_k_b`` /
+    ``attn_v_b``); the checkpoint names of those tensors are given.
+    """
+
+    kind: Literal["dense", "split_kv"]
+    reason: str
+    k_b: str | None = None
+    v_b: str | None = None
+
+    def __post_init__(self) -> None:
+        _need(self.kind in ("dense", "split_kv"), f"AttentionLayout.kind {self.kind!r} unknown")
+        if self.kind == "split_kv":
+            _need(bool(self.k_b and self.v_b), "split_kv layout must name its k_b and v_b tensors")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One answered hook, recorded with who answered it."""
+
+    hook: str
+    target: str
+    value: Any
+    plugin: PluginInfo
+    reason: str = ""
+
+    def describe(self) -> str:
+        return f"{self.hook}[{self.target}] = {self.value} (by {self.plugin}){': ' + self.reason if self.reason else ''}"
+
+
+Severity = Literal["error", "warning"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something wrong with a plan. Errors stop the load; warnings are reported in the plan."""
+
+    message: str
+    tensor: str | None = None
+    file: str | None = None
+    layer: str | None = None
+    plugin: PluginInfo | None = None
+    severity: Severity = "error"
+    kind: str = "backend"
+
+    def __post_init__(self) -> None:
+        _need(bool(self.message), "Problem.message must be non-empty")
+        _need(self.severity in ("error", "warning"), f"Problem.severity {self.severity!r}")
+
+    def describe(self) -> str:
+        where = []
+        if self.tensor:
+            where.append(f"tensor {self.tensor}")
+        if self.layer and not self.tensor:
+            where.append(f"layer {self.layer}")
+        if self.file:
+            where.append(f"file {self.file}")
+        by = f" [{self.plugin}]" if self.plugin else ""
+        loc = f"{', '.join(where)}: " if where else ""
+        return f"{loc}{self.message}{by}"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a scheme expects of one checkpoint tensor feeding one parameter.
+
+    ``dtypes``: accepted stored dtype names. ``shape``: expected stored shape, or None when the
+    scheme checks it itself in ``check``. ``optional``: may be absent. ``target``: dtype name the
+    parameter holds in memory (None: floats become the model dtype, others stay as stored).
+    """
+
+    suffix: str
+    dtypes: tuple[str, ...]
+    shape: tuple[int, ...] | None
+    optional: bool = False
+    target: str | None = None
+
+    def __post_init__(self) -> None:
+        _need(bool(self.dtypes), f"TensorSpec {self.suffix!r} must accept at least one dtype")
+
+
+@dataclass(frozen=True)
+class SkipRule:
+    """A rule that removes checkpoint tensors from the load on purpose, listed in the plan."""
+
+    name: str
+    pattern: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What ``quantplug_export`` wrote."""
+
+    path: Path
+    format: str
+    files: tuple[Path, ...] = field(default_factory=tuple)
