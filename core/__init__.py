@@ -7,5 +7,5 @@ from .hookspecs import hookimpl
 from .loader import load
 from .plan import LoadPlan, plan
 
-__version__ = "0.1.0"
+from ._version import __version__
 __all__ = ["errors", "hookimpl", "load", "plan", "types", "LoadPlan", "__version__"]

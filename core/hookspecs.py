@@ -74,9 +74,9 @@ def quantplug_detect(checkpoint: Checkpoint) -> Claim | None:
         @hookimpl
         def quantplug_detect(checkpoint):
             qc = checkpoint.config.get("quantization_config") or {}
-            if qc.get("quant_method") != "quark":
+            if qc.get("quant_method") != "acme":
                 return None
-            return Claim("quark", QuarkConfig.parse(qc), "quantization_config.quant_method == 'quark'")
+            return Claim("acme", AcmeConfig.parse(qc), "quantization_config.quant_method == 'acme'")
     """
 
 

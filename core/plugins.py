@@ -62,7 +62,11 @@ def _env_list(env: Mapping[str, str], key: str) -> set[str] | None:
 
 
 def _summary(value: Any, limit: int = 80) -> str:
-    text = type(value).__name__ if hasattr(value, "tensors") and hasattr(value, "config") else repr(value)
+    if hasattr(value, "tensors") and hasattr(value, "path"):
+        return f"<{type(value).__name__} {value.path}>"
+    if hasattr(value, "architecture") and hasattr(value, "hidden_size"):
+        return f"<ModelConfig {value.architecture}>"
+    text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -210,7 +214,7 @@ class PluginManager:
             except Exception as exc:
                 raise QuantplugError(f"plugin {info} failed in {hook}: {type(exc).__name__}: {exc}") from exc
             if self.trace:
-                summary = ", ".join(f"{k}={_summary(v)}" for k, v in args.items())
+                summary = ", ".join(f"{k}={_summary(v)}" for k, v in kwargs.items())
                 trace_log.debug("%s(%s) -> %s [%s]", hook, summary, _summary(result), info)
             if result is None:
                 continue

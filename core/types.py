@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ._version import __version__
 from .errors import QuantplugError
 
 #: safetensors dtype names we understand, and their torch equivalents (looked up lazily).
@@ -41,7 +42,7 @@ class PluginInfo:
         return self.name
 
 
-CORE = PluginInfo("core", "quantplug", "")
+CORE = PluginInfo("core", "quantplug", __version__)
 
 
 @dataclass(frozen=True)

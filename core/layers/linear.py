@@ -56,6 +56,9 @@ class LinearScheme:
     def describe(self) -> str:
         return self.name
 
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.describe()}>"
+
     def tensor_specs(self, out_features: int, in_features: int) -> list[TensorSpec]:
         raise NotImplementedError(f"{type(self).__name__} must implement tensor_specs")
 

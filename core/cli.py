@@ -1,0 +1,221 @@
+"""The ``quantplug`` command.
+
+Exit codes: 0 ok; 1 a QuantplugError (one line on stderr, traceback only with --debug); 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import PlanError, QuantplugError
+
+
+def _options(pairs: Sequence[str] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise QuantplugError(f"--option {pair!r}: expected KEY=VALUE")
+        k, v = pair.split("=", 1)
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
+def _table(rows: list[list[str]], head: list[str]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip()]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from .plugins import get_plugin_manager
+
+    recs = get_plugin_manager().records()
+    if args.json:
+        print(json.dumps([r.as_dict() for r in recs], indent=2))
+        return 0
+    if not recs:
+        print("no backends installed (entry-point group quantplug.backends)")
+        return 0
+    rows = [[r.name, r.distribution, r.version, r.status,
+             ",".join(h.removeprefix("quantplug_") for h in r.hooks) or "-", r.error or ""] for r in recs]
+    print(_table(rows, ["NAME", "DISTRIBUTION", "VERSION", "STATUS", "HOOKS", "ERROR"]))
+    return 0
+
+
+def _print_plan(d: dict[str, Any], verbose: bool = True) -> None:
+    print(f"checkpoint:   {d['path']}")
+    print(f"architecture: {d['architecture']}")
+    print(f"backend:      {d['backend']} [{d['backend_plugin']}] ({d['detect_reason']})")
+    print(f"prefix:       {d['prefix'] or '(none)'}")
+    print("packed modules: " + "; ".join(f"{k} -> {v}" for k, v in d["packed_modules"].items()))
+    print(f"parameters:   {d['parameters']} from {d['tensors_used']} tensors, {d['weight_bytes']:,} bytes; "
+          f"plan {d['plan_ms']} ms")
+    layers: dict[str, list[str]] = {}
+    for name, layout in d["attention_layouts"].items():
+        layers.setdefault(name.rsplit(".self_attn", 1)[0], []).append(f"attention={layout}")
+    for name, scheme in d["schemes"].items():
+        key = name.split(".self_attn")[0].split(".mlp")[0] if ".layers." in name else name
+        layers.setdefault(key, []).append(f"{name.removeprefix(key + '.')}={scheme}")
+    print("per layer:")
+    for key, items in layers.items():
+        print(f"  {key}: " + ", ".join(items))
+    for rule, names in d["skipped"].items():
+        print(f"skipped {len(names)} tensor(s) by rule {rule}")
+    if d["problems"]:
+        print(f"problems ({len(d['problems'])}):")
+        for p in d["problems"]:
+            print(f"  {p['severity']}: {p['message']}")
+    else:
+        print("problems:     none")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .plan import build_plan
+
+    p = build_plan(args.path, backend=args.backend, options=_options(args.option))
+    d = p.to_dict()
+    if args.json:
+        print(json.dumps(d, indent=2))
+    else:
+        _print_plan(d)
+    return 1 if p.errors else 0
+
+
+def _rss_peak() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from .loader import load
+
+    return load(args.path, backend=args.backend, options=_options(args.option))
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    from .loader import model_bytes
+
+    t0 = time.perf_counter()
+    model = _load(args)
+    secs = time.perf_counter() - t0
+    d = model.quantplug_plan.to_dict()
+    d.update({"model_bytes": model_bytes(model), "seconds": round(secs, 4), "peak_rss_bytes": _rss_peak()})
+    if args.json:
+        print(json.dumps(d, indent=2))
+    else:
+        _print_plan(d)
+        print(f"loaded:       {d['model_bytes']:,} bytes in parameters/buffers, {secs:.3f} s, "
+              f"peak RSS {d['peak_rss_bytes'] / 2**20:.1f} MiB")
+    return 0
+
+
+def cmd_forward(args: argparse.Namespace) -> int:
+    import torch
+
+    try:
+        tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
+    except ValueError:
+        raise QuantplugError(f"--tokens {args.tokens!r}: expected comma-separated integers") from None
+    model = _load(args)
+    vocab = model.quantplug_plan.model_config.vocab_size
+    bad = [t for t in tokens if not 0 <= t < vocab]
+    if bad or not tokens:
+        raise QuantplugError(f"--tokens: ids must be in [0, {vocab}); got {bad or 'none'}")
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens]))[0]
+    top = logits[-1].topk(min(5, vocab))
+    result = {"tokens": tokens, "shape": list(logits.shape), "argmax": logits.argmax(-1).tolist(),
+              "last_top5": {"ids": top.indices.tolist(), "logits": [round(x, 6) for x in top.values.tolist()]}}
+    if args.json:
+        result["logits"] = logits.tolist()
+        print(json.dumps(result))
+    else:
+        print(f"logits {tuple(logits.shape)}; argmax per position: {result['argmax']}")
+        print(f"last position top-5: {result['last_top5']['ids']} {result['last_top5']['logits']}")
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from .plan import build_plan
+
+    p = build_plan(args.path, backend=args.backend, options=_options(args.option))
+    decisions = p.decisions_for(args.layer)
+    if not any(d.target != "*" for d in decisions):
+        raise QuantplugError(f"no decisions about {args.layer!r} in the plan of {args.path}; layer names look like "
+                             f"{p.decisions[-1].target if p.decisions else 'model.layers.0.self_attn.q_a_proj'}")
+    rows = [[d.hook.removeprefix("quantplug_"), d.target, str(d.value), str(d.plugin), d.reason] for d in decisions]
+    print(_table(rows, ["DECISION", "TARGET", "VALUE", "PLUGIN", "REASON"]))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import format_rows, run_demo
+
+    rows = run_demo()
+    if args.json:
+        print(json.dumps([r.__dict__ for r in rows], indent=2))
+    else:
+        print(format_rows(rows))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="quantplug", description="Load quantized DeepSeek-V3 / Kimi checkpoints.")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plugins", help="list installed backends")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_plugins)
+
+    def ckpt_cmd(name: str, help_: str, fn: Any) -> argparse.ArgumentParser:
+        c = sub.add_parser(name, help=help_)
+        c.add_argument("path")
+        c.add_argument("--backend", default=None, help="use this backend even if others claim the checkpoint")
+        c.add_argument("--option", "-o", action="append", metavar="KEY=VALUE", help="backend option (JSON value)")
+        c.set_defaults(fn=fn)
+        return c
+
+    ckpt_cmd("plan", "show the load plan (headers only)", cmd_plan).add_argument("--json", action="store_true")
+    ckpt_cmd("load", "load and report bytes, seconds, peak RSS", cmd_load).add_argument("--json", action="store_true")
+    f = ckpt_cmd("forward", "load and run one forward pass", cmd_forward)
+    f.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 1,2,3")
+    f.add_argument("--json", action="store_true")
+    e = ckpt_cmd("explain", "each decision for one layer: value, plugin, reason", cmd_explain)
+    e.add_argument("layer")
+    d = sub.add_parser("demo", help="export tiny checkpoints with every backend, load them, compare with dense")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(fn=cmd_demo)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except PlanError as exc:
+        if args.debug:
+            raise
+        print(str(exc), file=sys.stderr)
+        return 1
+    except QuantplugError as exc:
+        if args.debug:
+            raise
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

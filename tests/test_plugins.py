@@ -1,0 +1,308 @@
+"""The plugin contract and manager: registration, validation, scoping, provenance, tracing,
+and the real entry-point path a third-party vendor takes."""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import quantplug
+from quantplug import hookimpl, hookspecs
+from quantplug.errors import AmbiguousBackendError, NoBackendError, PluginLoadError
+from quantplug.plan import build_plan
+from quantplug.plugins import PluginManager
+from quantplug.testing import random_state, tiny_config, write_checkpoint
+from quantplug.types import AttentionLayout, Claim
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    cfg = tiny_config(num_hidden_layers=2)
+    return write_checkpoint(tmp_path / "c", cfg, random_state(cfg))
+
+
+class Claimer:
+    def __init__(self, name):
+        self.name = name
+
+    @hookimpl
+    def quantplug_detect(self, checkpoint):
+        return Claim(self.name, {"owner": self.name}, f"{self.name} always claims")
+
+
+class Tagged(quantplug.layers.linear.DenseScheme if False else object):
+    pass
+
+
+def _scheme_cls(tag):
+    from quantplug.layers.linear import DenseScheme
+
+    class TagScheme(DenseScheme):
+        name = f"dense-{tag}"
+
+    return TagScheme
+
+
+class SchemeBackend(Claimer):
+    @hookimpl
+    def quantplug_linear_scheme(self, layer_name, quant_config):
+        assert quant_config == {"owner": self.name}
+        return _scheme_cls(self.name)()
+
+
+def test_misspelled_hook_fails_naming_plugin_and_hook(pm):
+    class Typo:
+        @hookimpl
+        def quantplug_linear_schema(self):
+            return None
+
+    with pytest.raises(PluginLoadError) as e:
+        pm.register(Typo(), "typo")
+    assert "typo" in str(e.value) and "quantplug_linear_schema" in str(e.value)
+    assert "typo" not in pm.active()
+
+
+def test_argument_not_in_spec_fails(pm):
+    class Extra:
+        @hookimpl
+        def quantplug_detect(self, checkpoint, tokenizer):
+            return None
+
+    with pytest.raises(PluginLoadError) as e:
+        pm.register(Extra(), "extra")
+    assert "extra" in str(e.value) and "tokenizer" in str(e.value)
+
+
+def test_two_claims_are_ambiguous_and_named_backend_wins(pm, ckpt):
+    pm.register(Claimer("alpha"), "alpha", distribution="alpha-dist", version="1.0")
+    pm.register(Claimer("beta"), "beta", distribution="beta-dist", version="2.0")
+    with pytest.raises(AmbiguousBackendError) as e:
+        build_plan(ckpt, plugin_manager=pm)
+    assert "alpha (alpha-dist 1.0)" in str(e.value) and "beta (beta-dist 2.0)" in str(e.value)
+    plan = build_plan(ckpt, plugin_manager=pm, backend="beta")
+    assert plan.backend == "beta" and str(plan.claim.plugin) == "beta (beta-dist 2.0)"
+    with pytest.raises(NoBackendError, match="gamma"):
+        build_plan(ckpt, plugin_manager=pm, backend="gamma")
+
+
+def test_claim_must_carry_own_name(pm, ckpt):
+    pm.register(Claimer("someone-else"), "liar")
+    with pytest.raises(quantplug.errors.QuantplugError, match="liar"):
+        build_plan(ckpt, plugin_manager=pm)
+
+
+def test_backend_hooks_scoped_to_selected_backend(pm, ckpt):
+    pm.register(SchemeBackend("alpha"), "alpha")
+    pm.register(SchemeBackend("beta"), "beta")
+    plan = build_plan(ckpt, plugin_manager=pm, backend="alpha")
+    schemes = {d.value for d in plan.decisions if d.hook == "quantplug_linear_scheme"}
+    assert schemes == {"dense-alpha"}
+    assert {d.plugin.name for d in plan.decisions if d.hook == "quantplug_linear_scheme"} == {"alpha"}
+
+
+def test_core_defaults_answer_last_and_are_stamped(pm, ckpt):
+    class LayoutOnly(Claimer):
+        @hookimpl
+        def quantplug_attention_layout(self, layer_name):
+            return None if layer_name.endswith("0.self_attn") else AttentionLayout("dense", "layout says so")
+
+    pm.register(LayoutOnly("lay"), "lay", distribution="lay-dist", version="0.3")
+    plan = build_plan(ckpt, plugin_manager=pm)
+    by = {d.target: d for d in plan.decisions if d.hook == "quantplug_attention_layout"}
+    assert str(by["model.layers.0.self_attn"].plugin).startswith("core (quantplug")
+    assert str(by["model.layers.1.self_attn"].plugin) == "lay (lay-dist 0.3)"
+
+
+def test_packed_module_conflict_names_both_sources(pm, ckpt):
+    class Packer(Claimer):
+        @hookimpl
+        def quantplug_packed_modules(self):
+            return {"gate_up_proj": ["up_proj", "gate_proj"]}
+
+    pm.register(Packer("packer"), "packer")
+    plan = build_plan(ckpt, plugin_manager=pm)
+    [p] = [p for p in plan.errors if p.kind == "packed"]
+    assert "model class DeepseekV3ForCausalLM" in p.message and "packer" in p.message
+
+
+def test_fused_shards_that_disagree_are_a_problem(pm, ckpt):
+    class Split(Claimer):
+        @hookimpl
+        def quantplug_linear_scheme(self, layer_name):
+            return _scheme_cls("q")() if layer_name.endswith("q_a_proj") else None
+
+    pm.register(Split("split"), "split")
+    plan = build_plan(ckpt, plugin_manager=pm)
+    msgs = [p.message for p in plan.errors if p.kind == "packed"]
+    assert msgs and "fused_qkv_a_proj_with_mqa" in msgs[0] and "q_a_proj=dense-q" in msgs[0]
+
+
+def test_validate_plan_problems_are_collected_and_stamped(pm, ckpt):
+    class Validator(Claimer):
+        @hookimpl
+        def quantplug_validate_plan(self, plan):
+            return [quantplug.types.Problem("custom rule", tensor=plan.tensors_matching(r"o_proj")[0].name)]
+
+    pm.register(Validator("val"), "val", distribution="val-dist", version="9")
+    plan = build_plan(ckpt, plugin_manager=pm)
+    [p] = plan.errors
+    assert "custom rule" in p.describe() and "val (val-dist 9)" in p.describe()
+
+
+def test_process_after_loading_called_on_backend_only(pm, ckpt):
+    calls = []
+
+    class Post(Claimer):
+        @hookimpl
+        def quantplug_process_after_loading(self, model, quant_config):
+            calls.append((self.name, quant_config["owner"]))
+
+    pm.register(Post("post"), "post")
+    pm.register(Post("other"), "other")
+    quantplug.load(ckpt, backend="post", plugin_manager=pm)
+    assert calls == [("post", "post")]
+
+
+def test_plugin_exception_is_wrapped_naming_plugin(pm, ckpt):
+    class Crash(Claimer):
+        @hookimpl
+        def quantplug_resolve_prefix(self):
+            raise KeyError("boom")
+
+    pm.register(Crash("crash"), "crash", distribution="crash-dist", version="1")
+    with pytest.raises(quantplug.errors.QuantplugError, match=r"crash \(crash-dist 1\) failed in quantplug_resolve_prefix"):
+        build_plan(ckpt, plugin_manager=pm)
+
+
+def test_trace_logs_every_call(ckpt, caplog):
+    pm = PluginManager(entry_points=False, env={"QUANTPLUG_TRACE": "1"})
+    with caplog.at_level(logging.DEBUG, logger="quantplug.trace"):
+        build_plan(ckpt, plugin_manager=pm)
+    text = caplog.text
+    assert "quantplug_resolve_prefix(" in text and "quantplug_linear_scheme(layer_name=" in text
+    assert "[core (quantplug" in text
+
+
+def test_every_hookspec_documented_and_exercised():
+    tests_src = "".join(p.read_text() for p in Path(__file__).parent.rglob("*.py"))
+    plugins_root = Path(__file__).parents[1] / "plugins"
+    plugin_src = "".join(p.read_text() for p in plugins_root.rglob("*.py")) if plugins_root.exists() else ""
+    for name in PluginManager.hook_names():
+        fn = getattr(hookspecs, name)
+        doc = fn.__doc__ or ""
+        assert len(doc) > 100 and "Example" in doc, f"{name} needs a full docstring"
+        assert f"def {name}(" in tests_src + plugin_src, f"no test or plugin implements {name}"
+    # and the docs say backend/global and firstresult correctly
+    for name in hookspecs.BACKEND_HOOKS:
+        assert "Backend hook" in getattr(hookspecs, name).__doc__ or name == "quantplug_export"
+
+
+def test_export_hook_called_by_name(pm, tmp_path):
+    class Exporter(Claimer):
+        @hookimpl
+        def quantplug_export(self, model, destination):
+            (destination / "marker").write_text(type(model).__name__)
+            return quantplug.types.ExportResult(destination, "marker")
+
+    pm.register(Exporter("exp"), "exp")
+    [(res, info)] = pm.call("quantplug_export", ["exp"], firstresult=True, model=object(), model_config=None,
+                            destination=tmp_path, options={})
+    assert res.format == "marker" and info.name == "exp" and (tmp_path / "marker").read_text() == "object"
+
+
+def test_core_imports_no_plugin():
+    core = Path(quantplug.__file__).parent
+    for f in core.rglob("*.py"):
+        tree = ast.parse(f.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [a.name for a in node.names] + [getattr(node, "module", "") or ""]
+                assert not any(n.startswith("quantplug_") for n in names), f"{f} imports a plugin"
+        text = f.read_text()
+        for cls in ("QuarkConfig", "ModelSlimConfig", "ExpertPackConfig"):
+            assert cls not in text, f"{f} names {cls}"
+
+
+# --- the real entry-point path -----------------------------------------------------------------
+
+def _make_dist(site: Path, dist: str, version: str, module: str, source: str, ep_name: str) -> None:
+    (site / f"{module}.py").write_text(textwrap.dedent(source))
+    info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(f"[quantplug.backends]\n{ep_name} = {module}\n")
+    (info / "RECORD").write_text("")
+
+
+@pytest.fixture
+def vendor_site(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    _make_dist(site, "acme-quant", "1.2.3", "acme_quant", """
+        from quantplug import hookimpl
+        from quantplug.types import Claim
+
+        @hookimpl
+        def quantplug_detect(checkpoint):
+            qc = checkpoint.config.get("quantization_config") or {}
+            return Claim("acme", qc, "quant_method acme") if qc.get("quant_method") == "acme" else None
+
+        @hookimpl
+        def quantplug_resolve_prefix(model_config):
+            return None
+        """, "acme")
+    _make_dist(site, "broken-quant", "0.0.1", "broken_quant", "import does_not_exist_anywhere\n", "broken")
+    return site
+
+
+def _cli(site: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("QUANTPLUG_")}
+    e["PYTHONPATH"] = os.pathsep.join([str(site)] + [p for p in sys.path if p])
+    e.update(env)
+    return subprocess.run([sys.executable, "-m", "quantplug.cli", *args], capture_output=True, text=True, env=e,
+                          timeout=120)
+
+
+def test_entry_point_vendor_active_broken_failed(vendor_site):
+    r = _cli(vendor_site, "plugins", "--json")
+    assert r.returncode == 0, r.stderr
+    recs = {p["name"]: p for p in json.loads(r.stdout)}
+    acme = recs["acme"]
+    assert acme["status"] == "active" and acme["distribution"] == "acme-quant" and acme["version"] == "1.2.3"
+    assert acme["hooks"] == ["quantplug_detect", "quantplug_resolve_prefix"] and acme["error"] is None
+    broken = recs["broken"]
+    assert broken["status"] == "failed" and "does_not_exist_anywhere" in broken["error"]
+    assert broken["distribution"] == "broken-quant"
+    table = _cli(vendor_site, "plugins")
+    assert table.returncode == 0 and "acme-quant" in table.stdout and "failed" in table.stdout
+
+
+def test_entry_point_strict_disable_allow(vendor_site):
+    r = _cli(vendor_site, "plugins", "--json", QUANTPLUG_STRICT_PLUGINS="1")
+    assert r.returncode == 1 and "broken" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = _cli(vendor_site, "plugins", "--json", QUANTPLUG_DISABLE="acme,broken")
+    recs = {p["name"]: p for p in json.loads(r.stdout)}
+    assert recs["acme"]["status"] == "disabled" and recs["broken"]["status"] == "disabled"
+    r = _cli(vendor_site, "plugins", "--json", QUANTPLUG_PLUGINS="acme")
+    recs = {p["name"]: p for p in json.loads(r.stdout)}
+    assert recs["acme"]["status"] == "active" and recs["broken"]["status"] == "disabled"
+    r = _cli(vendor_site, "plugins", "--json", QUANTPLUG_PLUGINS="")
+    assert all(p["status"] == "disabled" for p in json.loads(r.stdout))
+
+
+def test_entry_point_vendor_detects_checkpoint(vendor_site, tmp_path):
+    cfg = tiny_config(num_hidden_layers=1, quantization_config={"quant_method": "acme"})
+    path = write_checkpoint(tmp_path / "acme", cfg, random_state(cfg))
+    r = _cli(vendor_site, "plan", str(path), "--json", QUANTPLUG_PLUGINS="acme")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["backend"] == "acme" and d["backend_plugin"] == "acme (acme-quant 1.2.3)"
