@@ -1,0 +1,128 @@
+"""MXFP4 (OCP MX, E2M1 elements, e8m0 scales per 32 inputs) kept packed in memory.
+
+Storage, as amd-quark exports it: ``weight`` uint8 [out, in/2], byte = e[2i] | e[2i+1] << 4
+(low nibble = even element); code = sign (bit 3) + E2M1 magnitude {0, .5, 1, 1.5, 2, 3, 4, 6};
+``weight_scale`` uint8 [out, in/32], value 2 ** (u8 - 127).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantplug.layers.linear import LinearScheme
+from quantplug.types import SAFETENSORS_DTYPES, Problem, TensorInfo, TensorSpec
+
+GROUP = 32
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., n/2] -> E2M1 codes uint8 [..., n] (low nibble first)."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
+def dequantize_mxfp4(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Vectorised MXFP4 dequantization: [..., out, in/2] + [..., out, in/32] -> [..., out, in]."""
+    codes = unpack_fp4(weight)
+    vals = E2M1.to(weight.device)[codes.long()]
+    s = torch.exp2(scale.to(torch.float32) - 127.0)
+    s = torch.where(scale == 255, torch.full_like(s, float("nan")), s)  # e8m0 0xFF is NaN
+    out = (vals.unflatten(-1, (-1, GROUP)) * s.unsqueeze(-1)).flatten(-2)
+    return out.to(dtype)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense [..., out, in] -> (weight uint8 [..., out, in/2], weight_scale uint8 [..., out, in/32]).
+
+    OCP MX rule: shared exponent = floor(log2(amax of the 32-group)) - 2 (E2M1's emax), clamped
+    to e8m0's range; elements divided by 2**exp and rounded half-to-even onto the E2M1 grid,
+    saturating at +-6.
+    """
+    g = w.to(torch.float32).unflatten(-1, (-1, GROUP))
+    amax = g.abs().amax(-1)
+    exp = torch.floor(torch.log2(torch.where(amax > 0, amax, torch.ones_like(amax)))) - 2
+    exp = torch.where(amax > 0, exp, torch.full_like(exp, -127)).clamp(-127, 127)
+    x = (g / torch.exp2(exp).unsqueeze(-1)).clamp(-6, 6)
+    mags = E2M1[:8]
+    a = x.abs()
+    # nearest grid value; ties go to the even code (lower mantissa bit 0)
+    d = (a.unsqueeze(-1) - mags).abs()
+    best = d.min(-1, keepdim=True).values
+    cand = (d == best)
+    code = torch.where(cand[..., :] & (torch.arange(8) % 2 == 0), torch.arange(8), 99).amin(-1)
+    code = torch.where(code == 99, cand.float().argmax(-1), code)
+    code = code + 8 * (x < 0).long() * (code != 0).long()
+    codes = code.flatten(-2).to(torch.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.contiguous(), (exp + 127).to(torch.uint8).contiguous()
+
+
+class MXFP4Scheme(LinearScheme):
+    """Packed fp4 weight + e8m0 scales; forward dequantizes (or uses a cached copy when asked)."""
+
+    name = "mxfp4"
+
+    def __init__(self, source: str = "global_quant_config", cache: bool = False) -> None:
+        self.source = source
+        self.cache = cache
+
+    @property
+    def key(self) -> str:
+        return "mxfp4"
+
+    def describe(self) -> str:
+        return f"mxfp4 (fp4 e2m1, group 32, e8m0 scale; {self.source}{'; cached dense copy' if self.cache else ''})"
+
+    def tensor_specs(self, out_features: int, in_features: int) -> list[TensorSpec]:
+        return [TensorSpec("weight", ("U8",), (out_features, in_features // 2)),
+                TensorSpec("weight_scale", ("U8", "F8_E8M0"), (out_features, in_features // GROUP), target="U8")]
+
+    def check(self, layer_name: str, tensors: Mapping[str, TensorInfo]) -> list[Problem]:
+        w = tensors.get("weight")
+        if w is not None and (w.shape[-1] * 2) % GROUP:
+            return [Problem(f"MXFP4 needs in_features divisible by {GROUP}, got {w.shape[-1] * 2}",
+                            tensor=w.name, file=w.file.name)]
+        return []
+
+    def dequantize(self, layer: nn.Module, index: int | None = None) -> torch.Tensor:
+        cached = getattr(layer, "_dequantized", None)
+        if cached is not None:
+            return cached if index is None else cached[index]
+        w, s = layer.weight, layer.weight_scale
+        if index is not None:
+            w, s = w[index], s[index]
+        return dequantize_mxfp4(w, s.view(torch.uint8), layer.model_dtype)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
+        return F.linear(x, self.dequantize(layer, index).to(x.dtype))
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        if self.cache:
+            layer.register_buffer("_dequantized", dequantize_mxfp4(layer.weight, layer.weight_scale.view(torch.uint8),
+                                                                   layer.model_dtype), persistent=False)
+
+
+class UnsupportedScheme(LinearScheme):
+    """A Quark spec this plugin cannot run: reported as a plan-time Problem naming the layer."""
+
+    name = "unsupported"
+
+    def __init__(self, layer: str, why: str) -> None:
+        self.layer, self.why = layer, why
+
+    def describe(self) -> str:
+        return f"unsupported quark spec: {self.why}"
+
+    def tensor_specs(self, out_features: int, in_features: int) -> list[TensorSpec]:
+        return [TensorSpec("weight", SAFETENSORS_DTYPES, None, optional=True)]
+
+    def check(self, layer_name: str, tensors: Mapping[str, TensorInfo]) -> list[Problem]:
+        return [Problem(f"Quark spec not supported by quantplug-quark: {self.why}; refusing a silent dense "
+                        "fallback", layer=layer_name)]
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
+        raise RuntimeError(f"{self.layer}: {self.why}")  # unreachable: the plan refuses to load
