@@ -53,18 +53,17 @@ def export_quark(model: torch.nn.Module, model_config: Any, destination: Path,
     prefix = f"{plan.prefix}." if plan.prefix else ""
     exclude = [f"{prefix}lm_head"]
     linears = {m.qp_ckpt: m for m in model.modules() if isinstance(m, QuantLinear)}
+    for ck, mod in linears.items():
+        w = mod.scheme.dequantize(mod).float()
+        if ck in exclude:
+            tensors[f"{ck}.weight"] = w.contiguous()
+        else:
+            tensors[f"{ck}.weight"], tensors[f"{ck}.weight_scale"] = quantize_mxfp4(w)
     for pp in plan.params:
         mod = pp.module
-        ck = getattr(mod, "qp_ckpt", "")
-        t = getattr(mod, pp.local).detach()
-        if ck in linears and pp.local == "weight" and ck not in exclude:
-            w = mod.scheme.dequantize(mod).float()
-            q, s = quantize_mxfp4(w)
-            tensors[f"{ck}.weight"], tensors[f"{ck}.weight_scale"] = q, s
-        elif ".experts." in pp.param and pp.param.endswith("_proj.weight"):
-            continue  # written below in the fused layout
-        else:
-            tensors[pp.sources[0][1].name if len(pp.sources) == 1 else f"{ck}.{pp.local}"] = t.float().contiguous()
+        if isinstance(mod, QuantLinear) or ".experts." in pp.param:
+            continue  # linears above; routed experts below, in the fused layout
+        tensors[pp.sources[0][1].name] = getattr(mod, pp.local).detach().float().contiguous()
     for mod in model.modules():
         if type(mod).__name__ == "Experts":
             base = mod.gate_proj.qp_ckpt.rsplit(".", 1)[0]
