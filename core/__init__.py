@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from . import errors, types
+from ._version import __version__
 from .hookspecs import hookimpl
 from .loader import load
 from .plan import LoadPlan, plan
 
-from ._version import __version__
 __all__ = ["errors", "hookimpl", "load", "plan", "types", "LoadPlan", "__version__"]

@@ -7,6 +7,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,7 +46,8 @@ def _measure(path: Path, fmt: str, backend: str | None, ids: torch.Tensor, ref: 
     with torch.no_grad():
         logits = model(ids)
     err = 0.0 if ref is None else float((logits - ref).abs().max() / ref.abs().max())
-    name = model.quantplug_plan.backend or "dense"
+    plan: Any = model.quantplug_plan
+    name = plan.backend or "dense"
     return DemoRow(fmt, name, _dir_bytes(path), model_bytes(model), plan_ms, load_ms, err), logits
 
 
@@ -62,13 +64,14 @@ def run_demo(workdir: Path | None = None, seed: int = 0) -> list[DemoRow]:
         dense_row, ref = _measure(dense_dir, "dense (safetensors, hub layout)", None, ids, None, pm)
         rows = [dense_row]
         dense_model = load(dense_dir, plugin_manager=pm, progress=False)
+        dense_plan: Any = dense_model.quantplug_plan
         for rec in pm.records():
             if not pm.implements(rec.name, "quantplug_export"):
                 continue
             out = root / rec.name
             out.mkdir()
             answers = pm.call("quantplug_export", [rec.name], firstresult=True, model=dense_model,
-                              model_config=dense_model.quantplug_plan.model_config, destination=out, options={})
+                              model_config=dense_plan.model_config, destination=out, options={})
             if not answers:
                 continue
             results = answers[0][0]

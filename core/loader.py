@@ -94,7 +94,7 @@ def model_bytes(model: nn.Module) -> int:
     seen: set[int] = set()
     total = 0
     for t in list(model.parameters()) + list(model.buffers()):
-        key = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+        key = int(t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size())
         if key in seen:
             continue
         seen.add(key)

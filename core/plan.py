@@ -371,12 +371,12 @@ def build_plan(path: str | Path, *, backend: str | None = None, options: Mapping
                                 tensor=name, file=info.file.name, kind="unexpected"))
     plan = LoadPlan(Path(path), arch.name, mcfg, be, claim, qc, prefix, packed, decisions, params, skipped,
                     problems, options, ckpt, model)
-    for answer, info in pm.backend_all(be, "quantplug_validate_plan", plan=plan, quant_config=qc):
+    for answer, by in pm.backend_all(be, "quantplug_validate_plan", plan=plan, quant_config=qc):
         for p in answer:
             if not isinstance(p, Problem):
-                raise QuantplugError(f"plugin {info} returned {type(p).__name__} in quantplug_validate_plan; "
+                raise QuantplugError(f"plugin {by} returned {type(p).__name__} in quantplug_validate_plan; "
                                      "expected quantplug.types.Problem")
-            plan.problems.append(p if p.plugin else Problem(p.message, p.tensor, p.file, p.layer, info,
+            plan.problems.append(p if p.plugin else Problem(p.message, p.tensor, p.file, p.layer, by,
                                                             p.severity, p.kind))
     plan.plan_seconds = time.perf_counter() - t0
     return plan

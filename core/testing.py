@@ -120,10 +120,10 @@ def to_layout(state: Mapping[str, torch.Tensor], layout: str) -> dict[str, torch
             continue
         base, rest = name.split(".mlp.experts.", 1)
         if layout == "fused" and rest[0].isdigit():
-            k, proj, _ = rest.split(".", 2)
-            groups.setdefault(base, {}).setdefault(int(k), {})[proj] = t
+            idx, proj, _ = rest.split(".", 2)
+            groups.setdefault(base, {}).setdefault(int(idx), {})[proj] = t
         elif layout == "hub" and not rest[0].isdigit():
-            for k in range(t.shape[0]):
+            for k in range(int(t.shape[0])):
                 if rest == "gate_up_proj":
                     inter = t.shape[1] // 2
                     out[f"{base}.mlp.experts.{k}.gate_proj.weight"] = t[k, :inter].clone()

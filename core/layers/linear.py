@@ -78,7 +78,7 @@ class LinearScheme:
 
     def dequantize(self, layer: nn.Module, index: int | None = None) -> torch.Tensor:
         """The dense weight [out, in] (of stacked slot ``index``), in the model dtype."""
-        w = layer.weight
+        w: torch.Tensor = layer.weight  # type: ignore[assignment]
         return w if index is None else w[index]
 
     def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
@@ -107,6 +107,8 @@ class PlannedModule(nn.Module):
 
     qp_ckpt: str
     qp_sources: dict[str, list[Source]]
+    # registered by the loader from the plan; declared for type checkers
+    weight: torch.Tensor
 
     def qp_init(self, ckpt: str) -> None:
         self.qp_ckpt = ckpt

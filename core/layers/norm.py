@@ -72,6 +72,7 @@ class Rotary(nn.Module):
     def __init__(self, rope: RopeConfig, dim: int, interleave: bool) -> None:
         super().__init__()
         inv_freq, self.attention_scaling = rope_inv_freq(rope, dim)
+        self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.interleave = interleave
 
@@ -80,7 +81,7 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, H, T, d]; cos/sin [B, T, d]."""
         if self.interleave:
             c = cos[..., : cos.shape[-1] // 2].unsqueeze(1)

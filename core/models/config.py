@@ -111,7 +111,7 @@ def _get(cfg: dict[str, Any], key: str, default: Any = ConfigError) -> Any:
 
 
 def parse_model_config(config: dict[str, Any], architecture: str, wrapped: bool) -> ModelConfig:
-    text = config
+    text: Any = config
     root = ""
     if wrapped:
         text = config.get("text_config")

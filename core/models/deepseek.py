@@ -118,7 +118,7 @@ class MLA(nn.Module):
         kv_nope = self.kv_a_layernorm(kv_nope).view(b, 1, t, cfg.kv_lora_rank)
         k_rot = k_rot.reshape(b, 1, t, rope)
         rot = self.rotary[0]
-        q_rot, k_rot = rot.apply(q_rot, cos, sin), rot.apply(k_rot, cos, sin)
+        q_rot, k_rot = rot.rotate(q_rot, cos, sin), rot.rotate(k_rot, cos, sin)
         if self.layout.kind == "dense":
             kv = self.kv_b_proj(kv_nope).view(b, t, nh, nope + v).transpose(1, 2)
             k_nope, val = torch.split(kv, [nope, v], dim=-1)
@@ -153,6 +153,7 @@ class Router(FloatParams):
     """Sigmoid router; ``e_score_correction_bias`` shifts the choice only, not the weights."""
 
     qp_fp32 = frozenset({"weight", "e_score_correction_bias"})
+    e_score_correction_bias: torch.Tensor
 
     def __init__(self, cfg: ModelConfig, ckpt: str) -> None:
         super().__init__()
@@ -185,6 +186,9 @@ class Experts(nn.Module):
         super().__init__()
         e, h, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.n = e
+        self.gate_proj: StackedLinear
+        self.up_proj: StackedLinear
+        self.down_proj: StackedLinear
         ckb = d.ck(base)
         layout = d.expert_layout(ckb)
         for proj, (i, o) in (("gate_proj", (h, inter)), ("up_proj", (h, inter)), ("down_proj", (inter, h))):

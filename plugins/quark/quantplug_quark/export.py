@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
-
 from quantplug.layers.linear import QuantLinear
 from quantplug.types import ExportResult
+from safetensors.torch import save_file
 
 from .scheme import quantize_mxfp4
 

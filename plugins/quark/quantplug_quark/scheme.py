@@ -11,10 +11,9 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from quantplug.layers.linear import LinearScheme
 from quantplug.types import SAFETENSORS_DTYPES, Problem, TensorInfo, TensorSpec
+from torch import nn
 
 GROUP = 32
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
@@ -118,7 +117,7 @@ class UnsupportedScheme(LinearScheme):
         return f"unsupported quark spec: {self.why}"
 
     def tensor_specs(self, out_features: int, in_features: int) -> list[TensorSpec]:
-        return [TensorSpec("weight", SAFETENSORS_DTYPES, None, optional=True)]
+        return [TensorSpec("weight", SAFETENSORS_DTYPES, (out_features, in_features), optional=True)]
 
     def check(self, layer_name: str, tensors: Mapping[str, TensorInfo]) -> list[Problem]:
         return [Problem(f"Quark spec not supported by quantplug-quark: {self.why}; refusing a silent dense "

@@ -1,0 +1,187 @@
+"""msModelSlim linear schemes, int8 / int4 weights kept packed in memory.
+
+Numerics (FORMATS.md; reproduce msmodelslim's fake-quant logits): weight
+w = (w_q - weight_offset) * weight_scale. W8A8 static activations
+q = clamp(round(x / input_scale + input_offset), -128, 127). Dynamic activations per token,
+either "msmodelslim" (asymmetric: lo = min(min x, 0), hi = max(max x, 0), s = (hi - lo) / 255,
+o = round(-128 - lo / s)) or "ascend" (torch_npu.npu_dynamic_quant: symmetric, s = max|x| / 127).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from quantplug.layers.linear import LinearScheme
+from quantplug.types import Problem, TensorInfo, TensorSpec
+from torch import nn
+
+ACTIVATION_MODES = ("ascend", "msmodelslim")
+
+
+def deq_scale_f32(deq: torch.Tensor) -> torch.Tensor:
+    """deq_scale as fp32: int64 holding fp32 bits (msmodelslim for fp16 models) or plain fp32."""
+    if deq.dtype == torch.int64:
+        return (deq & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+    return deq.to(torch.float32)
+
+
+def dynamic_quant(x: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token int8 quantization of x [..., k] -> (q, scale [..., 1], offset [..., 1])."""
+    x = x.to(torch.float32)
+    if mode == "ascend":
+        s = x.abs().amax(-1, keepdim=True) / 127.0
+        s = torch.where(s == 0, torch.ones_like(s), s)
+        return torch.clamp(torch.round(x / s), -128, 127), s, torch.zeros_like(s)
+    lo = torch.clamp(x.amin(-1, keepdim=True), max=0)
+    hi = torch.clamp(x.amax(-1, keepdim=True), min=0)
+    s = (hi - lo) / 255.0
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    o = torch.round(-128 - lo / s)
+    return torch.clamp(torch.round(x / s + o), -128, 127), s, o
+
+
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """int8 [..., n/2, k] (low nibble = even row, high nibble = odd row, signed) -> int8 [..., n, k]."""
+    p = packed.view(torch.int8) if packed.dtype != torch.int8 else packed
+    lo = torch.bitwise_right_shift(torch.bitwise_left_shift(p, 4), 4)  # sign-extend the low nibble
+    hi = torch.bitwise_right_shift(p, 4)
+    return torch.stack((lo, hi), dim=-2).flatten(-3, -2)
+
+
+def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
+    """int values in [-8, 7], [..., n, k] -> int8 [..., n/2, k] (inverse of unpack_int4_rows)."""
+    q = q.to(torch.int16)
+    lo, hi = q[..., 0::2, :] & 0x0F, (q[..., 1::2, :] & 0x0F) << 4
+    return (lo | hi).to(torch.uint8).view(torch.int8)
+
+
+class _IntScheme(LinearScheme):
+    desc_type = ""
+
+    @property
+    def key(self) -> str:
+        return self.desc_type
+
+    def _weight_q(self, layer: nn.Module, index: int | None) -> torch.Tensor:
+        w = layer.weight
+        return w if index is None else w[index]
+
+    def _part(self, layer: nn.Module, name: str, index: int | None) -> torch.Tensor:
+        t = getattr(layer, name)
+        return t if index is None else t[index]
+
+    def dequantize(self, layer: nn.Module, index: int | None = None) -> torch.Tensor:
+        wq = self._weight_q(layer, index).to(torch.float32)
+        ws, wo = self._part(layer, "weight_scale", index), self._part(layer, "weight_offset", index)
+        if ws.shape[-1] not in (1, wq.shape[-1]):  # per-group scales along k
+            ws = ws.repeat_interleave(wq.shape[-1] // ws.shape[-1], dim=-1)
+            wo = wo.repeat_interleave(wq.shape[-1] // wo.shape[-1], dim=-1)
+        return ((wq - wo) * ws).to(layer.model_dtype)
+
+
+class W8A8Static(_IntScheme):
+    """Ascend W8A8: x quantized with the calibrated per-tensor scale/offset, int8 x int8 -> int32,
+    + quant_bias, * deq_scale. With a non-zero weight_offset (not produced for Ascend) the
+    weight is dequantized instead."""
+
+    name = desc_type = "W8A8"
+
+    def describe(self) -> str:
+        return "W8A8 (int8 weight per-channel, static per-tensor activation; Ascend kernel emulation)"
+
+    def tensor_specs(self, out_features: int, in_features: int) -> list[TensorSpec]:
+        n = out_features
+        return [TensorSpec("weight", ("I8",), (n, in_features)),
+                TensorSpec("weight_scale", ("F32", "F16", "BF16"), (n, 1), target="F32"),
+                TensorSpec("weight_offset", ("F32", "F16", "BF16"), (n, 1), target="F32"),
+                TensorSpec("input_scale", ("F32", "F16", "BF16"), (1,), target="F32"),
+                TensorSpec("input_offset", ("F32", "F16", "BF16"), (1,), target="F32"),
+                TensorSpec("quant_bias", ("I32",), (n,)),
+                TensorSpec("deq_scale", ("I64", "F32"), (n,))]
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        layer.register_buffer("_deq", deq_scale_f32(layer.deq_scale), persistent=False)
+        layer._symmetric = bool((layer.weight_offset == 0).all())
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
+        s, o = layer.input_scale.to(torch.float32), layer.input_offset.to(torch.float32)
+        q = torch.clamp(torch.round(x.to(torch.float32) / s + o), -128, 127)
+        if not layer._symmetric:
+            w = self.dequantize(layer).to(torch.float32)
+            return F.linear((q - o) * s, w).to(x.dtype)
+        # int8 x int8 accumulated exactly (float64 holds every int32 sum exactly)
+        acc = F.linear(q.to(torch.float64), layer.weight.to(torch.float64))
+        acc = (acc + layer.quant_bias.to(torch.float64)).to(torch.float32)
+        return (acc * layer._deq).to(x.dtype)
+
+
+class W8A8Dynamic(_IntScheme):
+    """int8 weight (per-channel or per-group scales), per-token dynamic int8 activations."""
+
+    name = desc_type = "W8A8_DYNAMIC"
+
+    def __init__(self, mode: str = "ascend", group_size: int = 0) -> None:
+        self.mode = mode
+        self.group_size = group_size
+
+    def describe(self) -> str:
+        group = f", weight group {self.group_size}" if self.group_size else ""
+        return f"{self.desc_type} (activations per token: {self.mode}{group})"
+
+    def _scale_shape(self, n: int, k: int) -> tuple[int, int]:
+        return (n, k // self.group_size) if self.group_size else (n, 1)
+
+    def tensor_specs(self, out_features: int, in_features: int) -> list[TensorSpec]:
+        n, sc = out_features, self._scale_shape(out_features, in_features)
+        return [TensorSpec("weight", ("I8",), (n, in_features)),
+                TensorSpec("weight_scale", ("F32", "F16", "BF16"), sc, target="F32"),
+                TensorSpec("weight_offset", ("F32", "F16", "BF16"), sc, target="F32")]
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
+        q, s, o = dynamic_quant(x, self.mode)
+        w = self.dequantize(layer, index).to(torch.float32)
+        return F.linear((q - o) * s, w).to(x.dtype)
+
+
+class W4A8Dynamic(W8A8Dynamic):
+    """int4 weight packed two rows per byte along the output dim, per-channel scale; int8 dynamic
+    activations. ``scale_bias`` (a kernel correction term) is loaded and not needed here."""
+
+    name = desc_type = "W4A8_DYNAMIC"
+
+    def tensor_specs(self, out_features: int, in_features: int) -> list[TensorSpec]:
+        n, sc = out_features, self._scale_shape(out_features, in_features)
+        return [TensorSpec("weight", ("I8",), (n // 2, in_features)),
+                TensorSpec("weight_scale", ("F32", "F16", "BF16"), sc, target="F32"),
+                TensorSpec("weight_offset", ("F32", "F16", "BF16"), sc, target="F32", optional=True),
+                TensorSpec("scale_bias", ("F32", "F16", "BF16"), (n, 1), target="F32", optional=True)]
+
+    def _weight_q(self, layer: nn.Module, index: int | None) -> torch.Tensor:
+        return unpack_int4_rows(super()._weight_q(layer, index))
+
+    def dequantize(self, layer: nn.Module, index: int | None = None) -> torch.Tensor:
+        wq = self._weight_q(layer, index).to(torch.float32)
+        ws = self._part(layer, "weight_scale", index)
+        if ws.shape[-1] not in (1, wq.shape[-1]):
+            ws = ws.repeat_interleave(wq.shape[-1] // ws.shape[-1], dim=-1)
+        return (wq * ws).to(layer.model_dtype)
+
+
+class Unsupported(LinearScheme):
+    name = "unsupported"
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def describe(self) -> str:
+        return f"unsupported: {self.why}"
+
+    def tensor_specs(self, out_features: int, in_features: int) -> list[TensorSpec]:
+        from quantplug.types import SAFETENSORS_DTYPES
+
+        return [TensorSpec("weight", SAFETENSORS_DTYPES, (out_features, in_features), optional=True)]
+
+    def check(self, layer_name: str, tensors: Mapping[str, TensorInfo]) -> list[Problem]:
+        return [Problem(self.why, layer=layer_name, kind="modelslim-type")]
