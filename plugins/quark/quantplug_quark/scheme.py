@@ -19,6 +19,9 @@ GROUP = 32
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
+_BYTE_LUT = torch.stack((E2M1[torch.arange(256) & 0x0F], E2M1[torch.arange(256) >> 4]), dim=-1)
+
+
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [..., n/2] -> E2M1 codes uint8 [..., n] (low nibble first)."""
     return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
@@ -26,8 +29,8 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
 
 def dequantize_mxfp4(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Vectorised MXFP4 dequantization: [..., out, in/2] + [..., out, in/32] -> [..., out, in]."""
-    codes = unpack_fp4(weight)
-    vals = E2M1.to(weight.device)[codes.long()]
+    # one gather through a 256-entry table of byte -> (even, odd) element values
+    vals = _BYTE_LUT.to(weight.device)[weight.long()].flatten(-2)
     s = torch.exp2(scale.to(torch.float32) - 127.0)
     s = torch.where(scale == 255, torch.full_like(s, float("nan")), s)  # e8m0 0xFF is NaN
     out = (vals.unflatten(-1, (-1, GROUP)) * s.unsqueeze(-1)).flatten(-2)
