@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from quantplug.plugins import PluginManager, reset_plugin_manager
 
 VENDOR = Path(__file__).parent / "data" / "vendor"
@@ -27,9 +26,8 @@ def pm() -> PluginManager:
 
 def hf_logits(cfg: dict, state: dict, ids: torch.Tensor) -> torch.Tensor:
     """transformers' DeepseekV3ForCausalLM on the same weights (fused expert layout), fp32 eager."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
     from quantplug.testing import to_layout
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     hc = DeepseekV3Config(**{k: v for k, v in cfg.items() if k != "architectures"})
     hc._attn_implementation = "eager"
@@ -43,6 +41,15 @@ def hf_logits(cfg: dict, state: dict, ids: torch.Tensor) -> torch.Tensor:
     assert not missing, missing
     with torch.no_grad():
         return model(ids).logits
+
+
+def load_logits(path, ids: torch.Tensor, **kw):
+    """quantplug.load(path, **kw) and its logits on ids."""
+    import quantplug
+
+    model = quantplug.load(path, **kw)
+    with torch.no_grad():
+        return model, model(ids)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import pytest
+import quantplug
 import torch
 from conftest import hf_logits, rel_err
-
-import quantplug
-from quantplug.testing import hub_rope_spelling, random_state, tiny_config, to_layout, wrap_kimi, write_checkpoint
+from quantplug.testing import (
+    hub_rope_spelling,
+    random_state,
+    tiny_config,
+    to_layout,
+    wrap_kimi,
+    write_checkpoint,
+)
 
 IDS = torch.randint(0, 160, (2, 9), generator=torch.Generator().manual_seed(1))
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-
 import quantplug
+import torch
 from quantplug.checkpoint import Checkpoint
 from quantplug.errors import CheckpointError, PlanError, QuantplugError
 from quantplug.testing import random_state, tiny_config, write_checkpoint

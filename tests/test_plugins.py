@@ -13,7 +13,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 import quantplug
 from quantplug import hookimpl, hookspecs
 from quantplug.errors import AmbiguousBackendError, NoBackendError, PluginLoadError
@@ -36,10 +35,6 @@ class Claimer:
     @hookimpl
     def quantplug_detect(self, checkpoint):
         return Claim(self.name, {"owner": self.name}, f"{self.name} always claims")
-
-
-class Tagged(quantplug.layers.linear.DenseScheme if False else object):
-    pass
 
 
 def _scheme_cls(tag):

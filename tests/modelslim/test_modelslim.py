@@ -6,13 +6,12 @@ import json
 import shutil
 
 import pytest
-import torch
-from conftest import VENDOR, rel_err
-from safetensors.torch import load_file, save_file
-
 import quantplug
+import torch
+from conftest import VENDOR, load_logits, rel_err
 from quantplug.loader import model_bytes
 from quantplug.plan import build_plan
+from safetensors.torch import load_file, save_file
 
 pytest.importorskip("quantplug_modelslim")
 from quantplug_modelslim.schemes import dynamic_quant, pack_int4_rows, unpack_int4_rows  # noqa: E402
@@ -22,9 +21,7 @@ REF = load_file(str(VENDOR / "modelslim_w8a8_dsv3.reference.safetensors"))
 
 
 def _run(path, **kw):
-    model = quantplug.load(path, **kw)
-    with torch.no_grad():
-        return model, model(REF["input_ids"])
+    return load_logits(path, REF["input_ids"], **kw)
 
 
 def test_vendor_fixture_msmodelslim_numerics():

@@ -8,14 +8,13 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from conftest import VENDOR, rel_err
-from safetensors.torch import load_file, save_file
-
 import quantplug
+import torch
+from conftest import VENDOR, load_logits, rel_err
 from quantplug.errors import PlanError
 from quantplug.loader import model_bytes
 from quantplug.plan import build_plan
+from safetensors.torch import load_file, save_file
 
 quark = pytest.importorskip("quantplug_quark")
 from quantplug_quark.scheme import dequantize_mxfp4, quantize_mxfp4, unpack_fp4  # noqa: E402
@@ -25,9 +24,7 @@ REF = load_file(str(VENDOR / "quark_mxfp4_dsv3.reference.safetensors"))
 
 
 def _logits(path, **kw):
-    model = quantplug.load(path, **kw)
-    with torch.no_grad():
-        return model, model(REF["input_ids"])
+    return load_logits(path, REF["input_ids"], **kw)
 
 
 def test_vendor_fixture_matches_vendor_logits():
