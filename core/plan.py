@@ -13,6 +13,7 @@ rank reads only its bytes. Not implemented yet.
 
 from __future__ import annotations
 
+import bisect
 import re
 import time
 from collections import defaultdict
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import Checkpoint
+from .checkpoint import TORCH_DTYPES, Checkpoint
 from .errors import PlanError, QuantplugError
 from .layers.linear import LinearScheme, PlannedModule, QuantLinear, Source, StackedLinear
 from .models.config import ModelConfig, parse_model_config
@@ -50,8 +51,6 @@ class ParamPlan:
         if len(self.sources) != 1:
             return False
         src, info = self.sources[0]
-        from .checkpoint import TORCH_DTYPES
-
         return (src.index is None and info.format == "safetensors"
                 and TORCH_DTYPES.get(info.dtype) == self.dtype)
 
@@ -194,8 +193,6 @@ class _Decider:
         return layout
 
     def _has_module(self, name: str) -> bool:
-        import bisect
-
         i = bisect.bisect_left(self._names, name)
         return i < len(self._names) and (self._names[i] == name or self._names[i].startswith(name + "."))
 

@@ -8,6 +8,7 @@ matches something in the checkpoint.
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -97,8 +98,6 @@ def quantplug_validate_plan(plan: Any, quant_config: QuarkConfig) -> list[Proble
             rx = re.compile(entry[3:])
             hit = any(rx.fullmatch(m) for m in known)
         else:
-            import fnmatch
-
             hit = any(fnmatch.fnmatch(m, entry) for m in known)
         if not hit:
             problems.append(Problem(f"quantization_config.{section} pattern {entry!r} matches nothing in this "
