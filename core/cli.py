@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .errors import PlanError, QuantplugError
+from .plugins import get_plugin_manager
 
 
 def _options(pairs: Sequence[str] | None) -> dict[str, Any]:
@@ -37,8 +38,6 @@ def _table(rows: list[list[str]], head: list[str]) -> str:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    from .plugins import get_plugin_manager
-
     recs = get_plugin_manager().records()
     if args.json:
         print(json.dumps([r.as_dict() for r in recs], indent=2))
@@ -195,11 +194,23 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="export tiny checkpoints with every backend, load them, compare with dense")
     d.add_argument("--json", action="store_true")
     d.set_defaults(fn=cmd_demo)
+    pm = get_plugin_manager()
+    try:
+        pm.call("quantplug_cli_commands", pm.active(), firstresult=False, subparsers=sub)
+    except QuantplugError as exc:  # a broken plugin must not take the whole CLI down
+        print(f"warning: {exc}; its commands are unavailable", file=sys.stderr)
     return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        parser = build_parser()  # loads the plugins: a strict-mode import failure stops here
+    except QuantplugError as exc:
+        if "--debug" in argv:
+            raise
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     args = parser.parse_args(argv)
     try:
         return int(args.fn(args))

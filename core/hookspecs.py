@@ -37,9 +37,10 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 #: Hooks called on every plugin.
-GLOBAL_HOOKS = frozenset({"quantplug_detect"})
+GLOBAL_HOOKS = frozenset({"quantplug_detect", "quantplug_cli_commands"})
 #: Hooks called only on the selected backend plus the core defaults.
 BACKEND_HOOKS = frozenset({
+    "quantplug_tensor_names",
     "quantplug_resolve_prefix",
     "quantplug_packed_modules",
     "quantplug_attention_layout",
@@ -83,6 +84,34 @@ def quantplug_detect(checkpoint: Checkpoint) -> Claim | None:
 # ---------------------------------------------------------------------------------------------
 # Decisions (backend-scoped)
 # ---------------------------------------------------------------------------------------------
+
+@hookspec(firstresult=True)
+def quantplug_tensor_names(
+    architecture: str, model_config: ModelConfig, quant_config: Any, checkpoint: Checkpoint
+) -> Mapping[str, str] | None:
+    """Map the model's tensor names to the names the checkpoint stores, for formats that do not
+    use Hugging Face names (GGUF: ``model.layers.3.self_attn.q_a_proj.weight`` is stored as
+    ``blk.3.attn_q_a.weight``).
+
+    Backend hook, called once per load, before every other decision hook. Stops at first
+    non-None result; the core default answers None (names are used as stored). Return
+    ``{model_name: stored_name}``; it may name tensors the checkpoint lacks (then a missing
+    tensor is reported under its stored name). Every later hook, the plan and the loader see
+    model names; messages show both (``blk.3.attn_k_b.weight (as ...k_b_proj.weight)``). Model
+    names of stacked tensors follow the core's layouts: routed experts
+    ``...mlp.experts.{gate,up,down}_proj.weight`` [E, out, in], split MLA
+    ``...self_attn.{k_b_proj,v_b_proj}.weight``.
+
+    Example::
+
+        @hookimpl
+        def quantplug_tensor_names(model_config, checkpoint):
+            if not checkpoint.gguf_metadata:
+                return None
+            return {f"model.layers.{i}.input_layernorm.weight": f"blk.{i}.attn_norm.weight"
+                    for i in range(model_config.num_hidden_layers)}
+    """
+
 
 @hookspec(firstresult=True)
 def quantplug_resolve_prefix(
@@ -206,6 +235,25 @@ def quantplug_process_after_loading(model: torch.nn.Module, quant_config: Any, o
         @hookimpl
         def quantplug_process_after_loading(model):
             model.language_model.config_note = "mxfp4"
+    """
+
+
+@hookspec
+def quantplug_cli_commands(subparsers: Any) -> None:
+    """Add backend-specific subcommands to the ``quantplug`` CLI (optional hook).
+
+    Global hook, called once on every plugin while the CLI builds its parser. ``subparsers`` is
+    the ``argparse`` sub-parser action: add a parser and ``set_defaults(fn=...)`` with a
+    function ``(args) -> int`` (exit code). A :class:`QuantplugError` it raises is printed as one
+    line (traceback only with ``--debug``). Use a name that starts with the backend's own name.
+
+    Example::
+
+        @hookimpl
+        def quantplug_cli_commands(subparsers):
+            p = subparsers.add_parser("acme-pack", help="repack an acme checkpoint")
+            p.add_argument("path")
+            p.set_defaults(fn=lambda args: acme_pack(args.path))
     """
 
 

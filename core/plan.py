@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import TORCH_DTYPES, Checkpoint
+from .checkpoint import TORCH_DTYPES, Checkpoint, storage_shape
+from .checkpoint.gguf_index import GGUF_FLOATS
 from .errors import PlanError, QuantplugError
 from .layers.linear import LinearScheme, PlannedModule, QuantLinear, Source, StackedLinear
 from .models.config import ModelConfig, parse_model_config
@@ -51,8 +52,11 @@ class ParamPlan:
         if len(self.sources) != 1:
             return False
         src, info = self.sources[0]
-        return (src.index is None and info.format == "safetensors"
-                and TORCH_DTYPES.get(info.dtype) == self.dtype)
+        if src.index is not None:
+            return False
+        if info.format == "gguf":
+            return GGUF_FLOATS.get(info.dtype, torch.uint8) == self.dtype
+        return TORCH_DTYPES.get(info.dtype) == self.dtype
 
     @property
     def nbytes(self) -> int:
@@ -197,10 +201,14 @@ class _Decider:
         return i < len(self._names) and (self._names[i] == name or self._names[i].startswith(name + "."))
 
     def expert_layout(self, experts: str) -> str:
-        fused = self._has_module(f"{experts}.gate_up_proj") or f"{experts}.gate_up_proj" in self.ckpt
-        value = "fused" if fused else "hub"
-        why = ("transformers 5 layout: gate_up_proj [E, 2I, H] / down_proj [E, H, I]" if fused
-               else "hub layout: one tensor per expert and projection")
+        if self._has_module(f"{experts}.gate_up_proj") or f"{experts}.gate_up_proj" in self.ckpt:
+            value, why = "fused", "transformers 5 layout: gate_up_proj [E, 2I, H] / down_proj [E, H, I]"
+        elif self._has_module(f"{experts}.gate_proj"):
+            value, why = "stacked", "one stacked tensor per projection: gate_proj / up_proj [E, I, H], down_proj [E, H, I]"
+        elif self._has_module(f"{experts}.0"):
+            value, why = "hub", "hub layout: one tensor per expert and projection"
+        else:
+            value, why = "none", "no routed-expert tensors in the checkpoint (the scheme supplies them, or they are missing)"
         self.decisions.append(Decision("expert_layout", experts, value, CORE, why))
         return value
 
@@ -261,18 +269,18 @@ def _collect_params(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype,
                     if not src.optional:
                         problems.append(Problem(f"missing: the model needs it for {mname}.{local} "
                                                 f"(expected {'/'.join(src.dtypes)} {list(src.shape)})",
-                                                tensor=src.tensor, file=str(ckpt.path), kind="missing"))
+                                                tensor=ckpt.label(src.tensor), file=str(ckpt.path), kind="missing"))
                     continue
                 used.add(info.name)
                 if info.dtype not in src.dtypes:
                     problems.append(Problem(f"dtype {info.dtype}, expected {' or '.join(src.dtypes)} "
                                             f"(scheme of {mod.qp_ckpt}: {_scheme_name(mod)})",
-                                            tensor=info.name, file=info.file.name, kind="dtype"))
+                                            tensor=info.label, file=info.file.name, kind="dtype"))
                     continue
                 if src.shape and info.shape != tuple(src.shape):
                     problems.append(Problem(f"shape {list(info.shape)}, expected {list(src.shape)} "
                                             f"(scheme of {mod.qp_ckpt}: {_scheme_name(mod)})",
-                                            tensor=info.name, file=info.file.name, kind="shape"))
+                                            tensor=info.label, file=info.file.name, kind="shape"))
                     continue
                 resolved.append((src, info))
                 found.setdefault(local, info)
@@ -283,18 +291,19 @@ def _collect_params(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype,
             stored = {info.dtype for _, info in resolved}
             if len(stored) > 1:
                 problems.append(Problem(f"the tensors feeding {mname}.{local} mix dtypes {sorted(stored)}",
-                                        tensor=resolved[0][1].name, file=resolved[0][1].file.name, kind="dtype"))
+                                        tensor=resolved[0][1].label, file=resolved[0][1].file.name, kind="dtype"))
                 continue
             target = mod.qp_target_dtype(local, resolved[0][1].dtype, dtype)
             src0, info0 = resolved[0]
+            stored_shape = storage_shape(info0)  # GGUF blocks: [..., row_bytes]
             if src0.index is not None:
                 n = len(sources)
-                shape = (n, *info0.shape)
+                shape = (n, *stored_shape)
             elif src0.narrow is not None:
                 axis, _, length = src0.narrow
-                shape = tuple(length if i == axis else s for i, s in enumerate(info0.shape))
+                shape = tuple(length if i == axis else s for i, s in enumerate(stored_shape))
             else:
-                shape = info0.shape
+                shape = stored_shape
             params.append(ParamPlan(f"{mname}.{local}" if mname else local, mod, local, resolved, shape, target))
         if isinstance(mod, QuantLinear | StackedLinear):
             for p in mod.scheme.check(mod.qp_ckpt, found):
@@ -346,6 +355,16 @@ def build_plan(path: str | Path, *, backend: str | None = None, options: Mapping
     if claim is not None:
         decisions.append(Decision("quantplug_detect", "*", claim.backend, claim.plugin or CORE, claim.reason))
 
+    names, ninfo = pm.backend_first(be, "quantplug_tensor_names", architecture=arch.name, model_config=mcfg,
+                                    quant_config=qc, checkpoint=ckpt)
+    if names is not None:
+        if not isinstance(names, Mapping):
+            raise QuantplugError(f"plugin {ninfo} returned {type(names).__name__} from quantplug_tensor_names; "
+                                 "expected a mapping of model tensor name -> stored tensor name")
+        ckpt = ckpt.renamed(dict(names))
+        renamed = sum(1 for t in ckpt.tensors.values() if t.stored_name)
+        decisions.append(Decision("quantplug_tensor_names", "*", f"{renamed} of {len(ckpt.tensors)} tensors renamed",
+                                  ninfo, "the checkpoint does not use the model's tensor names"))
     prefix, pinfo = pm.backend_first(be, "quantplug_resolve_prefix", architecture=arch.name, model_config=mcfg,
                                      quant_config=qc, checkpoint=ckpt)
     if not isinstance(prefix, str):
@@ -365,7 +384,7 @@ def build_plan(path: str | Path, *, backend: str | None = None, options: Mapping
     for name in unexpected:
         info = ckpt.tensors[name]
         problems.append(Problem("unexpected: no parameter of the model takes it and no skip rule covers it",
-                                tensor=name, file=info.file.name, kind="unexpected"))
+                                tensor=info.label, file=info.file.name, kind="unexpected"))
     plan = LoadPlan(Path(path), arch.name, mcfg, be, claim, qc, prefix, packed, decisions, params, skipped,
                     problems, options, ckpt, model)
     for answer, by in pm.backend_all(be, "quantplug_validate_plan", plan=plan, quant_config=qc):

@@ -61,6 +61,8 @@ class TensorInfo:
     offset: int
     nbytes: int
     format: Literal["safetensors", "gguf"] = "safetensors"
+    #: the name as stored in the file, when a backend's ``quantplug_tensor_names`` renamed it
+    stored_name: str | None = None
 
     def __post_init__(self) -> None:
         _need(bool(self.name), "TensorInfo.name must be non-empty")
@@ -76,8 +78,13 @@ class TensorInfo:
     def is_float(self) -> bool:
         return self.dtype in FLOAT_DTYPES
 
+    @property
+    def label(self) -> str:
+        """The stored name, with the model name it was mapped to (if renamed)."""
+        return f"{self.stored_name} (as {self.name})" if self.stored_name else self.name
+
     def where(self) -> str:
-        return f"{self.name} in {self.file.name}"
+        return f"{self.label} in {self.file.name}"
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ zero-copy view of one tensor's bytes from a private memory map of its file.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import mmap
 from collections.abc import Iterator
@@ -17,10 +18,10 @@ import torch
 
 from ..errors import CheckpointError
 from ..types import TensorInfo
-from .gguf_index import index_gguf
+from .gguf_index import gguf_view, index_gguf, storage_shape
 from .safetensors_index import TORCH_DTYPES, index_safetensors
 
-__all__ = ["Checkpoint", "TORCH_DTYPES"]
+__all__ = ["Checkpoint", "TORCH_DTYPES", "storage_shape"]
 
 
 class Checkpoint:
@@ -35,6 +36,8 @@ class Checkpoint:
         self.gguf_metadata = gguf_metadata
         self._maps: dict[Path, mmap.mmap] = {}
         self._sidecars: dict[str, Any] = {}
+        #: model name -> stored name, when a backend renamed the tensors (see :meth:`renamed`)
+        self.names: dict[str, str] = {}
 
     @classmethod
     def open(cls, path: str | Path) -> Checkpoint:
@@ -62,6 +65,41 @@ class Checkpoint:
         if not files:
             raise CheckpointError(f"{root}: no .safetensors or .gguf weight files found")
         return cls(root, config, tensors, files, metadata)
+
+    def renamed(self, names: dict[str, str]) -> Checkpoint:
+        """A view of this checkpoint whose tensors carry model names.
+
+        ``names`` maps model tensor names to stored names (a backend's ``quantplug_tensor_names``
+        answer, e.g. ``model.layers.3.self_attn.q_a_proj.weight -> blk.3.attn_q_a.weight``). Stored
+        tensors it does not name keep their stored names (and show up as unexpected unless a skip
+        rule covers them). Each renamed :class:`TensorInfo` keeps its ``stored_name`` for messages.
+        Two model names for one stored tensor is a :class:`CheckpointError`.
+        """
+        to_model: dict[str, str] = {}
+        for model_name, stored in names.items():
+            if stored in to_model:
+                raise CheckpointError(f"{self.path}: stored tensor {stored} is mapped to two model names: "
+                                      f"{to_model[stored]} and {model_name}")
+            to_model[stored] = model_name
+        tensors: dict[str, TensorInfo] = {}
+        for stored, info in self.tensors.items():
+            model_name = to_model.get(stored, stored)
+            if model_name in tensors:
+                raise CheckpointError(f"{self.path}: tensors {tensors[model_name].label} and {stored} both "
+                                      f"resolve to model name {model_name}")
+            tensors[model_name] = (info if model_name == stored
+                                   else dataclasses.replace(info, name=model_name, stored_name=stored))
+        view = Checkpoint(self.path, self.config, tensors, self.files, self.gguf_metadata)
+        view._maps, view._sidecars, view.names = self._maps, self._sidecars, dict(names)
+        return view
+
+    def label(self, model_name: str) -> str:
+        """How messages name a tensor: the stored name (and the model name) when renamed."""
+        info = self.tensors.get(model_name)
+        if info is not None:
+            return info.label
+        stored = self.names.get(model_name)
+        return f"{stored} (as {model_name})" if stored else model_name
 
     # -- sidecars -----------------------------------------------------------------------------
 
@@ -121,8 +159,6 @@ class Checkpoint:
         shaped [rows, bytes_per_row] for quantized types."""
         raw = self.raw(info)
         if info.format == "gguf":
-            from .gguf_index import gguf_view
-
             return gguf_view(raw, info)
         dtype = TORCH_DTYPES[info.dtype]
         if info.offset % dtype.itemsize == 0:

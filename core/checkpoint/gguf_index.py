@@ -1,7 +1,27 @@
-"""Index GGUF files with gguf-py's memory-mapped GGUFReader (no tensor data read)."""
+"""Index GGUF files from their headers: metadata, tensor infos, absolute byte ranges.
+
+Why our own reader: gguf-py's ``GGUFReader`` builds numpy views for every metadata value on
+open, and real DeepSeek / Kimi GGUFs carry 129k-160k-token vocabularies (``tokenizer.ggml.*``
+string arrays of hundreds of thousands of entries); parsing them costs seconds per file. The plan
+needs only the tensor infos and a few hyper-parameters, so this reader walks the header once,
+decodes scalar and small array values, and *skips* the ``tokenizer.*`` arrays (one length read
+per string, no decode). It reads the header only, never tensor data. ``tests`` check it against
+``GGUFReader`` field by field and tensor by tensor.
+
+File layout (GGUF v2/v3, little-endian; ggml-org/ggml docs/gguf.md)::
+
+    magic "GGUF" | u32 version | u64 n_tensors | u64 n_kv
+    n_kv x (string key | u32 value_type | value)         string = u64 length + UTF-8 bytes
+    n_tensors x (string name | u32 n_dims | u64 ne[n_dims] | u32 ggml_type | u64 offset)
+    padding to general.alignment (default 32) | tensor data (offsets relative to here)
+"""
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -10,41 +30,241 @@ import torch
 from ..errors import CheckpointError
 from ..types import TensorInfo
 
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+#: value types: id -> (struct format, size); 8 = string, 9 = array
+_SCALARS: dict[int, tuple[str, int]] = {
+    0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4),
+    6: ("<f", 4), 7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8),
+}
+_STRING, _ARRAY = 8, 9
+#: metadata whose arrays are skipped, not decoded (vocabularies, merges, token types)
+SKIP_PREFIXES = ("tokenizer.",)
+#: arrays longer than this are skipped too (kept as ``SkippedArray``), whatever their key
+MAX_DECODED_ARRAY = 4096
+
+
+class SkippedArray:
+    """Placeholder for a metadata array that was walked over but not decoded."""
+
+    def __init__(self, value_type: int, count: int) -> None:
+        self.value_type, self.count = value_type, count
+
+    def __repr__(self) -> str:
+        return f"<array of {self.count} (type {self.value_type}), not decoded>"
+
+
+def ggml_types() -> dict[int, tuple[str, int, int]]:
+    """ggml type id -> (name, block size, bytes per block), from gguf-py's constants."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return {int(t): (t.name, *GGML_QUANT_SIZES[t]) for t in GGMLQuantizationType if t in GGML_QUANT_SIZES}
+
+
+class _Cursor:
+    def __init__(self, buf: mmap.mmap | bytes, file: Path) -> None:
+        self.buf, self.pos, self.file, self.size = buf, 0, file, len(buf)
+
+    def need(self, n: int, what: str) -> None:
+        if self.pos + n > self.size:
+            raise CheckpointError(f"{self.file}: truncated GGUF header while reading {what} "
+                                  f"(needs {n} bytes at offset {self.pos}, file has {self.size})")
+
+    def scalar(self, fmt: str, size: int, what: str) -> Any:
+        self.need(size, what)
+        (v,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return v
+
+    def u32(self, what: str) -> int:
+        return int(self.scalar("<I", 4, what))
+
+    def u64(self, what: str) -> int:
+        return int(self.scalar("<Q", 8, what))
+
+    def string(self, what: str) -> str:
+        n = self.u64(what)
+        self.need(n, what)
+        raw = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{self.file}: {what} at offset {self.pos - n} is not UTF-8") from None
+
+    def skip_strings(self, count: int, what: str) -> None:
+        buf, pos, size = self.buf, self.pos, self.size
+        unpack = struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            if pos + 8 > size:
+                self.pos = pos
+                self.need(8, what)
+            pos += 8 + unpack(buf, pos)[0]
+        self.pos = pos
+        self.need(0, what)
+        if pos > size:
+            raise CheckpointError(f"{self.file}: truncated GGUF header in {what}")
+
+    def value(self, vtype: int, key: str, decode: bool) -> Any:
+        if vtype in _SCALARS:
+            fmt, size = _SCALARS[vtype]
+            return self.scalar(fmt, size, f"metadata {key}")
+        if vtype == _STRING:
+            return self.string(f"metadata {key}")
+        if vtype == _ARRAY:
+            etype = self.u32(f"metadata {key} (array type)")
+            count = self.u64(f"metadata {key} (array length)")
+            if etype in _SCALARS:
+                fmt, size = _SCALARS[etype]
+                self.need(count * size, f"metadata {key}")
+                if not decode or count > MAX_DECODED_ARRAY:
+                    self.pos += count * size
+                    return SkippedArray(etype, count)
+                vals = list(struct.unpack_from(f"<{count}{fmt[1]}", self.buf, self.pos))
+                self.pos += count * size
+                return vals
+            if etype == _STRING:
+                if not decode or count > MAX_DECODED_ARRAY:
+                    self.skip_strings(count, f"metadata {key}")
+                    return SkippedArray(etype, count)
+                return [self.string(f"metadata {key}[{i}]") for i in range(count)]
+            if etype == _ARRAY:  # nested arrays: walk them (rare; never decoded)
+                for _ in range(count):
+                    self.value(_ARRAY, key, False)
+                return SkippedArray(etype, count)
+            raise CheckpointError(f"{self.file}: metadata {key}: unknown array element type {etype}")
+        raise CheckpointError(f"{self.file}: metadata {key}: unknown value type {vtype}")
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """One GGUF file's header: metadata, tensors (absolute byte ranges) and section positions.
+
+    ``kv_end`` is where the metadata section ends (it starts at byte 24), ``infos_end`` where the
+    tensor infos end; ``data_start`` is the aligned start of tensor data. Tools that rewrite a
+    GGUF (``quantplug expert-pack build``) copy the metadata bytes verbatim from these positions.
+    """
+
+    file: Path
+    version: int
+    n_kv: int
+    metadata: dict[str, Any]
+    tensors: list[TensorInfo]
+    kv_end: int
+    infos_end: int
+    alignment: int
+    data_start: int
+
+
+def read_gguf_header(file: Path) -> GGUFHeader:
+    """Parse one GGUF file's header (no tensor data read)."""
+    types = ggml_types()
+    with contextlib.ExitStack() as stack:
+        try:
+            fh = stack.enter_context(open(file, "rb"))
+        except OSError as exc:
+            raise CheckpointError(f"{file}: cannot open ({exc.strerror})") from None
+        try:
+            buf: mmap.mmap | bytes = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:  # empty file
+            buf = b""
+        file_size = len(buf)
+        cur = _Cursor(buf, file)
+        cur.need(4, "the magic")
+        if bytes(buf[:4]) != GGUF_MAGIC:
+            raise CheckpointError(f"{file}: not a GGUF file (magic {bytes(buf[:4])!r}, expected {GGUF_MAGIC!r})")
+        cur.pos = 4
+        version = cur.u32("the version")
+        if version not in (2, 3):
+            raise CheckpointError(f"{file}: GGUF version {version} is not supported (expected 2 or 3)")
+        n_tensors = cur.u64("the tensor count")
+        n_kv = cur.u64("the metadata count")
+        metadata: dict[str, Any] = {}
+        for i in range(n_kv):
+            key = cur.string(f"metadata key #{i}")
+            vtype = cur.u32(f"metadata {key} (type)")
+            metadata[key] = cur.value(vtype, key, not key.startswith(SKIP_PREFIXES))
+        kv_end = cur.pos
+        raw: list[tuple[str, tuple[int, ...], int, int]] = []
+        for i in range(n_tensors):
+            name = cur.string(f"tensor info #{i}")
+            n_dims = cur.u32(f"tensor {name} (n_dims)")
+            if n_dims > 8:
+                raise CheckpointError(f"{file}: tensor {name} has {n_dims} dimensions (GGUF allows at most 4)")
+            cur.need(8 * n_dims, f"tensor {name} (shape)")
+            ne = struct.unpack_from(f"<{n_dims}Q", buf, cur.pos)
+            cur.pos += 8 * n_dims
+            ttype = cur.u32(f"tensor {name} (type)")
+            offset = cur.u64(f"tensor {name} (offset)")
+            raw.append((name, tuple(int(d) for d in ne), ttype, offset))
+        alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise CheckpointError(f"{file}: general.alignment {alignment!r} is not a power of two")
+        infos_end = cur.pos
+        data_start = -(-infos_end // alignment) * alignment
+        if isinstance(buf, mmap.mmap):
+            buf.close()
+    tensors: list[TensorInfo] = []
+    for name, ne, ttype, offset in raw:
+        if ttype not in types:
+            raise CheckpointError(f"{file}: tensor {name} has unknown ggml type id {ttype}")
+        tname, block, type_size = types[ttype]
+        if ne and ne[0] % block:
+            raise CheckpointError(f"{file}: tensor {name} ({tname}): row length {ne[0]} is not a multiple "
+                                  f"of the block size {block}")
+        rows = 1
+        for d in ne[1:]:
+            rows *= d
+        nbytes = rows * (ne[0] // block * type_size if ne else type_size)
+        start = data_start + offset
+        if offset % alignment:
+            raise CheckpointError(f"{file}: tensor {name}: data offset {offset} is not aligned to {alignment}")
+        if start + nbytes > file_size:
+            raise CheckpointError(f"{file}: tensor {name} ({tname} {list(reversed(ne))}): bytes {start}..{start + nbytes}"
+                                  f" lie past the end of the file ({file_size} bytes); the file is truncated")
+        tensors.append(TensorInfo(name, file, tname, tuple(reversed(ne)), start, nbytes, "gguf"))
+    return GGUFHeader(file, version, n_kv, metadata, tensors, kv_end, infos_end, alignment, data_start)
+
 
 def index_gguf(root: Path) -> tuple[dict[str, TensorInfo], list[Path], dict[str, Any]]:
     files = sorted(root.glob("*.gguf"))
-    if not files:
-        return {}, [], {}
-    from gguf import GGUFReader
-
     tensors: dict[str, TensorInfo] = {}
     metadata: dict[str, Any] = {}
     for file in files:
-        try:
-            reader = GGUFReader(file, "r")
-        except Exception as exc:  # gguf-py raises ValueError/struct.error/IndexError on bad files
-            raise CheckpointError(f"{file}: corrupt or truncated GGUF file ({type(exc).__name__}: {exc})") from None
-        for key, fld in reader.fields.items():
-            if key.startswith("tokenizer.") or key.startswith("GGUF."):
-                continue
-            try:
-                metadata[key] = fld.contents()
-            except Exception:  # gguf-py cannot decode some array types; keep what it can read
-                metadata[key] = None
-        for t in reader.tensors:
-            name = t.name
-            if name in tensors:
-                raise CheckpointError(f"tensor {name} is in two GGUF files: {tensors[name].file.name} and {file.name}")
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            tensors[name] = TensorInfo(name, file, t.tensor_type.name, shape, int(t.data_offset),
-                                       int(t.n_bytes), "gguf")
+        header = read_gguf_header(file)
+        for key, value in header.metadata.items():
+            if (key in metadata and metadata[key] != value and not key.startswith(("split.", "general."))
+                    and not isinstance(value, SkippedArray)):
+                raise CheckpointError(f"{file.name}: metadata {key} = {value!r} disagrees with another GGUF "
+                                      f"file of the checkpoint ({metadata[key]!r})")
+            metadata.setdefault(key, value)
+        for t in header.tensors:
+            if t.name in tensors:
+                raise CheckpointError(f"tensor {t.name} is in two GGUF files: {tensors[t.name].file.name} "
+                                      f"and {file.name}")
+            tensors[t.name] = t
     return tensors, files, metadata
 
 
+def storage_shape(info: TensorInfo) -> tuple[int, ...]:
+    """Shape of the tensor's bytes as held in memory: the logical shape for float types;
+    for block-quantized types the last dimension counts bytes ([..., row_bytes], uint8)."""
+    if info.format != "gguf" or info.dtype in GGUF_FLOATS or not info.shape:
+        return info.shape
+    rows = 1
+    for d in info.shape[:-1]:
+        rows *= d
+    return (*info.shape[:-1], info.nbytes // max(rows, 1))
+
+
+GGUF_FLOATS: dict[str, torch.dtype] = {
+    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+    "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+}
+
+
 def gguf_view(raw: torch.Tensor, info: TensorInfo) -> torch.Tensor:
-    """Raw GGUF tensor bytes as a typed tensor (float types) or [rows, row_bytes] uint8 blocks."""
-    float_types = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
-    if info.dtype in float_types:
-        return raw.view(float_types[info.dtype]).view(info.shape)
-    rows = max(1, info.numel // info.shape[-1]) if info.shape else 1
-    return raw.view(rows, -1) if info.nbytes else raw
+    """Raw GGUF tensor bytes as a typed tensor (float / int types) or [..., row_bytes] uint8 blocks."""
+    if info.dtype in GGUF_FLOATS:
+        return raw.view(GGUF_FLOATS[info.dtype]).view(info.shape)
+    return raw.view(storage_shape(info)) if info.nbytes else raw

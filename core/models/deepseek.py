@@ -43,7 +43,9 @@ class Decisions(Protocol):
     def layout(self, attn_ckpt_name: str) -> AttentionLayout: ...
 
     def expert_layout(self, experts_ckpt_name: str) -> str:
-        """``"hub"`` (per-expert tensors) or ``"fused"`` (transformers 5 gate_up_proj / down_proj)."""
+        """``"hub"`` (per-expert tensors), ``"fused"`` (transformers 5 gate_up_proj / down_proj),
+        ``"stacked"`` (one [E, out, in] tensor per projection, GGUF ``ffn_*_exps``) or ``"none"``
+        (no expert tensors: the scheme serves them, e.g. from an expert pack)."""
         ...
 
 
@@ -193,13 +195,15 @@ class Experts(nn.Module):
         layout = d.expert_layout(ckb)
         for proj, (i, o) in (("gate_proj", (h, inter)), ("up_proj", (h, inter)), ("down_proj", (inter, h))):
             name = f"{ckb}.{proj}"
-            if layout == "hub":
+            if layout in ("hub", "none"):
                 src: tuple = ("per_index", [f"{ckb}.{k}.{proj}" for k in range(e)])
+            elif layout == "stacked":
+                src = ("stacked", name)
             elif proj == "down_proj":
                 src = ("fused", f"{ckb}.down_proj", (0, 1))
             else:
                 src = ("fused", f"{ckb}.gate_up_proj", (0 if proj == "gate_proj" else 1, 2))
-            shards = src[1] if src[0] == "per_index" else [src[1]]
+            shards = [] if layout == "none" else src[1] if src[0] == "per_index" else [src[1]]
             setattr(self, proj, StackedLinear(e, i, o, d.scheme(name, "experts", shards), name, src, d.model_dtype))
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,223 @@
+"""quantplug backend for GGUF checkpoints (llama.cpp deepseek2 layout) and expert packs
+(entry point ``expert_pack``).
+
+Every GGUF-specific decision is one of this plugin's hook answers:
+
+* ``quantplug_detect``: a directory with config.json and ``*.gguf`` files (and, after
+  ``quantplug expert-pack build``, the ``experts.qpack`` its GGUF names);
+* ``quantplug_tensor_names``: llama.cpp names (``blk.3.attn_q_a.weight``) -> model names;
+* ``quantplug_attention_layout``: split K/V for a layer whose GGUF has ``attn_k_b`` /
+  ``attn_v_b``, dense for a legacy ``attn_kv_b``, decided per layer from the tensors present;
+* ``quantplug_linear_scheme``: :class:`~.schemes.GGMLScheme` per tensor type, or
+  :class:`~.schemes.PackedExpertsScheme` for routed experts that live in the pack;
+* ``quantplug_validate_plan``: GGUF metadata vs config.json, Kimi-K3's ``attn_k_b`` = Q4_0
+  contract, the pack against the model and the cache budget;
+* ``quantplug_export`` / ``quantplug_cli_commands``: GGUF writer, ``quantplug expert-pack build``.
+
+Options (``quantplug.load(..., options={...})`` / ``-o KEY=VALUE``): ``expert_cache_mb`` (LRU
+budget for pack-served experts, default 1024), ``dequantize`` (keep a dense copy of every GGUF
+linear after loading: faster forward, more memory; default false).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from quantplug import hookimpl
+from quantplug.errors import CheckpointError
+from quantplug.types import AttentionLayout, Claim, Problem
+
+from .build import build_pack
+from .export import export_gguf
+from .names import model_to_gguf
+from .pack import KV_FILE, KV_INDEX_SHA, PACK_NAME, ExpertCache, ExpertPack
+from .schemes import GGMLScheme, PackedExpertsScheme
+
+__version__ = "0.1.0"
+DEFAULT_CACHE_MB = 1024
+_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)$")
+
+
+@dataclass(frozen=True)
+class GGUFConfig:
+    """What detection learned: the GGUF files, their architecture, and the expert pack (if any)."""
+
+    files: tuple[Path, ...]
+    architecture: str
+    pack: ExpertPack | None = None
+    _caches: dict[int, ExpertCache] = field(default_factory=dict, compare=False, repr=False)
+
+    def cache(self, options: Mapping[str, Any]) -> ExpertCache:
+        """The LRU cache for this load's budget (one per budget, shared by every MoE layer)."""
+        assert self.pack is not None
+        budget = int(float(options.get("expert_cache_mb", DEFAULT_CACHE_MB)) * (1 << 20))
+        if budget not in self._caches:
+            self._caches[budget] = ExpertCache(self.pack, budget)
+        return self._caches[budget]
+
+
+def _gguf_files(checkpoint: Any) -> list[Path]:
+    return [f for f in checkpoint.files if f.suffix == ".gguf"]
+
+
+@hookimpl
+def quantplug_detect(checkpoint: Any) -> Claim | None:
+    files = _gguf_files(checkpoint)
+    if not files:
+        return None
+    meta = checkpoint.gguf_metadata
+    arch = str(meta.get("general.architecture", "?"))
+    pack = None
+    named = meta.get(KV_FILE)
+    if named:
+        path = checkpoint.path / str(named)
+        if not path.is_file():
+            raise CheckpointError(f"{files[0]}: its routed experts were moved to {named} by `quantplug expert-pack "
+                                  f"build`, but {path} is missing")
+        pack = ExpertPack(path)
+        if pack.index_sha256.hex() != meta.get(KV_INDEX_SHA):
+            raise CheckpointError(f"{path}: this expert pack does not belong to {files[0].name} (index sha256 "
+                                  f"{pack.index_sha256.hex()[:16]}..., the GGUF expects "
+                                  f"{str(meta.get(KV_INDEX_SHA))[:16]}...)")
+    elif (checkpoint.path / PACK_NAME).exists():
+        raise CheckpointError(f"{checkpoint.path / PACK_NAME}: an expert pack is present but no GGUF file refers "
+                              "to it (an interrupted `quantplug expert-pack build`?); remove it or rebuild")
+    reason = f"{len(files)} GGUF file(s), general.architecture = {arch}"
+    if pack is not None:
+        reason += f"; routed experts in {pack.path.name} ({len(pack.layers)} layers x {pack.n_experts} experts)"
+    return Claim("expert_pack", GGUFConfig(tuple(files), arch, pack), reason)
+
+
+@hookimpl
+def quantplug_tensor_names(model_config: Any, checkpoint: Any) -> dict[str, str] | None:
+    if not _gguf_files(checkpoint):
+        return None
+    return model_to_gguf(model_config)
+
+
+@hookimpl
+def quantplug_resolve_prefix() -> str:
+    return ""  # quantplug_tensor_names maps llama.cpp names to unprefixed model names
+
+
+@hookimpl
+def quantplug_attention_layout(layer_name: str, checkpoint: Any) -> AttentionLayout | None:
+    k_b, v_b = f"{layer_name}.k_b_proj", f"{layer_name}.v_b_proj"
+    if f"{k_b}.weight" in checkpoint or f"{v_b}.weight" in checkpoint:
+        return AttentionLayout("split_kv", "GGUF has attn_k_b / attn_v_b (llama.cpp split MLA)", k_b=k_b, v_b=v_b)
+    if f"{layer_name}.kv_b_proj.weight" in checkpoint:
+        return AttentionLayout("dense", "legacy GGUF: one attn_kv_b")
+    return None
+
+
+@hookimpl
+def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Sequence[str],
+                            quant_config: GGUFConfig, checkpoint: Any, options: Mapping[str, Any]) -> Any:
+    if layer_kind == "experts":
+        m = _EXPERTS.match(layer_name)
+        stored = f"{layer_name}.weight" in checkpoint or any(f"{s}.weight" in checkpoint for s in shard_names)
+        if quant_config.pack is not None and m and not stored:
+            return PackedExpertsScheme(quant_config.pack, quant_config.cache(options), int(m.group(1)), m.group(2))
+    names = list(shard_names) or [layer_name]
+    info = checkpoint.get(f"{names[0]}.weight") or checkpoint.get(f"{layer_name}.weight")
+    if info is None:
+        return None  # the core's dense scheme answers; the plan reports the missing tensor
+    return GGMLScheme(info.dtype, cache=bool(options.get("dequantize", False)))
+
+
+_META_CHECKS = (
+    ("head_count", "num_attention_heads"),
+    ("expert_count", "n_routed_experts"),
+    ("expert_used_count", "num_experts_per_tok"),
+    ("leading_dense_block_count", "first_k_dense_replace"),
+    ("embedding_length", "hidden_size"),
+)
+
+
+@hookimpl
+def quantplug_validate_plan(plan: Any, quant_config: GGUFConfig) -> list[Problem]:
+    problems: list[Problem] = []
+    ckpt, cfg = plan.checkpoint, plan.model_config
+    meta = ckpt.gguf_metadata
+    arch = quant_config.architecture
+    first = quant_config.files[0].name
+    if arch != "deepseek2":
+        problems.append(Problem(f"general.architecture is {arch!r}; quantplug-expert-pack reads llama.cpp "
+                                "'deepseek2' files (DeepSeek-V3 / Kimi)", file=first))
+    blocks = meta.get(f"{arch}.block_count")
+    nextn = int(ckpt.config.get("num_nextn_predict_layers", 0) or 0)
+    if blocks is not None and blocks not in (cfg.num_hidden_layers, cfg.num_hidden_layers + nextn):
+        problems.append(Problem(f"GGUF {arch}.block_count = {blocks} contradicts config.json num_hidden_layers = "
+                                f"{cfg.num_hidden_layers}", file=first, kind="metadata"))
+    for key, attr in _META_CHECKS:
+        value = meta.get(f"{arch}.{key}")
+        if value is not None and int(value) != int(getattr(cfg, attr)):
+            problems.append(Problem(f"GGUF {arch}.{key} = {value} contradicts config.json {attr} = "
+                                    f"{getattr(cfg, attr)}", file=first, kind="metadata"))
+    if plan.architecture == "KimiK3ForConditionalGeneration":
+        for t in ckpt.tensors.values():
+            if t.name.endswith(".self_attn.k_b_proj.weight") and t.dtype != "Q4_0":
+                problems.append(Problem(
+                    f"{t.stored_name or t.name} is {t.dtype}; Kimi-K3's MLA kernels take attn_k_b only as Q4_0 "
+                    "(re-quantize it with --tensor-type attn_k_b=q4_0)", tensor=t.label, file=t.file.name))
+    pack = quant_config.pack
+    if pack is not None:
+        problems += _check_pack(plan, pack, quant_config)
+    return problems
+
+
+def _check_pack(plan: Any, pack: ExpertPack, qc: GGUFConfig) -> list[Problem]:
+    cfg, name = plan.model_config, pack.path.name
+    problems = []
+    if pack.n_experts != cfg.n_routed_experts:
+        problems.append(Problem(f"the expert pack holds {pack.n_experts} experts per layer; config.json "
+                                f"n_routed_experts = {cfg.n_routed_experts}", file=name, kind="pack"))
+    moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    extra = sorted(set(pack.layers) - set(moe))
+    if extra:
+        problems.append(Problem(f"the expert pack has layers {extra}, which are not MoE layers of the model",
+                                file=name, kind="pack", severity="warning"))
+    config = plan.checkpoint.path / "config.json"
+    if hashlib.sha256(config.read_bytes()).digest() != pack.config_sha256:
+        problems.append(Problem("config.json changed since the expert pack was built", file=name, kind="pack",
+                                severity="warning"))
+    budget = qc.cache(plan.options).budget
+    largest = max((pack.expert_bytes(layer, 0) for layer in pack.layers), default=0)
+    if budget < largest:
+        problems.append(Problem(f"expert_cache_mb = {plan.options.get('expert_cache_mb')} holds less than one "
+                                f"expert ({largest / (1 << 20):.3f} MiB); raise it", file=name, kind="options"))
+    return problems
+
+
+@hookimpl
+def quantplug_process_after_loading(model: Any, quant_config: GGUFConfig, options: Mapping[str, Any]) -> None:
+    if quant_config.pack is not None:
+        model.expert_cache = quant_config.cache(options)  # stats(): hits, misses, bytes read, resident
+
+
+@hookimpl
+def quantplug_export(model: Any, model_config: Any, destination: Path, options: Mapping[str, Any]) -> Any:
+    return export_gguf(model, model_config, destination, options)
+
+
+def _cmd_build(args: argparse.Namespace) -> int:
+    res = build_pack(args.path, alignment=args.alignment)
+    print(f"{res.pack}: {res.layers} MoE layers x {res.experts} experts x 3 roles = {res.entries} entries, "
+          f"{res.moved_bytes:,} bytes moved out of {', '.join(p.name for p in res.gguf_files)}")
+    return 0
+
+
+@hookimpl
+def quantplug_cli_commands(subparsers: Any) -> None:
+    p = subparsers.add_parser("expert-pack", help="expert packs: routed experts served from SSD (GGUF)")
+    sub = p.add_subparsers(dest="expert_pack_command", required=True)
+    b = sub.add_parser("build", help="move a GGUF checkpoint's routed experts into experts.qpack")
+    b.add_argument("path", help="checkpoint directory (config.json + .gguf files)")
+    b.add_argument("--alignment", type=int, default=4096, help="payload alignment in bytes (default 4096)")
+    b.set_defaults(fn=_cmd_build)

@@ -1,0 +1,215 @@
+"""``quantplug expert-pack build DIR``: move a GGUF's routed experts into an expert pack.
+
+Reads the GGUF headers with quantplug's header reader, copies every ``blk.N.ffn_{gate,up,down}_exps``
+tensor expert by expert into ``experts.qpack`` (format: :mod:`.pack`), then rewrites each GGUF
+without those tensors: metadata bytes copied verbatim, plus two keys tying the GGUF to its pack
+(``quantplug.expert_pack.file`` and ``quantplug.expert_pack.index_sha256``). Files are written
+under temporary names and renamed only when everything is written, pack first; a failed build
+leaves the original GGUF untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from quantplug.checkpoint.gguf_index import GGUFHeader, read_gguf_header
+from quantplug.errors import CheckpointError
+from quantplug.types import TensorInfo
+
+from .pack import (
+    _HEADER,
+    ENTRY_DTYPE,
+    ENTRY_SIZE,
+    HEADER_SIZE,
+    KV_FILE,
+    KV_INDEX_SHA,
+    MAGIC,
+    PACK_NAME,
+    ROLES,
+    VERSION,
+    _type_tables,
+)
+
+EXPS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+COPY_CHUNK = 64 << 20
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    pack: Path
+    layers: int
+    experts: int
+    entries: int
+    moved_bytes: int
+    gguf_files: tuple[Path, ...]
+
+
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def _gguf_string(s: str) -> bytes:
+    b = s.encode()
+    return struct.pack("<Q", len(b)) + b
+
+
+def _copy(src: Any, dst: Any, offset: int, size: int, sha: Any = None) -> None:
+    src.seek(offset)
+    left = size
+    while left:
+        chunk = src.read(min(COPY_CHUNK, left))
+        if not chunk:
+            raise CheckpointError(f"{src.name}: unexpected end of file at {offset + size - left}")
+        if sha is not None:
+            sha.update(chunk)
+        dst.write(chunk)
+        left -= len(chunk)
+
+
+def _rewrite_gguf(header: GGUFHeader, keep: list[TensorInfo], extra_kv: dict[str, str], out: Path) -> None:
+    """Write ``header.file`` with only ``keep`` tensors and ``extra_kv`` string keys added."""
+    _, ids = _type_tables()
+    a = header.alignment
+    with open(header.file, "rb") as src, open(out, "wb") as dst:
+        dst.write(MAGIC_GGUF + struct.pack("<IQQ", header.version, len(keep), header.n_kv + len(extra_kv)))
+        src.seek(24)
+        dst.write(src.read(header.kv_end - 24))  # metadata, verbatim (vocabulary included)
+        for k, v in extra_kv.items():
+            dst.write(_gguf_string(k) + struct.pack("<I", 8) + _gguf_string(v))
+        rel = 0
+        offsets = []
+        for t in keep:
+            offsets.append(rel)
+            ne = tuple(reversed(t.shape))
+            dst.write(_gguf_string(t.name) + struct.pack(f"<I{len(ne)}Q", len(ne), *ne)
+                      + struct.pack("<IQ", ids[t.dtype], rel))
+            rel = _align(rel + t.nbytes, a)
+        dst.write(b"\0" * (_align(dst.tell(), a) - dst.tell()))
+        base = dst.tell()
+        for t, off in zip(keep, offsets):
+            dst.write(b"\0" * (base + off - dst.tell()))
+            _copy(src, dst, t.offset, t.nbytes)
+        dst.flush()
+        os.fsync(dst.fileno())
+
+
+MAGIC_GGUF = b"GGUF"
+
+
+def build_pack(directory: str | Path, *, alignment: int = 4096, progress: bool | None = None) -> BuildResult:
+    """Move every routed-expert tensor of the GGUF files in ``directory`` into ``experts.qpack``."""
+    root = Path(directory)
+    if not (root / "config.json").is_file():
+        raise CheckpointError(f"{root}: config.json is missing (expected a checkpoint directory)")
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise CheckpointError(f"alignment {alignment} is not a power of two")
+    pack_path = root / PACK_NAME
+    if pack_path.exists():
+        raise CheckpointError(f"{pack_path}: the checkpoint already has an expert pack")
+    files = sorted(root.glob("*.gguf"))
+    if not files:
+        raise CheckpointError(f"{root}: no .gguf files to take experts from")
+    headers = [read_gguf_header(f) for f in files]
+    exps: dict[tuple[int, str], TensorInfo] = {}
+    source_sha = hashlib.sha256()
+    for h in headers:
+        with open(h.file, "rb") as fh:
+            source_sha.update(fh.read(h.infos_end))
+        for t in h.tensors:
+            m = EXPS.match(t.name)
+            if m:
+                exps[(int(m.group(1)), f"{m.group(2)}_proj")] = t
+    if not exps:
+        raise CheckpointError(f"{root}: no routed-expert tensors (blk.N.ffn_*_exps.weight) in {', '.join(f.name for f in files)}")
+    layers = sorted({layer for layer, _ in exps})
+    n_experts = None
+    for layer in layers:
+        for role in ROLES:
+            t = exps.get((layer, role))
+            if t is None:
+                raise CheckpointError(f"{root}: layer {layer} has no blk.{layer}.ffn_{role[:-5]}_exps.weight")
+            if len(t.shape) != 3:
+                raise CheckpointError(f"{t.where()}: expected [experts, out, in], got {list(t.shape)}")
+            if n_experts is None:
+                n_experts = t.shape[0]
+            if t.shape[0] != n_experts:
+                raise CheckpointError(f"{t.where()}: {t.shape[0]} experts, others have {n_experts}")
+    assert n_experts is not None
+    config_bytes = (root / "config.json").read_bytes()
+    config = json.loads(config_bytes)
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    top_k = int(text.get("num_experts_per_tok", 0) or 0)
+    _, ids = _type_tables()
+
+    n_entries = len(layers) * n_experts * len(ROLES)
+    index = np.zeros(n_entries, dtype=ENTRY_DTYPE)
+    data_offset = _align(HEADER_SIZE + n_entries * ENTRY_SIZE, alignment)
+    tmp_pack = pack_path.with_suffix(".qpack.tmp")
+    show = sys.stderr.isatty() if progress is None else progress
+    bar: Any = None
+    total = sum(t.nbytes for t in exps.values())
+    if show:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="expert pack", file=sys.stderr)
+    tmp_ggufs: list[tuple[Path, Path]] = []
+    try:
+        with contextlib.ExitStack() as stack:
+            srcs = {f: stack.enter_context(open(f, "rb")) for f in files}
+            with open(tmp_pack, "wb") as out:
+                out.write(b"\0" * data_offset)
+                i = 0
+                for layer in layers:
+                    for e in range(n_experts):
+                        for r, role in enumerate(ROLES):
+                            t = exps[(layer, role)]
+                            size = t.nbytes // n_experts
+                            pos = _align(out.tell(), alignment)
+                            out.write(b"\0" * (pos - out.tell()))
+                            sha = hashlib.sha256()
+                            _copy(srcs[t.file], out, t.offset + e * size, size, sha)
+                            index[i] = (layer, e, r, ids[t.dtype], t.shape[1], t.shape[2], pos, size, sha.digest())
+                            i += 1
+                            if bar is not None:
+                                bar.update(size)
+                file_size = out.tell()
+                raw_index = index.tobytes()
+                index_sha = hashlib.sha256(raw_index).digest()
+                head = _HEADER.pack(MAGIC, VERSION, HEADER_SIZE, ENTRY_SIZE, alignment, len(layers), n_experts,
+                                    len(ROLES), top_k, n_entries, HEADER_SIZE, data_offset, file_size,
+                                    hashlib.sha256(config_bytes).digest(), source_sha.digest(), index_sha)
+                out.seek(0)
+                out.write(head.ljust(HEADER_SIZE, b"\0"))
+                out.write(raw_index)
+                out.flush()
+                os.fsync(out.fileno())
+        extra = {KV_FILE: PACK_NAME, KV_INDEX_SHA: index_sha.hex()}
+        for h in headers:
+            keep = [t for t in h.tensors if not EXPS.match(t.name)]
+            if len(keep) == len(h.tensors):
+                continue
+            tmp = h.file.with_suffix(".gguf.tmp")
+            tmp_ggufs.append((tmp, h.file))
+            _rewrite_gguf(h, keep, extra, tmp)
+        os.replace(tmp_pack, pack_path)
+        for tmp, final in tmp_ggufs:
+            os.replace(tmp, final)
+    except BaseException:
+        for p in [tmp_pack] + [t for t, _ in tmp_ggufs]:
+            if p.exists():
+                p.unlink()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return BuildResult(pack_path, len(layers), n_experts, n_entries, total, tuple(f for _, f in tmp_ggufs))

@@ -1,0 +1,298 @@
+"""The expert pack: routed experts moved out of a GGUF into one SSD-resident file, read on demand.
+
+Format ``QPXPACK`` version 1 (our own; in the spirit of sglang's SGLANG-EXPERTPACK-v1, not
+byte-compatible). Little-endian throughout.
+
+Header, 256 bytes::
+
+    off  size  field
+      0     8  magic            b"QPXPACK\\0"
+      8     4  version          u32 = 1
+     12     4  header_size      u32 = 256
+     16     4  entry_size       u32 = 80
+     20     4  alignment        u32, power of two (4096): every payload starts on a multiple
+     24     4  n_layers         u32  MoE layers in the pack
+     28     4  n_experts        u32  routed experts per layer
+     32     4  n_roles          u32 = 3 (gate_proj, up_proj, down_proj)
+     36     4  top_k            u32  experts per token (informational)
+     40     8  n_entries        u64 = n_layers * n_experts * n_roles
+     48     8  index_offset     u64 = header_size
+     56     8  data_offset      u64  first payload (aligned)
+     64     8  file_size        u64  exact size of the file (truncation check)
+     72    32  config_sha256    sha256 of config.json's bytes
+    104    32  source_sha256    sha256 of the source GGUF header (metadata + tensor infos)
+    136    32  index_sha256     sha256 of the index bytes
+    168    88  reserved (zero)
+
+Index: ``n_entries`` entries of 80 bytes, ordered by (layer, expert, role)::
+
+    u32 layer | u32 expert | u32 role (0 gate, 1 up, 2 down) | u32 ggml type id
+    u64 rows (out features) | u64 row_len (in features) | u64 offset (absolute) | u64 size
+    32 B sha256 of the payload
+
+Payloads: the expert's rows exactly as the GGUF stored them (ggml blocks), each starting on an
+``alignment`` boundary; one expert's three payloads are adjacent, so loading an expert is one
+read. Validation on open (header and index only): magic, version, sizes, entry count, index
+order and checksum, every payload inside the file, payload size = rows x row bytes of its type.
+Each payload's sha256 is checked the first time it is read; a mismatch is a
+:class:`~quantplug.errors.CheckpointError` naming the pack, layer, expert and role.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import struct
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from quantplug.errors import CheckpointError, QuantplugError
+
+from .ggml import BLOCKS, FLOAT_TYPES
+
+MAGIC = b"QPXPACK\x00"
+VERSION = 1
+HEADER_SIZE = 256
+ENTRY_SIZE = 80
+ROLES = ("gate_proj", "up_proj", "down_proj")
+PACK_NAME = "experts.qpack"
+#: GGUF metadata keys written by ``build`` into the stripped GGUF
+KV_FILE = "quantplug.expert_pack.file"
+KV_INDEX_SHA = "quantplug.expert_pack.index_sha256"
+
+_HEADER = struct.Struct("<8sIIIIIIIIQQQQ32s32s32s")
+ENTRY_DTYPE = np.dtype([("layer", "<u4"), ("expert", "<u4"), ("role", "<u4"), ("ggml_type", "<u4"),
+                        ("rows", "<u8"), ("row_len", "<u8"), ("offset", "<u8"), ("size", "<u8"),
+                        ("sha256", "S32")])
+assert ENTRY_DTYPE.itemsize == ENTRY_SIZE
+
+
+def _type_tables() -> tuple[dict[int, str], dict[str, int]]:
+    from gguf.constants import GGMLQuantizationType
+
+    by_id = {int(t): t.name for t in GGMLQuantizationType}
+    return by_id, {v: k for k, v in by_id.items()}
+
+
+def payload_size(ggml_type: str, rows: int, row_len: int) -> int:
+    if ggml_type in FLOAT_TYPES:
+        return rows * row_len * {"F32": 4, "F16": 2, "BF16": 2}[ggml_type]
+    block, size = BLOCKS[ggml_type]
+    return rows * (row_len // block) * size
+
+
+@dataclass(frozen=True)
+class PackEntry:
+    layer: int
+    expert: int
+    role: str
+    ggml_type: str
+    shape: tuple[int, int]
+    offset: int
+    size: int
+    sha256: bytes
+
+    def describe(self) -> str:
+        return f"layer {self.layer} expert {self.expert} {self.role} ({self.ggml_type} {list(self.shape)})"
+
+
+class ExpertPack:
+    """A validated pack: header and index in memory, payloads read with ``pread`` on demand."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._fd: int | None = None
+        self._verified: set[tuple[int, int, int]] = set()
+        self._lock = threading.Lock()
+        self._read_header()
+
+    # -- validation (header + index only) -----------------------------------------------------
+
+    def _fail(self, what: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: {what}")
+
+    def _read_header(self) -> None:
+        try:
+            actual = self.path.stat().st_size
+            with open(self.path, "rb") as fh:
+                head = fh.read(HEADER_SIZE)
+        except OSError as exc:
+            raise self._fail(f"cannot read the expert pack ({exc.strerror})") from None
+        if len(head) < HEADER_SIZE:
+            raise self._fail(f"truncated expert pack: {len(head)} bytes, the header alone is {HEADER_SIZE}")
+        (magic, version, header_size, entry_size, alignment, n_layers, n_experts, n_roles, top_k,
+         n_entries, index_offset, data_offset, file_size, config_sha, source_sha, index_sha) = _HEADER.unpack_from(head)
+        if magic != MAGIC:
+            raise self._fail(f"not an expert pack (magic {magic!r}, expected {MAGIC!r})")
+        if version != VERSION:
+            raise self._fail(f"expert pack version {version} is not supported (expected {VERSION})")
+        if header_size != HEADER_SIZE or entry_size != ENTRY_SIZE:
+            raise self._fail(f"header/entry size {header_size}/{entry_size}, expected {HEADER_SIZE}/{ENTRY_SIZE}")
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise self._fail(f"alignment {alignment} is not a power of two")
+        if n_roles != len(ROLES) or n_entries != n_layers * n_experts * n_roles:
+            raise self._fail(f"index holds {n_entries} entries, expected layers*experts*roles = "
+                             f"{n_layers}*{n_experts}*{n_roles}")
+        if file_size != actual:
+            raise self._fail(f"truncated or extended expert pack: header says {file_size} bytes, the file has {actual}")
+        if index_offset != HEADER_SIZE or data_offset < index_offset + n_entries * ENTRY_SIZE:
+            raise self._fail(f"index at {index_offset} / data at {data_offset} overlap or are misplaced")
+        with open(self.path, "rb") as fh:
+            fh.seek(index_offset)
+            raw = fh.read(n_entries * ENTRY_SIZE)
+        if len(raw) != n_entries * ENTRY_SIZE:
+            raise self._fail("truncated expert pack index")
+        if hashlib.sha256(raw).digest() != index_sha:
+            raise self._fail("index checksum mismatch: the pack index is corrupt")
+        idx = np.frombuffer(raw, dtype=ENTRY_DTYPE)
+        self.alignment, self.n_experts, self.top_k = alignment, n_experts, top_k
+        self.data_offset, self.file_size = data_offset, file_size
+        self.config_sha256, self.source_sha256, self.index_sha256 = config_sha, source_sha, index_sha
+        layers = idx["layer"].reshape(n_layers, n_experts, n_roles)[:, 0, 0] if n_entries else np.zeros(0, np.uint32)
+        self.layers = [int(x) for x in layers]
+        grid_l = np.repeat(layers, n_experts * n_roles)
+        grid_e = np.tile(np.repeat(np.arange(n_experts, dtype=np.uint32), n_roles), n_layers)
+        grid_r = np.tile(np.arange(n_roles, dtype=np.uint32), n_layers * n_experts)
+        bad = np.nonzero((idx["layer"] != grid_l) | (idx["expert"] != grid_e) | (idx["role"] != grid_r))[0]
+        if len(bad) or (len(layers) > 1 and not np.all(np.diff(layers.astype(np.int64)) > 0)):
+            i = int(bad[0]) if len(bad) else 0
+            raise self._fail(f"index entry #{i} is out of order: expected (layer, expert, role) ascending, "
+                             f"one entry per (layer, expert, role)")
+        by_id, _ = _type_tables()
+        ends = idx["offset"].astype(np.int64) + idx["size"].astype(np.int64)
+        for i in np.nonzero((idx["offset"] % alignment != 0) | (idx["offset"] < data_offset) | (ends > file_size))[0][:1]:
+            raise self._fail(f"entry {self._entry(idx, int(i), by_id).describe()}: payload {int(idx['offset'][i])}+"
+                             f"{int(idx['size'][i])} is misaligned or outside the data region (file {file_size} bytes)")
+        self._idx, self._by_id = idx, by_id
+        self._layer_pos = {layer: i for i, layer in enumerate(self.layers)}
+        for i in range(len(idx)):  # per-entry type/size agreement (cheap: ints only)
+            t = by_id.get(int(idx["ggml_type"][i]))
+            if t is None or (t not in BLOCKS and t not in FLOAT_TYPES):
+                raise self._fail(f"index entry #{i}: ggml type id {int(idx['ggml_type'][i])} is not supported")
+            rows, row_len = int(idx["rows"][i]), int(idx["row_len"][i])
+            if t in BLOCKS and row_len % BLOCKS[t][0]:
+                raise self._fail(f"entry {self._entry(idx, i, by_id).describe()}: row length not a multiple of {t} blocks")
+            if payload_size(t, rows, row_len) != int(idx["size"][i]):
+                raise self._fail(f"entry {self._entry(idx, i, by_id).describe()}: size {int(idx['size'][i])}, "
+                                 f"expected {payload_size(t, rows, row_len)}")
+
+    @staticmethod
+    def _entry(idx: np.ndarray, i: int, by_id: dict[int, str]) -> PackEntry:
+        r = idx[i]
+        return PackEntry(int(r["layer"]), int(r["expert"]), ROLES[int(r["role"]) % 3],
+                         by_id.get(int(r["ggml_type"]), f"type{int(r['ggml_type'])}"),
+                         (int(r["rows"]), int(r["row_len"])), int(r["offset"]), int(r["size"]), bytes(r["sha256"]))
+
+    # -- lookup ---------------------------------------------------------------------------------
+
+    def _pos(self, layer: int, expert: int, role: int) -> int:
+        return (self._layer_pos[layer] * self.n_experts + expert) * len(ROLES) + role
+
+    def has_layer(self, layer: int) -> bool:
+        return layer in self._layer_pos
+
+    def entry(self, layer: int, expert: int, role: str) -> PackEntry:
+        if layer not in self._layer_pos or not 0 <= expert < self.n_experts:
+            raise QuantplugError(f"{self.path}: no entry for layer {layer} expert {expert}")
+        return self._entry(self._idx, self._pos(layer, expert, ROLES.index(role)), self._by_id)
+
+    def layer_entries(self, layer: int, role: str) -> list[PackEntry]:
+        return [self.entry(layer, e, role) for e in range(self.n_experts)]
+
+    def expert_bytes(self, layer: int, expert: int) -> int:
+        return sum(self.entry(layer, expert, r).size for r in ROLES)
+
+    def total_payload_bytes(self) -> int:
+        return int(self._idx["size"].astype(np.int64).sum())
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def _fileno(self) -> int:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        return self._fd
+
+    def read_expert(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
+        """The expert's gate/up/down payloads as uint8 tensors [rows, row_bytes], one pread."""
+        entries = [self.entry(layer, expert, r) for r in ROLES]
+        start, end = entries[0].offset, entries[-1].offset + entries[-1].size
+        buf = bytearray(end - start)
+        view = memoryview(buf)
+        got = 0
+        fd = self._fileno()
+        while got < len(buf):
+            n = os.preadv(fd, [view[got:]], start + got)
+            if n <= 0:
+                raise CheckpointError(f"{self.path}: short read at {start + got} for layer {layer} expert {expert} "
+                                      "(file truncated after it was opened?)")
+            got += n
+        out = []
+        for role, e in enumerate(entries):
+            payload = view[e.offset - start:e.offset - start + e.size]
+            key = (layer, expert, role)
+            if key not in self._verified:
+                if hashlib.sha256(payload).digest() != e.sha256:
+                    raise CheckpointError(f"{self.path}: checksum mismatch in {e.describe()} at offset {e.offset} "
+                                          f"({e.size} bytes): the expert pack is corrupt")
+                with self._lock:
+                    self._verified.add(key)
+            t = torch.frombuffer(buf, dtype=torch.uint8, count=e.size, offset=e.offset - start)
+            out.append(t.view(e.shape[0], -1))
+        return tuple(out)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+class ExpertCache:
+    """LRU cache of packed experts (gate/up/down bytes), bounded in bytes.
+
+    Holds experts exactly as stored (still quantized); dequantization happens per matmul.
+    ``stats()`` reports hits, misses, evictions, bytes read and the resident size.
+    """
+
+    def __init__(self, pack: ExpertPack, budget_bytes: int) -> None:
+        self.pack, self.budget = pack, int(budget_bytes)
+        self._items: OrderedDict[tuple[int, int], tuple[torch.Tensor, ...]] = OrderedDict()
+        self._sizes: dict[tuple[int, int], int] = {}
+        self.resident = self.hits = self.misses = self.evictions = self.bytes_read = self.peak_resident = 0
+        self._lock = threading.Lock()
+
+    def get(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
+        key = (layer, expert)
+        with self._lock:
+            item = self._items.get(key)
+            if item is not None:
+                self._items.move_to_end(key)
+                self.hits += 1
+                return item
+        item = self.pack.read_expert(layer, expert)
+        size = sum(t.numel() for t in item)
+        with self._lock:
+            self.misses += 1
+            self.bytes_read += size
+            while self._items and self.resident + size > self.budget:
+                old, _ = self._items.popitem(last=False)
+                self.resident -= self._sizes.pop(old)
+                self.evictions += 1
+            self._items[key] = item
+            self._sizes[key] = size
+            self.resident += size
+            self.peak_resident = max(self.peak_resident, self.resident)
+        return item
+
+    def stats(self) -> dict[str, int]:
+        return {"budget_bytes": self.budget, "resident_bytes": self.resident, "peak_resident_bytes": self.peak_resident,
+                "hits": self.hits, "misses": self.misses, "evictions": self.evictions, "bytes_read": self.bytes_read,
+                "experts_cached": len(self._items)}

@@ -1,0 +1,134 @@
+"""Linear schemes of the ExpertPack backend.
+
+* :class:`GGMLScheme`: one GGUF tensor in any supported ggml type, kept packed (a zero-copy view
+  of the memory-mapped GGUF when the model dtype allows), dequantized per matmul by the torch
+  kernels in :mod:`.ggml`. Used for linears, split MLA K/V stacks and stacked routed experts.
+* :class:`PackedExpertsScheme`: routed experts served from an expert pack through the shared
+  LRU :class:`~.pack.ExpertCache`; the module holds no expert weights at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from quantplug.layers.linear import LinearScheme
+from quantplug.types import Problem, TensorInfo, TensorSpec
+from torch import nn
+
+from . import ggml
+from .pack import ROLES, ExpertCache, ExpertPack
+
+
+class GGMLScheme(LinearScheme):
+    """A GGUF tensor in ggml type ``ggml_type``; stacked when used for experts or MLA K/V.
+
+    ``key`` is ``"ggml"`` for every type: llama.cpp files mix types tensor by tensor (llama-quantize
+    picks per tensor and falls back to legacy types), and quantplug never fuses GGUF shards, so
+    q_a / kv_a_mqa in different types are not a disagreement.
+    """
+
+    name = "ggml"
+
+    def __init__(self, ggml_type: str, cache: bool = False) -> None:
+        self.ggml_type = ggml_type
+        self.cache = cache
+
+    @property
+    def key(self) -> str:
+        return "ggml"
+
+    def describe(self) -> str:
+        return f"ggml {self.ggml_type}" + ("; cached dense copy" if self.cache else "")
+
+    def tensor_specs(self, out_features: int, in_features: int) -> list[TensorSpec]:
+        return [TensorSpec("weight", (self.ggml_type,), (out_features, in_features))]
+
+    def check(self, layer_name: str, tensors: Mapping[str, TensorInfo]) -> list[Problem]:
+        if self.ggml_type not in ggml.SUPPORTED:
+            w = tensors.get("weight")
+            return [Problem(f"ggml type {self.ggml_type} has no kernel in quantplug-expert-pack; supported: "
+                            f"{', '.join(ggml.SUPPORTED)}", tensor=w.label if w else None, layer=layer_name,
+                            file=w.file.name if w else None)]
+        return []
+
+    def _dense(self, layer: nn.Module, w: torch.Tensor) -> torch.Tensor:
+        if self.ggml_type in ggml.FLOAT_TYPES:
+            return w
+        return ggml.dequantize(w, self.ggml_type).to(layer.model_dtype)  # type: ignore[arg-type]
+
+    def dequantize(self, layer: nn.Module, index: int | None = None) -> torch.Tensor:
+        cached = getattr(layer, "_dequantized", None)
+        if cached is not None:
+            return cached if index is None else cached[index]
+        w: torch.Tensor = layer.weight  # type: ignore[assignment]
+        return self._dense(layer, w if index is None else w[index])
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
+        return F.linear(x, self.dequantize(layer, index).to(x.dtype))
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        if self.cache and self.ggml_type not in ggml.FLOAT_TYPES:
+            layer.register_buffer("_dequantized", self._dense(layer, layer.weight), persistent=False)  # type: ignore[arg-type]
+
+
+class PackedExpertsScheme(LinearScheme):
+    """Routed experts ``role`` of MoE layer ``layer``, read from ``pack`` through ``cache``.
+
+    Declares no checkpoint tensors: the plan checks the pack's index entries instead (every
+    expert present, shape [out, in], one supported ggml type) in :meth:`check`, from the index
+    alone. Forward reads the selected expert's payloads on first use (checksum verified once).
+    """
+
+    name = "expert-pack"
+
+    def __init__(self, pack: ExpertPack, cache: ExpertCache, layer: int, role: str) -> None:
+        self.pack, self.cache, self.layer, self.role = pack, cache, layer, role
+        self._role = ROLES.index(role)
+        self._shape: tuple[int, int] | None = None
+        types = {e.ggml_type for e in pack.layer_entries(layer, role)} if pack.has_layer(layer) else set()
+        self.ggml_type = types.pop() if len(types) == 1 else "mixed" if types else "absent"
+
+    @property
+    def key(self) -> str:
+        return "ggml"
+
+    def describe(self) -> str:
+        return f"ggml {self.ggml_type} experts from {self.pack.path.name} (LRU cache {self.cache.budget >> 20} MiB)"
+
+    def tensor_specs(self, out_features: int, in_features: int) -> list[TensorSpec]:
+        self._shape = (out_features, in_features)
+        return []
+
+    def check(self, layer_name: str, tensors: Mapping[str, TensorInfo]) -> list[Problem]:
+        where = f"{self.pack.path.name}: layer {self.layer} {self.role}"
+        if not self.pack.has_layer(self.layer):
+            return [Problem(f"{where}: the expert pack has no entries for MoE layer {self.layer} "
+                            f"(it has layers {self.pack.layers})", layer=layer_name, file=self.pack.path.name)]
+        problems = []
+        if self.ggml_type == "mixed":
+            problems.append(Problem(f"{where}: experts use different ggml types; one type per layer and role "
+                                    "is expected", layer=layer_name, file=self.pack.path.name))
+        if self.ggml_type not in ggml.SUPPORTED and self.ggml_type != "mixed":
+            problems.append(Problem(f"{where}: ggml type {self.ggml_type} has no kernel; supported: "
+                                    f"{', '.join(ggml.SUPPORTED)}", layer=layer_name, file=self.pack.path.name))
+        for e in self.pack.layer_entries(self.layer, self.role):
+            if self._shape is not None and e.shape != self._shape:
+                problems.append(Problem(f"{where}: entry {e.describe()} has shape {list(e.shape)}, the model "
+                                        f"expects {list(self._shape)}", layer=layer_name, file=self.pack.path.name))
+                break
+        return problems
+
+    def dequantize(self, layer: nn.Module, index: int | None = None) -> torch.Tensor:
+        if index is None:
+            return torch.stack([self.dequantize(layer, e) for e in range(self.pack.n_experts)])
+        raw = self.cache.get(self.layer, index)[self._role]
+        entry_type = self.pack.entry(self.layer, index, self.role).ggml_type
+        if entry_type in ggml.FLOAT_TYPES:
+            dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[entry_type]
+            return raw.view(dtype).to(layer.model_dtype)  # type: ignore[arg-type]
+        return ggml.dequantize(raw, entry_type).to(layer.model_dtype)  # type: ignore[arg-type]
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
+        return F.linear(x, self.dequantize(layer, index).to(x.dtype))
