@@ -21,13 +21,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-from safetensors import safe_open
-
 import quantplug
+import torch
 from quantplug.loader import model_bytes
 from quantplug.plan import build_plan
 from quantplug.testing import random_state, tiny_config, write_checkpoint
+from safetensors import safe_open
 
 
 def sized_config(gib: float) -> dict:

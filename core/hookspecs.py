@@ -192,7 +192,10 @@ def quantplug_linear_scheme(
     ``layer_name`` is the checkpoint name (prefix applied), e.g.
     ``language_model.model.layers.3.self_attn.q_a_proj``. ``layer_kind`` is ``"linear"``,
     ``"experts"`` (stacked routed experts; ``shard_names`` lists the checkpoint modules that feed
-    it, per-expert or fused) or ``"attn_k_b"`` / ``"attn_v_b"`` (split MLA, stacked per head).
+    it, per-expert or fused), ``"attn_k_b"`` / ``"attn_v_b"`` (split MLA, stacked per head) or
+    ``"embedding"`` (the token embedding [vocab, hidden], looked up by row through the scheme's
+    ``embed``). Return None for a kind your format stores as plain floats (the core's dense
+    scheme answers); kinds may be added over time, so answer None for one you do not know.
     The answers for a fused module and for each of its shards must agree (equal ``key``), else
     the plan reports a Problem. ``options`` is the ``options=`` mapping given to ``load``.
 

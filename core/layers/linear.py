@@ -85,6 +85,11 @@ class LinearScheme:
         w = self.dequantize(layer, index)
         return F.linear(x.to(w.dtype), w)
 
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the weight (layer kind ``"embedding"``), in the model dtype. The
+        default dequantizes the whole matrix; a scheme can dequantize only the rows looked up."""
+        return F.embedding(ids, self.dequantize(layer))
+
     def process_after_loading(self, layer: nn.Module) -> None:
         """Called once per layer after all its tensors are loaded."""
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers.linear import FloatParams, LinearScheme, QuantLinear, StackedLinear
+from ..layers.linear import FloatParams, LinearScheme, PlannedModule, QuantLinear, Source, StackedLinear
 from ..layers.norm import RMSNorm, Rotary, softmax_scale
 from ..types import AttentionLayout
 from .config import ModelConfig
@@ -36,8 +36,9 @@ class Decisions(Protocol):
         ...
 
     def scheme(self, ckpt_name: str, kind: str = "linear", shards: Sequence[str] | None = None) -> LinearScheme:
-        """Scheme for one linear (``kind`` "linear"), expert projection ("experts") or MLA
-        K/V stack ("attn_k_b" / "attn_v_b"); ``shards``: checkpoint modules feeding it."""
+        """Scheme for one linear (``kind`` "linear"), expert projection ("experts"), MLA K/V
+        stack ("attn_k_b" / "attn_v_b") or the token embedding ("embedding"); ``shards``:
+        checkpoint modules feeding it."""
         ...
 
     def layout(self, attn_ckpt_name: str) -> AttentionLayout: ...
@@ -54,14 +55,27 @@ def _lin(d: Decisions, rel: str, i: int, o: int) -> QuantLinear:
     return QuantLinear(i, o, d.scheme(name), name, d.model_dtype)
 
 
-class Embedding(FloatParams):
-    def __init__(self, vocab: int, dim: int, ckpt: str) -> None:
+class Embedding(PlannedModule):
+    """Token embedding [vocab, dim], stored as its scheme says (layer kind ``"embedding"``):
+    float for most formats; GGUF files often store ``token_embd`` block-quantized, and the
+    scheme's ``embed`` then dequantizes only the rows looked up."""
+
+    def __init__(self, vocab: int, dim: int, scheme: LinearScheme, ckpt: str, model_dtype: torch.dtype) -> None:
         super().__init__()
+        self.vocab, self.dim, self.scheme, self.model_dtype = vocab, dim, scheme, model_dtype
         self.qp_init(ckpt)
-        self.add_float("weight", (vocab, dim), f"{ckpt}.weight")
+        self.specs = {s.suffix: s for s in scheme.tensor_specs(vocab, dim)}
+        for s in self.specs.values():
+            self.qp_sources[s.suffix] = [Source(f"{ckpt}.{s.suffix}", s.shape or (), s.dtypes, optional=s.optional)]
+
+    def qp_target_dtype(self, name: str, stored: str, model_dtype: torch.dtype) -> torch.dtype:
+        return self.scheme.target_dtype(self.specs[name], model_dtype, stored)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        return self.scheme.embed(self, ids)
+
+    def qp_finish(self) -> None:
+        self.scheme.process_after_loading(self)
 
 
 class TiedHead(nn.Module):
@@ -72,8 +86,8 @@ class TiedHead(nn.Module):
         self._embed = [embed]  # a list, so the embedding is not registered twice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self._embed[0].weight
-        return F.linear(x.to(w.dtype), w)
+        e = self._embed[0]
+        return e.scheme.apply(e, x)
 
 
 class MLA(nn.Module):
@@ -256,7 +270,8 @@ class DecoderLayer(nn.Module):
 class TextModel(nn.Module):
     def __init__(self, cfg: ModelConfig, d: Decisions) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, d.ck("model.embed_tokens"))
+        emb = d.ck("model.embed_tokens")
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, d.scheme(emb, "embedding"), emb, d.model_dtype)
         self.rotary = Rotary(cfg.rope, cfg.qk_rope_head_dim, cfg.rope_interleave)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, d, self.rotary) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, d.ck("model.norm"))

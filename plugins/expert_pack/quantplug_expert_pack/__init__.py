@@ -188,7 +188,7 @@ def _check_pack(plan: Any, pack: ExpertPack, qc: GGUFConfig) -> list[Problem]:
         problems.append(Problem("config.json changed since the expert pack was built", file=name, kind="pack",
                                 severity="warning"))
     budget = qc.cache(plan.options).budget
-    largest = max((pack.expert_bytes(layer, 0) for layer in pack.layers), default=0)
+    largest = pack.max_expert_span()  # one cache slot: an expert's three adjacent, aligned payloads
     if budget < largest:
         problems.append(Problem(f"expert_cache_mb = {plan.options.get('expert_cache_mb')} holds less than one "
                                 f"expert ({largest / (1 << 20):.3f} MiB); raise it", file=name, kind="options"))

@@ -22,6 +22,7 @@ import torch
 from quantplug.errors import QuantplugError
 from quantplug.layers.linear import QuantLinear, StackedLinear
 from quantplug.models.config import ModelConfig
+from quantplug.models.deepseek import Embedding
 from quantplug.types import ExportResult
 
 from . import ggml
@@ -168,7 +169,7 @@ def dense_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     cut = len(plan.prefix) + 1 if plan.prefix else 0
     out: dict[str, torch.Tensor] = {}
     for mod in model.modules():
-        if isinstance(mod, QuantLinear):
+        if isinstance(mod, QuantLinear | Embedding):
             out[f"{mod.qp_ckpt[cut:]}.weight"] = mod.scheme.dequantize(mod).float()
         elif isinstance(mod, StackedLinear):
             w = torch.stack([mod.scheme.dequantize(mod, i).float() for i in range(mod.n)])
@@ -179,7 +180,7 @@ def dense_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
                     base, proj = mod.qp_ckpt[cut:].rsplit(".", 1)
                     out[f"{base}.{i}.{proj}.weight"] = w[i]
     for pp in plan.params:
-        if isinstance(pp.module, QuantLinear | StackedLinear):
+        if isinstance(pp.module, QuantLinear | StackedLinear | Embedding):
             continue
         out[pp.sources[0][1].name[cut:]] = getattr(pp.module, pp.local).detach().float()
     # split MLA stacks back to kv_b, so gguf_state can split them the same way for every source

@@ -27,6 +27,8 @@ MXFP4     32     17    e8m0 exponent, qs[16]: x = 2^(e-128) * kvalues[nibble], j
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from collections.abc import Callable
 
 import torch
@@ -48,83 +50,135 @@ _BITS8 = torch.arange(8, dtype=torch.uint8)
 _MXFP4_VALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.float32)
 
 
-def _f16(b: torch.Tensor) -> torch.Tensor:
+class _Scratch:
+    """Reusable work buffers for one :func:`dequantize` call.
+
+    Every intermediate goes through ``out=`` into a buffer allocated once per call and reused for
+    every chunk: multi-megabyte temporaries would otherwise be fresh ``mmap`` allocations per chunk
+    whose page faults cost more than the arithmetic.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            buf = self._bufs[key] = torch.empty(n, dtype=dtype)
+        return buf[:n].view(shape)
+
+
+def _f16(b: torch.Tensor, ws: _Scratch, key: str) -> torch.Tensor:
     """Two bytes per block [nb, 2] -> float32 [nb, 1] (little-endian f16)."""
-    return b.contiguous().view(torch.float16).float()
+    raw = ws.get(key + "_raw", (b.shape[0], 2), torch.uint8)
+    raw.copy_(b)
+    out = ws.get(key, (b.shape[0], 1), torch.float32)
+    out.copy_(raw.view(torch.float16))
+    return out
 
 
-def _nibbles(qs: torch.Tensor, groups: int) -> torch.Tensor:
-    """qs [nb, groups*w] -> [nb, groups, 2, w]: low nibbles of each group, then high nibbles."""
-    nb = qs.shape[0]
-    q = qs.reshape(nb, groups, 1, -1)
-    return (q >> _LOHI.view(1, 1, 2, 1)) & 0x0F
+def _scaled(d: torch.Tensor, q: torch.Tensor, ws: _Scratch, key: str) -> torch.Tensor:
+    """float32 ``d * float(q)`` for small per-block scale arrays (into scratch)."""
+    qf = ws.get(key + "_q", tuple(q.shape), torch.float32)
+    qf.copy_(q)
+    return qf.mul_(d)
 
 
-def _q4_0(b: torch.Tensor) -> torch.Tensor:
-    nb = b.shape[0]
-    d = _f16(b[:, :2]).view(nb, 1, 1)
-    q = (_nibbles(b[:, 2:], 1).view(torch.int8) - 8).to(torch.float32).view(nb, 2, 16)
-    return (d * q).view(nb, 32)
+def _nibbles(qs: torch.Tensor, groups: int, ws: _Scratch, key: str = "nib") -> torch.Tensor:
+    """qs [nb, groups*w] -> [nb, groups, 2, w] uint8: low nibbles of each group, then high nibbles."""
+    nb, w = qs.shape[0], qs.shape[1] // groups
+    out = ws.get(key, (nb, groups, 2, w), torch.uint8)
+    torch.bitwise_right_shift(qs.reshape(nb, groups, 1, w), _LOHI.view(1, 1, 2, 1), out=out)
+    return out.bitwise_and_(0x0F)
 
 
-def _q4_1(b: torch.Tensor) -> torch.Tensor:
-    nb = b.shape[0]
-    d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
-    q = _nibbles(b[:, 4:], 1).reshape(nb, 32).to(torch.float32)
-    return d * q + m
+def _q4_0(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
+    d = _f16(b[:, :2], ws, "d")
+    q = _nibbles(b[:, 2:], 1, ws).view(torch.int8).sub_(8)
+    o.copy_(q.view(-1, 32))
+    o.mul_(d)
 
 
-def _qh_bits(qh: torch.Tensor) -> torch.Tensor:
-    """[nb, 4] little-endian u32 -> [nb, 32] bits (bit j of the word at position j)."""
+def _q4_1(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
+    d, m = _f16(b[:, :2], ws, "d"), _f16(b[:, 2:4], ws, "m")
+    o.copy_(_nibbles(b[:, 4:], 1, ws).view(-1, 32))
+    o.mul_(d).add_(m)
+
+
+def _qh_bits(qh: torch.Tensor, ws: _Scratch) -> torch.Tensor:
+    """[nb, 4] little-endian u32 -> [nb, 32] uint8 bits (bit j of the word at position j)."""
     nb = qh.shape[0]
-    return ((qh.reshape(nb, 4, 1) >> _BITS8.view(1, 1, 8)) & 1).reshape(nb, 32)
+    out = ws.get("qh", (nb, 4, 8), torch.uint8)
+    torch.bitwise_right_shift(qh.reshape(nb, 4, 1), _BITS8.view(1, 1, 8), out=out)
+    return out.bitwise_and_(1).view(nb, 32)
 
 
-def _q5_0(b: torch.Tensor) -> torch.Tensor:
+def _q5_0(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
+    d = _f16(b[:, :2], ws, "d")
+    ql = _nibbles(b[:, 6:], 1, ws).view(-1, 32)
+    ql.bitwise_or_(_qh_bits(b[:, 2:6], ws).bitwise_left_shift_(4))
+    o.copy_(ql.view(torch.int8).sub_(16))
+    o.mul_(d)
+
+
+def _q5_1(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
+    d, m = _f16(b[:, :2], ws, "d"), _f16(b[:, 2:4], ws, "m")
+    ql = _nibbles(b[:, 8:], 1, ws).view(-1, 32)
+    ql.bitwise_or_(_qh_bits(b[:, 4:8], ws).bitwise_left_shift_(4))
+    o.copy_(ql)
+    o.mul_(d).add_(m)
+
+
+def _q8_0(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
+    d = _f16(b[:, :2], ws, "d")
+    o.copy_(b[:, 2:].view(torch.int8))
+    o.mul_(d)
+
+
+def _q2_k(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
     nb = b.shape[0]
-    d = _f16(b[:, :2])
-    ql = _nibbles(b[:, 6:], 1).reshape(nb, 32)
-    q = (ql | (_qh_bits(b[:, 2:6]) << 4)).view(torch.int8) - 16
-    return d * q.to(torch.float32)
+    scales = b[:, :16]
+    d, dmin = _f16(b[:, 80:82], ws, "d"), _f16(b[:, 82:84], ws, "dmin")
+    lo = ws.get("sc_lo", (nb, 16), torch.uint8)
+    hi = ws.get("sc_hi", (nb, 16), torch.uint8)
+    torch.bitwise_and(scales, 0x0F, out=lo)
+    torch.bitwise_right_shift(scales, 4, out=hi)
+    dl = _scaled(d, lo, ws, "dl").view(nb, 16, 1)
+    ml = _scaled(dmin, hi, ws, "ml").view(nb, 16, 1)
+    q = ws.get("q", (nb, 2, 4, 32), torch.uint8)
+    torch.bitwise_right_shift(b[:, 16:80].reshape(nb, 2, 1, 32), _SHIFT2.view(1, 1, 4, 1), out=q)
+    q.bitwise_and_(3)
+    ov = o.view(nb, 16, 16)
+    ov.copy_(q.view(nb, 16, 16))
+    ov.mul_(dl).sub_(ml)
 
 
-def _q5_1(b: torch.Tensor) -> torch.Tensor:
+def _q3_k(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
     nb = b.shape[0]
-    d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
-    ql = _nibbles(b[:, 8:], 1).reshape(nb, 32)
-    q = (ql | (_qh_bits(b[:, 4:8]) << 4)).to(torch.float32)
-    return d * q + m
+    hmask, qs, sc = b[:, :32], b[:, 32:96], b[:, 96:108]
+    d = _f16(b[:, 108:110], ws, "d")
+    lsc = ws.get("lsc", (nb, 2, 8), torch.uint8)
+    torch.bitwise_right_shift(sc[:, :8].reshape(nb, 1, 8), _LOHI.view(1, 2, 1), out=lsc)
+    hsc = ws.get("hsc", (nb, 4, 4), torch.uint8)
+    torch.bitwise_right_shift(sc[:, 8:].reshape(nb, 1, 4), _SHIFT2.view(1, 4, 1), out=hsc)
+    scales = lsc.view(nb, 16).bitwise_and_(0x0F).bitwise_or_(hsc.view(nb, 16).bitwise_and_(0x03).bitwise_left_shift_(4))
+    dl = _scaled(d, scales.view(torch.int8).sub_(32), ws, "dl").view(nb, 16, 1)
+    ql = ws.get("q", (nb, 2, 4, 32), torch.uint8)
+    torch.bitwise_right_shift(qs.reshape(nb, 2, 1, 32), _SHIFT2.view(1, 1, 4, 1), out=ql)
+    ql.bitwise_and_(3)
+    qh = ws.get("qh", (nb, 1, 8, 32), torch.uint8)
+    torch.bitwise_right_shift(hmask.reshape(nb, 1, 1, 32), _BITS8.view(1, 1, 8, 1), out=qh)
+    qh.bitwise_and_(1).bitwise_xor_(1).bitwise_left_shift_(2)  # offset 4 when the mask bit is 0
+    q = ql.view(torch.int8).view(nb, 16, 16).sub_(qh.view(torch.int8).view(nb, 16, 16))
+    ov = o.view(nb, 16, 16)
+    ov.copy_(q)
+    ov.mul_(dl)
 
 
-def _q8_0(b: torch.Tensor) -> torch.Tensor:
-    d = _f16(b[:, :2])
-    return b[:, 2:].view(torch.int8).to(torch.float32) * d
-
-
-def _q2_k(b: torch.Tensor) -> torch.Tensor:
-    nb = b.shape[0]
-    scales, qs = b[:, :16], b[:, 16:80]
-    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
-    dl = (d * (scales & 0x0F).to(torch.float32)).view(nb, 16, 1)
-    ml = (dmin * (scales >> 4).to(torch.float32)).view(nb, 16, 1)
-    q = ((qs.reshape(nb, 2, 1, 32) >> _SHIFT2.view(1, 1, 4, 1)) & 3).reshape(nb, 16, 16).to(torch.float32)
-    return (dl * q - ml).view(nb, QK_K)
-
-
-def _q3_k(b: torch.Tensor) -> torch.Tensor:
-    nb = b.shape[0]
-    hmask, qs, sc, d = b[:, :32], b[:, 32:96], b[:, 96:108], _f16(b[:, 108:110])
-    lsc = (sc[:, :8].reshape(nb, 1, 8) >> _LOHI.view(1, 2, 1)).reshape(nb, 16)
-    hsc = (sc[:, 8:].reshape(nb, 1, 4) >> _SHIFT2.view(1, 4, 1)).reshape(nb, 16)
-    scales = ((lsc & 0x0F) | ((hsc & 0x03) << 4)).view(torch.int8) - 32
-    dl = (d * scales.to(torch.float32)).view(nb, 16, 1)
-    ql = ((qs.reshape(nb, 2, 1, 32) >> _SHIFT2.view(1, 1, 4, 1)).reshape(nb, 16, 16)) & 3
-    qh = ((hmask.reshape(nb, 1, 1, 32) >> _BITS8.view(1, 1, 8, 1)).reshape(nb, 16, 16) & 1) ^ 1
-    q = (ql.view(torch.int8) - (qh << 2).view(torch.int8)).to(torch.float32)
-    return (dl * q).view(nb, QK_K)
-
-
-def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _scale_min_k4(scales: torch.Tensor, ws: _Scratch) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K / Q5_K: 12 bytes -> 8 six-bit scales and 8 six-bit mins (gguf-py's get_scale_min)."""
     nb = scales.shape[0]
     s = scales.reshape(nb, 3, 4)
@@ -134,37 +188,47 @@ def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def _q4_k(b: torch.Tensor) -> torch.Tensor:
+def _k4_scales(b: torch.Tensor, ws: _Scratch) -> tuple[torch.Tensor, torch.Tensor]:
     nb = b.shape[0]
-    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
-    sc, mn = _scale_min_k4(b[:, 4:16])
-    dl = (d * sc.to(torch.float32)).view(nb, 8, 1)
-    ml = (dmin * mn.to(torch.float32)).view(nb, 8, 1)
-    q = _nibbles(b[:, 16:], 4).reshape(nb, 8, 32).to(torch.float32)
-    return (dl * q - ml).view(nb, QK_K)
+    d, dmin = _f16(b[:, :2], ws, "d"), _f16(b[:, 2:4], ws, "dmin")
+    sc, mn = _scale_min_k4(b[:, 4:16], ws)
+    return _scaled(d, sc, ws, "dl").view(nb, 8, 1), _scaled(dmin, mn, ws, "ml").view(nb, 8, 1)
 
 
-def _q5_k(b: torch.Tensor) -> torch.Tensor:
+def _q4_k(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
     nb = b.shape[0]
-    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
-    sc, mn = _scale_min_k4(b[:, 4:16])
-    dl = (d * sc.to(torch.float32)).view(nb, 8, 1)
-    ml = (dmin * mn.to(torch.float32)).view(nb, 8, 1)
-    qh, qs = b[:, 16:48], b[:, 48:176]
-    ql = _nibbles(qs, 4).reshape(nb, 8, 32)
-    hi = ((qh.reshape(nb, 1, 1, 32) >> _BITS8.view(1, 1, 8, 1)) & 1).reshape(nb, 8, 32)
-    q = (ql | (hi << 4)).to(torch.float32)
-    return (dl * q - ml).view(nb, QK_K)
+    dl, ml = _k4_scales(b, ws)
+    ov = o.view(nb, 8, 32)
+    ov.copy_(_nibbles(b[:, 16:], 4, ws).view(nb, 8, 32))
+    ov.mul_(dl).sub_(ml)
 
 
-def _q6_k(b: torch.Tensor) -> torch.Tensor:
+def _q5_k(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
     nb = b.shape[0]
-    ql, qh, sc, d = b[:, :128], b[:, 128:192], b[:, 192:208], _f16(b[:, 208:210])
-    dl = (d * sc.view(torch.int8).to(torch.float32)).view(nb, 16, 1)
-    lo = ((ql.reshape(nb, 2, 1, 64) >> _LOHI.view(1, 1, 2, 1)) & 0x0F).reshape(nb, 8, 32)
-    hi = ((qh.reshape(nb, 2, 1, 32) >> _SHIFT2.view(1, 1, 4, 1)) & 0x03).reshape(nb, 8, 32)
-    q = ((lo | (hi << 4)).view(torch.int8) - 32).reshape(nb, 16, 16).to(torch.float32)
-    return (dl * q).view(nb, QK_K)
+    dl, ml = _k4_scales(b, ws)
+    ql = _nibbles(b[:, 48:176], 4, ws).view(nb, 8, 32)
+    hi = ws.get("hi", (nb, 1, 8, 32), torch.uint8)
+    torch.bitwise_right_shift(b[:, 16:48].reshape(nb, 1, 1, 32), _BITS8.view(1, 1, 8, 1), out=hi)
+    ql.bitwise_or_(hi.bitwise_and_(1).bitwise_left_shift_(4).view(nb, 8, 32))
+    ov = o.view(nb, 8, 32)
+    ov.copy_(ql)
+    ov.mul_(dl).sub_(ml)
+
+
+def _q6_k(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
+    nb = b.shape[0]
+    d = _f16(b[:, 208:210], ws, "d")
+    dl = _scaled(d, b[:, 192:208].view(torch.int8), ws, "dl").view(nb, 16, 1)
+    lo = ws.get("lo", (nb, 2, 2, 64), torch.uint8)
+    torch.bitwise_right_shift(b[:, :128].reshape(nb, 2, 1, 64), _LOHI.view(1, 1, 2, 1), out=lo)
+    lo.bitwise_and_(0x0F)
+    hi = ws.get("hi", (nb, 2, 4, 32), torch.uint8)
+    torch.bitwise_right_shift(b[:, 128:192].reshape(nb, 2, 1, 32), _SHIFT2.view(1, 1, 4, 1), out=hi)
+    hi.bitwise_and_(0x03).bitwise_left_shift_(4)
+    q = lo.view(nb, 8, 32).bitwise_or_(hi.view(nb, 8, 32)).view(torch.int8).sub_(32)
+    ov = o.view(nb, 16, 16)
+    ov.copy_(q.view(nb, 16, 16))
+    ov.mul_(dl)
 
 
 def e8m0_to_fp32_half(e: torch.Tensor) -> torch.Tensor:
@@ -174,17 +238,50 @@ def e8m0_to_fp32_half(e: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def _mxfp4(b: torch.Tensor) -> torch.Tensor:
-    nb = b.shape[0]
+def _mxfp4(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
     d = e8m0_to_fp32_half(b[:, :1])
-    idx = _nibbles(b[:, 1:], 1).reshape(nb, 32).to(torch.int64)
-    return d * _MXFP4_VALUES[idx]
+    idx = _nibbles(b[:, 1:], 1, ws).view(-1, 32)
+    torch.index_select(_MXFP4_VALUES, 0, idx.reshape(-1).to(torch.int32), out=o.view(-1))
+    o.mul_(d)
 
 
-KERNELS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor, _Scratch], None]] = {
     "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "Q2_K": _q2_k,
     "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "MXFP4": _mxfp4,
 }
+
+
+_HUGE = 1 << 21
+_MADV_HUGEPAGE = 14
+
+
+def _madvise() -> Callable[[int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.madvise
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return fn  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+_madvise_fn = _madvise()
+
+
+def empty_f32(n: int) -> torch.Tensor:
+    """An uninitialised float32 buffer; large ones are advised to use transparent huge pages
+    (Linux ``madvise(MADV_HUGEPAGE)``, the same thing torch's ``THP_MEM_ALLOC_ENABLE`` does):
+    writing a fresh multi-GB dequant output otherwise spends more time in 4 KiB page faults than
+    in arithmetic. Harmless where THP is off or unsupported."""
+    t = torch.empty(n, dtype=torch.float32)
+    if _madvise_fn is not None and n * 4 >= 2 * _HUGE:
+        p = t.data_ptr()
+        start, end = (p + _HUGE - 1) & ~(_HUGE - 1), (p + n * 4) & ~(_HUGE - 1)
+        if end > start:
+            _madvise_fn(start, end - start, _MADV_HUGEPAGE)
+    return t
 
 
 def row_bytes(ggml_type: str, row_len: int) -> int:
@@ -194,7 +291,7 @@ def row_bytes(ggml_type: str, row_len: int) -> int:
     return row_len // block * size
 
 
-def dequantize(data: torch.Tensor, ggml_type: str, *, chunk_blocks: int = 1 << 16) -> torch.Tensor:
+def dequantize(data: torch.Tensor, ggml_type: str, *, chunk_blocks: int = 1 << 13) -> torch.Tensor:
     """Packed ``[..., row_bytes]`` uint8 -> float32 ``[..., row_len]`` (float types: a float32 copy)."""
     if ggml_type in FLOAT_TYPES:
         return data.to(torch.float32)
@@ -207,8 +304,30 @@ def dequantize(data: torch.Tensor, ggml_type: str, *, chunk_blocks: int = 1 << 1
         raise QuantplugError(f"{ggml_type}: {data.shape[-1]} bytes per row is not a multiple of {size}-byte blocks")
     lead = data.shape[:-1]
     blocks = data.reshape(-1, size)
-    out = torch.empty(blocks.shape[0], block, dtype=torch.float32)
+    out = empty_f32(blocks.shape[0] * block).view(blocks.shape[0], block)
     kernel = KERNELS[ggml_type]
-    for s in range(0, blocks.shape[0], chunk_blocks):  # bounded temporaries, cache-friendly
-        out[s:s + chunk_blocks] = kernel(blocks[s:s + chunk_blocks])
+    ws = _Scratch()
+    for s in range(0, blocks.shape[0], chunk_blocks):  # bounded, reused temporaries
+        kernel(blocks[s:s + chunk_blocks], out[s:s + chunk_blocks], ws)
     return out.view(*lead, data.shape[-1] // size * block)
+
+
+#: elements of dense weight materialized at once by :func:`linear` (1 MiB of float32)
+LINEAR_CHUNK_ELEMS = 1 << 18
+
+
+def linear(x: torch.Tensor, data: torch.Tensor, ggml_type: str, dtype: torch.dtype) -> torch.Tensor:
+    """``x @ W^T`` for packed ``W`` [out, row_bytes], dequantizing a block of rows at a time so the
+    dense copy never exceeds :data:`LINEAR_CHUNK_ELEMS` elements (bounded peak memory)."""
+    if ggml_type in FLOAT_TYPES:
+        return torch.nn.functional.linear(x, data.to(x.dtype))
+    rows = data.shape[0]
+    in_features = data.shape[-1] // BLOCKS[ggml_type][1] * BLOCKS[ggml_type][0]
+    step = max(1, LINEAR_CHUNK_ELEMS // max(in_features, 1))
+    if step >= rows:
+        return torch.nn.functional.linear(x, dequantize(data, ggml_type).to(dtype).to(x.dtype))
+    out = torch.empty(*x.shape[:-1], rows, dtype=x.dtype, device=x.device)
+    for r in range(0, rows, step):
+        w = dequantize(data[r:r + step], ggml_type).to(x.dtype)
+        out[..., r:r + step] = torch.nn.functional.linear(x, w)
+    return out

@@ -68,7 +68,7 @@ KV_INDEX_SHA = "quantplug.expert_pack.index_sha256"
 _HEADER = struct.Struct("<8sIIIIIIIIQQQQ32s32s32s")
 ENTRY_DTYPE = np.dtype([("layer", "<u4"), ("expert", "<u4"), ("role", "<u4"), ("ggml_type", "<u4"),
                         ("rows", "<u8"), ("row_len", "<u8"), ("offset", "<u8"), ("size", "<u8"),
-                        ("sha256", "S32")])
+                        ("sha256", "V32")])  # V, not S: S strips trailing NUL bytes
 assert ENTRY_DTYPE.itemsize == ENTRY_SIZE
 
 
@@ -217,33 +217,47 @@ class ExpertPack:
             self._fd = os.open(self.path, os.O_RDONLY)
         return self._fd
 
-    def read_expert(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
-        """The expert's gate/up/down payloads as uint8 tensors [rows, row_bytes], one pread."""
+    def expert_span(self, layer: int, expert: int) -> tuple[int, int]:
+        """(file offset, length) of one expert's three adjacent payloads: one read."""
+        first, last = self.entry(layer, expert, ROLES[0]), self.entry(layer, expert, ROLES[-1])
+        return first.offset, last.offset + last.size - first.offset
+
+    def max_expert_span(self) -> int:
+        if not len(self._idx):
+            return 0
+        offs = self._idx["offset"].astype(np.int64).reshape(-1, len(ROLES))
+        sizes = self._idx["size"].astype(np.int64).reshape(-1, len(ROLES))
+        return int((offs[:, -1] + sizes[:, -1] - offs[:, 0]).max())
+
+    def read_expert(self, layer: int, expert: int, out: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """The expert's gate/up/down payloads as uint8 tensors [rows, row_bytes], read with one
+        ``preadv`` into ``out`` (a uint8 buffer of at least :meth:`expert_span` bytes; a new one
+        if None). The returned tensors are views of that buffer."""
         entries = [self.entry(layer, expert, r) for r in ROLES]
-        start, end = entries[0].offset, entries[-1].offset + entries[-1].size
-        buf = bytearray(end - start)
-        view = memoryview(buf)
+        start, length = self.expert_span(layer, expert)
+        if out is None:
+            out = torch.empty(length, dtype=torch.uint8)
+        view = memoryview(out.numpy()).cast("B")[:length]
         got = 0
         fd = self._fileno()
-        while got < len(buf):
+        while got < length:
             n = os.preadv(fd, [view[got:]], start + got)
             if n <= 0:
                 raise CheckpointError(f"{self.path}: short read at {start + got} for layer {layer} expert {expert} "
                                       "(file truncated after it was opened?)")
             got += n
-        out = []
+        tensors = []
         for role, e in enumerate(entries):
-            payload = view[e.offset - start:e.offset - start + e.size]
+            lo = e.offset - start
             key = (layer, expert, role)
             if key not in self._verified:
-                if hashlib.sha256(payload).digest() != e.sha256:
+                if hashlib.sha256(view[lo:lo + e.size]).digest() != e.sha256:
                     raise CheckpointError(f"{self.path}: checksum mismatch in {e.describe()} at offset {e.offset} "
                                           f"({e.size} bytes): the expert pack is corrupt")
                 with self._lock:
                     self._verified.add(key)
-            t = torch.frombuffer(buf, dtype=torch.uint8, count=e.size, offset=e.offset - start)
-            out.append(t.view(e.shape[0], -1))
-        return tuple(out)
+            tensors.append(out[lo:lo + e.size].view(e.shape[0], -1))
+        return tuple(tensors)
 
     def close(self) -> None:
         if self._fd is not None:
@@ -256,17 +270,24 @@ class ExpertPack:
 
 
 class ExpertCache:
-    """LRU cache of packed experts (gate/up/down bytes), bounded in bytes.
+    """LRU cache of packed experts (gate/up/down bytes as stored, still quantized).
 
-    Holds experts exactly as stored (still quantized); dequantization happens per matmul.
-    ``stats()`` reports hits, misses, evictions, bytes read and the resident size.
+    Memory is one buffer of ``budget_bytes`` split into slots of the pack's largest expert span;
+    a miss reads the expert straight into the least recently used slot (no other allocation), so
+    resident memory never exceeds the budget and does not fragment. Pages of the buffer are
+    touched only as slots fill. The tensors :meth:`get` returns are views of a slot: use them
+    before the next :meth:`get` (the model dequantizes them immediately). ``stats()`` reports
+    hits, misses, evictions, bytes read and the resident size.
     """
 
     def __init__(self, pack: ExpertPack, budget_bytes: int) -> None:
         self.pack, self.budget = pack, int(budget_bytes)
-        self._items: OrderedDict[tuple[int, int], tuple[torch.Tensor, ...]] = OrderedDict()
-        self._sizes: dict[tuple[int, int], int] = {}
-        self.resident = self.hits = self.misses = self.evictions = self.bytes_read = self.peak_resident = 0
+        self.slot_bytes = max(pack.max_expert_span(), 1)
+        self.n_slots = self.budget // self.slot_bytes
+        self._buffer: torch.Tensor | None = None
+        self._items: OrderedDict[tuple[int, int], tuple[int, tuple[torch.Tensor, ...]]] = OrderedDict()
+        self._free: list[int] = list(range(self.n_slots - 1, -1, -1))
+        self.hits = self.misses = self.evictions = self.bytes_read = 0
         self._lock = threading.Lock()
 
     def get(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
@@ -276,23 +297,29 @@ class ExpertCache:
             if item is not None:
                 self._items.move_to_end(key)
                 self.hits += 1
-                return item
-        item = self.pack.read_expert(layer, expert)
-        size = sum(t.numel() for t in item)
-        with self._lock:
-            self.misses += 1
-            self.bytes_read += size
-            while self._items and self.resident + size > self.budget:
-                old, _ = self._items.popitem(last=False)
-                self.resident -= self._sizes.pop(old)
+                return item[1]
+            if self.n_slots < 1:
+                raise QuantplugError(f"{self.pack.path}: expert cache budget {self.budget} bytes holds no expert "
+                                     f"({self.slot_bytes} bytes each); raise expert_cache_mb")
+            if self._buffer is None:
+                self._buffer = torch.empty(self.n_slots * self.slot_bytes, dtype=torch.uint8)
+            if self._free:
+                slot = self._free.pop()
+            else:
+                _, (slot, _) = self._items.popitem(last=False)
                 self.evictions += 1
-            self._items[key] = item
-            self._sizes[key] = size
-            self.resident += size
-            self.peak_resident = max(self.peak_resident, self.resident)
-        return item
+            region = self._buffer[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
+            tensors = self.pack.read_expert(layer, expert, region)
+            self._items[key] = (slot, tensors)
+            self.misses += 1
+            self.bytes_read += self.pack.expert_span(layer, expert)[1]
+            return tensors
+
+    @property
+    def resident(self) -> int:
+        return len(self._items) * self.slot_bytes
 
     def stats(self) -> dict[str, int]:
-        return {"budget_bytes": self.budget, "resident_bytes": self.resident, "peak_resident_bytes": self.peak_resident,
-                "hits": self.hits, "misses": self.misses, "evictions": self.evictions, "bytes_read": self.bytes_read,
-                "experts_cached": len(self._items)}
+        return {"budget_bytes": self.budget, "slot_bytes": self.slot_bytes, "slots": self.n_slots,
+                "resident_bytes": self.resident, "hits": self.hits, "misses": self.misses,
+                "evictions": self.evictions, "bytes_read": self.bytes_read, "experts_cached": len(self._items)}

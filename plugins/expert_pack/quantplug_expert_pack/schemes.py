@@ -66,7 +66,18 @@ class GGMLScheme(LinearScheme):
         return self._dense(layer, w if index is None else w[index])
 
     def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
-        return F.linear(x, self.dequantize(layer, index).to(x.dtype))
+        if getattr(layer, "_dequantized", None) is not None or self.ggml_type in ggml.FLOAT_TYPES:
+            return F.linear(x, self.dequantize(layer, index).to(x.dtype))
+        w: torch.Tensor = layer.weight  # type: ignore[assignment]
+        return ggml.linear(x, w if index is None else w[index], self.ggml_type, layer.model_dtype)  # type: ignore[arg-type]
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Token embedding: dequantize only the looked-up rows of the packed matrix."""
+        if getattr(layer, "_dequantized", None) is not None or self.ggml_type in ggml.FLOAT_TYPES:
+            return F.embedding(ids, self.dequantize(layer))
+        w: torch.Tensor = layer.weight  # type: ignore[assignment]
+        rows = ggml.dequantize(w.index_select(0, ids.reshape(-1)), self.ggml_type)
+        return rows.to(layer.model_dtype).view(*ids.shape, -1)  # type: ignore[arg-type]
 
     def process_after_loading(self, layer: nn.Module) -> None:
         if self.cache and self.ggml_type not in ggml.FLOAT_TYPES:
@@ -123,7 +134,7 @@ class PackedExpertsScheme(LinearScheme):
     def dequantize(self, layer: nn.Module, index: int | None = None) -> torch.Tensor:
         if index is None:
             return torch.stack([self.dequantize(layer, e) for e in range(self.pack.n_experts)])
-        raw = self.cache.get(self.layer, index)[self._role]
+        raw = self.cache.get(self.layer, index)[self._role].clone()  # a slot view: copy before the next get
         entry_type = self.pack.entry(self.layer, index, self.role).ggml_type
         if entry_type in ggml.FLOAT_TYPES:
             dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[entry_type]
@@ -131,4 +142,11 @@ class PackedExpertsScheme(LinearScheme):
         return ggml.dequantize(raw, entry_type).to(layer.model_dtype)  # type: ignore[arg-type]
 
     def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
-        return F.linear(x, self.dequantize(layer, index).to(x.dtype))
+        if index is None:
+            return F.linear(x, self.dequantize(layer).to(x.dtype))
+        raw = self.cache.get(self.layer, index)[self._role]  # a view of a cache slot: used right away
+        entry_type = self.pack.entry(self.layer, index, self.role).ggml_type
+        if entry_type in ggml.FLOAT_TYPES:
+            dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[entry_type]
+            raw = raw.view(dtype)
+        return ggml.linear(x, raw, entry_type, layer.model_dtype)  # type: ignore[arg-type]

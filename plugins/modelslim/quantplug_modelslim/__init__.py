@@ -76,6 +76,8 @@ def _weight_key(cfg: ModelSlimConfig, module: str) -> str:
 @hookimpl
 def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Sequence[str],
                             quant_config: ModelSlimConfig, options: Mapping[str, Any]) -> Any:
+    if layer_kind not in ("linear", "experts", "attn_k_b", "attn_v_b"):
+        return None  # embeddings (and kinds added later) are stored as floats in this format
     names = list(shard_names) if shard_names else [layer_name]
     types = {n: quant_config.type_of(_weight_key(quant_config, n)) for n in names}
     missing = [n for n, t in types.items() if t is None]

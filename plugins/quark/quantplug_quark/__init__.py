@@ -49,6 +49,8 @@ def quantplug_packed_modules() -> Mapping[str, Sequence[str]]:
 @hookimpl
 def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Sequence[str],
                             quant_config: QuarkConfig, checkpoint: Any, options: Mapping[str, Any]) -> Any:
+    if layer_kind not in ("linear", "experts", "attn_k_b", "attn_v_b"):
+        return None  # embeddings (and kinds added later) are stored as floats in this format
     if quant_config.weight_format != "real_quantized":
         return UnsupportedScheme(layer_name, f"export weight_format {quant_config.weight_format!r} "
                                              "(only real_quantized weights are packed)")

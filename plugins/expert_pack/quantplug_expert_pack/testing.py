@@ -1,0 +1,70 @@
+"""Helpers for tests, benchmarks and vendor test kits: random valid ggml blocks, reference weights.
+
+``random_blocks`` fills every byte at random, then overwrites the float fields (f16 ``d`` /
+``dmin`` / ``m``, the MXFP4 exponent) with finite values of a chosen magnitude, so the blocks
+decode to finite numbers in both gguf-py and quantplug. ``reference_state`` dequantizes a GGUF
+with gguf-py alone (no quantplug code), giving transformers-ready weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .ggml import BLOCKS
+
+#: byte offsets of the f16 fields of each block type
+F16_FIELDS: dict[str, tuple[int, ...]] = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
+    "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "MXFP4": (),
+}
+
+
+def random_blocks(ggml_type: str, n_blocks: int, rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
+    """``n_blocks`` random valid blocks of ``ggml_type`` as uint8 [n_blocks, bytes_per_block]."""
+    _, size = BLOCKS[ggml_type]
+    b = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
+    for off in F16_FIELDS[ggml_type]:
+        d = (scale * rng.standard_normal(n_blocks)).astype(np.float16)
+        b[:, off:off + 2] = d.view(np.uint8).reshape(n_blocks, 2)
+    if ggml_type == "MXFP4":  # e8m0 around 2^0 * scale
+        e = int(np.clip(round(np.log2(scale)) + 127, 2, 250)) if scale > 0 else 127
+        b[:, 0] = rng.integers(e - 4, e + 2, n_blocks, dtype=np.uint8)
+    return b
+
+
+def random_rows(ggml_type: str, shape: tuple[int, ...], rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
+    """Random valid blocks for a tensor of logical ``shape`` [..., row_len] as [..., row_bytes]."""
+    block, size = BLOCKS[ggml_type]
+    rows = int(np.prod(shape[:-1]))
+    blocks = random_blocks(ggml_type, rows * shape[-1] // block, rng, scale)
+    return blocks.reshape(*shape[:-1], shape[-1] // block * size)
+
+
+def reference_state(directory: str | Path, model_config: Any) -> dict[str, torch.Tensor]:
+    """Weights of every GGUF in ``directory`` dequantized by gguf-py, under Hugging Face hub names
+    (kv_b rebuilt from attn_k_b / attn_v_b, experts per expert): input for transformers."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from .export import join_kv_b
+    from .names import model_to_gguf
+
+    inv = {v: k for k, v in model_to_gguf(model_config).items()}
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(directory).glob("*.gguf")):
+        for t in GGUFReader(file).tensors:
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            state[inv[t.name]] = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type))).float().reshape(shape)
+    for k in [k for k in state if k.endswith(".k_b_proj.weight")]:
+        base = k[: -len(".k_b_proj.weight")]
+        state[f"{base}.kv_b_proj.weight"] = join_kv_b(state.pop(k), state.pop(f"{base}.v_b_proj.weight"))
+    for k in [k for k in state if ".mlp.experts." in k and not k.split(".mlp.experts.")[1][0].isdigit()]:
+        t = state.pop(k)
+        base, proj, _ = k.rsplit(".", 2)
+        for e in range(t.shape[0]):
+            state[f"{base}.{e}.{proj}.weight"] = t[e]
+    return state
