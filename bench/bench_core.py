@@ -3,8 +3,10 @@
     python bench/bench_core.py [--gib 1.0]
 
 1. Dense load throughput: quantplug.load of a generated bf16 checkpoint (converted to fp32, so
-   every tensor is materialized) against safe_open + get_tensor + .float() of the same tensors,
-   in the same run.
+   every tensor is materialized) against safe_open + get_tensor + .float() of the same tensors;
+   each in a fresh process (imports excluded), alternating, ``--reps`` times: best and median.
+   Whole process (imports included), load + one forward: quantplug against transformers'
+   AutoModelForCausalLM.from_pretrained on the same checkpoint, alternating likewise.
 2. Plan time of a 351-shard index: a DeepSeek-V3-shaped config (61 layers, 256 routed experts,
    hub layout, tiny dimensions) spread over 351 shards, planned from headers.
 3. Peak RSS of the load against the model's size (in a child process).
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,7 +28,7 @@ import quantplug
 import torch
 from quantplug.loader import model_bytes
 from quantplug.plan import build_plan
-from quantplug.testing import random_state, tiny_config, write_checkpoint
+from quantplug.testing import hub_rope_spelling, random_state, tiny_config, write_checkpoint
 from safetensors import safe_open
 
 
@@ -41,32 +44,78 @@ def sized_config(gib: float) -> dict:
     return cfg
 
 
-def bench_load(root: Path, gib: float) -> dict:
+BASE_LOAD = """
+import sys, time, torch
+from pathlib import Path
+from safetensors import safe_open
+t0 = time.perf_counter(); out = {}
+for f in sorted(Path(sys.argv[1]).glob('*.safetensors')):
+    with safe_open(str(f), 'pt') as h:
+        for k in h.keys():
+            out[k] = h.get_tensor(k).float()
+print(time.perf_counter() - t0)
+"""
+OURS_LOAD = """
+import sys, time, torch, quantplug
+from quantplug.plugins import get_plugin_manager
+get_plugin_manager()  # plugins imported before the clock starts, as torch is for both
+t0 = time.perf_counter(); m = quantplug.load(sys.argv[1], progress=False)
+print(time.perf_counter() - t0)
+"""
+# whole process, imports included: load + one forward of 16 tokens
+HF_PROCESS = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+with torch.no_grad():
+    m(torch.arange(16).unsqueeze(0))
+"""
+OURS_PROCESS = """
+import sys, torch, quantplug
+m = quantplug.load(sys.argv[1], progress=False)
+with torch.no_grad():
+    m(torch.arange(16).unsqueeze(0))
+"""
+
+
+def _child(code: str, path: Path) -> float:
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if r.returncode:
+        raise SystemExit(f"child failed:\n{r.stderr[-2000:]}")
+    out = r.stdout.strip()
+    return float(out.splitlines()[-1]) if out else wall
+
+
+def _alternate(a: str, b: str, path: Path, reps: int) -> tuple[list[float], list[float]]:
+    ta, tb = [], []
+    for _ in range(reps):  # alternate, each in a fresh process: no allocator or cache carry-over
+        ta.append(_child(a, path))
+        tb.append(_child(b, path))
+    return ta, tb
+
+
+def bench_load(root: Path, gib: float, reps: int) -> dict:
     cfg = sized_config(gib)
     path = root / "dense"
     state = random_state(cfg, seed=0)
-    write_checkpoint(path, cfg, state, shards=4, dtype=torch.bfloat16)
+    write_checkpoint(path, hub_rope_spelling(cfg), state, shards=4, dtype=torch.bfloat16)
     del state
     nbytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    # warm the page cache for both contenders
-    for f in path.glob("*.safetensors"):
+    for f in path.glob("*.safetensors"):  # page cache warm for every contender
         f.read_bytes()
-    t0 = time.perf_counter()
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            for k in h.keys():
-                out[k] = h.get_tensor(k).float()
-    base = time.perf_counter() - t0
-    del out
-    t0 = time.perf_counter()
-    model = quantplug.load(path, progress=False)
-    ours = time.perf_counter() - t0
-    mb = model_bytes(model)
-    del model
-    return {"checkpoint_bytes": nbytes, "model_bytes": mb, "safe_open_get_tensor_float_s": round(base, 3),
-            "quantplug_load_s": round(ours, 3), "throughput_ratio_vs_safe_open": round(base / ours, 3),
-            "quantplug_GBps": round(nbytes / ours / 1e9, 3), "path": str(path)}
+    base, ours = _alternate(BASE_LOAD, OURS_LOAD, path, reps)
+    hf, ours_p = _alternate(HF_PROCESS, OURS_PROCESS, path, reps)
+    med = statistics.median
+    return {"checkpoint_bytes": nbytes, "reps": reps,
+            "safe_open_get_tensor_float_s": {"best": round(min(base), 3), "median": round(med(base), 3)},
+            "quantplug_load_s": {"best": round(min(ours), 3), "median": round(med(ours), 3)},
+            "throughput_ratio_vs_safe_open": {"best_vs_best": round(min(base) / min(ours), 3),
+                                              "median_vs_median": round(med(base) / med(ours), 3)},
+            "process_transformers_from_pretrained_forward_s": {"best": round(min(hf), 3), "median": round(med(hf), 3)},
+            "process_quantplug_load_forward_s": {"best": round(min(ours_p), 3), "median": round(med(ours_p), 3)},
+            "path": str(path)}
 
 
 def bench_plan_351(root: Path) -> dict:
@@ -108,10 +157,11 @@ def bench_rss(path: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        load = bench_load(root, args.gib)
+        load = bench_load(root, args.gib, args.reps)
         print(json.dumps({"load": load}, indent=2), flush=True)
         print(json.dumps({"rss": bench_rss(Path(load["path"]))}, indent=2), flush=True)
         print(json.dumps({"plan": bench_plan_351(root)}, indent=2), flush=True)

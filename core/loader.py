@@ -12,13 +12,50 @@ from typing import Any
 import torch
 from torch import nn
 
+from .checkpoint import TORCH_DTYPES
 from .errors import LoadError
 from .layers.linear import PlannedModule
+from .memory import read_into
 from .plan import LoadPlan, ParamPlan, build_plan
 from .plugins import PluginManager, get_plugin_manager
+from .types import TensorInfo
+
+#: bytes read per ``preadv`` when a tensor is converted (bounded staging: peak memory stays at
+#: the model plus this, and the converted chunk is still in cache when it is copied)
+STAGE_BYTES = 16 << 20
 
 
-def _materialize(plan: LoadPlan, pp: ParamPlan, device: torch.device) -> torch.Tensor:
+class _Stage:
+    """One reusable staging buffer per load."""
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        if self.buf is None or self.buf.numel() < nbytes:
+            self.buf = torch.empty(nbytes, dtype=torch.uint8)
+        return self.buf[:nbytes]
+
+
+def _stream(plan: LoadPlan, info: TensorInfo, dst: torch.Tensor, stage: _Stage) -> None:
+    """Read a safetensors tensor with ``preadv`` and convert it into contiguous CPU ``dst``,
+    in chunks of at most STAGE_BYTES (no memory map: source pages never count as ours)."""
+    src_dtype = TORCH_DTYPES[info.dtype]
+    fd = plan.checkpoint.fd(info.file)
+    flat = dst.view(-1)
+    if src_dtype == dst.dtype:
+        read_into(fd, info.offset, flat)
+        return
+    item = src_dtype.itemsize
+    per = max(1, STAGE_BYTES // item)
+    for start in range(0, info.numel, per):
+        count = min(per, info.numel - start)
+        buf = stage.get(count * item).view(src_dtype)
+        read_into(fd, info.offset + start * item, buf)
+        flat[start:start + count].copy_(buf)
+
+
+def _materialize(plan: LoadPlan, pp: ParamPlan, device: torch.device, stage: _Stage) -> torch.Tensor:
     ckpt = plan.checkpoint
     if pp.zero_copy and device.type == "cpu":
         src, info = pp.sources[0]
@@ -28,10 +65,14 @@ def _materialize(plan: LoadPlan, pp: ParamPlan, device: torch.device) -> torch.T
         return t
     out = torch.empty(pp.shape, dtype=pp.dtype, device=device)
     for src, info in pp.sources:
+        dst = out if src.slot is None else out[src.slot]
+        if (src.narrow is None and info.format == "safetensors" and device.type == "cpu"
+                and dst.is_contiguous() and dst.numel() == info.numel):
+            _stream(plan, info, dst, stage)
+            continue
         t = ckpt.tensor(info)
         if src.narrow is not None:
             t = t.narrow(*src.narrow)
-        dst = out if src.index is None else out[src.index]
         dst.copy_(t)  # converts dtype and device in one pass
     return out
 
@@ -51,10 +92,11 @@ def execute(plan: LoadPlan, *, device: str | torch.device = "cpu",
         from tqdm import tqdm
 
         bar = tqdm(total=sum(p.nbytes for p in order), unit="B", unit_scale=True, desc="loading", file=sys.stderr)
+    stage = _Stage()
     for pp in order:
         try:
-            t = _materialize(plan, pp, dev)
-        except RuntimeError as exc:
+            t = _materialize(plan, pp, dev, stage)
+        except (RuntimeError, OSError) as exc:
             src, info = pp.sources[0]
             raise LoadError(f"{info.where()}: cannot load into {pp.param} ({exc})") from None
         pp.module.register_parameter(pp.local, nn.Parameter(t, requires_grad=False))

@@ -14,10 +14,12 @@ rank reads only its bytes. Not implemented yet.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import re
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,7 +54,7 @@ class ParamPlan:
         if len(self.sources) != 1:
             return False
         src, info = self.sources[0]
-        if src.index is not None:
+        if src.slot is not None:
             return False
         if info.format == "gguf":
             return GGUF_FLOATS.get(info.dtype, torch.uint8) == self.dtype
@@ -296,7 +298,7 @@ def _collect_params(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype,
             target = mod.qp_target_dtype(local, resolved[0][1].dtype, dtype)
             src0, info0 = resolved[0]
             stored_shape = storage_shape(info0)  # GGUF blocks: [..., row_bytes]
-            if src0.index is not None:
+            if src0.slot is not None:
                 n = len(sources)
                 shape = (n, *stored_shape)
             elif src0.narrow is not None:
@@ -338,9 +340,33 @@ def _skips(ckpt: Checkpoint, arch: ArchSpec, mcfg: ModelConfig, prefix: str,
     return dict(skipped), unexpected
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while the plan is built.
+
+    A DeepSeek-V3 plan allocates ~100,000 small objects (tensor infos, sources, modules) that all
+    stay alive; with the collector on, its repeated full-heap passes took half of the 351-shard
+    plan time (0.65 s -> 0.35 s measured). Nothing built here needs cycle collection meanwhile;
+    the collector runs normally afterwards.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def build_plan(path: str | Path, *, backend: str | None = None, options: Mapping[str, Any] | None = None,
                dtype: torch.dtype = torch.float32, plugin_manager: PluginManager | None = None) -> LoadPlan:
     """Compute the plan from headers only; problems are collected in ``plan.problems``."""
+    with _gc_paused():
+        return _build_plan(path, backend, options, dtype, plugin_manager)
+
+
+def _build_plan(path: str | Path, backend: str | None, options: Mapping[str, Any] | None,
+                dtype: torch.dtype, plugin_manager: PluginManager | None) -> LoadPlan:
     t0 = time.perf_counter()
     pm = plugin_manager or get_plugin_manager()
     options = dict(options or {})

@@ -6,9 +6,11 @@ zero-copy view of one tensor's bytes from a private memory map of its file.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import mmap
+import os
 from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
@@ -34,7 +36,8 @@ class Checkpoint:
         self.tensors = tensors
         self.files = files
         self.gguf_metadata = gguf_metadata
-        self._maps: dict[Path, mmap.mmap] = {}
+        self._files = _OpenFiles()
+        self._maps = self._files.maps
         self._sidecars: dict[str, Any] = {}
         #: model name -> stored name, when a backend renamed the tensors (see :meth:`renamed`)
         self.names: dict[str, str] = {}
@@ -90,7 +93,7 @@ class Checkpoint:
             tensors[model_name] = (info if model_name == stored
                                    else dataclasses.replace(info, name=model_name, stored_name=stored))
         view = Checkpoint(self.path, self.config, tensors, self.files, self.gguf_metadata)
-        view._maps, view._sidecars, view.names = self._maps, self._sidecars, dict(names)
+        view._files, view._maps, view._sidecars, view.names = self._files, self._maps, self._sidecars, dict(names)
         return view
 
     def label(self, model_name: str) -> str:
@@ -168,5 +171,34 @@ class Checkpoint:
             return torch.frombuffer(mm, dtype=dtype, count=info.numel, offset=info.offset).view(info.shape)
         return raw.clone().view(dtype).view(info.shape)  # unaligned: one copy, still correct
 
+    def fd(self, file: Path) -> int:
+        """A read-only file descriptor for ``file`` (for ``preadv``), opened once."""
+        fd = self._files.fds.get(file)
+        if fd is None:
+            try:
+                fd = self._files.fds[file] = os.open(file, os.O_RDONLY)
+            except OSError as exc:
+                raise CheckpointError(f"{file}: cannot open ({exc.strerror})") from None
+        return fd
+
     def close(self) -> None:
-        self._maps.clear()
+        self._files.close()
+
+
+class _OpenFiles:
+    """Memory maps and file descriptors of one checkpoint, shared by its renamed views and
+    closed when the last of them is gone."""
+
+    def __init__(self) -> None:
+        self.maps: dict[Path, mmap.mmap] = {}
+        self.fds: dict[Path, int] = {}
+
+    def close(self) -> None:
+        self.maps.clear()  # views of a map keep it alive until they are freed
+        fds, self.fds = self.fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()

@@ -9,7 +9,7 @@ interface: :class:`DenseScheme` is the core's default answer to ``quantplug_line
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -20,20 +20,20 @@ from ..types import FLOAT_DTYPES, Problem, TensorInfo, TensorSpec
 FLOATS = tuple(sorted(FLOAT_DTYPES))
 
 
-@dataclass(frozen=True)
-class Source:
+class Source(NamedTuple):
     """One checkpoint tensor feeding (part of) one parameter.
 
     ``narrow`` = (axis, start, length) selects a slice of the stored tensor (transformers 5 fused
-    ``gate_up_proj``); ``index`` writes into slot ``index`` of the parameter's leading (stacked)
-    dimension (hub per-expert tensors). ``shape`` is the stored shape the plan expects.
+    ``gate_up_proj``); ``slot`` writes into that slot of the parameter's leading (stacked)
+    dimension (hub per-expert tensors). ``shape`` is the stored shape the plan expects. A named
+    tuple, not a dataclass: a DeepSeek-V3 plan creates ~45,000 of them.
     """
 
     tensor: str
     shape: tuple[int, ...]
     dtypes: tuple[str, ...]
     narrow: tuple[int, int, int] | None = None
-    index: int | None = None
+    slot: int | None = None
     optional: bool = False
 
 
@@ -195,7 +195,7 @@ class StackedLinear(PlannedModule):
                 self.qp_sources[s.suffix] = [Source(f"{layout[1]}.{s.suffix}", (n, *shape), s.dtypes,
                                                     optional=s.optional)]
             elif layout[0] == "per_index":
-                self.qp_sources[s.suffix] = [Source(f"{name}.{s.suffix}", shape, s.dtypes, index=i, optional=s.optional)
+                self.qp_sources[s.suffix] = [Source(f"{name}.{s.suffix}", shape, s.dtypes, slot=i, optional=s.optional)
                                              for i, name in enumerate(layout[1])]
             else:
                 _, name, (part, parts) = layout

@@ -27,8 +27,6 @@ MXFP4     32     17    e8m0 exponent, qs[16]: x = 2^(e-128) * kvalues[nibble], j
 
 from __future__ import annotations
 
-import ctypes
-import sys
 from collections.abc import Callable
 
 import torch
@@ -251,39 +249,6 @@ KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor, _Scratch], None]] = {
 }
 
 
-_HUGE = 1 << 21
-_MADV_HUGEPAGE = 14
-
-
-def _madvise() -> Callable[[int, int, int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.madvise
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return fn  # type: ignore[no-any-return]
-    except (OSError, AttributeError):
-        return None
-
-
-_madvise_fn = _madvise()
-
-
-def empty_f32(n: int) -> torch.Tensor:
-    """An uninitialised float32 buffer; large ones are advised to use transparent huge pages
-    (Linux ``madvise(MADV_HUGEPAGE)``, the same thing torch's ``THP_MEM_ALLOC_ENABLE`` does):
-    writing a fresh multi-GB dequant output otherwise spends more time in 4 KiB page faults than
-    in arithmetic. Harmless where THP is off or unsupported."""
-    t = torch.empty(n, dtype=torch.float32)
-    if _madvise_fn is not None and n * 4 >= 2 * _HUGE:
-        p = t.data_ptr()
-        start, end = (p + _HUGE - 1) & ~(_HUGE - 1), (p + n * 4) & ~(_HUGE - 1)
-        if end > start:
-            _madvise_fn(start, end - start, _MADV_HUGEPAGE)
-    return t
-
-
 def row_bytes(ggml_type: str, row_len: int) -> int:
     block, size = BLOCKS[ggml_type]
     if row_len % block:
@@ -304,7 +269,7 @@ def dequantize(data: torch.Tensor, ggml_type: str, *, chunk_blocks: int = 1 << 1
         raise QuantplugError(f"{ggml_type}: {data.shape[-1]} bytes per row is not a multiple of {size}-byte blocks")
     lead = data.shape[:-1]
     blocks = data.reshape(-1, size)
-    out = empty_f32(blocks.shape[0] * block).view(blocks.shape[0], block)
+    out = torch.empty(blocks.shape[0], block, dtype=torch.float32)
     kernel = KERNELS[ggml_type]
     ws = _Scratch()
     for s in range(0, blocks.shape[0], chunk_blocks):  # bounded, reused temporaries
