@@ -37,7 +37,7 @@ def sized_config(gib: float) -> dict:
     cfg = tiny_config(hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512, num_hidden_layers=4,
                       n_routed_experts=32, num_experts_per_tok=4, n_group=4, topk_group=2, q_lora_rank=512,
                       kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
-                      num_attention_heads=8, vocab_size=32000)
+                      num_attention_heads=8, num_key_value_heads=8, vocab_size=32000)
     per_layer_params = 3 * 32 * 512 * 1024
     layers = max(2, int(gib * 2**30 / 2 / (per_layer_params * 1.3)))
     cfg["num_hidden_layers"] = layers

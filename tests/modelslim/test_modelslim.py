@@ -29,14 +29,45 @@ def test_vendor_fixture_msmodelslim_numerics():
     assert model.quantplug_plan.backend == "modelslim"
     vendor = REF["vendor_logits"]
     per_pos = (out - vendor).abs().amax(-1) / vendor.abs().max()
-    # Sequence 1 and positions 0-3 of sequence 0 agree to float rounding; sequence 0 diverges
-    # from position 4 on by a discrete flip (an int8 rounding or routing near-tie) that then
-    # propagates through attention. Known gap against the issue's 1e-4 target (see issue note).
+    # 23 of 24 positions' inputs agree to float rounding; sequence 0 from position 4 on differs
+    # by one activation rounding tie (see the next test), which attention then carries forward.
     assert bool((per_pos[1] <= 1e-5).all()) and bool((per_pos[0, :4] <= 1e-5).all())
     assert rel_err(out, vendor) <= 1e-2
     assert rel_err(out, REF["dense_logits"]) > 2e-2  # far closer to the vendor's quantized model than to dense
     assert model_bytes(model) <= 1.1 * model.quantplug_plan.weight_bytes()
     assert model.model.layers[0].self_attn.q_a_proj.weight.dtype == torch.int8
+
+
+def test_vendor_gap_is_exactly_one_rounding_tie(monkeypatch):
+    """The whole remaining gap is one int8 activation: layer 1 kv_b_proj, token (0, 4), channel 60,
+    where x / input_scale + input_offset = 72.5000229 (x is 2 float32 ulps above the exact .5 tie).
+    We round it to 73; msmodelslim's float32 pipeline, whose upstream rounding differs by those 2
+    ulps, rounds to 72. Forcing that single element to 72 reproduces the vendor's logits at every
+    position to float rounding, so every other number in the emulation is right."""
+    import quantplug_modelslim.schemes as S
+
+    model, _ = _run(FIX, options={"activation_quant": "msmodelslim"})
+    target = model.model.layers[1].self_attn.kv_b_proj
+    original = S.W8A8Static.apply
+    seen = {}
+
+    def apply(self, layer, x, index=None):
+        if layer is not target:
+            return original(self, layer, x, index)
+        s, o = layer.input_scale.float(), layer.input_offset.float()
+        v = (x.float() / s + o).reshape(-1, x.shape[-1])
+        seen["v"] = float(v[4, 60])
+        q = torch.clamp(torch.round(v), -128, 127)
+        q[4, 60] -= 1  # the vendor's side of the tie
+        acc = torch.nn.functional.linear(q.double(), layer.weight.double()) + layer.quant_bias.double()
+        return (acc.float() * layer._deq).reshape(*x.shape[:-1], -1).to(x.dtype)
+
+    monkeypatch.setattr(S.W8A8Static, "apply", apply)
+    with torch.no_grad():
+        out = model(REF["input_ids"])
+    assert abs(seen["v"] - 72.5) < 3e-5  # a tie up to float rounding, not a formula difference
+    vendor = REF["vendor_logits"]
+    assert float(((out - vendor).abs().amax(-1) / vendor.abs().max()).max()) <= 1e-5
 
 
 def test_activation_mode_is_in_plan_and_differs():

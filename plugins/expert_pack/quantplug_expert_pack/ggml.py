@@ -93,6 +93,17 @@ def _nibbles(qs: torch.Tensor, groups: int, ws: _Scratch, key: str = "nib") -> t
     return out.bitwise_and_(0x0F)
 
 
+def _mul_sub(o: torch.Tensor, q: torch.Tensor, dl: torch.Tensor, ml: torch.Tensor, ws: _Scratch) -> None:
+    """o = dl * float(q) - ml in two passes over the output: q converted into scratch, then one
+    ``addcmul(-ml, q, dl)``, which rounds the product and the sum separately (no fused multiply-
+    add), so the result is bit-identical to gguf-py's ``dl * q - ml``."""
+    qf = ws.get("qf", tuple(o.shape), torch.float32)
+    qf.copy_(q)
+    neg = ws.get("neg_ml", tuple(ml.shape), torch.float32)
+    torch.neg(ml, out=neg)
+    torch.addcmul(neg, qf, dl, out=o)
+
+
 def _q4_0(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
     d = _f16(b[:, :2], ws, "d")
     q = _nibbles(b[:, 2:], 1, ws).view(torch.int8).sub_(8)
@@ -149,9 +160,7 @@ def _q2_k(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
     q = ws.get("q", (nb, 2, 4, 32), torch.uint8)
     torch.bitwise_right_shift(b[:, 16:80].reshape(nb, 2, 1, 32), _SHIFT2.view(1, 1, 4, 1), out=q)
     q.bitwise_and_(3)
-    ov = o.view(nb, 16, 16)
-    ov.copy_(q.view(nb, 16, 16))
-    ov.mul_(dl).sub_(ml)
+    _mul_sub(o.view(nb, 16, 16), q.view(nb, 16, 16), dl, ml, ws)
 
 
 def _q3_k(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
@@ -196,9 +205,7 @@ def _k4_scales(b: torch.Tensor, ws: _Scratch) -> tuple[torch.Tensor, torch.Tenso
 def _q4_k(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
     nb = b.shape[0]
     dl, ml = _k4_scales(b, ws)
-    ov = o.view(nb, 8, 32)
-    ov.copy_(_nibbles(b[:, 16:], 4, ws).view(nb, 8, 32))
-    ov.mul_(dl).sub_(ml)
+    _mul_sub(o.view(nb, 8, 32), _nibbles(b[:, 16:], 4, ws).view(nb, 8, 32), dl, ml, ws)
 
 
 def _q5_k(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
@@ -208,9 +215,7 @@ def _q5_k(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
     hi = ws.get("hi", (nb, 1, 8, 32), torch.uint8)
     torch.bitwise_right_shift(b[:, 16:48].reshape(nb, 1, 1, 32), _BITS8.view(1, 1, 8, 1), out=hi)
     ql.bitwise_or_(hi.bitwise_and_(1).bitwise_left_shift_(4).view(nb, 8, 32))
-    ov = o.view(nb, 8, 32)
-    ov.copy_(ql)
-    ov.mul_(dl).sub_(ml)
+    _mul_sub(o.view(nb, 8, 32), ql, dl, ml, ws)
 
 
 def _q6_k(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
