@@ -105,7 +105,12 @@ class LoadPlan:
         return [t for t in self.checkpoint.tensors.values() if rx.search(t.name)]
 
     def decisions_for(self, layer: str) -> list[Decision]:
-        """Decisions whose target is ``layer`` or lies under it (checkpoint or module names)."""
+        """Decisions whose target is ``layer`` or lies under it (checkpoint, stored or module names:
+        ``blk.1.attn_k_b`` finds ``model.layers.1.self_attn.k_b_proj`` in a renamed checkpoint)."""
+        for model_name, stored in self.checkpoint.names.items():
+            if stored in (layer, f"{layer}.weight", f"{layer}.bias"):
+                layer = model_name.rsplit(".", 1)[0]
+                break
         keys = {layer, f"{self.prefix}.{layer}" if self.prefix else layer}
         return [d for d in self.decisions
                 if d.target in keys or any(d.target.startswith(k + ".") for k in keys)

@@ -242,6 +242,8 @@ def test_cli_build_plan_and_explain(gguf_dir, tmp_path, capsys):
     assert main(["explain", str(root), "model.layers.1.self_attn"]) == 0
     out = capsys.readouterr().out
     assert "split_kv" in out and "expert_pack (quantplug-expert-pack" in out
+    assert main(["explain", str(root), "blk.1.attn_k_b"]) == 0  # llama.cpp names work too
+    assert "ggml Q4_0" in capsys.readouterr().out
     assert main(["forward", str(root), "--tokens", "1,2,3", "-o", "expert_cache_mb=1"]) == 0
 
 

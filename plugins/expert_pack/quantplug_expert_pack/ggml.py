@@ -261,8 +261,12 @@ def row_bytes(ggml_type: str, row_len: int) -> int:
     return row_len // block * size
 
 
-def dequantize(data: torch.Tensor, ggml_type: str, *, chunk_blocks: int = 1 << 13) -> torch.Tensor:
-    """Packed ``[..., row_bytes]`` uint8 -> float32 ``[..., row_len]`` (float types: a float32 copy)."""
+def dequantize(data: torch.Tensor, ggml_type: str, *, chunk_blocks: int = 1 << 13,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed ``[..., row_bytes]`` uint8 -> float32 ``[..., row_len]`` (float types: a float32 copy).
+
+    ``out``: a contiguous float32 tensor with the result's number of elements to write into (a
+    reused buffer avoids the page faults of a fresh multi-MB allocation)."""
     if ggml_type in FLOAT_TYPES:
         return data.to(torch.float32)
     if ggml_type not in KERNELS:
@@ -274,7 +278,12 @@ def dequantize(data: torch.Tensor, ggml_type: str, *, chunk_blocks: int = 1 << 1
         raise QuantplugError(f"{ggml_type}: {data.shape[-1]} bytes per row is not a multiple of {size}-byte blocks")
     lead = data.shape[:-1]
     blocks = data.reshape(-1, size)
-    out = torch.empty(blocks.shape[0], block, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(blocks.shape[0], block, dtype=torch.float32)
+    elif out.dtype != torch.float32 or out.numel() != blocks.shape[0] * block or not out.is_contiguous():
+        raise QuantplugError(f"dequantize(out=...): need a contiguous float32 tensor of {blocks.shape[0] * block} "
+                             f"elements, got {out.dtype} {list(out.shape)}")
+    out = out.view(blocks.shape[0], block)
     kernel = KERNELS[ggml_type]
     ws = _Scratch()
     for s in range(0, blocks.shape[0], chunk_blocks):  # bounded, reused temporaries
