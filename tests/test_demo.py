@@ -1,0 +1,30 @@
+"""`quantplug demo`, the README's main command: every installed exporter's checkpoint loads and
+stays close to the dense model it came from."""
+
+from __future__ import annotations
+
+import math
+
+from quantplug.cli import main
+from quantplug.demo import run_demo
+from quantplug.plugins import get_plugin_manager
+
+
+def test_demo_rows_cover_every_exporting_backend(tmp_path):
+    rows = run_demo(tmp_path)
+    assert rows[0].backend == "dense" and rows[0].max_rel_err == 0.0
+    pm = get_plugin_manager()
+    exporters = {r.name for r in pm.records() if pm.implements(r.name, "quantplug_export")}
+    assert exporters <= {r.backend for r in rows}
+    for r in rows[1:]:
+        assert math.isfinite(r.max_rel_err) and 0 < r.max_rel_err < 0.5, r
+        assert r.plan_ms > 0 and r.load_ms > 0 and r.bytes > 0
+    if "expert_pack" in exporters:  # the pack row holds no experts in memory
+        plain, packed = [r for r in rows if r.backend == "expert_pack"]
+        assert packed.model_bytes < plain.model_bytes and packed.max_rel_err == plain.max_rel_err
+
+
+def test_demo_cli_prints_table(capsys):
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("format") and "dense (safetensors, hub layout)" in out
