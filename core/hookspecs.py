@@ -267,12 +267,14 @@ def quantplug_cli_commands(subparsers: Any) -> None:
 @hookspec(firstresult=True)
 def quantplug_export(
     model: torch.nn.Module, model_config: ModelConfig, destination: Path, options: Mapping[str, Any]
-) -> ExportResult | None:
+) -> ExportResult | Sequence[ExportResult] | None:
     """Write a checkpoint in this backend's format from a dense model (optional hook).
 
     Called on one backend, chosen by name (``quantplug demo``, tests, vendor test kits).
     ``model`` is a dense quantplug model; ``model_config`` its config. ``destination`` is an
-    empty directory to write config.json and weights into. Return what was written.
+    empty directory to write config.json and weights into (or subdirectories of it). Return what
+    was written: one ``ExportResult``, or several when the backend writes variants (the demo
+    loads each; ExpertPack writes a plain GGUF and one with an expert pack).
 
     Example::
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .checkpoint import TORCH_DTYPES
+from .checkpoint.gguf_index import GGUF_FLOATS
 from .errors import LoadError
 from .layers.linear import PlannedModule
 from .memory import read_into
@@ -38,9 +39,9 @@ class _Stage:
 
 
 def _stream(plan: LoadPlan, info: TensorInfo, dst: torch.Tensor, stage: _Stage) -> None:
-    """Read a safetensors tensor with ``preadv`` and convert it into contiguous CPU ``dst``,
+    """Read a safetensors (or float GGUF) tensor with ``preadv`` and convert it into contiguous CPU ``dst``,
     in chunks of at most STAGE_BYTES (no memory map: source pages never count as ours)."""
-    src_dtype = TORCH_DTYPES[info.dtype]
+    src_dtype = GGUF_FLOATS[info.dtype] if info.format == "gguf" else TORCH_DTYPES[info.dtype]
     fd = plan.checkpoint.fd(info.file)
     flat = dst.view(-1)
     if src_dtype == dst.dtype:
@@ -66,8 +67,8 @@ def _materialize(plan: LoadPlan, pp: ParamPlan, device: torch.device, stage: _St
     out = torch.empty(pp.shape, dtype=pp.dtype, device=device)
     for src, info in pp.sources:
         dst = out if src.slot is None else out[src.slot]
-        if (src.narrow is None and info.format == "safetensors" and device.type == "cpu"
-                and dst.is_contiguous() and dst.numel() == info.numel):
+        if (src.narrow is None and device.type == "cpu" and dst.is_contiguous() and dst.numel() == info.numel
+                and (info.format == "safetensors" or info.dtype in GGUF_FLOATS)):
             _stream(plan, info, dst, stage)
             continue
         t = ckpt.tensor(info)

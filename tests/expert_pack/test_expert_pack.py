@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import quantplug
 import torch
+from quantplug.checkpoint.gguf_index import read_gguf_header
 from quantplug.cli import main
 from quantplug.errors import CheckpointError, PlanError
 from quantplug.models.config import parse_model_config
@@ -256,3 +257,51 @@ def test_index_keeps_digests_that_end_in_nul_bytes():
     idx[0] = (1, 2, 0, 8, 4, 32, 4096, 136, digest)
     back = np.frombuffer(idx.tobytes(), dtype=ENTRY_DTYPE)
     assert bytes(back[0]["sha256"]) == digest
+
+
+def test_split_gguf_files_with_an_mtp_block_load_and_pack(tmp_path):
+    """Two GGUF files (llama.cpp's split files), plus blk.3.* tensors of the multi-token-prediction
+    layer past num_hidden_layers: the plan lists those as skipped; build packs across both files."""
+    cfg = dict(CFG, num_nextn_predict_layers=1)
+    root = tmp_path / "split"
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps(cfg))
+    tensors = gguf_state(random_state(CFG), MC)
+    first = {n: t for n, t in tensors.items() if n.startswith(("blk.0.", "blk.1.", "token_embd"))}
+    second = {n: t for n, t in tensors.items() if n not in first}
+    second["blk.3.attn_norm.weight"] = torch.ones(CFG["hidden_size"])
+    second["blk.3.nextn.eh_proj.weight"] = torch.zeros(CFG["hidden_size"], 2 * CFG["hidden_size"])
+    write_gguf(root / "model-00001-of-00002.gguf", first, MC, types=TYPES)
+    write_gguf(root / "model-00002-of-00002.gguf", second, MC, types=TYPES)
+    ref = hf_logits(CFG, reference_state_without_mtp(root, tmp_path / "ref"), IDS)
+    model, out = _logits(root)
+    assert rel_err(out, ref) <= 1e-5
+    skipped = model.quantplug_plan.to_dict()["skipped"]
+    assert any(k.startswith("mtp-layers") and "model.layers.3.gguf.nextn.eh_proj.weight" in v for k, v in skipped.items())
+    with_experts = {f for f in root.glob("*.gguf") if any("_exps." in t.name for t in read_gguf_header(f).tensors)}
+    assert len(with_experts) == 2  # the routed experts are spread over both files
+    res = build_pack(root, progress=False)
+    assert set(res.gguf_files) == with_experts and res.entries == 48
+    _, packed = _logits(root, options={"expert_cache_mb": 1})
+    assert rel_err(packed, ref) <= 1e-5
+
+
+def reference_state_without_mtp(root, tmp):
+    """gguf-py's reference weights, leaving out the MTP block (transformers does not load it)."""
+    from gguf import GGUFReader, GGUFWriter
+
+    tmp.mkdir()
+    for f in sorted(root.glob("*.gguf")):
+        r = GGUFReader(f)
+        if any(t.name.startswith("blk.3.") for t in r.tensors):
+            w_tensors = {t.name: t for t in r.tensors if not t.name.startswith("blk.3.")}
+            w = GGUFWriter(str(tmp / f.name), "deepseek2")
+            for t in w_tensors.values():
+                w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+            w.close()
+        else:
+            shutil.copy(f, tmp / f.name)
+    return reference_state(tmp, MC)

@@ -94,11 +94,21 @@ def quantplug_detect(checkpoint: Any) -> Claim | None:
     return Claim("expert_pack", GGUFConfig(tuple(files), arch, pack), reason)
 
 
+_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
 @hookimpl
 def quantplug_tensor_names(model_config: Any, checkpoint: Any) -> dict[str, str] | None:
     if not _gguf_files(checkpoint):
         return None
-    return model_to_gguf(model_config)
+    names = model_to_gguf(model_config)
+    # blocks past num_hidden_layers (llama.cpp writes DeepSeek-V3's multi-token-prediction layer
+    # as blk.61.*) get model.layers.N names, so the core's MTP skip rule lists them as skipped
+    for stored in checkpoint.tensors:
+        m = _BLOCK.match(stored)
+        if m and int(m.group(1)) >= model_config.num_hidden_layers:
+            names[f"model.layers.{m.group(1)}.gguf.{m.group(2)}"] = stored
+    return names
 
 
 @hookimpl
