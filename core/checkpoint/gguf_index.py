@@ -19,6 +19,7 @@ File layout (GGUF v2/v3, little-endian; ggml-org/ggml docs/gguf.md)::
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import struct
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ class SkippedArray:
         return f"<array of {self.count} (type {self.value_type}), not decoded>"
 
 
+@functools.cache
 def ggml_types() -> dict[int, tuple[str, int, int]]:
     """ggml type id -> (name, block size, bytes per block), from gguf-py's constants."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType

@@ -40,6 +40,7 @@ from .pack import (
     _type_tables,
 )
 
+MAGIC_GGUF = b"GGUF"
 EXPS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 COPY_CHUNK = 64 << 20
 
@@ -102,8 +103,6 @@ def _rewrite_gguf(header: GGUFHeader, keep: list[TensorInfo], extra_kv: dict[str
         dst.flush()
         os.fsync(dst.fileno())
 
-
-MAGIC_GGUF = b"GGUF"
 
 
 def build_pack(directory: str | Path, *, alignment: int = 4096, progress: bool | None = None) -> BuildResult:

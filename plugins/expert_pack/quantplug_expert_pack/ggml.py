@@ -185,7 +185,7 @@ def _q3_k(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
     ov.mul_(dl)
 
 
-def _scale_min_k4(scales: torch.Tensor, ws: _Scratch) -> tuple[torch.Tensor, torch.Tensor]:
+def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K / Q5_K: 12 bytes -> 8 six-bit scales and 8 six-bit mins (gguf-py's get_scale_min)."""
     nb = scales.shape[0]
     s = scales.reshape(nb, 3, 4)
@@ -198,7 +198,7 @@ def _scale_min_k4(scales: torch.Tensor, ws: _Scratch) -> tuple[torch.Tensor, tor
 def _k4_scales(b: torch.Tensor, ws: _Scratch) -> tuple[torch.Tensor, torch.Tensor]:
     nb = b.shape[0]
     d, dmin = _f16(b[:, :2], ws, "d"), _f16(b[:, 2:4], ws, "dmin")
-    sc, mn = _scale_min_k4(b[:, 4:16], ws)
+    sc, mn = _scale_min_k4(b[:, 4:16])
     return _scaled(d, sc, ws, "dl").view(nb, 8, 1), _scaled(dmin, mn, ws, "ml").view(nb, 8, 1)
 
 
@@ -267,7 +267,7 @@ def dequantize(data: torch.Tensor, ggml_type: str, *, chunk_blocks: int = 1 << 1
 
     ``out``: a contiguous float32 tensor with the result's number of elements to write into (a
     reused buffer avoids the page faults of a fresh multi-MB allocation)."""
-    if ggml_type in FLOAT_TYPES:
+    if ggml_type in FLOAT_TYPES:  # data already viewed in its float dtype
         return data.to(torch.float32)
     if ggml_type not in KERNELS:
         raise QuantplugError(f"ggml type {ggml_type} has no dequantize kernel; supported: {', '.join(SUPPORTED)}")

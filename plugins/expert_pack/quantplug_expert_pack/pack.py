@@ -51,6 +51,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from quantplug.checkpoint.gguf_index import GGUF_FLOATS
 from quantplug.errors import CheckpointError, QuantplugError
 
 from .ggml import BLOCKS, FLOAT_TYPES
@@ -81,7 +82,7 @@ def _type_tables() -> tuple[dict[int, str], dict[str, int]]:
 
 def payload_size(ggml_type: str, rows: int, row_len: int) -> int:
     if ggml_type in FLOAT_TYPES:
-        return rows * row_len * {"F32": 4, "F16": 2, "BF16": 2}[ggml_type]
+        return rows * row_len * GGUF_FLOATS[ggml_type].itemsize
     block, size = BLOCKS[ggml_type]
     return rows * (row_len // block) * size
 

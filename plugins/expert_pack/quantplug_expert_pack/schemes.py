@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
+from quantplug.checkpoint.gguf_index import GGUF_FLOATS
 from quantplug.layers.linear import LinearScheme
 from quantplug.types import Problem, TensorInfo, TensorSpec
 from torch import nn
@@ -134,19 +135,22 @@ class PackedExpertsScheme(LinearScheme):
     def dequantize(self, layer: nn.Module, index: int | None = None) -> torch.Tensor:
         if index is None:
             return torch.stack([self.dequantize(layer, e) for e in range(self.pack.n_experts)])
-        raw = self.cache.get(self.layer, index)[self._role].clone()  # a slot view: copy before the next get
+        raw, entry_type = self._raw(index)
+        w = ggml.dequantize(raw, entry_type).to(layer.model_dtype)  # type: ignore[arg-type]
+        # a float payload may come back as the slot itself: copy, the caller may keep it
+        return w.clone() if w.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr() else w
+
+    def _raw(self, index: int) -> tuple[torch.Tensor, str]:
+        """Expert ``index``'s payload for this role (a view of a cache slot: use it before the next
+        cache read) and its ggml type; float payloads viewed in their dtype."""
+        raw = self.cache.get(self.layer, index)[self._role]
         entry_type = self.pack.entry(self.layer, index, self.role).ggml_type
         if entry_type in ggml.FLOAT_TYPES:
-            dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[entry_type]
-            return raw.view(dtype).to(layer.model_dtype)  # type: ignore[arg-type]
-        return ggml.dequantize(raw, entry_type).to(layer.model_dtype)  # type: ignore[arg-type]
+            raw = raw.view(GGUF_FLOATS[entry_type])
+        return raw, entry_type
 
     def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
         if index is None:
             return F.linear(x, self.dequantize(layer).to(x.dtype))
-        raw = self.cache.get(self.layer, index)[self._role]  # a view of a cache slot: used right away
-        entry_type = self.pack.entry(self.layer, index, self.role).ggml_type
-        if entry_type in ggml.FLOAT_TYPES:
-            dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[entry_type]
-            raw = raw.view(dtype)
+        raw, entry_type = self._raw(index)
         return ggml.linear(x, raw, entry_type, layer.model_dtype)  # type: ignore[arg-type]
