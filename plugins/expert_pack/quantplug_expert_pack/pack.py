@@ -139,8 +139,8 @@ class ExpertPack:
         if n_roles != len(ROLES) or n_entries != n_layers * n_experts * n_roles:
             raise self._fail(f"index holds {n_entries} entries, expected layers*experts*roles = "
                              f"{n_layers}*{n_experts}*{n_roles}")
-        if file_size != actual:
-            raise self._fail(f"truncated or extended expert pack: header says {file_size} bytes, the file has {actual}")
+        if file_size < actual:
+            raise self._fail(f"extended expert pack: header says {file_size} bytes, the file has {actual}")
         if index_offset != HEADER_SIZE or data_offset < index_offset + n_entries * ENTRY_SIZE:
             raise self._fail(f"index at {index_offset} / data at {data_offset} overlap or are misplaced")
         with open(self.path, "rb") as fh:
@@ -166,6 +166,12 @@ class ExpertPack:
                              f"one entry per (layer, expert, role)")
         by_id, _ = _type_tables()
         ends = idx["offset"].astype(np.int64) + idx["size"].astype(np.int64)
+        if file_size > actual:  # name the first entry the truncation cut
+            cut = np.nonzero(ends > actual)[0]
+            what = f"entry {self._entry(idx, int(cut[0]), by_id).describe()} at offset {int(idx['offset'][cut[0]])} " \
+                   f"and {len(cut) - 1} after it lie" if len(cut) else "its tail lies"
+            raise self._fail(f"truncated expert pack: {what} past the end of the file ({actual} bytes; the header "
+                             f"says {file_size})")
         for i in np.nonzero((idx["offset"] % alignment != 0) | (idx["offset"] < data_offset) | (ends > file_size))[0][:1]:
             raise self._fail(f"entry {self._entry(idx, int(i), by_id).describe()}: payload {int(idx['offset'][i])}+"
                              f"{int(idx['size'][i])} is misaligned or outside the data region (file {file_size} bytes)")
