@@ -254,13 +254,6 @@ KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor, _Scratch], None]] = {
 }
 
 
-def row_bytes(ggml_type: str, row_len: int) -> int:
-    block, size = BLOCKS[ggml_type]
-    if row_len % block:
-        raise QuantplugError(f"{ggml_type}: row length {row_len} is not a multiple of the block size {block}")
-    return row_len // block * size
-
-
 def dequantize(data: torch.Tensor, ggml_type: str, *, chunk_blocks: int = 1 << 13,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """Packed ``[..., row_bytes]`` uint8 -> float32 ``[..., row_len]`` (float types: a float32 copy).

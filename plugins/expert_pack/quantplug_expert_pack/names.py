@@ -49,9 +49,6 @@ MOE = {
     "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
 }
-#: routed-expert roles, in pack order, and their GGUF names
-EXPERT_ROLES = ("gate_proj", "up_proj", "down_proj")
-EXPS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 
 
 def model_to_gguf(model_config: Any) -> dict[str, str]:

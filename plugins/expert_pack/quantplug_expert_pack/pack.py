@@ -211,12 +211,6 @@ class ExpertPack:
     def layer_entries(self, layer: int, role: str) -> list[PackEntry]:
         return [self.entry(layer, e, role) for e in range(self.n_experts)]
 
-    def expert_bytes(self, layer: int, expert: int) -> int:
-        return sum(self.entry(layer, expert, r).size for r in ROLES)
-
-    def total_payload_bytes(self) -> int:
-        return int(self._idx["size"].astype(np.int64).sum())
-
     # -- reading --------------------------------------------------------------------------------
 
     def _fileno(self) -> int:
