@@ -33,6 +33,17 @@ if TYPE_CHECKING:
     from .plan import LoadPlan
 
 PROJECT = "quantplug"
+
+#: Version of this hook contract (``MAJOR.MINOR``). A plugin declares the version it was written
+#: for as ``QUANTPLUG_CONTRACT = "1.1"`` in its entry-point module (absent: "1.0"); the manager
+#: accepts it when the major versions match and its minor is not newer than this one, and marks
+#: it failed otherwise, saying why. Minor versions only add (hooks, arguments, names in
+#: ``quantplug.api``); a major version may remove or rename.
+#:
+#: * 1.0: the hooks as first released (detect ... export, cli_commands).
+#: * 1.1: ``quantplug.api``; ``LinearScheme.reason``; ``quantplug_export`` receives ``plan``;
+#:   ``quantplug_architectures``; contract checking.
+CONTRACT_VERSION = "1.1"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 

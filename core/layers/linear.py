@@ -8,6 +8,7 @@ interface: :class:`DenseScheme` is the core's default answer to ``quantplug_line
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..types import FLOAT_DTYPES, Problem, TensorInfo, TensorSpec
+from ..types import FLOAT_DTYPES, SAFETENSORS_DTYPES, Problem, TensorInfo, TensorSpec
 
 FLOATS = tuple(sorted(FLOAT_DTYPES))
 
@@ -37,16 +38,24 @@ class Source(NamedTuple):
     optional: bool = False
 
 
-class LinearScheme:
+class LinearScheme(abc.ABC):
     """How one linear (or a stack of them: routed experts, per-head MLA K/V) is stored and run.
 
-    Subclasses override :meth:`tensor_specs`, :meth:`dequantize` (or :meth:`apply`) and, where the
-    stored form is not what forward wants, :meth:`process_after_loading`. Parameters are created
-    with exactly the names of the specs' suffixes, with a leading dimension when stacked.
+    Subclasses must implement :meth:`tensor_specs` and :meth:`dequantize`; they may override
+    :meth:`apply` (a fused kernel; it must agree with ``dequantize`` then matmul),
+    :meth:`embed`, :meth:`check` and, where the stored form is not what forward wants,
+    :meth:`process_after_loading`. Parameters are created with exactly the names of the specs'
+    suffixes, with a leading dimension when stacked.
+
+    ``key`` says which answers are the same scheme (fused shards must have equal keys; default
+    ``describe()``); ``describe()`` is what plans show; ``reason`` (optional) is recorded with the
+    decision (e.g. "config_groups.group_0 targets Linear").
     """
 
     #: short name shown in plans, e.g. "dense", "mxfp4", "w8a8"
     name = "dense"
+    #: why this scheme was chosen, recorded in the plan's decision (set per instance if useful)
+    reason: str = ""
 
     @property
     def key(self) -> str:
@@ -59,8 +68,9 @@ class LinearScheme:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.describe()}>"
 
+    @abc.abstractmethod
     def tensor_specs(self, out_features: int, in_features: int) -> list[TensorSpec]:
-        raise NotImplementedError(f"{type(self).__name__} must implement tensor_specs")
+        """The checkpoint tensors (by suffix) one linear of shape [out, in] is stored as."""
 
     def check(self, layer_name: str, tensors: Mapping[str, TensorInfo]) -> list[Problem]:
         """Extra header-only checks of the tensors found (keyed by suffix); default none."""
@@ -76,10 +86,9 @@ class LinearScheme:
             return model_dtype
         return TORCH_DTYPES.get(stored, torch.uint8)
 
+    @abc.abstractmethod
     def dequantize(self, layer: nn.Module, index: int | None = None) -> torch.Tensor:
         """The dense weight [out, in] (of stacked slot ``index``), in the model dtype."""
-        w: torch.Tensor = layer.weight  # type: ignore[assignment]
-        return w if index is None else w[index]
 
     def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
         w = self.dequantize(layer, index)
@@ -90,7 +99,7 @@ class LinearScheme:
         default dequantizes the whole matrix; a scheme can dequantize only the rows looked up."""
         return F.embedding(ids, self.dequantize(layer))
 
-    def process_after_loading(self, layer: nn.Module) -> None:
+    def process_after_loading(self, layer: nn.Module) -> None:  # noqa: B027 (optional hook, default no-op)
         """Called once per layer after all its tensors are loaded."""
 
 
@@ -101,6 +110,34 @@ class DenseScheme(LinearScheme):
 
     def tensor_specs(self, out_features: int, in_features: int) -> list[TensorSpec]:
         return [TensorSpec("weight", FLOATS, (out_features, in_features))]
+
+    def dequantize(self, layer: nn.Module, index: int | None = None) -> torch.Tensor:
+        w: torch.Tensor = layer.weight  # type: ignore[assignment]
+        return w if index is None else w[index]
+
+
+class RefusedScheme(LinearScheme):
+    """A layer the backend cannot compute: one plan-time error Problem naming the layer and the
+    config field (``quantplug.api.refuse``); never a silent dense fallback. Its tensors are
+    accepted whatever they are, so the refusal is the one problem reported for the layer."""
+
+    name = "refused"
+
+    def __init__(self, layer: str, field: str, why: str) -> None:
+        self.layer, self.field, self.why = layer, field, why
+
+    def describe(self) -> str:
+        return f"refused ({self.field}: {self.why})"
+
+    def tensor_specs(self, out_features: int, in_features: int) -> list[TensorSpec]:
+        return [TensorSpec("weight", SAFETENSORS_DTYPES, None, optional=True)]
+
+    def check(self, layer_name: str, tensors: Mapping[str, TensorInfo]) -> list[Problem]:
+        return [Problem(f"{self.field}: {self.why}; refusing a silent dense fallback", layer=layer_name,
+                        kind="refused")]
+
+    def dequantize(self, layer: nn.Module, index: int | None = None) -> torch.Tensor:
+        raise RuntimeError(f"{self.layer}: {self.why}")  # unreachable: the plan refuses to load
 
 
 class PlannedModule(nn.Module):
@@ -190,10 +227,12 @@ class StackedLinear(PlannedModule):
         self.qp_init(ckpt)
         self.specs = {s.suffix: s for s in scheme.tensor_specs(out_features, in_features)}
         for s in self.specs.values():
+            # shape None: the scheme checks shapes itself (``check``); the plan checks none here
+            known = s.shape is not None
             shape = s.shape if s.shape is not None else ()
             if layout[0] == "stacked":
-                self.qp_sources[s.suffix] = [Source(f"{layout[1]}.{s.suffix}", (n, *shape), s.dtypes,
-                                                    optional=s.optional)]
+                self.qp_sources[s.suffix] = [Source(f"{layout[1]}.{s.suffix}", (n, *shape) if known else (),
+                                                    s.dtypes, optional=s.optional)]
             elif layout[0] == "per_index":
                 self.qp_sources[s.suffix] = [Source(f"{name}.{s.suffix}", shape, s.dtypes, slot=i, optional=s.optional)
                                              for i, name in enumerate(layout[1])]
@@ -201,11 +240,16 @@ class StackedLinear(PlannedModule):
                 _, name, (part, parts) = layout
                 tensor = name if s.suffix == "weight" else f"{name}_{s.suffix}"
                 if parts == 1:
-                    self.qp_sources[s.suffix] = [Source(tensor, (n, *shape), s.dtypes, optional=s.optional)]
-                else:
+                    self.qp_sources[s.suffix] = [Source(tensor, (n, *shape) if known else (), s.dtypes,
+                                                        optional=s.optional)]
+                elif known:
                     rows = shape[0]
                     stored = (n, rows * parts, *shape[1:])
                     self.qp_sources[s.suffix] = [Source(tensor, stored, s.dtypes, narrow=(1, part * rows, rows),
+                                                        optional=s.optional)]
+                else:
+                    # rows unknown until the header is read: the plan resolves (axis, part, -parts)
+                    self.qp_sources[s.suffix] = [Source(tensor, (), s.dtypes, narrow=(1, part, -parts),
                                                         optional=s.optional)]
 
     def qp_target_dtype(self, name: str, stored: str, model_dtype: torch.dtype) -> torch.dtype:

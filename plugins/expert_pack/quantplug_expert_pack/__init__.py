@@ -29,9 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quantplug import hookimpl
-from quantplug.errors import CheckpointError
-from quantplug.types import AttentionLayout, Claim, Problem
+from quantplug.api import AttentionLayout, CheckpointError, Claim, Problem, hookimpl
 
 from .build import build_pack
 from .export import export_gguf

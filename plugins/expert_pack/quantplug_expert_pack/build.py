@@ -22,9 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from quantplug.checkpoint.gguf_index import GGUFHeader, read_gguf_header
-from quantplug.errors import CheckpointError
-from quantplug.types import TensorInfo
+from quantplug.api import CheckpointError, GGUFHeader, TensorInfo, read_gguf_header
 
 from .pack import (
     _HEADER,

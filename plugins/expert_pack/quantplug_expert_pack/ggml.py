@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from quantplug.errors import QuantplugError
+from quantplug.api import QuantplugError
 
 QK_K = 256
 #: name -> (elements per block, bytes per block); the same numbers as gguf's GGML_QUANT_SIZES

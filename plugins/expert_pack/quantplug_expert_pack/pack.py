@@ -51,8 +51,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from quantplug.checkpoint.gguf_index import GGUF_FLOATS
-from quantplug.errors import CheckpointError, QuantplugError
+from quantplug.api import GGUF_FLOATS, CheckpointError, QuantplugError
 
 from .ggml import BLOCKS, FLOAT_TYPES
 

@@ -13,9 +13,7 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
-from quantplug.checkpoint.gguf_index import GGUF_FLOATS
-from quantplug.layers.linear import LinearScheme
-from quantplug.types import Problem, TensorInfo, TensorSpec
+from quantplug.api import GGUF_FLOATS, LinearScheme, Problem, TensorInfo, TensorSpec
 from torch import nn
 
 from . import ggml

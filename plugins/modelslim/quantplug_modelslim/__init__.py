@@ -11,11 +11,9 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from quantplug import hookimpl
-from quantplug.errors import ConfigError
-from quantplug.types import Claim, Problem
+from quantplug.api import Claim, ConfigError, Problem, hookimpl, refuse
 
-from .schemes import ACTIVATION_MODES, Unsupported, W4A8Dynamic, W8A8Dynamic, W8A8Static
+from .schemes import ACTIVATION_MODES, W4A8Dynamic, W8A8Dynamic, W8A8Static
 
 __version__ = "0.1.0"
 GLOBAL_KEYS = {"model_quant_type", "version", "group_size", "metadata", "kv_quant_type", "fa_quant_type",
@@ -82,15 +80,15 @@ def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Seque
     types = {n: quant_config.type_of(_weight_key(quant_config, n)) for n in names}
     missing = [n for n, t in types.items() if t is None]
     if missing:
-        return Unsupported(f"{quant_config.file} has no type for {_weight_key(quant_config, missing[0])}")
+        return refuse(layer_name, quant_config.file, f"{quant_config.file} has no type for {_weight_key(quant_config, missing[0])}")
     kinds = set(types.values())
     if len(kinds) > 1:
-        return Unsupported("shards have different description types: "
+        return refuse(layer_name, quant_config.file, "shards have different description types: "
                            + ", ".join(f"{n.rsplit('.', 1)[-1]}={t}" for n, t in types.items()))
     kind = kinds.pop()
     mode = str(options.get("activation_quant", "ascend"))
     if mode not in ACTIVATION_MODES:
-        return Unsupported(f"options activation_quant={mode!r}; expected one of {', '.join(ACTIVATION_MODES)}")
+        return refuse(layer_name, "options.activation_quant", f"options activation_quant={mode!r}; expected one of {', '.join(ACTIVATION_MODES)}")
     if kind == "FLOAT":
         return None  # the core's dense scheme
     if kind == "W8A8":
@@ -100,7 +98,7 @@ def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Seque
         return W8A8Dynamic(mode, group)
     if kind == "W4A8_DYNAMIC":
         return W4A8Dynamic(mode, group)
-    return Unsupported(f"description type {kind!r} is not supported by quantplug-modelslim "
+    return refuse(layer_name, quant_config.file, f"description type {kind!r} is not supported by quantplug-modelslim "
                        "(supported: FLOAT, W8A8, W8A8_DYNAMIC, W4A8_DYNAMIC)")
 
 

@@ -9,12 +9,9 @@ o = round(-128 - lo / s)) or "ascend" (torch_npu.npu_dynamic_quant: symmetric, s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 import torch.nn.functional as F
-from quantplug.layers.linear import LinearScheme
-from quantplug.types import Problem, TensorInfo, TensorSpec
+from quantplug.api import LinearScheme, TensorSpec
 from torch import nn
 
 ACTIVATION_MODES = ("ascend", "msmodelslim")
@@ -167,21 +164,3 @@ class W4A8Dynamic(W8A8Dynamic):
         if ws.shape[-1] not in (1, wq.shape[-1]):
             ws = ws.repeat_interleave(wq.shape[-1] // ws.shape[-1], dim=-1)
         return (wq * ws).to(layer.model_dtype)
-
-
-class Unsupported(LinearScheme):
-    name = "unsupported"
-
-    def __init__(self, why: str) -> None:
-        self.why = why
-
-    def describe(self) -> str:
-        return f"unsupported: {self.why}"
-
-    def tensor_specs(self, out_features: int, in_features: int) -> list[TensorSpec]:
-        from quantplug.types import SAFETENSORS_DTYPES
-
-        return [TensorSpec("weight", SAFETENSORS_DTYPES, (out_features, in_features), optional=True)]
-
-    def check(self, layer_name: str, tensors: Mapping[str, TensorInfo]) -> list[Problem]:
-        return [Problem(self.why, layer=layer_name, kind="modelslim-type")]

@@ -13,12 +13,11 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from quantplug import hookimpl
-from quantplug.types import Claim, Problem
+from quantplug.api import Claim, Problem, hookimpl, refuse
 
 from .config import QuarkConfig
 from .export import export_quark
-from .scheme import MXFP4Scheme, UnsupportedScheme
+from .scheme import MXFP4Scheme
 
 __version__ = "0.1.0"
 PACKED = {"fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -52,7 +51,7 @@ def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Seque
     if layer_kind not in ("linear", "experts", "attn_k_b", "attn_v_b"):
         return None  # embeddings (and kinds added later) are stored as floats in this format
     if quant_config.weight_format != "real_quantized":
-        return UnsupportedScheme(layer_name, f"export weight_format {quant_config.weight_format!r} "
+        return refuse(layer_name, "quantization_config.export.weight_format", f"not supported by quantplug-quark: export weight_format {quant_config.weight_format!r} "
                                              "(only real_quantized weights are packed)")
     names = list(shard_names) if layer_kind == "experts" else [layer_name]
     if layer_kind == "experts" and all(_stored_float(checkpoint, n) for n in names):
@@ -61,13 +60,13 @@ def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Seque
     kinds = {(s.describe() if s else "float") for s, _ in specs.values()}
     if len(kinds) > 1:
         listing = ", ".join(f"{n}: {s.describe() if s else 'float'} ({why})" for n, (s, why) in specs.items())
-        return UnsupportedScheme(layer_name, f"its shards disagree: {listing}")
+        return refuse(layer_name, "quantization_config", f"not supported by quantplug-quark: its shards disagree: {listing}")
     spec, why = next(iter(specs.values()))
     if spec is None:
         return None  # excluded: the core's dense scheme answers
     bad = spec.unsupported()
     if bad:
-        return UnsupportedScheme(layer_name, f"{bad} ({why})")
+        return refuse(layer_name, "quantization_config", f"Quark spec not supported by quantplug-quark: {bad} ({why})")
     return MXFP4Scheme(why, cache=bool(options.get("dequantize", False)))
 
 

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from quantplug.errors import ConfigError
+from quantplug.api import ConfigError
 
 
 @dataclass(frozen=True)

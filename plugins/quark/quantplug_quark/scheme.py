@@ -11,8 +11,7 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
-from quantplug.layers.linear import LinearScheme
-from quantplug.types import SAFETENSORS_DTYPES, Problem, TensorInfo, TensorSpec
+from quantplug.api import LinearScheme, Problem, TensorInfo, TensorSpec
 from torch import nn
 
 GROUP = 32
@@ -106,25 +105,3 @@ class MXFP4Scheme(LinearScheme):
         if self.cache:
             layer.register_buffer("_dequantized", dequantize_mxfp4(layer.weight, layer.weight_scale.view(torch.uint8),
                                                                    layer.model_dtype), persistent=False)
-
-
-class UnsupportedScheme(LinearScheme):
-    """A Quark spec this plugin cannot run: reported as a plan-time Problem naming the layer."""
-
-    name = "unsupported"
-
-    def __init__(self, layer: str, why: str) -> None:
-        self.layer, self.why = layer, why
-
-    def describe(self) -> str:
-        return f"unsupported quark spec: {self.why}"
-
-    def tensor_specs(self, out_features: int, in_features: int) -> list[TensorSpec]:
-        return [TensorSpec("weight", SAFETENSORS_DTYPES, (out_features, in_features), optional=True)]
-
-    def check(self, layer_name: str, tensors: Mapping[str, TensorInfo]) -> list[Problem]:
-        return [Problem(f"Quark spec not supported by quantplug-quark: {self.why}; refusing a silent dense "
-                        "fallback", layer=layer_name)]
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
-        raise RuntimeError(f"{self.layer}: {self.why}")  # unreachable: the plan refuses to load

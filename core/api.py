@@ -1,0 +1,163 @@
+"""The public plugin API: the one module a quantplug backend imports.
+
+Everything a backend needs is here, and everything here is public: names are kept (or
+deprecated with a warning for at least one minor contract version) across versions of the
+contract :data:`CONTRACT_VERSION`. Anything not re-exported here is private to the core and may
+change without notice; the bundled backends import quantplug only through this module (a test
+enforces it).
+
+Groups:
+
+* the contract: :data:`hookimpl`, :data:`CONTRACT_VERSION`, the hook names (``HOOKS``);
+* answers: :class:`Claim`, :class:`AttentionLayout`, :class:`Problem`, :class:`ExportResult`,
+  :class:`TensorSpec` (and what a scheme is given: :class:`TensorInfo`);
+* schemes: :class:`LinearScheme` (abstract), :class:`DenseScheme`, :func:`refuse` (a plan-time
+  refusal naming the layer and the field, never a silent dense fallback), :data:`LAYER_KINDS`;
+* what hooks receive: :class:`Checkpoint`, :class:`ModelConfig`, :class:`RopeConfig`,
+  :class:`LoadPlan`;
+* reading: :func:`read_gguf_header` / :class:`GGUFHeader`, :data:`GGUF_FLOATS`,
+  :data:`TORCH_DTYPES`, :data:`SAFETENSORS_DTYPES`, :func:`read_into`;
+* exporting: :func:`dense_state` (a loaded model back to dense tensors, hub layout);
+* errors: :class:`QuantplugError` and its subclasses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .checkpoint import TORCH_DTYPES, Checkpoint, storage_shape
+from .checkpoint.gguf_index import GGUF_FLOATS, GGUFHeader, SkippedArray, ggml_types, read_gguf_header
+from .errors import (
+    AmbiguousBackendError,
+    CheckpointError,
+    ConfigError,
+    LoadError,
+    NoBackendError,
+    PlanError,
+    PluginLoadError,
+    QuantplugError,
+    UnknownArchitectureError,
+)
+from .hookspecs import BACKEND_HOOKS, CONTRACT_VERSION, GLOBAL_HOOKS, hookimpl
+from .layers.linear import FLOATS, DenseScheme, LinearScheme, RefusedScheme
+from .memory import read_into
+from .models.config import ModelConfig, RopeConfig
+from .plan import LoadPlan
+from .types import (
+    FLOAT_DTYPES,
+    SAFETENSORS_DTYPES,
+    AttentionLayout,
+    Claim,
+    Decision,
+    ExportResult,
+    PluginInfo,
+    Problem,
+    SkipRule,
+    TensorInfo,
+    TensorSpec,
+)
+
+#: Every hook of the contract, by scope.
+HOOKS = GLOBAL_HOOKS | BACKEND_HOOKS
+
+#: The layer kinds ``quantplug_linear_scheme`` is asked about (answer None for kinds you do not know).
+LAYER_KINDS = ("linear", "experts", "attn_k_b", "attn_v_b", "embedding")
+
+
+def refuse(layer_name: str, field: str, why: str) -> RefusedScheme:
+    """A scheme answer that refuses a layer at plan time.
+
+    Return it from ``quantplug_linear_scheme`` when the format asks for something the backend
+    cannot compute (``actorder``, 2:4 sparsity, an unknown ``group_size``...). The plan then
+    holds one error Problem naming ``layer_name`` and the config ``field`` (problems with the
+    same field and reason are grouped in messages); no dense fallback happens.
+    """
+    return RefusedScheme(layer_name, field, why)
+
+
+def dense_state(model: nn.Module, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The loaded model's weights as dense tensors, in the Hugging Face hub layout.
+
+    Names are the checkpoint's text-model names (Kimi wrappers keep ``language_model.``;
+    GGUF checkpoints come back under Hugging Face names), routed experts one tensor per
+    expert and projection (``...experts.{k}.gate_proj.weight``), split MLA ``k_b`` / ``v_b``
+    folded back into ``kv_b_proj``. Every quantized weight goes through its scheme's
+    ``dequantize``; exporters quantize these tensors into their own format.
+    """
+    from .layers.linear import FloatParams, QuantLinear, StackedLinear
+    from .models.deepseek import MLA, Embedding, Experts
+
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for mod in model.modules():
+        if id(mod) in seen:
+            continue
+        if isinstance(mod, Experts):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                lin: StackedLinear = getattr(mod, proj)
+                seen.add(id(lin))
+                base = lin.qp_ckpt.rsplit(".", 1)[0]
+                for k in range(lin.n):
+                    w = lin.scheme.dequantize(lin, k)
+                    out[f"{base}.{k}.{proj}.weight"] = w.detach().to(dtype).contiguous()
+        elif isinstance(mod, MLA) and mod.layout.kind == "split_kv":
+            seen.update((id(mod.k_b), id(mod.v_b)))
+            base = mod.o_proj.qp_ckpt.rsplit(".", 1)[0]
+            heads = []
+            for h in range(mod.k_b.n):
+                k = mod.k_b.scheme.dequantize(mod.k_b, h).to(dtype).t()  # [nope, kv_lora]
+                v = mod.v_b.scheme.dequantize(mod.v_b, h).to(dtype)      # [v, kv_lora]
+                heads += [k, v]
+            out[f"{base}.kv_b_proj.weight"] = torch.cat(heads).contiguous()
+        elif isinstance(mod, QuantLinear | Embedding):
+            out[f"{mod.qp_ckpt}.weight"] = mod.scheme.dequantize(mod).detach().to(dtype).contiguous()
+        elif isinstance(mod, StackedLinear):
+            raise QuantplugError(f"dense_state: stacked linear {mod.qp_ckpt} is neither routed experts nor MLA K/V")
+        elif isinstance(mod, FloatParams):
+            for local, sources in mod.qp_sources.items():
+                t = getattr(mod, local, None)
+                if t is None:
+                    continue
+                out[sources[0].tensor] = t.detach().to(dtype).contiguous()
+    return out
+
+
+def plan_of(model: nn.Module) -> LoadPlan:
+    """The :class:`LoadPlan` a model was loaded from (exporters read prefix, config, options)."""
+    plan = getattr(model, "quantplug_plan", None)
+    if not isinstance(plan, LoadPlan):
+        raise QuantplugError(f"{type(model).__name__} was not loaded by quantplug (no load plan attached)")
+    return plan
+
+
+def option(options: Mapping[str, Any], key: str, default: Any, choices: tuple[Any, ...] | None = None) -> Any:
+    """``options[key]`` (the ``-o KEY=VALUE`` / ``options=`` value) or ``default``, checked
+    against ``choices``: a wrong value is a :class:`ConfigError` naming the key and the choices."""
+    value = options.get(key, default)
+    if choices is not None and value not in choices:
+        raise ConfigError(f"option {key}={value!r}: expected one of {', '.join(map(repr, choices))}")
+    return value
+
+
+__all__ = [
+    "CONTRACT_VERSION", "HOOKS", "LAYER_KINDS", "hookimpl",
+    # answers and values
+    "AttentionLayout", "Claim", "Decision", "ExportResult", "PluginInfo", "Problem", "SkipRule",
+    "TensorInfo", "TensorSpec",
+    # schemes
+    "DenseScheme", "FLOATS", "LinearScheme", "RefusedScheme", "refuse",
+    # what hooks receive
+    "Checkpoint", "LoadPlan", "ModelConfig", "RopeConfig",
+    # reading
+    "FLOAT_DTYPES", "GGUF_FLOATS", "GGUFHeader", "SAFETENSORS_DTYPES", "SkippedArray", "TORCH_DTYPES",
+    "ggml_types", "read_gguf_header", "read_into", "storage_shape",
+    # exporting
+    "dense_state", "option", "plan_of",
+    # errors
+    "AmbiguousBackendError", "CheckpointError", "ConfigError", "LoadError", "NoBackendError", "PlanError",
+    "PluginLoadError", "QuantplugError", "UnknownArchitectureError",
+]
