@@ -107,11 +107,11 @@ def dense_state(model: nn.Module, dtype: torch.dtype = torch.float32) -> dict[st
         elif isinstance(mod, MLA) and mod.layout.kind == "split_kv":
             seen.update((id(mod.k_b), id(mod.v_b)))
             base = mod.o_proj.qp_ckpt.rsplit(".", 1)[0]
-            heads = []
+            heads: list[torch.Tensor] = []
             for h in range(mod.k_b.n):
-                k = mod.k_b.scheme.dequantize(mod.k_b, h).to(dtype).t()  # [nope, kv_lora]
-                v = mod.v_b.scheme.dequantize(mod.v_b, h).to(dtype)      # [v, kv_lora]
-                heads += [k, v]
+                wk = mod.k_b.scheme.dequantize(mod.k_b, h).to(dtype).t()  # [nope, kv_lora]
+                wv = mod.v_b.scheme.dequantize(mod.v_b, h).to(dtype)      # [v, kv_lora]
+                heads += [wk, wv]
             out[f"{base}.kv_b_proj.weight"] = torch.cat(heads).contiguous()
         elif isinstance(mod, QuantLinear | Embedding):
             out[f"{mod.qp_ckpt}.weight"] = mod.scheme.dequantize(mod).detach().to(dtype).contiguous()
