@@ -71,7 +71,8 @@ def run_demo(workdir: Path | None = None, seed: int = 0) -> list[DemoRow]:
             out = root / rec.name
             out.mkdir()
             answers = pm.call("quantplug_export", [rec.name], firstresult=True, model=dense_model,
-                              model_config=dense_plan.model_config, destination=out, options={})
+                              model_config=dense_plan.model_config, destination=out, options={},
+                              plan=dense_plan)
             if not answers:
                 continue
             results = answers[0][0]

@@ -277,20 +277,26 @@ def quantplug_cli_commands(subparsers: Any) -> None:
 
 @hookspec(firstresult=True)
 def quantplug_export(
-    model: torch.nn.Module, model_config: ModelConfig, destination: Path, options: Mapping[str, Any]
+    model: torch.nn.Module, model_config: ModelConfig, destination: Path, options: Mapping[str, Any],
+    plan: LoadPlan,
 ) -> ExportResult | Sequence[ExportResult] | None:
     """Write a checkpoint in this backend's format from a dense model (optional hook).
 
     Called on one backend, chosen by name (``quantplug demo``, tests, vendor test kits).
-    ``model`` is a dense quantplug model; ``model_config`` its config. ``destination`` is an
+    ``model`` is a dense quantplug model; ``model_config`` its config; ``plan`` the
+    :class:`LoadPlan` it was loaded from (``plan.prefix``, ``plan.checkpoint.config``).
+    ``quantplug.api.dense_state(model)`` gives its weights as dense tensors in the hub layout,
+    under the checkpoint's names: quantize those. ``destination`` is an
     empty directory to write config.json and weights into (or subdirectories of it). Return what
     was written: one ``ExportResult``, or several when the backend writes variants (the demo
     loads each; ExpertPack writes a plain GGUF and one with an expert pack).
 
+    .. versionchanged:: 1.1 ``plan`` added.
+
     Example::
 
         @hookimpl
-        def quantplug_export(model, model_config, destination):
-            write_quark_checkpoint(model, model_config, destination)
+        def quantplug_export(model, plan, destination):
+            write_quark_checkpoint(dense_state(model), plan.checkpoint.config, destination)
             return ExportResult(destination, "quark-mxfp4")
     """
