@@ -126,6 +126,27 @@ def dense_state(model: nn.Module, dtype: torch.dtype = torch.float32) -> dict[st
     return out
 
 
+def named_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(checkpoint module name, module)`` of every linear of layer kind ``"linear"`` (the modules
+    ``quantplug_linear_scheme`` is asked about one by one: attention and dense-MLP projections,
+    shared experts, ``lm_head``; not routed experts, MLA K/V stacks, the router or the embedding).
+    ``module(x)`` runs it; forward hooks on it see its input (calibration)."""
+    from .layers.linear import QuantLinear
+
+    return [(m.qp_ckpt, m) for m in model.modules() if isinstance(m, QuantLinear)]
+
+
+def convert_expert_layout(state: Mapping[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
+    """Routed experts between the hub layout (``experts.{k}.{proj}.weight``, ``layout="hub"``) and
+    the transformers 5 fused one (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj``,
+    ``layout="fused"``); other tensors pass through."""
+    from .testing import to_layout
+
+    if layout not in ("hub", "fused"):
+        raise QuantplugError(f"convert_expert_layout: layout {layout!r}; expected 'hub' or 'fused'")
+    return to_layout(state, layout)
+
+
 def plan_of(model: nn.Module) -> LoadPlan:
     """The :class:`LoadPlan` a model was loaded from (exporters read prefix, config, options)."""
     plan = getattr(model, "quantplug_plan", None)
@@ -156,7 +177,7 @@ __all__ = [
     "FLOAT_DTYPES", "GGUF_FLOATS", "GGUFHeader", "SAFETENSORS_DTYPES", "SkippedArray", "TORCH_DTYPES",
     "ggml_types", "read_gguf_header", "read_into", "storage_shape",
     # exporting
-    "dense_state", "option", "plan_of",
+    "convert_expert_layout", "dense_state", "named_linears", "option", "plan_of",
     # errors
     "AmbiguousBackendError", "CheckpointError", "ConfigError", "LoadError", "NoBackendError", "PlanError",
     "PluginLoadError", "QuantplugError", "UnknownArchitectureError",

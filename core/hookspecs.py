@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from .checkpoint import Checkpoint
     from .layers.linear import LinearScheme
     from .models.config import ModelConfig
+    from .models.registry import ArchSpec
     from .plan import LoadPlan
 
 PROJECT = "quantplug"
@@ -48,7 +49,7 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 #: Hooks called on every plugin.
-GLOBAL_HOOKS = frozenset({"quantplug_detect", "quantplug_cli_commands"})
+GLOBAL_HOOKS = frozenset({"quantplug_detect", "quantplug_cli_commands", "quantplug_architectures"})
 #: Hooks called only on the selected backend plus the core defaults.
 BACKEND_HOOKS = frozenset({
     "quantplug_tensor_names",
@@ -58,7 +59,7 @@ BACKEND_HOOKS = frozenset({
     "quantplug_linear_scheme",
     "quantplug_validate_plan",
     "quantplug_process_after_loading",
-    "quantplug_export",
+    "quantplug_export",  # called on one backend, chosen by name
 })
 
 
@@ -81,6 +82,9 @@ def quantplug_detect(checkpoint: Checkpoint) -> Claim | None:
     :class:`AmbiguousBackendError` lists every claimant, unless ``backend=`` names one.
     Raising :class:`QuantplugError` here means "mine, but broken" and stops the load.
 
+    .. versionadded:: 1.0
+    .. versionchanged:: 1.1 a QuantplugError raised here is reported with the plugin's name.
+
     Example::
 
         @hookimpl
@@ -89,6 +93,30 @@ def quantplug_detect(checkpoint: Checkpoint) -> Claim | None:
             if qc.get("quant_method") != "acme":
                 return None
             return Claim("acme", AcmeConfig.parse(qc), "quantization_config.quant_method == 'acme'")
+    """
+
+
+@hookspec
+def quantplug_architectures() -> Mapping[str, ArchSpec] | None:
+    """Add model architectures: ``{config.json architectures[0]: ArchSpec}``.
+
+    Global hook, called once per plan on every plugin, before detection. The core's own
+    (DeepSeek-V3, Kimi-K2.5/K2.6, Kimi-K3) answer first; a plugin may add names, not replace
+    them (a name both the core and a plugin define, or two plugins define, is an error naming
+    both). ``ArchSpec.cls(model_config, oracle)`` builds the skeleton from the core's planned
+    layers (``quantplug.api``: ``QuantLinear``, ``StackedLinear``, ``Embedding``, ``RMSNorm``),
+    asking ``oracle.scheme(...)`` / ``oracle.layout(...)`` for every decision, so every backend
+    works with the new architecture unchanged. The model config is parsed by the core
+    (DeepSeek-V3-style keys); an architecture with other keys reads them from
+    ``model_config.raw``.
+
+    .. versionadded:: 1.1
+
+    Example::
+
+        @hookimpl
+        def quantplug_architectures():
+            return {"MyMLAForCausalLM": ArchSpec("MyMLAForCausalLM", MyModel, False, ())}
     """
 
 
@@ -113,6 +141,8 @@ def quantplug_tensor_names(
     ``...mlp.experts.{gate,up,down}_proj.weight`` [E, out, in], split MLA
     ``...self_attn.{k_b_proj,v_b_proj}.weight``.
 
+    .. versionadded:: 1.0
+
     Example::
 
         @hookimpl
@@ -135,6 +165,8 @@ def quantplug_resolve_prefix(
     ``language_model.model.layers.0...`` (Kimi-K2.5 / K2.6 / K3 wrappers). Return None to let
     the core default infer it from the tensor names.
 
+    .. versionadded:: 1.0
+
     Example::
 
         @hookimpl
@@ -152,6 +184,10 @@ def quantplug_packed_modules(architecture: str, quant_config: Any) -> Mapping[st
     is a :class:`PlanError` naming both sources. None: nothing to add. The mapping lets the plan
     ask for a fused module's scheme and check that its shards agree (one excluded and one
     quantized is a Problem).
+
+    .. versionadded:: 1.0
+    .. versionchanged:: 1.1 shards must agree only where something fuses them (a fused
+       module present in the checkpoint, or a backend that stores them fused).
 
     Example::
 
@@ -173,6 +209,8 @@ def quantplug_attention_layout(
     tensors. The plan cross-checks the answer against the tensors present: a dense layout
     without ``kv_b_proj`` or a split one without its tensors is a Problem before any data is read.
     A backend with nothing to say about attention simply does not implement this hook.
+
+    .. versionadded:: 1.0
 
     Example::
 
@@ -210,6 +248,9 @@ def quantplug_linear_scheme(
     The answers for a fused module and for each of its shards must agree (equal ``key``), else
     the plan reports a Problem. ``options`` is the ``options=`` mapping given to ``load``.
 
+    .. versionadded:: 1.0
+    .. versionchanged:: 1.1 ``scheme.reason`` is recorded with the decision; ``quantplug.api.refuse``.
+
     Example::
 
         @hookimpl
@@ -228,6 +269,8 @@ def quantplug_validate_plan(plan: LoadPlan, quant_config: Any) -> Sequence[Probl
     the load, warnings are listed in the plan), or None / ``[]``. Every Problem should name the
     tensor or layer and what was expected.
 
+    .. versionadded:: 1.0
+
     Example::
 
         @hookimpl
@@ -243,6 +286,8 @@ def quantplug_process_after_loading(model: torch.nn.Module, quant_config: Any, o
     ``process_after_loading`` has run).
 
     Backend hook, called once per load on the selected backend; return value ignored.
+
+    .. versionadded:: 1.0
 
     Example::
 
@@ -261,6 +306,8 @@ def quantplug_cli_commands(subparsers: Any) -> None:
     function ``(args) -> int`` (exit code). A :class:`QuantplugError` it raises is printed as one
     line (traceback only with ``--debug``). Use a name that starts with the backend's own name.
 
+    .. versionadded:: 1.0
+
     Example::
 
         @hookimpl
@@ -275,7 +322,10 @@ def quantplug_cli_commands(subparsers: Any) -> None:
 # Export (called on one backend, by name)
 # ---------------------------------------------------------------------------------------------
 
-@hookspec(firstresult=True)
+@hookspec(firstresult=True, warn_on_impl_args={
+    "model_config": DeprecationWarning("quantplug_export(model_config=...) is deprecated since contract 1.1: "
+                                       "use plan.model_config"),
+})
 def quantplug_export(
     model: torch.nn.Module, model_config: ModelConfig, destination: Path, options: Mapping[str, Any],
     plan: LoadPlan,
@@ -291,7 +341,9 @@ def quantplug_export(
     was written: one ``ExportResult``, or several when the backend writes variants (the demo
     loads each; ExpertPack writes a plain GGUF and one with an expert pack).
 
-    .. versionchanged:: 1.1 ``plan`` added.
+    .. versionadded:: 1.0
+    .. versionchanged:: 1.1 ``plan`` added; ``model_config`` deprecated (``plan.model_config``):
+       pluggy warns when a plugin registers an implementation that asks for it.
 
     Example::
 

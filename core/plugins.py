@@ -8,6 +8,11 @@
 * Every hook answer comes back stamped with the plugin that gave it.
 * Backend hooks are called only on the selected backend and the core defaults.
 * ``QUANTPLUG_TRACE=1`` logs every hook call, a summary of its arguments and each answer.
+* Contract versions: a plugin built for another major version of the hook contract, or a
+  newer minor one, or whose distribution requires a quantplug version other than this one, is
+  recorded as failed with why (see :data:`quantplug.hookspecs.CONTRACT_VERSION`).
+* Scope: global hooks go to every active plugin; backend hooks only to the one backend
+  selected and the core defaults. :meth:`PluginManager.call` refuses anything else.
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import pluggy
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.version import InvalidVersion, Version
 
 from . import hookspecs
-from .errors import AmbiguousBackendError, NoBackendError, PluginLoadError, QuantplugError
+from ._version import __version__
+from .errors import AmbiguousBackendError, NoBackendError, PlanError, PluginLoadError, QuantplugError
 from .types import CORE, Claim, PluginInfo
 
 ENTRY_POINT_GROUP = "quantplug.backends"
@@ -53,6 +61,45 @@ class PluginRecord:
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "distribution": self.distribution, "version": self.version,
                 "status": self.status, "hooks": list(self.hooks), "error": self.error}
+
+
+def parse_contract(value: Any, where: str) -> tuple[int, int]:
+    """``"1.1"`` -> (1, 1); anything else is a :class:`PluginLoadError` naming ``where``."""
+    parts = value.split(".") if isinstance(value, str) else []
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise PluginLoadError(f"{where}: QUANTPLUG_CONTRACT = {value!r}; expected a string 'MAJOR.MINOR' "
+                              f"such as {hookspecs.CONTRACT_VERSION!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def contract_problem(plugin: object, dist: Any = None) -> str | None:
+    """Why ``plugin`` (its module / object, and its distribution) cannot run under this quantplug,
+    or None. Checks the plugin's declared ``QUANTPLUG_CONTRACT`` against
+    :data:`~quantplug.hookspecs.CONTRACT_VERSION` (same major, minor not newer) and the
+    distribution's ``Requires-Dist: quantplug ...`` specifier against the installed version."""
+    have = parse_contract(hookspecs.CONTRACT_VERSION, "quantplug")
+    declared = getattr(plugin, "QUANTPLUG_CONTRACT", "1.0")
+    want = parse_contract(declared, "plugin")
+    if want[0] != have[0]:
+        return (f"written for hook contract {declared}, this quantplug {__version__} speaks contract "
+                f"{hookspecs.CONTRACT_VERSION} (major versions differ)")
+    if want[1] > have[1]:
+        return (f"written for hook contract {declared}, newer than this quantplug's "
+                f"{hookspecs.CONTRACT_VERSION}; upgrade quantplug")
+    for line in (getattr(dist, "requires", None) or []) if dist is not None else []:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if req.name.lower() != "quantplug" or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+            continue
+        try:
+            ok = req.specifier.contains(Version(__version__), prereleases=True)
+        except InvalidVersion:
+            ok = True
+        if not ok:
+            return f"its distribution requires {line!r}, installed quantplug is {__version__}"
+    return None
 
 
 def _env_list(env: Mapping[str, str], key: str) -> set[str] | None:
@@ -121,6 +168,13 @@ class PluginManager:
                            f"import of {ep.value!r} failed: {type(exc).__name__}: {exc}")
                 continue
             try:
+                why = contract_problem(obj, dist)
+            except PluginLoadError as exc:
+                why = str(exc)
+            if why:
+                self._fail(ep.name, dist_name, version, why)
+                continue
+            try:
                 self.register(obj, ep.name, distribution=dist_name, version=version)
             except PluginLoadError as exc:
                 self._fail(ep.name, dist_name, version, str(exc))
@@ -140,6 +194,9 @@ class PluginManager:
         """
         if name == CORE_NAME or name in self._records and self._records[name].status == "active":
             raise PluginLoadError(f"plugin name {name!r} is already registered")
+        why = contract_problem(plugin)
+        if why:
+            raise PluginLoadError(f"plugin {name!r} ({distribution} {version}): {why}")
         try:
             self._pm.register(plugin, name=name)
         except pluggy.PluginValidationError as exc:
@@ -197,8 +254,21 @@ class PluginManager:
 
         Implementations run last-registered first with ``tryfirst``/``trylast`` honoured, and
         receive only the arguments they name. An exception that is not a QuantplugError is
-        wrapped in one naming the plugin and hook.
+        wrapped in one naming the plugin and hook; a QuantplugError that does not name its plugin
+        gets the name prefixed.
+
+        Scope is enforced here: a backend hook must name its plugins (one backend, and/or
+        "core"); ``plugins=None`` (every plugin) is allowed for global hooks only.
         """
+        if hook in hookspecs.BACKEND_HOOKS:
+            if plugins is None:
+                raise QuantplugError(f"{hook} is a backend hook: it is called on one backend and the core "
+                                     "defaults, never on every plugin")
+            backends = [p for p in plugins if p != CORE_NAME]
+            if len(backends) > 1:
+                raise QuantplugError(f"{hook} is a backend hook: called on one backend, not {backends}")
+        elif hook not in hookspecs.GLOBAL_HOOKS:
+            raise QuantplugError(f"{hook} is not a hook of the quantplug contract")
         allowed = None if plugins is None else set(plugins)
         caller = getattr(self._pm.hook, hook)
         answers: list[tuple[Any, PluginInfo]] = []
@@ -209,8 +279,16 @@ class PluginManager:
             args = {a: kwargs[a] for a in impl.argnames}
             try:
                 result = impl.function(**args)
-            except QuantplugError:
+            except PlanError:
                 raise
+            except QuantplugError as exc:
+                if info.name == CORE_NAME or f"plugin {info.name}" in str(exc) or f"plugin {info.name!r}" in str(exc):
+                    raise
+                try:
+                    named = type(exc)(f"plugin {info} in {hook}: {exc}")
+                except TypeError:  # a subclass with another constructor: keep it as raised
+                    raise exc from None
+                raise named from exc
             except Exception as exc:
                 raise QuantplugError(f"plugin {info} failed in {hook}: {type(exc).__name__}: {exc}") from exc
             if self.trace:
@@ -234,6 +312,28 @@ class PluginManager:
     def backend_all(self, backend: str | None, hook: str, **kwargs: Any) -> list[tuple[Any, PluginInfo]]:
         plugins = [CORE_NAME] + ([backend] if backend else [])
         return self.call(hook, plugins, firstresult=False, **kwargs)
+
+    # -- architectures ------------------------------------------------------------------------
+
+    def architectures(self) -> dict[str, Any]:
+        """Architectures added by plugins (``quantplug_architectures``), checked for clashes."""
+        from .models.registry import ARCHITECTURES, ArchSpec
+
+        out: dict[str, Any] = {}
+        owner: dict[str, PluginInfo] = {}
+        for answer, info in self.call("quantplug_architectures", None, firstresult=False):
+            if not isinstance(answer, Mapping):
+                raise QuantplugError(f"plugin {info} returned {type(answer).__name__} from quantplug_architectures; "
+                                     "expected a mapping of architecture name -> ArchSpec")
+            for name, spec in answer.items():
+                if not isinstance(spec, ArchSpec) or spec.name != name:
+                    raise QuantplugError(f"plugin {info}: quantplug_architectures[{name!r}] must be an ArchSpec "
+                                         "whose name is its key")
+                if name in ARCHITECTURES or name in out:
+                    other = "the core" if name in ARCHITECTURES else f"plugin {owner[name]}"
+                    raise QuantplugError(f"plugin {info} adds architecture {name!r}, which {other} already defines")
+                out[name], owner[name] = spec, info
+        return out
 
     # -- detection ----------------------------------------------------------------------------
 

@@ -131,6 +131,10 @@ def test_packed_module_conflict_names_both_sources(pm, ckpt):
 def test_fused_shards_that_disagree_are_a_problem(pm, ckpt):
     class Split(Claimer):
         @hookimpl
+        def quantplug_packed_modules(self):
+            return {"fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"]}  # this backend fuses them
+
+        @hookimpl
         def quantplug_linear_scheme(self, layer_name):
             return _scheme_cls("q")() if layer_name.endswith("q_a_proj") else None
 
@@ -138,6 +142,19 @@ def test_fused_shards_that_disagree_are_a_problem(pm, ckpt):
     plan = build_plan(ckpt, plugin_manager=pm)
     msgs = [p.message for p in plan.errors if p.kind == "packed"]
     assert msgs and "fused_qkv_a_proj_with_mqa" in msgs[0] and "q_a_proj=dense-q" in msgs[0]
+
+
+def test_shards_may_differ_where_nothing_fuses_them(pm, ckpt):
+    """The model class's own packed mapping alone does not force agreement: the checkpoint stores
+    q_a_proj and kv_a_proj_with_mqa apart and quantplug runs them apart."""
+    class Split(Claimer):
+        @hookimpl
+        def quantplug_linear_scheme(self, layer_name):
+            return _scheme_cls("q")() if layer_name.endswith("q_a_proj") else None
+
+    pm.register(Split("split"), "split")
+    plan = build_plan(ckpt, plugin_manager=pm)
+    assert not [p for p in plan.errors if p.kind == "packed"]
 
 
 def test_validate_plan_problems_are_collected_and_stamped(pm, ckpt):

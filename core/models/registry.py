@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torch import nn
@@ -13,6 +14,11 @@ from . import deepseek
 
 @dataclass(frozen=True)
 class ArchSpec:
+    """A buildable architecture: ``cls(model_config, oracle)`` builds the skeleton (see
+    :class:`~quantplug.models.deepseek.PlanOracle`); ``wrapped``: text config under
+    ``text_config`` and text weights under ``language_model.``; ``skip_rules``: checkpoint
+    tensors left out on purpose (listed in the plan)."""
+
     name: str
     cls: type[nn.Module]
     wrapped: bool  # text config under text_config, text weights under language_model.
@@ -36,12 +42,15 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 }
 
 
-def get_arch(config: dict) -> ArchSpec:
+def get_arch(config: dict, extra: Mapping[str, ArchSpec] | None = None) -> ArchSpec:
+    """The spec for config.json's ``architectures[0]``: the core's own, or one a plugin added
+    through ``quantplug_architectures`` (``extra``)."""
     archs = config.get("architectures") or []
-    if not archs:
-        raise UnknownArchitectureError("config.json has no 'architectures' entry")
-    spec = ARCHITECTURES.get(archs[0])
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        raise UnknownArchitectureError("config.json: 'architectures' must be a non-empty list of strings")
+    known = {**ARCHITECTURES, **(extra or {})}
+    spec = known.get(archs[0])
     if spec is None:
         raise UnknownArchitectureError(f"config.json architecture {archs[0]!r} is not supported; "
-                                       f"supported: {', '.join(ARCHITECTURES)}")
+                                       f"supported: {', '.join(known)}")
     return spec

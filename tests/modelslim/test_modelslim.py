@@ -189,7 +189,8 @@ def test_export_w8a8_and_w4a8_within_quantization_error(tmp_path):
     ids = torch.randint(0, cfg["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref = dense(ids)
-    results = {r.path.name: r for r in export_modelslim(dense, tmp_path / "ms", {"calibration": [ids]})}
+    results = {r.path.name: r for r in export_modelslim(dense, dense.quantplug_plan, tmp_path / "ms",
+                                                             {"calibration": [ids]})}
     errs = {}
     for name, res in results.items():
         model = quantplug.load(res.path)

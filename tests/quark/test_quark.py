@@ -155,7 +155,7 @@ def test_export_matches_vendor_layout(tmp_path):
     dense = quantplug.load(FIX)  # any model will do; export re-quantizes its dequantized weights
     from quantplug_quark.export import export_quark
 
-    res = export_quark(dense, dense.quantplug_plan.model_config, tmp_path / "out", {})
+    res = export_quark(dense, dense.quantplug_plan, tmp_path / "out", {})
     ours = load_file(str(res.path / "model.safetensors"))
     theirs = load_file(str(FIX / "model.safetensors"))
     assert {k: (v.dtype, v.shape) for k, v in ours.items()} == {k: (v.dtype, v.shape) for k, v in theirs.items()}

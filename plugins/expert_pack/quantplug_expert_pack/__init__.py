@@ -210,8 +210,8 @@ def quantplug_process_after_loading(model: Any, quant_config: GGUFConfig, option
 
 
 @hookimpl
-def quantplug_export(model: Any, model_config: Any, destination: Path, options: Mapping[str, Any]) -> Any:
-    return export_gguf(model, model_config, destination, options)
+def quantplug_export(model: Any, plan: Any, destination: Path, options: Mapping[str, Any]) -> Any:
+    return export_gguf(model, plan, destination, options)
 
 
 def _cmd_build(args: argparse.Namespace) -> int:

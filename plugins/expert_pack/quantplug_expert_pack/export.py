@@ -19,11 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from quantplug.errors import QuantplugError
-from quantplug.layers.linear import QuantLinear, StackedLinear
-from quantplug.models.config import ModelConfig
-from quantplug.models.deepseek import Embedding
-from quantplug.types import ExportResult
+from quantplug.api import ExportResult, LoadPlan, ModelConfig, QuantplugError, dense_state
 
 from . import ggml
 from .names import model_to_gguf
@@ -163,39 +159,18 @@ def write_gguf(path: str | Path, tensors: Mapping[str, torch.Tensor], cfg: Model
     return written
 
 
-def dense_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Dense float weights of a loaded quantplug model under model names (prefix removed)."""
-    plan: Any = model.quantplug_plan
+def model_state(model: torch.nn.Module, plan: LoadPlan) -> dict[str, torch.Tensor]:
+    """Dense float weights of a loaded quantplug model under model names (wrapper prefix removed)."""
     cut = len(plan.prefix) + 1 if plan.prefix else 0
-    out: dict[str, torch.Tensor] = {}
-    for mod in model.modules():
-        if isinstance(mod, QuantLinear | Embedding):
-            out[f"{mod.qp_ckpt[cut:]}.weight"] = mod.scheme.dequantize(mod).float()
-        elif isinstance(mod, StackedLinear):
-            w = torch.stack([mod.scheme.dequantize(mod, i).float() for i in range(mod.n)])
-            if mod.qp_ckpt.endswith(("k_b_proj", "v_b_proj")):
-                out[f"{mod.qp_ckpt[cut:]}.weight"] = w
-            else:  # routed experts -> hub names
-                for i in range(mod.n):
-                    base, proj = mod.qp_ckpt[cut:].rsplit(".", 1)
-                    out[f"{base}.{i}.{proj}.weight"] = w[i]
-    for pp in plan.params:
-        if isinstance(pp.module, QuantLinear | StackedLinear | Embedding):
-            continue
-        out[pp.sources[0][1].name[cut:]] = getattr(pp.module, pp.local).detach().float()
-    # split MLA stacks back to kv_b, so gguf_state can split them the same way for every source
-    for name in [n for n in out if n.endswith(".self_attn.k_b_proj.weight")]:
-        base = name[: -len(".k_b_proj.weight")]
-        out[f"{base}.kv_b_proj.weight"] = join_kv_b(out.pop(name), out.pop(f"{base}.v_b_proj.weight"))
-    return out
+    return {name[cut:]: t for name, t in dense_state(model).items()}
 
 
-def export_gguf(model: torch.nn.Module, model_config: ModelConfig, destination: Path,
+def export_gguf(model: torch.nn.Module, plan: LoadPlan, destination: Path,
                 options: Mapping[str, Any]) -> list[ExportResult]:
     """The export hook: a split-K/V GGUF, and (``pack``, default true) a copy with an expert pack."""
     from .build import build_pack
 
-    plan: Any = model.quantplug_plan
+    model_config = plan.model_config
     dtype = str(options.get("type", "Q8_0"))
     dest = Path(destination)
     plain = dest / "gguf"
@@ -203,7 +178,7 @@ def export_gguf(model: torch.nn.Module, model_config: ModelConfig, destination: 
     cfg = dict(plan.checkpoint.config)
     cfg.pop("quantization_config", None)
     (plain / "config.json").write_text(json.dumps(cfg, indent=2))
-    tensors = gguf_state(dense_state(model), model_config, split_kv=bool(options.get("split_kv", True)))
+    tensors = gguf_state(model_state(model, plan), model_config, split_kv=bool(options.get("split_kv", True)))
     write_gguf(plain / "model.gguf", tensors, model_config, default_type=dtype,
                types={"attn_k_b": "Q4_0"} if dtype != "F32" else {})
     results = [ExportResult(plain, f"gguf {dtype} (split K/V, attn_k_b Q4_0)", (plain / "model.gguf",))]

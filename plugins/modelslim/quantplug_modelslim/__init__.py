@@ -118,7 +118,7 @@ def quantplug_validate_plan(plan: Any, quant_config: ModelSlimConfig) -> list[Pr
 
 
 @hookimpl
-def quantplug_export(model: Any, model_config: Any, destination: Any, options: Mapping[str, Any]) -> Any:
+def quantplug_export(model: Any, plan: Any, destination: Any, options: Mapping[str, Any]) -> Any:
     from .export import export_modelslim
 
-    return export_modelslim(model, destination, options)
+    return export_modelslim(model, plan, destination, options)

@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from quantplug.layers.linear import QuantLinear, StackedLinear
-from quantplug.types import ExportResult
+from quantplug.api import ExportResult, LoadPlan, dense_state, named_linears
 from safetensors.torch import save_file
 
 from .schemes import pack_int4_rows
@@ -34,13 +33,12 @@ def _calibrate(model: torch.nn.Module, batches: list[torch.Tensor]) -> dict[str,
     """Per-linear input (min, max) over the calibration batches."""
     ranges: dict[str, tuple[float, float]] = {}
     hooks = []
-    for m in model.modules():
-        if isinstance(m, QuantLinear):
-            def hook(mod, args, name=m.qp_ckpt):
-                x = args[0]
-                lo, hi = ranges.get(name, (0.0, 0.0))
-                ranges[name] = (min(lo, float(x.min())), max(hi, float(x.max())))
-            hooks.append(m.register_forward_pre_hook(hook))
+    for name, m in named_linears(model):
+        def hook(mod, args, name=name):
+            x = args[0]
+            lo, hi = ranges.get(name, (0.0, 0.0))
+            ranges[name] = (min(lo, float(x.min())), max(hi, float(x.max())))
+        hooks.append(m.register_forward_pre_hook(hook))
     with torch.no_grad():
         for b in batches:
             model(b)
@@ -49,15 +47,18 @@ def _calibrate(model: torch.nn.Module, batches: list[torch.Tensor]) -> dict[str,
     return ranges
 
 
-def export_modelslim(model: torch.nn.Module, destination: Path, options: Mapping[str, Any]) -> list[ExportResult]:
+def export_modelslim(model: torch.nn.Module, plan: LoadPlan, destination: Path,
+                     options: Mapping[str, Any]) -> list[ExportResult]:
     recipes = options.get("recipes", ["w8a8", "w4a8"])
-    vocab = model.quantplug_plan.model_config.vocab_size
+    vocab = plan.model_config.vocab_size
     batches = options.get("calibration") or [torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(7))]
     ranges = _calibrate(model, batches)
+    state = dense_state(model)
+    linears = {name for name, _ in named_linears(model)}
     out = []
     for recipe in recipes:
         dest = Path(destination) / recipe
-        out.append(_write(model, dest, recipe, ranges))
+        out.append(_write(state, linears, plan, dest, recipe, ranges))
     return out
 
 
@@ -69,8 +70,8 @@ def _linear_type(name: str, recipe: str) -> str:
     return "W8A8_DYNAMIC"
 
 
-def _write(model: torch.nn.Module, dest: Path, recipe: str, ranges: dict[str, tuple[float, float]]) -> ExportResult:
-    plan = model.quantplug_plan
+def _write(state: Mapping[str, torch.Tensor], linears: set[str], plan: LoadPlan, dest: Path, recipe: str,
+           ranges: dict[str, tuple[float, float]]) -> ExportResult:
     dest.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     desc: dict[str, Any] = {"model_quant_type": "W8A8", "version": "1.0.0"}
@@ -79,15 +80,15 @@ def _write(model: torch.nn.Module, dest: Path, recipe: str, ranges: dict[str, tu
         tensors[name] = t.contiguous()
         desc[name] = typ
 
-    for m in model.modules():
-        if isinstance(m, QuantLinear):
-            ck, w = m.qp_ckpt, m.scheme.dequantize(m).float()
+    for name, w in state.items():
+        ck = name.removesuffix(".weight")
+        if ck in linears:
             typ = _linear_type(ck, recipe)
             if typ == "FLOAT":
-                put(f"{ck}.weight", w, typ)
+                put(name, w, typ)
                 continue
             wq, ws = _sym(w, 8)
-            put(f"{ck}.weight", wq, typ)
+            put(name, wq, typ)
             put(f"{ck}.weight_scale", ws, typ)
             put(f"{ck}.weight_offset", torch.zeros_like(ws), typ)
             if typ == "W8A8":
@@ -100,23 +101,14 @@ def _write(model: torch.nn.Module, dest: Path, recipe: str, ranges: dict[str, tu
                 put(f"{ck}.quant_bias", torch.round(-wq.float().sum(-1) * o).to(torch.int32), typ)
                 deq = (torch.tensor(s, dtype=torch.float32) * ws[:, 0]).to(torch.float32)
                 put(f"{ck}.deq_scale", deq.view(torch.int32).to(torch.int64) & 0xFFFFFFFF, typ)
-        elif isinstance(m, StackedLinear) and ".experts." in m.qp_ckpt:
-            base, proj = m.qp_ckpt.rsplit(".", 1)
-            for e in range(m.n):
-                w = m.scheme.dequantize(m, e).float()
-                name = f"{base}.{e}.{proj}"
-                if recipe == "w4a8":
-                    wq, ws = _sym(w, 4)
-                    put(f"{name}.weight", pack_int4_rows(wq), "W4A8_DYNAMIC")
-                    put(f"{name}.weight_scale", ws, "W4A8_DYNAMIC")
-                    put(f"{name}.weight_offset", torch.zeros_like(ws), "W4A8_DYNAMIC")
-                    put(f"{name}.scale_bias", torch.zeros_like(ws), "W4A8_DYNAMIC")
-                else:
-                    put(f"{name}.weight", w, "FLOAT")
-    for pp in plan.params:
-        if isinstance(pp.module, QuantLinear | StackedLinear):
-            continue
-        put(pp.sources[0][1].name, getattr(pp.module, pp.local).detach().float(), "FLOAT")
+        elif ".mlp.experts." in name and recipe == "w4a8":
+            wq, ws = _sym(w, 4)
+            put(name, pack_int4_rows(wq), "W4A8_DYNAMIC")
+            put(f"{ck}.weight_scale", ws, "W4A8_DYNAMIC")
+            put(f"{ck}.weight_offset", torch.zeros_like(ws), "W4A8_DYNAMIC")
+            put(f"{ck}.scale_bias", torch.zeros_like(ws), "W4A8_DYNAMIC")
+        else:
+            put(name, w, "FLOAT")
     wfile = dest / "quant_model_weight_w8a8.safetensors"
     save_file(tensors, str(wfile))
     (dest / "quant_model_description.json").write_text(json.dumps(desc, indent=2))

@@ -107,5 +107,5 @@ def quantplug_validate_plan(plan: Any, quant_config: QuarkConfig) -> list[Proble
 
 
 @hookimpl
-def quantplug_export(model: Any, model_config: Any, destination: Any, options: Mapping[str, Any]) -> Any:
-    return export_quark(model, model_config, destination, options)
+def quantplug_export(model: Any, plan: Any, destination: Any, options: Mapping[str, Any]) -> Any:
+    return export_quark(model, plan, destination, options)

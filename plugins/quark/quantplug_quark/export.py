@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from quantplug.layers.linear import QuantLinear
-from quantplug.types import ExportResult
+from quantplug.api import ExportResult, LoadPlan, convert_expert_layout, dense_state, named_linears
 from safetensors.torch import save_file
 
 from .scheme import quantize_mxfp4
@@ -43,33 +42,22 @@ def quark_config(exclude: list[str]) -> dict[str, Any]:
     }
 
 
-def export_quark(model: torch.nn.Module, model_config: Any, destination: Path,
+def export_quark(model: torch.nn.Module, plan: LoadPlan, destination: Path,
                  options: Mapping[str, Any]) -> ExportResult:
-    plan = model.quantplug_plan
     dest = Path(destination)
     dest.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {}
     prefix = f"{plan.prefix}." if plan.prefix else ""
     exclude = [f"{prefix}lm_head"]
-    linears = {m.qp_ckpt: m for m in model.modules() if isinstance(m, QuantLinear)}
-    for ck, mod in linears.items():
-        w = mod.scheme.dequantize(mod).float()
-        if ck in exclude:
-            tensors[f"{ck}.weight"] = w.contiguous()
+    linears = {name for name, _ in named_linears(model)}
+    # routed experts stay float, in the transformers 5 fused layout (as amd-quark writes them)
+    state = convert_expert_layout(dense_state(model), "fused")
+    tensors: dict[str, torch.Tensor] = {}
+    for name, w in state.items():
+        module = name.removesuffix(".weight")
+        if module in linears and module not in exclude:
+            tensors[name], tensors[f"{module}.weight_scale"] = quantize_mxfp4(w)
         else:
-            tensors[f"{ck}.weight"], tensors[f"{ck}.weight_scale"] = quantize_mxfp4(w)
-    for pp in plan.params:
-        mod = pp.module
-        if isinstance(mod, QuantLinear) or ".experts." in pp.param:
-            continue  # linears above; routed experts below, in the fused layout
-        tensors[pp.sources[0][1].name] = getattr(mod, pp.local).detach().float().contiguous()
-    for mod in model.modules():
-        if type(mod).__name__ == "Experts":
-            base = mod.gate_proj.qp_ckpt.rsplit(".", 1)[0]
-            deq = {p: torch.stack([getattr(mod, p).scheme.dequantize(getattr(mod, p), e) for e in range(mod.n)])
-                   for p in ("gate_proj", "up_proj", "down_proj")}
-            tensors[f"{base}.gate_up_proj"] = torch.cat([deq["gate_proj"], deq["up_proj"]], dim=1).float().contiguous()
-            tensors[f"{base}.down_proj"] = deq["down_proj"].float().contiguous()
+            tensors[name] = w
     save_file(tensors, str(dest / "model.safetensors"))
     cfg = copy.deepcopy(plan.checkpoint.config)
     target = cfg["text_config"] if "text_config" in cfg and plan.model_config.is_wrapper else cfg
