@@ -1,0 +1,229 @@
+"""Pure-torch compressed-tensors kernels: weight dequantization and activation quantization.
+
+Weights (compressed-tensors 0.19 / 0.20, ``compressors/pack_quantized``, ``naive_quantized``):
+
+* pack-quantized: ``weight_packed`` int32 [out, ceil(in*bits/32)]; element c of a row sits at
+  bit c*bits of the row's little-endian bit stream, stored unsigned as q + 2**(bits-1) (read
+  the words as bytes: for 4 bits, byte c//2, low nibble first). Zero points (asymmetric) are
+  packed the same way along the *output* dim: [ceil(out*bits/32), groups].
+* naive / int / float-quantized: ``weight`` int8 or F8_E4M3 in its own shape.
+* w = (q - zero_point) * scale, with ``scale`` per tensor [1], per channel [out, 1], per group
+  [out, in/group] or per block [ceil(out/bh), ceil(in/bw)] (edge blocks partial).
+
+Products are taken in float32 (exact: q has at most 8 significant bits, the scale at most 24
+and one rounding to the model dtype follows), so a bfloat16 result equals compressed-tensors'
+own decompressor, which multiplies in the scale's dtype, and a float32 result is the exact
+q * scale the vendor fixtures' reference logits use.
+
+Work is chunked: a dequantization fills its output :data:`CHUNK` elements at a time (every
+temporary stays in cache), and :func:`linear` dequantizes at most :data:`LINEAR_CHUNK` weight
+elements at once, so a forward never holds a whole dense copy of a large weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+#: output elements produced per inner dequantization step (float32: 128 KiB, cache-resident)
+CHUNK = 1 << 15
+#: dense weight elements materialized at once by :func:`linear` (1 MiB of float32)
+LINEAR_CHUNK = 1 << 18
+FP8_MAX = 448.0
+#: byte -> (low nibble - 8, high nibble - 8): two int4 values of a pack-quantized word
+INT4_LUT = torch.stack(((torch.arange(256) & 0xF) - 8, (torch.arange(256) >> 4) - 8), dim=-1).float()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one weight is stored: what :func:`dequantize` needs besides the tensors."""
+
+    kind: str  # "packed" (int32 words) | "int8" | "fp8"
+    bits: int
+    strategy: str  # tensor | channel | group | block
+    group: int | None  # group size (group strategy)
+    block: tuple[int, int] | None  # (rows, cols) (block strategy)
+    out_features: int
+    in_features: int
+
+    def scale_shape(self) -> tuple[int, ...]:
+        o, i = self.out_features, self.in_features
+        if self.strategy == "tensor":
+            return (1,)
+        if self.strategy == "channel":
+            return (o, 1)
+        if self.strategy == "group":
+            assert self.group
+            return (o, -(-i // self.group))
+        assert self.block
+        return (-(-o // self.block[0]), -(-i // self.block[1]))
+
+    def packed_cols(self) -> int:
+        return -(-self.in_features * self.bits // 32)
+
+    def zp_shape(self) -> tuple[int, ...]:
+        """Shape of the stored zero point: packed along out for pack-quantized group/channel."""
+        s = self.scale_shape()
+        if self.kind == "packed" and self.strategy in ("group", "channel"):
+            return (-(-self.out_features * self.bits // 32), s[-1])
+        return s
+
+
+def _groups_(o: torch.Tensor, t: torch.Tensor, group: int, op: Callable[[torch.Tensor, torch.Tensor], object]) -> None:
+    """``op(o_part, t_part)`` in place with ``t`` [r, G] broadcast over column groups of ``group``
+    (the last group may be partial)."""
+    r, n = o.shape
+    full = n // group
+    if t.shape[-1] == 1 or group >= n:
+        op(o, t[:, :1])
+        return
+    if full:
+        op(o[:, :full * group].view(r, full, group), t[:, :full].unsqueeze(-1))
+    if full * group < n:
+        op(o[:, full * group:], t[:, full:full + 1])
+
+
+def unpack_rows(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """int32 words [r, W] (packed along the last dim) -> int8 values [r, n] (offset removed)."""
+    b = words.contiguous().view(torch.uint8)
+    if bits == 4:
+        v = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)
+    elif bits == 8:
+        v = b
+    else:  # pragma: no cover - the scheme refuses other widths at plan time
+        raise ValueError(f"unpack: {bits}-bit packing not supported")
+    return (v[..., :n].to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
+
+
+def pack_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """int values [r, n] in [-2**(bits-1), 2**(bits-1)) -> int32 words [r, ceil(n*bits/32)]."""
+    per = 32 // bits
+    r, n = q.shape
+    u = (q.to(torch.int32) + (1 << (bits - 1))).to(torch.int64)
+    pad = -n % per
+    if pad:
+        u = F.pad(u, (0, pad))
+    u = u.view(r, -1, per) << (torch.arange(per, dtype=torch.int64) * bits)
+    words = u.sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def unpack_zero_point(zp: torch.Tensor, bits: int, out_features: int) -> torch.Tensor:
+    """Packed zero points [ceil(out*bits/32), G] (packed along out) -> float32 [out, G]."""
+    return unpack_rows(zp.t().contiguous(), bits, out_features).t().float()
+
+
+def _values_into(layout: Layout, q: torch.Tensor, o: torch.Tensor) -> None:
+    """Write the integer / fp8 values of stored rows ``q`` into float32 ``o`` [r, in]."""
+    if layout.kind == "packed":
+        b = q.view(torch.uint8)
+        n = layout.in_features
+        if layout.bits == 4:
+            if b.shape[-1] * 2 == n:
+                torch.index_select(INT4_LUT, 0, b.reshape(-1).to(torch.int32), out=o.view(-1, 2))
+            else:  # in_features not a multiple of 8: the last word is padded
+                full = torch.index_select(INT4_LUT, 0, b.reshape(-1).to(torch.int32)).view(b.shape[0], -1)
+                o.copy_(full[:, :n])
+        else:
+            o.copy_(b[:, :n])
+            o.sub_(128.0)
+    else:
+        o.copy_(q)
+
+
+def dequantize(layout: Layout, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None,
+               dtype: torch.dtype = torch.float32, rows: tuple[int, int] | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense weight rows ``rows`` (default all) [r, in] in ``dtype``.
+
+    ``q``: the stored weight (int32 words, int8 or float8) of the whole layer; ``scale`` as
+    stored; ``zero_point`` already unpacked to float32 [out, G] (:func:`unpack_zero_point`) or
+    as stored for naive formats. For the block strategy ``rows[0]`` must be a block boundary.
+    """
+    r0, r1 = rows if rows is not None else (0, layout.out_features)
+    n = layout.in_features
+    if out is None:
+        out = torch.empty(r1 - r0, n, dtype=dtype, device=q.device)
+    step = max(1, CHUNK // max(n, 1))
+    if layout.strategy == "block":
+        assert layout.block
+        bh = layout.block[0]
+        step = max(bh, step // bh * bh)
+    direct = out.dtype == torch.float32
+    tmp = None if direct else torch.empty(min(step, r1 - r0), n, dtype=torch.float32, device=q.device)
+    s_all = scale.reshape(1, 1) if layout.strategy == "tensor" else scale
+    for a in range(r0, r1, step):
+        b = min(a + step, r1)
+        o = out[a - r0:b - r0] if direct else tmp[:b - a]  # type: ignore[index]
+        _values_into(layout, q[a:b], o)
+        if layout.strategy == "block":
+            assert layout.block
+            bh, bw = layout.block
+            s = s_all[a // bh:-(-b // bh)].float().repeat_interleave(bh, dim=0)[:b - a]
+            group = bw
+        else:
+            s = s_all.float() if layout.strategy == "tensor" else s_all[a:b].float()
+            s = s.expand(b - a, 1) if layout.strategy == "tensor" else s
+            group = layout.group if layout.strategy == "group" and layout.group else n
+            if zero_point is not None:
+                z = zero_point.reshape(1, 1) if layout.strategy == "tensor" else zero_point[a:b]
+                _groups_(o, z.float().expand(b - a, -1), group, torch.Tensor.sub_)
+        _groups_(o, s, group, torch.Tensor.mul_)
+        if not direct:
+            out[a - r0:b - r0].copy_(o)
+    return out
+
+
+# -- activations -------------------------------------------------------------------------------
+
+def fp8_quant(x: torch.Tensor, group: int | None, static_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Fake-quantize activations to FP8 E4M3: per token (``group`` None), per token and group of
+    ``group`` input features (the last group may be partial), or with a static scale.
+    s = max|x| / 448, x' = float(e4m3(x / s)) * s; computed in float32."""
+    xf = x.to(torch.float32)
+    if static_scale is not None:
+        s = static_scale.to(torch.float32).reshape(())
+        return ((xf / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * s).to(x.dtype)
+    n = xf.shape[-1]
+    g = n if group is None or group >= n else group
+    full = n // g
+    parts = []
+    if full:
+        parts.append(xf[..., :full * g].unflatten(-1, (full, g)))
+    if full * g < n:
+        parts.append(xf[..., full * g:].unsqueeze(-2))
+    outs = []
+    for p in parts:
+        s = p.abs().amax(-1, keepdim=True) / FP8_MAX
+        s = torch.where(s == 0, torch.ones_like(s), s)
+        outs.append(((p / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * s).flatten(-2))
+    return torch.cat(outs, dim=-1).to(x.dtype) if len(outs) > 1 else outs[0].to(x.dtype)
+
+
+def int8_quant(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Fake-quantize activations to int8, symmetric: per token s = max|x| / 127 (vLLM's dynamic
+    per-token kernel), or a static scale; q = clamp(round(x / s), -128, 127)."""
+    xf = x.to(torch.float32)
+    if static_scale is not None:
+        s = static_scale.to(torch.float32).reshape(())
+    else:
+        s = xf.abs().amax(-1, keepdim=True) / 127.0
+        s = torch.where(s == 0, torch.ones_like(s), s)
+    return (torch.round(xf / s).clamp(-128, 127) * s).to(x.dtype)
+
+
+def linear(x: torch.Tensor, rows_fn: Callable[[int, int], torch.Tensor], out_features: int, in_features: int,
+           align: int = 1) -> torch.Tensor:
+    """``x @ W^T`` with ``W`` produced ``rows_fn(r0, r1)`` a block of rows at a time (at most
+    :data:`LINEAR_CHUNK` elements, a multiple of ``align`` rows)."""
+    step = max(align, LINEAR_CHUNK // max(in_features, 1) // align * align)
+    if step >= out_features:
+        return F.linear(x, rows_fn(0, out_features).to(x.dtype))
+    out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
+    for r in range(0, out_features, step):
+        e = min(r + step, out_features)
+        out[..., r:e] = F.linear(x, rows_fn(r, e).to(x.dtype))
+    return out

@@ -1,0 +1,147 @@
+"""The compressed-tensors linear scheme: packed int4 / int8, naive int8, FP8 E4M3 weights kept as
+stored in memory, activations fake-quantized as the config says (or not: ``activation_quant=none``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from quantplug.api import FLOATS, TORCH_DTYPES, LinearScheme, LoadError, Problem, TensorInfo, TensorSpec
+from torch import nn
+
+from . import kernels
+from .config import QuantArgs
+from .kernels import Layout
+
+SCALES = ("weight_scale", "input_scale")
+
+
+def describe_activations(act: QuantArgs) -> str:
+    kind = "fp8" if act.type == "float" else f"int{act.num_bits}"
+    if act.dynamic in (True, "local"):
+        how = f"dynamic per-token group {act.group_size}" if act.strategy == "group" else "dynamic per token"
+    else:
+        how = "static per tensor"
+    return f"{kind} {how}"
+
+
+class CTScheme(LinearScheme):
+    """One compressed-tensors linear (or a stack of routed experts sharing a config group).
+
+    ``kind``: "packed" (pack-quantized int32 words), "int8" or "fp8" (naive / int / float
+    quantized). ``act``: the config's input activations (None: weight-only), emulated unless
+    ``act_mode`` is "none".
+    """
+
+    name = "compressed-tensors"
+
+    def __init__(self, fmt: str, kind: str, weights: QuantArgs, act: QuantArgs | None, act_mode: str,
+                 reason: str) -> None:
+        self.fmt, self.kind, self.weights, self.act, self.act_mode = fmt, kind, weights, act, act_mode
+        self.reason = reason
+        self.weight_only = act is None or act_mode == "none"
+
+    def describe(self) -> str:
+        w = f"{self.fmt} {self.weights.describe()}"
+        if self.act is None:
+            return f"{w}; weight-only"
+        a = describe_activations(self.act)
+        if self.act_mode == "none":
+            return f"{w}; activations {a} in the config, NOT emulated (activation_quant=none)"
+        return f"{w}; activations {a} (emulated; activation_quant=none for weight-only)"
+
+    # -- storage --------------------------------------------------------------------------------
+
+    def layout(self, out_features: int, in_features: int) -> Layout:
+        w = self.weights
+        return Layout(self.kind, w.num_bits, w.strategy, w.group_size, w.block_structure, out_features, in_features)
+
+    def tensor_specs(self, out_features: int, in_features: int) -> list[TensorSpec]:
+        lay = self.layout(out_features, in_features)
+        specs: list[TensorSpec] = []
+        if self.kind == "packed":
+            specs += [TensorSpec("weight_packed", ("I32",), (out_features, lay.packed_cols())),
+                      TensorSpec("weight_shape", ("I64", "I32"), (2,))]
+        else:
+            specs.append(TensorSpec("weight", ("I8",) if self.kind == "int8" else ("F8_E4M3",),
+                                    (out_features, in_features)))
+        specs.append(TensorSpec("weight_scale", FLOATS, lay.scale_shape()))
+        if not self.weights.symmetric:
+            specs.append(TensorSpec("weight_zero_point", ("I32",) if self.kind == "packed" else ("I8", "I32"),
+                                    lay.zp_shape()))
+        if self.act is not None and self.act.dynamic is False:
+            specs.append(TensorSpec("input_scale", FLOATS, (1,)))
+        return specs
+
+    def target_dtype(self, spec: TensorSpec, model_dtype: torch.dtype, stored: str) -> torch.dtype:
+        if spec.suffix in SCALES:
+            return TORCH_DTYPES[stored]  # scales stay as stored: products are taken in float32 anyway
+        return super().target_dtype(spec, model_dtype, stored)
+
+    def check(self, layer_name: str, tensors: Mapping[str, TensorInfo]) -> list[Problem]:
+        w, t = self.weights, tensors.get("weight")
+        # compressed-tensors requires in_features % group_size == 0 (forward_helpers._process_group)
+        if t is not None and w.strategy == "group" and w.group_size and t.shape[-1] % w.group_size:
+            return [Problem(f"group {w.group_size}: in_features {t.shape[-1]} is not a multiple of the group",
+                            tensor=t.name, file=t.file.name)]
+        return []
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        if self.kind == "packed":
+            shape = layer.weight_shape.to(torch.int64).reshape(-1, 2)
+            want = torch.tensor([layer.out_features, layer.in_features])
+            bad = (shape != want).any(-1).nonzero().flatten().tolist()
+            if bad:
+                where = f"{layer.qp_ckpt}" + (f" (expert slot {bad[0]})" if shape.shape[0] > 1 else "")
+                raise LoadError(f"{where}.weight_shape holds {shape[bad[0]].tolist()}, but the model and the "
+                                f"packed tensors say [{layer.out_features}, {layer.in_features}]")
+        if not self.weights.symmetric:
+            zp = layer.weight_zero_point
+            if self.kind == "packed":
+                lay = self._layout_of(layer)
+                flat = zp.reshape(-1, *zp.shape[-2:])
+                z = torch.stack([kernels.unpack_zero_point(t, lay.bits, lay.out_features) for t in flat])
+                z = z.reshape(*zp.shape[:-2], lay.out_features, zp.shape[-1])
+            else:
+                z = zp.float()
+            layer.register_buffer("_zero_point", z, persistent=False)
+
+    # -- compute --------------------------------------------------------------------------------
+
+    def _layout_of(self, layer: nn.Module) -> Layout:
+        lay = getattr(layer, "_ct_layout", None)
+        if lay is None:
+            lay = self.layout(layer.out_features, layer.in_features)
+            layer._ct_layout = lay
+        return lay
+
+    def _parts(self, layer: nn.Module, index: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        q = layer.weight_packed if self.kind == "packed" else layer.weight
+        s = layer.weight_scale
+        z = getattr(layer, "_zero_point", None)
+        if index is not None:
+            q, s = q[index], s[index]
+            z = z[index] if z is not None else None
+        return q, s, z
+
+    def dequantize(self, layer: nn.Module, index: int | None = None, rows: tuple[int, int] | None = None,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+        q, s, z = self._parts(layer, index)
+        return kernels.dequantize(self._layout_of(layer), q, s, z, dtype or layer.model_dtype, rows)
+
+    def quantize_input(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        act = self.act
+        if act is None or self.act_mode == "none":
+            return x
+        static = layer.input_scale if act.dynamic is False else None
+        if act.type == "float":
+            return kernels.fp8_quant(x, act.group_size if act.strategy == "group" else None, static)
+        return kernels.int8_quant(x, static)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
+        x = self.quantize_input(layer, x)
+        lay = self._layout_of(layer)
+        q, s, z = self._parts(layer, index)
+        align = lay.block[0] if lay.strategy == "block" and lay.block else 1
+        return kernels.linear(x, lambda r0, r1: kernels.dequantize(lay, q, s, z, x.dtype, (r0, r1)),
+                              lay.out_features, lay.in_features, align)
