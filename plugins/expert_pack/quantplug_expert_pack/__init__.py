@@ -37,6 +37,9 @@ from .names import model_to_gguf
 from .pack import KV_FILE, KV_INDEX_SHA, PACK_NAME, ExpertCache, ExpertPack
 from .schemes import GGMLScheme, PackedExpertsScheme
 
+#: the hook-contract version this plugin is written for (quantplug.api.CONTRACT_VERSION)
+QUANTPLUG_CONTRACT = "1.1"
+
 __version__ = "0.1.0"
 DEFAULT_CACHE_MB = 1024
 _EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)$")

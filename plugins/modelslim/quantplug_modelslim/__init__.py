@@ -15,6 +15,9 @@ from quantplug.api import Claim, ConfigError, Problem, hookimpl, refuse
 
 from .schemes import ACTIVATION_MODES, W4A8Dynamic, W8A8Dynamic, W8A8Static
 
+#: the hook-contract version this plugin is written for (quantplug.api.CONTRACT_VERSION)
+QUANTPLUG_CONTRACT = "1.1"
+
 __version__ = "0.1.0"
 GLOBAL_KEYS = {"model_quant_type", "version", "group_size", "metadata", "kv_quant_type", "fa_quant_type",
                "kv_cache_type", "reduce_quant_type", "model_type"}

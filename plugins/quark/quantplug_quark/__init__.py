@@ -19,6 +19,9 @@ from .config import QuarkConfig
 from .export import export_quark
 from .scheme import MXFP4Scheme
 
+#: the hook-contract version this plugin is written for (quantplug.api.CONTRACT_VERSION)
+QUANTPLUG_CONTRACT = "1.1"
+
 __version__ = "0.1.0"
 PACKED = {"fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"], "gate_up_proj": ["gate_proj", "up_proj"]}
 

@@ -1,0 +1,283 @@
+"""The versioned plugin contract and the public API (issue 15): contract checks, scope, the
+architectures hook, refusals, scheme reasons, the import rule for bundled plugins."""
+
+from __future__ import annotations
+
+import ast
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import quantplug
+import quantplug.api as api
+import torch
+from quantplug.plan import build_plan
+from quantplug.plugins import PluginManager
+from quantplug.testing import random_state, tiny_config, write_checkpoint
+
+ROOT = Path(__file__).parents[1]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    cfg = tiny_config()
+    return write_checkpoint(tmp_path_factory.mktemp("dense"), cfg, random_state(cfg))
+
+
+class Claimer:
+    """A backend claiming every checkpoint (for hook tests)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @api.hookimpl
+    def quantplug_detect(self, checkpoint):
+        return api.Claim(self.name, None, "test claims everything")
+
+
+# -- the import rule ------------------------------------------------------------------------------
+
+def _quantplug_imports(path: Path) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "quantplug" or node.module.startswith("quantplug."):
+                out.append(node.module)
+        elif isinstance(node, ast.Import):
+            out += [a.name for a in node.names if a.name == "quantplug" or a.name.startswith("quantplug.")]
+    return out
+
+
+def test_bundled_plugins_import_quantplug_only_through_the_api():
+    bad = {}
+    for path in sorted((ROOT / "plugins").glob("*/quantplug_*/**/*.py")):
+        mods = [m for m in _quantplug_imports(path) if m != "quantplug.api"]
+        if mods:
+            bad[str(path.relative_to(ROOT))] = mods
+    assert not bad, f"bundled plugins must import quantplug only through quantplug.api: {bad}"
+
+
+def test_api_names_are_all_importable_and_documented():
+    for name in api.__all__:
+        obj = getattr(api, name)
+        assert obj is not None, name
+        if callable(obj) and not isinstance(obj, type(api.hookimpl)):
+            assert (getattr(obj, "__doc__", "") or "").strip(), f"quantplug.api.{name} has no docstring"
+
+
+def test_old_import_paths_keep_working():
+    """Plugins written against what the README documented before 1.1 keep importing."""
+    from quantplug import hookimpl
+    from quantplug.errors import QuantplugError
+    from quantplug.layers.linear import LinearScheme
+    from quantplug.types import Claim, TensorSpec
+
+    assert hookimpl is api.hookimpl and LinearScheme is api.LinearScheme
+    assert Claim is api.Claim and TensorSpec is api.TensorSpec and QuantplugError is api.QuantplugError
+
+
+def test_linear_scheme_required_methods_are_abstract():
+    class NoDequant(api.LinearScheme):
+        def tensor_specs(self, out_features, in_features):
+            return []
+
+    with pytest.raises(TypeError, match="dequantize"):
+        NoDequant()  # type: ignore[abstract]
+
+
+# -- contract versions ----------------------------------------------------------------------------
+
+class _Versioned:
+    def __init__(self, contract: str) -> None:
+        self.QUANTPLUG_CONTRACT = contract
+
+    @api.hookimpl
+    def quantplug_detect(self, checkpoint):
+        return None
+
+
+@pytest.mark.parametrize("contract, ok, why", [
+    ("1.0", True, ""), (api.CONTRACT_VERSION, True, ""),
+    ("2.0", False, "major versions differ"), ("1.99", False, "newer than this quantplug"),
+    ("one", False, "expected a string 'MAJOR.MINOR'"),
+])
+def test_contract_version_checked_at_register(contract, ok, why):
+    pm = PluginManager(entry_points=False, env={})
+    if ok:
+        pm.register(_Versioned(contract), "v")
+        assert pm.active() == ["v"]
+    else:
+        with pytest.raises(api.PluginLoadError, match=why):
+            pm.register(_Versioned(contract), "v")
+
+
+def _install_dist(root: Path, dist: str, module: str, source: str, requires: str = "") -> None:
+    """A throwaway installed distribution: a module and its dist-info with one entry point."""
+    (root / f"{module}.py").write_text(source)
+    info = root / f"{dist.replace('-', '_')}-1.0.dist-info"
+    info.mkdir()
+    meta = f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n" + (f"Requires-Dist: {requires}\n" if requires else "")
+    (info / "METADATA").write_text(meta)
+    (info / "entry_points.txt").write_text(f"[quantplug.backends]\n{module} = {module}\n")
+
+
+@pytest.mark.parametrize("contract, requires, status, why", [
+    ("1.1", "quantplug>=0.2", "active", None),
+    ("3.0", "", "failed", "major versions differ"),
+    ("1.1", "quantplug<0.2", "failed", "requires 'quantplug<0.2'"),
+])
+def test_entry_point_plugin_with_incompatible_contract_is_listed_failed(tmp_path, monkeypatch, contract, requires,
+                                                                       status, why):
+    module = f"qp_contract_probe_{contract.replace('.', '_')}_{status}"
+    src = (f"from quantplug.api import hookimpl\nQUANTPLUG_CONTRACT = {contract!r}\n"
+           "@hookimpl\ndef quantplug_detect(checkpoint):\n    return None\n")
+    _install_dist(tmp_path, module.replace("_", "-"), module, src, requires)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pm = PluginManager(env={"QUANTPLUG_PLUGINS": module})
+    [rec] = [r for r in pm.records() if r.name == module]
+    assert rec.status == status, rec
+    if why:
+        assert why in (rec.error or "")
+    sys.modules.pop(module, None)
+
+
+def test_deprecated_export_argument_warns_at_register():
+    class OldExporter(Claimer):
+        @api.hookimpl
+        def quantplug_export(self, model, model_config, destination):
+            return None
+
+    pm = PluginManager(entry_points=False, env={})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm.register(OldExporter("old"), "old")
+    assert any("plan.model_config" in str(w.message) for w in caught)
+
+
+# -- scope ----------------------------------------------------------------------------------------
+
+def test_backend_hooks_cannot_be_called_on_every_plugin():
+    pm = PluginManager(entry_points=False, env={})
+    with pytest.raises(api.QuantplugError, match="backend hook"):
+        pm.call("quantplug_linear_scheme", None, firstresult=True, layer_name="x")
+    with pytest.raises(api.QuantplugError, match="one backend"):
+        pm.call("quantplug_linear_scheme", ["a", "b"], firstresult=True, layer_name="x")
+    with pytest.raises(api.QuantplugError, match="not a hook"):
+        pm.call("quantplug_nonsense", None, firstresult=False)
+
+
+def test_error_raised_in_detect_names_the_plugin(ckpt):
+    class Broken:
+        @api.hookimpl
+        def quantplug_detect(self, checkpoint):
+            raise api.ConfigError("quantization_config.bits must be 4")
+
+    pm = PluginManager(entry_points=False, env={})
+    pm.register(Broken(), "broken", distribution="broken-dist", version="3")
+    with pytest.raises(api.ConfigError, match=r"plugin broken \(broken-dist 3\) in quantplug_detect: "
+                                              r"quantization_config.bits"):
+        quantplug.plan(ckpt, plugin_manager=pm)
+
+
+# -- plan(plugin_manager=), scheme reasons, refusals ----------------------------------------------
+
+def test_plan_takes_a_plugin_manager_and_records_scheme_reasons(ckpt):
+    class Row8(api.LinearScheme):
+        name = "row8"
+
+        def __init__(self, why: str) -> None:
+            self.reason = why
+
+        def tensor_specs(self, out_features, in_features):
+            return [api.TensorSpec("weight", api.FLOATS, (out_features, in_features))]
+
+        def dequantize(self, layer, index=None):
+            return layer.weight if index is None else layer.weight[index]
+
+    class Reasoned(Claimer):
+        @api.hookimpl
+        def quantplug_linear_scheme(self, layer_name, layer_kind):
+            return Row8("config group 0 targets o_proj") if layer_name.endswith("o_proj") else None
+
+    pm = PluginManager(entry_points=False, env={})
+    pm.register(Reasoned("reasoned"), "reasoned")
+    plan = quantplug.plan(ckpt, plugin_manager=pm)
+    [d] = [d for d in plan.decisions_for("model.layers.0.self_attn.o_proj") if d.hook == "quantplug_linear_scheme"]
+    assert d.value == "row8" and d.reason == "linear: config group 0 targets o_proj" and d.plugin.name == "reasoned"
+
+
+def test_refuse_is_one_plan_problem_naming_layer_and_field(ckpt):
+    class Refuser(Claimer):
+        @api.hookimpl
+        def quantplug_linear_scheme(self, layer_name, layer_kind):
+            if layer_name == "model.layers.1.self_attn.q_b_proj":
+                return api.refuse(layer_name, "config_groups.group_0.weights.actorder", "'group' is not supported")
+            return None
+
+    pm = PluginManager(entry_points=False, env={})
+    pm.register(Refuser("refuser"), "refuser")
+    plan = build_plan(ckpt, plugin_manager=pm)
+    [p] = plan.errors
+    assert p.layer == "model.layers.1.self_attn.q_b_proj" and "actorder" in p.message and "silent dense" in p.message
+    with pytest.raises(api.PlanError):
+        plan.raise_for_problems()
+
+
+# -- architectures --------------------------------------------------------------------------------
+
+def test_plugin_adds_an_architecture(tmp_path):
+    from quantplug.models.deepseek import DeepseekV3ForCausalLM
+    from quantplug.models.registry import ArchSpec
+
+    class MyMLA(DeepseekV3ForCausalLM):
+        pass
+
+    class Arch:
+        @api.hookimpl
+        def quantplug_architectures(self):
+            return {"MyMLAForCausalLM": ArchSpec("MyMLAForCausalLM", MyMLA, False, ())}
+
+    cfg = tiny_config(architectures=["MyMLAForCausalLM"])
+    path = write_checkpoint(tmp_path / "my", cfg, random_state(cfg))
+    pm = PluginManager(entry_points=False, env={})
+    with pytest.raises(api.UnknownArchitectureError, match="MyMLAForCausalLM"):
+        build_plan(path, plugin_manager=pm)
+    pm.register(Arch(), "arch")
+    model = quantplug.load(path, plugin_manager=pm, progress=False)
+    assert isinstance(model, MyMLA)
+    assert model(torch.tensor([[1, 2, 3]])).shape == (1, 3, cfg["vocab_size"])
+
+
+def test_architecture_clash_names_both(tmp_path, ckpt):
+    from quantplug.models.deepseek import DeepseekV3ForCausalLM
+    from quantplug.models.registry import ArchSpec
+
+    class Arch:
+        @api.hookimpl
+        def quantplug_architectures(self):
+            return {"DeepseekV3ForCausalLM": ArchSpec("DeepseekV3ForCausalLM", DeepseekV3ForCausalLM, False, ())}
+
+    pm = PluginManager(entry_points=False, env={})
+    pm.register(Arch(), "arch")
+    with pytest.raises(api.QuantplugError, match="the core already defines"):
+        build_plan(ckpt, plugin_manager=pm)
+
+
+# -- dense_state ----------------------------------------------------------------------------------
+
+def test_dense_state_round_trips_the_hub_layout(tmp_path):
+    from quantplug.testing import wrap_kimi
+
+    cfg = tiny_config()
+    state = random_state(cfg, seed=3)
+    wcfg, wstate = wrap_kimi(cfg, state, vision=False)
+    path = write_checkpoint(tmp_path / "kimi", wcfg, wstate)
+    model = quantplug.load(path, progress=False)
+    got = api.dense_state(model)
+    assert set(got) == set(wstate)
+    for name, t in wstate.items():
+        assert torch.equal(got[name], t.float()), name
+    assert api.plan_of(model).prefix == "language_model"
+    names = [n for n, _ in api.named_linears(model)]
+    assert "language_model.lm_head" in names and not any(".experts." in n for n in names)
