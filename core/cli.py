@@ -71,9 +71,11 @@ def _print_plan(d: dict[str, Any], verbose: bool = True) -> None:
     for rule, names in d["skipped"].items():
         print(f"skipped {len(names)} tensor(s) by rule {rule}")
     if d["problems"]:
-        print(f"problems ({len(d['problems'])}):")
-        for p in d["problems"]:
-            print(f"  {p['severity']}: {p['message']}")
+        groups = d.get("problem_groups") or [f"{p['severity']}: {p['message']}" for p in d["problems"]]
+        distinct = f", {len(groups)} line(s): problems sharing a cause said once" if len(groups) != len(d["problems"]) else ""
+        print(f"problems ({len(d['problems'])}{distinct}):")
+        for line in groups:
+            print(f"  {line}")
     else:
         print("problems:     none")
 

@@ -29,9 +29,9 @@ from torch import nn
 
 from .checkpoint import TORCH_DTYPES, Checkpoint, storage_shape
 from .checkpoint.gguf_index import GGUF_FLOATS
-from .errors import PlanError, QuantplugError
+from .errors import PlanError, QuantplugError, group_problems
 from .layers.linear import LinearScheme, PlannedModule, QuantLinear, Source, StackedLinear
-from .models.config import ModelConfig, parse_model_config
+from .models.config import ModelConfig, check_against_tensors, parse_model_config
 from .models.registry import ArchSpec, get_arch
 from .plugins import PluginManager, get_plugin_manager
 from .types import CORE, AttentionLayout, Claim, Decision, PluginInfo, Problem, SkipRule, TensorInfo
@@ -142,6 +142,7 @@ class LoadPlan:
             "weight_bytes": self.weight_bytes(),
             "skipped": {k: v for k, v in self.skipped.items()},
             "problems": [{"severity": p.severity, "kind": p.kind, "message": p.describe()} for p in self.problems],
+            "problem_groups": group_problems(self.problems, severity=True),
             "plan_ms": round(self.plan_seconds * 1000, 2),
         }
 
@@ -387,7 +388,8 @@ def _build_plan(path: str | Path, backend: str | None, options: Mapping[str, Any
     options = dict(options or {})
     ckpt = Checkpoint.open(path)
     arch = get_arch(ckpt.config)
-    mcfg = parse_model_config(ckpt.config, arch.name, arch.wrapped)
+    mcfg = parse_model_config(ckpt.config, arch.name, arch.wrapped, str(ckpt.path / "config.json"))
+    check_against_tensors(mcfg, ckpt.tensors)
     claim = pm.detect(ckpt, backend)
     be = claim.backend if claim else None
     qc = claim.quant_config if claim else None

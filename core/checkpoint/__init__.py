@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import mmap
 import os
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..types import TensorInfo
+from ..validation import contained, read_json
 from .gguf_index import gguf_view, index_gguf, storage_shape
 from .safetensors_index import TORCH_DTYPES, index_safetensors
 
@@ -52,10 +52,8 @@ class Checkpoint:
         cfg_path = root / "config.json"
         if not cfg_path.is_file():
             raise CheckpointError(f"{root}: config.json is missing")
-        try:
-            config = json.loads(cfg_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{cfg_path}: not valid JSON ({exc})") from None
+        contained(root, "config.json", str(root))
+        config = read_json(cfg_path, error=CheckpointError)
         if not isinstance(config, dict):
             raise CheckpointError(f"{cfg_path}: expected a JSON object")
         tensors, files = index_safetensors(root)
@@ -114,13 +112,10 @@ class Checkpoint:
     def sidecar(self, name: str) -> Any:
         """Parsed JSON of a sidecar file next to config.json (read on first use), or None."""
         if name not in self._sidecars:
-            p = self.path / name
+            p = contained(self.path, name, f"{self.path}: sidecar")
             if not p.is_file():
                 return None
-            try:
-                self._sidecars[name] = json.loads(p.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise CheckpointError(f"{p}: not valid JSON ({exc})") from None
+            self._sidecars[name] = read_json(p, error=CheckpointError)
         return self._sidecars[name]
 
     # -- tensors ------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..types import TensorInfo
+from ..validation import check_count, check_inside
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -43,6 +45,19 @@ _STRING, _ARRAY = 8, 9
 SKIP_PREFIXES = ("tokenizer.",)
 #: arrays longer than this are skipped too (kept as ``SkippedArray``), whatever their key
 MAX_DECODED_ARRAY = 4096
+#: deepest array-of-arrays nesting walked
+MAX_ARRAY_DEPTH = 4
+#: GGML_MAX_DIMS
+MAX_DIMS = 4
+#: largest general.alignment accepted (llama.cpp writes 32; anything past a huge page is corrupt)
+MAX_ALIGNMENT = 1 << 21
+_INT_TYPES = frozenset({0, 1, 2, 3, 4, 5, 10, 11})
+_FLOAT_TYPES = frozenset({6, 12})
+#: metadata keys (by suffix) whose type and range the reader checks: they size tensors and loops
+_INT_SUFFIXES = ("_count", "_length", "_size", "_rank", ".alignment", "split.count", "split.no",
+                 "key_length", "value_length")
+_FLOAT_SUFFIXES = ("freq_base", "_epsilon", "scaling.factor", "scaling.yarn_log_multiplier")
+_STRING_KEYS = ("general.architecture", "quantplug.expert_pack.file", "quantplug.expert_pack.index_sha256")
 
 
 class SkippedArray:
@@ -107,7 +122,7 @@ class _Cursor:
         if pos > size:
             raise CheckpointError(f"{self.file}: truncated GGUF header in {what}")
 
-    def value(self, vtype: int, key: str, decode: bool) -> Any:
+    def value(self, vtype: int, key: str, decode: bool, depth: int = 0) -> Any:
         if vtype in _SCALARS:
             fmt, size = _SCALARS[vtype]
             return self.scalar(fmt, size, f"metadata {key}")
@@ -116,6 +131,8 @@ class _Cursor:
         if vtype == _ARRAY:
             etype = self.u32(f"metadata {key} (array type)")
             count = self.u64(f"metadata {key} (array length)")
+            least = _SCALARS[etype][1] if etype in _SCALARS else 8 if etype == _STRING else 12
+            check_count(count, least, self.size - self.pos, f"metadata {key} (array length)", self.file)
             if etype in _SCALARS:
                 fmt, size = _SCALARS[etype]
                 self.need(count * size, f"metadata {key}")
@@ -131,8 +148,10 @@ class _Cursor:
                     return SkippedArray(etype, count)
                 return [self.string(f"metadata {key}[{i}]") for i in range(count)]
             if etype == _ARRAY:  # nested arrays: walk them (rare; never decoded)
+                if depth >= MAX_ARRAY_DEPTH:
+                    raise CheckpointError(f"{self.file}: metadata {key}: arrays nested deeper than {MAX_ARRAY_DEPTH}")
                 for _ in range(count):
-                    self.value(_ARRAY, key, False)
+                    self.value(_ARRAY, key, False, depth + 1)
                 return SkippedArray(etype, count)
             raise CheckpointError(f"{self.file}: metadata {key}: unknown array element type {etype}")
         raise CheckpointError(f"{self.file}: metadata {key}: unknown value type {vtype}")
@@ -181,18 +200,24 @@ def read_gguf_header(file: Path) -> GGUFHeader:
             raise CheckpointError(f"{file}: GGUF version {version} is not supported (expected 2 or 3)")
         n_tensors = cur.u64("the tensor count")
         n_kv = cur.u64("the metadata count")
+        # counts are checked against the bytes present before anything loops over them
+        check_count(n_kv, 13, file_size - cur.pos, "the metadata count", file)
+        check_count(n_tensors, 24, file_size - cur.pos, "the tensor count", file)
         metadata: dict[str, Any] = {}
         for i in range(n_kv):
             key = cur.string(f"metadata key #{i}")
+            if key in metadata:
+                raise CheckpointError(f"{file}: metadata key {key!r} appears twice (keys #{list(metadata).index(key)} "
+                                      f"and #{i})")
             vtype = cur.u32(f"metadata {key} (type)")
-            metadata[key] = cur.value(vtype, key, not key.startswith(SKIP_PREFIXES))
+            metadata[key] = _typed(file, key, vtype, cur.value(vtype, key, not key.startswith(SKIP_PREFIXES)))
         kv_end = cur.pos
         raw: list[tuple[str, tuple[int, ...], int, int]] = []
         for i in range(n_tensors):
             name = cur.string(f"tensor info #{i}")
             n_dims = cur.u32(f"tensor {name} (n_dims)")
-            if n_dims > 8:
-                raise CheckpointError(f"{file}: tensor {name} has {n_dims} dimensions (GGUF allows at most 4)")
+            if n_dims > MAX_DIMS:
+                raise CheckpointError(f"{file}: tensor {name} has {n_dims} dimensions (GGUF allows at most {MAX_DIMS})")
             cur.need(8 * n_dims, f"tensor {name} (shape)")
             ne = struct.unpack_from(f"<{n_dims}Q", buf, cur.pos)
             cur.pos += 8 * n_dims
@@ -200,14 +225,19 @@ def read_gguf_header(file: Path) -> GGUFHeader:
             offset = cur.u64(f"tensor {name} (offset)")
             raw.append((name, tuple(int(d) for d in ne), ttype, offset))
         alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-            raise CheckpointError(f"{file}: general.alignment {alignment!r} is not a power of two")
+        if type(alignment) is not int or not 0 < alignment <= MAX_ALIGNMENT or alignment & (alignment - 1):
+            raise CheckpointError(f"{file}: general.alignment = {alignment!r}: expected an integer power of two "
+                                  f"up to {MAX_ALIGNMENT}")
         infos_end = cur.pos
         data_start = -(-infos_end // alignment) * alignment
         if isinstance(buf, mmap.mmap):
             buf.close()
     tensors: list[TensorInfo] = []
+    seen: set[str] = set()
     for name, ne, ttype, offset in raw:
+        if name in seen:
+            raise CheckpointError(f"{file}: tensor {name} is listed twice in the tensor infos")
+        seen.add(name)
         if ttype not in types:
             raise CheckpointError(f"{file}: tensor {name} has unknown ggml type id {ttype}")
         tname, block, type_size = types[ttype]
@@ -225,11 +255,37 @@ def read_gguf_header(file: Path) -> GGUFHeader:
             raise CheckpointError(f"{file}: tensor {name} ({tname} {list(reversed(ne))}): bytes {start}..{start + nbytes}"
                                   f" lie past the end of the file ({file_size} bytes); the file is truncated")
         tensors.append(TensorInfo(name, file, tname, tuple(reversed(ne)), start, nbytes, "gguf"))
+    _check_overlaps(file, tensors)
     return GGUFHeader(file, version, n_kv, metadata, tensors, kv_end, infos_end, alignment, data_start)
+
+
+def _typed(file: Path, key: str, vtype: int, value: Any) -> Any:
+    """Metadata values that size tensors or loops must have the type and range they promise."""
+    if key.endswith(_INT_SUFFIXES) and not key.startswith(SKIP_PREFIXES):
+        if vtype not in _INT_TYPES or value < 0:  # arrays too: the readers of these keys take one int
+            raise CheckpointError(f"{file}: metadata {key} = {value!r} (value type {vtype}): expected a "
+                                  "non-negative integer")
+    elif key.endswith(_FLOAT_SUFFIXES):
+        if vtype not in _FLOAT_TYPES | _INT_TYPES or not math.isfinite(value) or value <= 0:
+            raise CheckpointError(f"{file}: metadata {key} = {value!r}: expected a finite positive number")
+    elif key in _STRING_KEYS and vtype != _STRING:
+        raise CheckpointError(f"{file}: metadata {key} = {value!r}: expected a string")
+    return value
+
+
+def _check_overlaps(file: Path, tensors: list[TensorInfo]) -> None:
+    """Tensor data ranges may not share bytes (an offset moved onto another tensor's data, or a
+    type changed so that a tensor grew into the next one)."""
+    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors if t.nbytes)
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            raise CheckpointError(f"{file}: tensors {a} and {b} overlap (bytes {start}..{end} belong to both); "
+                                  "the tensor infos are corrupt")
 
 
 def index_gguf(root: Path) -> tuple[dict[str, TensorInfo], list[Path], dict[str, Any]]:
     files = sorted(root.glob("*.gguf"))
+    check_inside(root, files, str(root))
     tensors: dict[str, TensorInfo] = {}
     metadata: dict[str, Any] = {}
     for file in files:

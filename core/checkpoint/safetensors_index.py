@@ -15,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import CheckpointError
 from ..types import TensorInfo
+from ..validation import check_inside, contained, read_json
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -53,16 +54,34 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
     return out
 
 
+def read_index(root: Path) -> dict[str, str]:
+    """``weight_map`` of the shard index: tensor name -> shard file name, each shard name checked
+    to lie inside ``root`` (no ``..``, no absolute path, no symlink leaving the directory)."""
+    index_path = root / INDEX_NAME
+    contained(root, INDEX_NAME, str(index_path))
+    doc = read_json(index_path, error=CheckpointError)
+    if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
+        raise CheckpointError(f"{index_path}: weight_map: expected an object of tensor name -> shard file name")
+    weight_map: dict[str, str] = doc["weight_map"]
+    checked: set[str] = set()
+    for name, shard in weight_map.items():
+        if shard in checked:
+            continue
+        if not isinstance(shard, str):
+            raise CheckpointError(f"{index_path}: weight_map[{name!r}] = {shard!r}: expected a shard file name")
+        contained(root, shard, f"{index_path}: weight_map[{name!r}]")
+        checked.add(shard)
+    return weight_map
+
+
 def index_safetensors(root: Path) -> tuple[dict[str, TensorInfo], list[Path]]:
     """All tensors of the safetensors files in ``root``, checked against the shard index if any."""
     files = sorted(root.glob("*.safetensors"))
+    check_inside(root, files, str(root))
     index_path = root / INDEX_NAME
     tensors: dict[str, TensorInfo] = {}
-    if index_path.is_file():
-        try:
-            weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index_path}: not a safetensors index ({exc})") from None
+    if index_path.is_file() or index_path.is_symlink():
+        weight_map = read_index(root)
         shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (root / s).is_file()]
         if missing:

@@ -7,11 +7,12 @@ model's config under ``text_config``.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
+from ..validation import Fields
 
 
 @dataclass(frozen=True)
@@ -76,92 +77,139 @@ class ModelConfig:
         return hash((self.architecture, self.hidden_size, self.num_hidden_layers))
 
 
-def _rope(cfg: dict[str, Any]) -> RopeConfig:
-    params = cfg.get("rope_parameters")
+#: sane upper bounds (the largest released DeepSeek / Kimi models are well inside them)
+MAX_VOCAB = 1 << 22
+MAX_HIDDEN = 1 << 17
+MAX_INTERMEDIATE = 1 << 20
+MAX_LAYERS = 1024
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 4096
+MAX_RANK = 1 << 16
+MAX_EXPERTS = 1 << 14
+MAX_POSITIONS = 1 << 24
+MAX_THETA = 1e12
+
+
+def _rope(f: Fields, mpe: int) -> RopeConfig:
+    params = f.data.get("rope_parameters")
     if isinstance(params, dict) and params:
-        src = dict(params)
-        theta = src.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        src = f.get_obj("rope_parameters")
+        assert src is not None
+        theta_src = src if src.has("rope_theta") else f
     else:
-        src = dict(cfg.get("rope_scaling") or {})
-        theta = cfg.get("rope_theta", 10000.0)
-    rtype = src.get("rope_type", src.get("type", "default")) or "default"
-    if rtype not in ("default", "yarn"):
-        raise ConfigError(f"rope type {rtype!r} is not supported (expected 'default' or 'yarn')")
+        src = f.get_obj("rope_scaling") or Fields({}, f.file, f"{f.path + '.' if f.path else ''}rope_scaling")
+        theta_src = f
+    theta = theta_src.get_float("rope_theta", 0.0, MAX_THETA, 10000.0, open_lo=True)
+    key = "rope_type" if src.has("rope_type") else "type"
+    rtype = src.get_str(key, "default", choices=("default", "yarn")) if src.data.get(key) != "" else "default"
     if rtype == "default":
-        return RopeConfig(float(theta), "default")
-    mpe = int(cfg.get("max_position_embeddings", 4096))
-    orig = int(src.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings") or mpe)
-    factor = src.get("factor")
+        return RopeConfig(theta, "default")
+    orig_src = src if src.has("original_max_position_embeddings") else f
+    orig = orig_src.get_int("original_max_position_embeddings", 1, MAX_POSITIONS, mpe)
+    factor = src.get_float("factor", 0.0, 1e6, mpe / orig, open_lo=True)
+    beta_fast = src.get_float("beta_fast", 0.0, 1e6, 32.0, open_lo=True) if src.data.get("beta_fast") != 0 else 32.0
+    beta_slow = src.get_float("beta_slow", 0.0, 1e6, 1.0, open_lo=True) if src.data.get("beta_slow") != 0 else 1.0
     return RopeConfig(
-        theta=float(theta), type="yarn",
-        factor=float(factor) if factor is not None else mpe / orig,
-        original_max_position_embeddings=orig,
-        beta_fast=float(src.get("beta_fast") or 32), beta_slow=float(src.get("beta_slow") or 1),
-        mscale=src.get("mscale"), mscale_all_dim=src.get("mscale_all_dim"),
-        attention_factor=src.get("attention_factor"), truncate=bool(src.get("truncate", True)),
+        theta=theta, type="yarn", factor=factor, original_max_position_embeddings=orig,
+        beta_fast=beta_fast, beta_slow=beta_slow,
+        mscale=src.opt_float("mscale", 0.0, 1e3), mscale_all_dim=src.opt_float("mscale_all_dim", 0.0, 1e3),
+        attention_factor=src.opt_float("attention_factor", 0.0, 1e3, open_lo=True),
+        truncate=src.get_bool("truncate", True),
     )
 
 
-def _get(cfg: dict[str, Any], key: str, default: Any = ConfigError) -> Any:
-    if key in cfg and cfg[key] is not None:
-        return cfg[key]
-    if default is ConfigError:
-        raise ConfigError(f"config.json: text config has no {key!r}")
-    return default
-
-
-def parse_model_config(config: dict[str, Any], architecture: str, wrapped: bool) -> ModelConfig:
-    text: Any = config
+def parse_model_config(config: dict[str, Any], architecture: str, wrapped: bool,
+                       file: str = "config.json") -> ModelConfig:
+    """Typed, range-checked :class:`ModelConfig` from config.json; every failure is a
+    :class:`ConfigError` naming ``file``, the key path and what was expected."""
+    top = Fields(config, file)
     root = ""
+    f = top
     if wrapped:
-        text = config.get("text_config")
-        if not isinstance(text, dict):
-            raise ConfigError(f"config.json: {architecture} needs a 'text_config' object")
-        root = "language_model"
-    scoring = text.get("scoring_func", "sigmoid")
-    if scoring != "sigmoid":
-        raise ConfigError(f"config.json: scoring_func {scoring!r} is not supported (DeepSeek-V3 routing is sigmoid)")
-    act = text.get("hidden_act", "silu")
-    if act != "silu":
-        raise ConfigError(f"config.json: hidden_act {act!r} is not supported (expected 'silu')")
-    heads = int(_get(text, "num_attention_heads"))
-    tie = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
-    q_lora = text.get("q_lora_rank")
-    n_routed = int(text.get("n_routed_experts") or text.get("num_local_experts") or 0)
-    cfg = ModelConfig(
+        text = top.get_obj("text_config")
+        if text is None:
+            raise ConfigError(f"{file}: {architecture} needs a 'text_config' object")
+        f, root = text, "language_model"
+    f.get_str("scoring_func", "sigmoid", choices=("sigmoid",))
+    f.get_str("hidden_act", "silu", choices=("silu",))
+    layers = f.get_int("num_hidden_layers", 1, MAX_LAYERS)
+    n_routed = (f.get_int("n_routed_experts", 0, MAX_EXPERTS) if f.has("n_routed_experts")
+                else f.get_int("num_local_experts", 0, MAX_EXPERTS, 0))
+    n_group = f.get_int("n_group", 1, max(n_routed, 1), 1)
+    if n_routed % n_group:
+        f.fail("n_group", n_group, f"a divisor of n_routed_experts ({n_routed})")
+    per_group = n_routed // n_group
+    if n_group > 1 and per_group < 2:
+        f.fail("n_group", n_group, f"at most n_routed_experts / 2 = {n_routed // 2} (group scores sum each "
+                                   "group's top-2 experts)")
+    topk_group = f.get_int("topk_group", 1, n_group, 1)
+    top_k = f.get_int("num_experts_per_tok", 1, topk_group * per_group) if n_routed else 0
+    mpe = f.get_int("max_position_embeddings", 1, MAX_POSITIONS, 4096)
+    tie = f.get_bool("tie_word_embeddings", top.get_bool("tie_word_embeddings", False) if wrapped else False)
+    model_type = top.get_str("model_type", "")
+    return ModelConfig(
         architecture=architecture,
-        model_type=str(config.get("model_type", "")),
+        model_type=model_type,
         text_root=root,
-        vocab_size=int(_get(text, "vocab_size")),
-        hidden_size=int(_get(text, "hidden_size")),
-        intermediate_size=int(_get(text, "intermediate_size")),
-        moe_intermediate_size=int(_get(text, "moe_intermediate_size", 0)),
-        num_hidden_layers=int(_get(text, "num_hidden_layers")),
-        num_attention_heads=heads,
-        q_lora_rank=int(q_lora) if q_lora is not None else None,
-        kv_lora_rank=int(_get(text, "kv_lora_rank")),
-        qk_nope_head_dim=int(_get(text, "qk_nope_head_dim")),
-        qk_rope_head_dim=int(_get(text, "qk_rope_head_dim")),
-        v_head_dim=int(_get(text, "v_head_dim")),
+        vocab_size=f.get_int("vocab_size", 1, MAX_VOCAB),
+        hidden_size=f.get_int("hidden_size", 1, MAX_HIDDEN),
+        intermediate_size=f.get_int("intermediate_size", 1, MAX_INTERMEDIATE),
+        moe_intermediate_size=f.get_int("moe_intermediate_size", 1 if n_routed else 0, MAX_INTERMEDIATE,
+                                        ConfigError if n_routed else 0),
+        num_hidden_layers=layers,
+        num_attention_heads=f.get_int("num_attention_heads", 1, MAX_HEADS),
+        q_lora_rank=f.opt_int("q_lora_rank", 1, MAX_RANK),
+        kv_lora_rank=f.get_int("kv_lora_rank", 1, MAX_RANK),
+        qk_nope_head_dim=f.get_int("qk_nope_head_dim", 1, MAX_HEAD_DIM),
+        qk_rope_head_dim=_even(f, "qk_rope_head_dim"),
+        v_head_dim=f.get_int("v_head_dim", 1, MAX_HEAD_DIM),
         n_routed_experts=n_routed,
-        num_experts_per_tok=int(_get(text, "num_experts_per_tok", 0)),
-        n_shared_experts=int(_get(text, "n_shared_experts", 0)),
-        n_group=int(_get(text, "n_group", 1)),
-        topk_group=int(_get(text, "topk_group", 1)),
-        norm_topk_prob=bool(_get(text, "norm_topk_prob", False)),
-        routed_scaling_factor=float(_get(text, "routed_scaling_factor", 1.0)),
-        first_k_dense_replace=int(_get(text, "first_k_dense_replace", 0)),
-        rms_norm_eps=float(_get(text, "rms_norm_eps", 1e-6)),
-        rope=_rope(text),
-        rope_interleave=bool(text.get("rope_interleave", True)),
-        max_position_embeddings=int(_get(text, "max_position_embeddings", 4096)),
+        num_experts_per_tok=top_k,
+        n_shared_experts=f.get_int("n_shared_experts", 0, 64, 0),
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=f.get_bool("norm_topk_prob", False),
+        routed_scaling_factor=f.get_float("routed_scaling_factor", 0.0, 1e6, 1.0, open_lo=True),
+        first_k_dense_replace=f.get_int("first_k_dense_replace", 0, layers, 0),
+        rms_norm_eps=f.get_float("rms_norm_eps", 0.0, 1.0, 1e-6, open_lo=True),
+        rope=_rope(f, mpe),
+        rope_interleave=f.get_bool("rope_interleave", True),
+        max_position_embeddings=mpe,
         tie_word_embeddings=tie,
-        attention_bias=bool(text.get("attention_bias", False)),
-        mla_use_output_gate=bool(text.get("mla_use_output_gate", False)),
-        raw=text,
+        attention_bias=f.get_bool("attention_bias", False),
+        mla_use_output_gate=f.get_bool("mla_use_output_gate", False),
+        raw=f.data,
     )
-    if n_routed and n_routed % cfg.n_group:
-        raise ConfigError(f"config.json: n_routed_experts {n_routed} is not divisible by n_group {cfg.n_group}")
-    if not math.isfinite(cfg.routed_scaling_factor):
-        raise ConfigError("config.json: routed_scaling_factor is not finite")
-    return cfg
+
+
+def _even(f: Fields, key: str) -> int:
+    v = f.get_int(key, 2, MAX_HEAD_DIM)
+    if v % 2:
+        f.fail(key, v, "an even integer (rotary pairs)")
+    return v
+
+
+def check_against_tensors(cfg: ModelConfig, names: Iterable[str], file: str = "config.json") -> None:
+    """Counts that size the model must match the tensors present, before the model skeleton is
+    built: a corrupt ``num_hidden_layers`` or ``n_routed_experts`` (a million layers) would
+    otherwise make plan construction loop for minutes just to report everything missing."""
+    last = cfg.num_hidden_layers - 1
+    layer_keys = (f"model.layers.{last}.",)
+    gguf_key = f"blk.{last}."
+    hub0, hub_last = ".experts.0.", f".experts.{cfg.n_routed_experts - 1}."
+    has_layer = has_hub = has_last_expert = False
+    for n in names:
+        if not has_layer and (n.startswith(gguf_key) or any(k in n for k in layer_keys)):
+            has_layer = True
+        if cfg.n_routed_experts and ".experts." in n:
+            has_hub = has_hub or hub0 in n
+            has_last_expert = has_last_expert or hub_last in n
+        if has_layer and (has_last_expert or not cfg.n_routed_experts):
+            return
+    where = f"{file}: {'text_config.' if cfg.text_root else ''}"
+    if not has_layer:
+        raise ConfigError(f"{where}num_hidden_layers = {cfg.num_hidden_layers}, but the checkpoint holds no tensor "
+                          f"of layer {last} (model.layers.{last}.* / blk.{last}.*)")
+    if has_hub and not has_last_expert:
+        raise ConfigError(f"{where}n_routed_experts = {cfg.n_routed_experts}, but the checkpoint holds no tensor "
+                          f"of expert {cfg.n_routed_experts - 1} (*.experts.{cfg.n_routed_experts - 1}.*)")

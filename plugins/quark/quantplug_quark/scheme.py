@@ -2,7 +2,8 @@
 
 Storage, as amd-quark exports it: ``weight`` uint8 [out, in/2], byte = e[2i] | e[2i+1] << 4
 (low nibble = even element); code = sign (bit 3) + E2M1 magnitude {0, .5, 1, 1.5, 2, 3, 4, 6};
-``weight_scale`` uint8 [out, in/32], value 2 ** (u8 - 127).
+``weight_scale`` uint8 [out, in/32], value 2 ** (u8 - 127). A ``weight_scale`` stored as F8_E8M0 is the
+same byte (OCP MX E8M0: biased exponent, 0xFF = NaN) and is read bit for bit.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
-from quantplug.api import LinearScheme, Problem, TensorInfo, TensorSpec
+from quantplug.api import LinearScheme, Problem, SplitRule, TensorInfo, TensorSpec
 from torch import nn
 
 GROUP = 32
@@ -80,7 +81,18 @@ class MXFP4Scheme(LinearScheme):
 
     def tensor_specs(self, out_features: int, in_features: int) -> list[TensorSpec]:
         return [TensorSpec("weight", ("U8",), (out_features, in_features // 2)),
-                TensorSpec("weight_scale", ("U8", "F8_E8M0"), (out_features, in_features // GROUP), target="U8")]
+                # U8 (what amd-quark writes) and F8_E8M0 are one encoding: the byte is the biased
+                # exponent. Kept as stored (no target: a U8 target would *convert* E8M0 values, 2**(b-127)
+                # -> int, not keep the bits) and read through .view(uint8), so both give identical logits.
+                TensorSpec("weight_scale", ("U8", "F8_E8M0"), (out_features, in_features // GROUP))]
+
+    def split(self, direction: str, out_features: int, in_features: int) -> dict[str, SplitRule]:
+        """Rows of both tensors follow out; along in, 2 values per byte and one scale per 32
+        (vLLM ``layers/linear.py`` packed_dim=1 / packed_factor=2 for the fp4 weight), so a
+        row-parallel part must hold whole 32-groups or the layer is replicated."""
+        if direction == "out":
+            return {"weight": SplitRule(0), "weight_scale": SplitRule(0)}
+        return {"weight": SplitRule(1, 2, 1), "weight_scale": SplitRule(1, GROUP, 1)}
 
     def check(self, layer_name: str, tensors: Mapping[str, TensorInfo]) -> list[Problem]:
         w = tensors.get("weight")

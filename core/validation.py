@@ -1,0 +1,188 @@
+"""Bounded, typed reading of untrusted checkpoint metadata (JSON files, GGUF keys, file names).
+
+Everything quantplug parses itself goes through here: JSON is size- and depth-bounded before it
+is decoded (non-finite literals refused), values are read through :class:`Fields`, which checks
+type and range and names the file and key path on failure, and every file name taken from a
+checkpoint's own metadata is resolved with :func:`contained` (no ``..``, no absolute paths, no
+symlink leaving the directory).
+
+Why hand-written and not pydantic: pydantic is not installed here (transformers 5 does not pull it
+in), a model class per config spelling would not read better than the ``Fields`` calls in
+``models/config.py``, and every message must carry the file and the key path in quantplug's
+wording; the helper is ~100 lines.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+from .errors import CheckpointError, ConfigError
+
+#: largest JSON file read (config.json, sidecars, the shard index)
+MAX_JSON_BYTES = 64 << 20
+#: deepest nesting of objects / arrays accepted in any JSON file
+MAX_JSON_DEPTH = 32
+_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+T = TypeVar("T")
+
+
+def _no_constant(name: str) -> NoReturn:
+    raise ValueError(f"non-finite number {name} (JSON has no NaN / Infinity)")
+
+
+def json_depth_ok(text: str, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``text``'s arrays / objects nest at most ``limit`` deep (scanned before parsing)."""
+    if text.count("{") + text.count("[") <= limit:
+        return True  # cannot nest deeper than the number of openers (the common case: C speed)
+    depth = 0
+    for ch in re.sub(r"[^\[\]{}]", "", _STRINGS.sub("", text)):
+        depth += 1 if ch in "[{" else -1
+        if depth > limit:
+            return False
+    return True
+
+
+def read_json(path: Path, *, error: type[Exception] = ConfigError, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """Parse a JSON file with its size and nesting bounded first; failures name the file."""
+    try:
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise error(f"{path}: {size:,} bytes, more than the {max_bytes:,} accepted for a JSON file")
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise error(f"{path}: cannot read ({exc.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    if not json_depth_ok(text):
+        raise error(f"{path}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        raise error(f"{path}: not valid JSON ({exc})") from None
+
+
+def contained(root: Path, name: Any, what: str) -> Path:
+    """``root / name`` after checking that ``name`` (taken from checkpoint metadata) is a plain
+    relative path that, symlinks resolved, stays inside ``root``."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise CheckpointError(f"{what}: file name {name!r} is not a non-empty string")
+    p = Path(name)
+    if p.is_absolute() or name.startswith(("/", "\\")) or ".." in re.split(r"[\\/]", name):
+        raise CheckpointError(f"{what}: file name {name!r} must be relative to the checkpoint directory "
+                              "(no absolute path, no '..')")
+    base = Path(os.path.realpath(root))
+    full = Path(os.path.realpath(root / p))
+    if full != base and base not in full.parents:
+        raise CheckpointError(f"{what}: {name!r} resolves to {full}, outside the checkpoint directory {base} "
+                              "(a symlink leaving the directory)")
+    return root / p
+
+
+def check_inside(root: Path, files: Iterable[Path], what: str) -> None:
+    """Every file (found by globbing ``root``) resolves inside ``root`` (symlinks followed)."""
+    for f in files:
+        contained(root, f.name, what)
+
+
+class Fields:
+    """Typed, range-checked reads from one JSON object; failures name ``file`` and the key path."""
+
+    def __init__(self, data: Mapping[str, Any], file: str, path: str = "") -> None:
+        self.data, self.file, self.path = data, file, path
+
+    def where(self, key: str) -> str:
+        return f"{self.file}: {self.path + '.' if self.path else ''}{key}"
+
+    def fail(self, key: str, value: Any, expected: str) -> NoReturn:
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise ConfigError(f"{self.where(key)} = {shown}: expected {expected}")
+
+    def has(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def raw(self, key: str, default: Any = None) -> Any:
+        v = self.data.get(key)
+        return default if v is None else v
+
+    def get_int(self, key: str, lo: int, hi: int, default: Any = ConfigError) -> int:
+        v = self.data.get(key)
+        if v is None:
+            if default is ConfigError:
+                raise ConfigError(f"{self.where(key)} is missing: expected an integer in [{lo}, {hi}]")
+            return int(default)
+        if isinstance(v, float) and v.is_integer() and lo <= v <= hi:
+            v = int(v)  # 4096.0 in a hand-edited config
+        if type(v) is not int or not lo <= v <= hi:
+            self.fail(key, v, f"an integer in [{lo}, {hi}]")
+        return v
+
+    def opt_int(self, key: str, lo: int, hi: int) -> int | None:
+        return None if self.data.get(key) is None else self.get_int(key, lo, hi)
+
+    def get_float(self, key: str, lo: float, hi: float, default: Any = ConfigError, *, open_lo: bool = False) -> float:
+        v = self.data.get(key)
+        if v is None:
+            if default is ConfigError:
+                raise ConfigError(f"{self.where(key)} is missing: expected a number")
+            return float(default)
+        ok = type(v) in (int, float) and math.isfinite(v) and (lo < v if open_lo else lo <= v) and v <= hi
+        if not ok:
+            self.fail(key, v, f"a finite number in {'(' if open_lo else '['}{lo:g}, {hi:g}]")
+        return float(v)
+
+    def opt_float(self, key: str, lo: float, hi: float, *, open_lo: bool = False) -> float | None:
+        return None if self.data.get(key) is None else self.get_float(key, lo, hi, open_lo=open_lo)
+
+    def get_bool(self, key: str, default: bool) -> bool:
+        v = self.data.get(key)
+        if v is None:
+            return default
+        if type(v) is not bool:
+            self.fail(key, v, "true or false")
+        return v
+
+    def get_str(self, key: str, default: Any = ConfigError, choices: Iterable[str] | None = None) -> str:
+        v = self.data.get(key)
+        if v is None:
+            if default is ConfigError:
+                raise ConfigError(f"{self.where(key)} is missing: expected a string")
+            return str(default)
+        allowed = tuple(choices) if choices is not None else None
+        if type(v) is not str or (allowed is not None and v not in allowed):
+            self.fail(key, v, f"one of {', '.join(map(repr, allowed))}" if allowed else "a string")
+        return v
+
+    def get_obj(self, key: str, required: bool = False) -> Fields | None:
+        v = self.data.get(key)
+        if v is None:
+            if required:
+                raise ConfigError(f"{self.where(key)} is missing: expected an object")
+            return None
+        if not isinstance(v, dict):
+            self.fail(key, v, "an object")
+        return Fields(v, self.file, f"{self.path + '.' if self.path else ''}{key}")
+
+    def get_list(self, key: str, item: type[T]) -> list[T]:
+        v = self.data.get(key)
+        if v is None:
+            return []
+        if not isinstance(v, list) or not all(type(x) is item for x in v):
+            self.fail(key, v, f"a list of {item.__name__}")
+        return v
+
+
+def check_count(n: int, unit: int, available: int, what: str, file: Path, fmt: str = "GGUF") -> None:
+    """A count read from a file must fit the bytes left (``unit`` bytes each at least) before
+    anything is allocated or looped for it."""
+    if n < 0 or n * unit > available:
+        raise CheckpointError(f"{file}: truncated {fmt} header (or a corrupt count): {what} = {n:,} needs at "
+                              f"least {n * unit:,} bytes, {available:,} are left")
