@@ -366,10 +366,20 @@ class PluginManager:
         nonfloat = [t for t in checkpoint.tensors.values() if not t.is_float]
         if nonfloat:
             t = nonfloat[0]
+            fp8 = [x for x in nonfloat if x.dtype.startswith("F8_")]
+            what = (f"{len(fp8)} tensor(s) are FP8 ({', '.join(sorted({x.dtype for x in fp8}))}; first: "
+                    f"{fp8[0].name} in {fp8[0].file.name}): quantized weights that need a backend"
+                    if fp8 else f"{len(nonfloat)} tensor(s) are quantized or integer, not float (first: "
+                    f"{t.name} is {t.dtype} in {t.file.name})")
+            qc = checkpoint.config.get("quantization_config") if isinstance(checkpoint.config, dict) else None
+            text = checkpoint.config.get("text_config") if isinstance(checkpoint.config, dict) else None
+            if qc is None and isinstance(text, dict):
+                qc = text.get("quantization_config")
+            method = qc.get("quant_method") if isinstance(qc, dict) else None
+            hint = f"; config.json says quant_method {method!r}" if method else ""
             raise NoBackendError(
-                f"no installed backend recognises {checkpoint.path}, and it is not dense: "
-                f"{len(nonfloat)} tensor(s) are not floating point (first: {t.name} is {t.dtype} in "
-                f"{t.file.name}); installed backends: {', '.join(installed) or 'none'}")
+                f"no installed backend recognises {checkpoint.path}, and it is not dense: {what}{hint}; "
+                f"installed backends: {', '.join(installed) or 'none'}")
         return None
 
 

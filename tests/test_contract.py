@@ -281,3 +281,25 @@ def test_dense_state_round_trips_the_hub_layout(tmp_path):
     assert api.plan_of(model).prefix == "language_model"
     names = [n for n, _ in api.named_linears(model)]
     assert "language_model.lm_head" in names and not any(".experts." in n for n in names)
+
+
+# -- messages a user can act on ------------------------------------------------------------------
+
+def test_no_backend_error_says_fp8(tmp_path):
+    cfg = tiny_config(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    state = random_state(cfg)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    state[name] = state[name].to(torch.float8_e4m3fn)
+    path = write_checkpoint(tmp_path / "fp8", cfg, state)
+    pm = PluginManager(entry_points=False, env={})
+    with pytest.raises(api.NoBackendError, match=r"1 tensor\(s\) are FP8 \(F8_E4M3; first: "
+                                                 r"model.layers.0.self_attn.o_proj.weight.*quant_method 'fp8'"):
+        build_plan(path, plugin_manager=pm)
+
+
+def test_explain_accepts_tensor_names(ckpt, capsys):
+    from quantplug.cli import main
+
+    assert main(["explain", str(ckpt), "model.layers.1.self_attn.kv_b_proj.weight"]) == 0
+    out = capsys.readouterr().out
+    assert "linear_scheme" in out and "model.layers.1.self_attn.kv_b_proj" in out and "dense" in out
