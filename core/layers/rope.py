@@ -1,0 +1,80 @@
+"""Rotary position embeddings: DeepSeek's interleaved rope and yarn scaling with mscale, computed
+as transformers computes them."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..models.config import RopeConfig
+
+
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scale ("attention factor"), as transformers computes them."""
+    base = rope.theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim)
+    if rope.type == "default":
+        return 1.0 / pos_freqs, 1.0
+    factor = rope.factor
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        if rope.mscale and rope.mscale_all_dim:
+            attention_factor = yarn_get_mscale(factor, rope.mscale) / yarn_get_mscale(factor, rope.mscale_all_dim)
+        else:
+            attention_factor = yarn_get_mscale(factor)
+
+    def correction_dim(num_rot: float) -> float:
+        return (dim * math.log(rope.original_max_position_embeddings / (num_rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrap = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrap) + (1.0 / pos_freqs) * extrap
+    return inv_freq, float(attention_factor)
+
+
+def softmax_scale(rope: RopeConfig, qk_head_dim: int) -> float:
+    scale = qk_head_dim ** -0.5
+    if rope.type != "default" and rope.mscale_all_dim:
+        m = yarn_get_mscale(rope.factor, rope.mscale_all_dim)
+        scale = scale * m * m
+    return scale
+
+
+class Rotary(nn.Module):
+    def __init__(self, rope: RopeConfig, dim: int, interleave: bool) -> None:
+        super().__init__()
+        inv_freq, self.attention_scaling = rope_inv_freq(rope, dim)
+        self.inv_freq: torch.Tensor
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.interleave = interleave
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, H, T, d]; cos/sin [B, T, d]."""
+        if self.interleave:
+            c = cos[..., : cos.shape[-1] // 2].unsqueeze(1)
+            s = sin[..., : sin.shape[-1] // 2].unsqueeze(1)
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        half = x.shape[-1] // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * c + rot * s
