@@ -1,0 +1,146 @@
+"""Pure-torch kernels for DeepSeek's block FP8 format (weights) and its dynamic activations.
+
+Weights (DeepSeek-V3 ``inference/kernel.py`` ``weight_dequant``, ``fp8_cast_bf16.py``): ``weight``
+F8_E4M3 [out, in], ``weight_scale_inv`` F32 [ceil(out/bn), ceil(in/bk)], a *multiplier*
+despite its name: w[r, c] = float(weight[r, c]) * scale[r // bn, c // bk]. Edge blocks are
+partial (a [576, 7168] kv_a_proj_with_mqa has a [5, 56] scale; its last block row covers 64
+rows). The block of an element is found from its own index, never from rows // scale_rows.
+
+Activations (DeepSeek ``act_quant``, as of the 2025-08 kernel.py): per token, per group of
+``bk`` input features: amax = max(max|x|, 1e-4); s = amax / 448 (with ``scale_fmt`` "ue8m0":
+s = 2 ** ceil(log2(s))); x' = float(fp8_e4m3(x / s)) * s. DeepSeek asserts in % 128 == 0; an
+input whose width is not a multiple of the group ends in one partial group (the same rule as
+partial weight blocks).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from quantplug.api import QuantplugError
+
+FP8_MAX = 448.0
+#: DeepSeek's act_quant clamps each group's amax to at least this (no division by zero)
+ACT_AMAX_FLOOR = 1e-4
+#: rows of dense weight materialized at once by :func:`linear` (times in_features elements),
+#: rounded to whole block rows: bounded temporaries whatever the matrix size
+LINEAR_CHUNK_ELEMS = 1 << 20
+#: rows converted per step by :func:`dequantize` (bounds the per-row scale gather)
+DEQUANT_CHUNK_ROWS = 1024
+
+
+def scale_shape(out_features: int, in_features: int, block: tuple[int, int]) -> tuple[int, int]:
+    """[ceil(out / bn), ceil(in / bk)]: the ``weight_scale_inv`` shape of an [out, in] weight."""
+    return math.ceil(out_features / block[0]), math.ceil(in_features / block[1])
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
+               dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+    """F8_E4M3 ``weight`` [out, in] (or [n, out, in]) with F32 ``scale`` per block -> dense ``dtype``.
+
+    Exact: each element is its fp8 value times its own block's scale, multiplied in float32 (as
+    DeepSeek's kernel), then cast to ``dtype``. Works row-chunk by row-chunk, so the only
+    temporaries are a per-row scale gather (1/bk of a chunk) and, for a non-float32 ``dtype``,
+    one float32 chunk.
+    """
+    if weight.dim() == 3:
+        res = out if out is not None else torch.empty(weight.shape, dtype=dtype, device=weight.device)
+        for i in range(weight.shape[0]):
+            dequantize(weight[i], scale[i], block, dtype, res[i])
+        return res
+    if weight.dim() != 2 or scale.dim() != 2:
+        raise QuantplugError(f"fp8 dequantize: expected a 2-D weight and scale, got {list(weight.shape)} "
+                             f"and {list(scale.shape)}")
+    rows, cols = weight.shape
+    bn, bk = block
+    want = scale_shape(rows, cols, block)
+    if tuple(scale.shape) != want:
+        raise QuantplugError(f"fp8 dequantize: weight {list(weight.shape)} with block {list(block)} needs a scale "
+                             f"of shape {list(want)} ([ceil(out/{bn}), ceil(in/{bk})]), got {list(scale.shape)}")
+    if out is None:
+        out = torch.empty(rows, cols, dtype=dtype, device=weight.device)
+    elif out.shape != weight.shape or out.dtype != dtype:
+        raise QuantplugError(f"fp8 dequantize(out=...): need {dtype} {list(weight.shape)}, got {out.dtype} "
+                             f"{list(out.shape)}")
+    scale = scale.to(torch.float32)
+    full = cols // bk * bk
+    step = max(bn, DEQUANT_CHUNK_ROWS // bn * bn)
+    scratch = None if dtype == torch.float32 else torch.empty(min(step, rows), cols, dtype=torch.float32)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        o = out[r0:r1] if scratch is None else scratch[: r1 - r0]
+        o.copy_(weight[r0:r1])  # fp8 -> f32 is exact
+        # each row's block row, from its own index (partial last block row included)
+        s = scale.index_select(0, torch.arange(r0, r1, device=scale.device) // bn)  # [rows, ceil(in/bk)]
+        if full:
+            o[:, :full].view(r1 - r0, full // bk, bk).mul_(s[:, : full // bk, None])
+        if full < cols:  # the partial last block column
+            o[:, full:].mul_(s[:, full // bk:])
+        if scratch is not None:
+            out[r0:r1].copy_(o)
+    return out
+
+
+def quantize(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense [out, in] -> (F8_E4M3 weight [out, in], F32 scale [ceil(out/bn), ceil(in/bk)]).
+
+    Per block: s = amax / 448 (1.0 for an all-zero block), q = fp8_e4m3(w / s) rounded to
+    nearest even, as DeepSeek's block quantization. Partial edge blocks use their own amax.
+    """
+    w = w.to(torch.float32)
+    rows, cols = w.shape
+    bn, bk = block
+    r_blocks, c_blocks = scale_shape(rows, cols, block)
+    padded = torch.zeros(r_blocks * bn, c_blocks * bk)
+    padded[:rows, :cols] = w
+    tiles = padded.view(r_blocks, bn, c_blocks, bk)
+    amax = tiles.abs().amax(dim=(1, 3))
+    s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (tiles / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(r_blocks * bn, c_blocks * bk)[:rows, :cols].contiguous(), s.contiguous()
+
+
+def act_quant(x: torch.Tensor, group: int = 128, scale_fmt: str | None = None) -> torch.Tensor:
+    """DeepSeek's dynamic activation quantization, emulated: x [..., k] -> x' in x's dtype.
+
+    Per token, per ``group`` features (a last partial group when k % group != 0):
+    s = max(amax, 1e-4) / 448, rounded up to a power of two when ``scale_fmt`` is "ue8m0";
+    x' = float(fp8_e4m3(x / s)) * s.
+    """
+    xf = x.to(torch.float32)
+    k = xf.shape[-1]
+    full = k // group * group
+    out = torch.empty_like(xf)
+    parts = []
+    if full:
+        parts.append((xf[..., :full].unflatten(-1, (full // group, group)),
+                      out[..., :full].unflatten(-1, (full // group, group))))
+    if full < k:
+        parts.append((xf[..., full:].unsqueeze(-2), out[..., full:].unsqueeze(-2)))
+    for src, dst in parts:
+        amax = src.abs().amax(-1, keepdim=True).clamp(min=ACT_AMAX_FLOOR)
+        s = amax / FP8_MAX
+        if scale_fmt == "ue8m0":
+            s = torch.exp2(torch.ceil(torch.log2(s)))
+        q = (src / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        dst.copy_(q.to(torch.float32) * s)
+    return out.to(x.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+           dtype: torch.dtype) -> torch.Tensor:
+    """``x @ W^T`` for block-FP8 ``W`` [out, in], dequantizing whole block rows at a time so the
+    dense copy never exceeds about :data:`LINEAR_CHUNK_ELEMS` elements (one reused buffer)."""
+    rows, cols = weight.shape
+    bn = block[0]
+    step = max(bn, LINEAR_CHUNK_ELEMS // max(cols, 1) // bn * bn)
+    if step >= rows:
+        return torch.nn.functional.linear(x, dequantize(weight, scale, block, dtype).to(x.dtype))
+    y = torch.empty(*x.shape[:-1], rows, dtype=x.dtype, device=x.device)
+    buf = torch.empty(step, cols, dtype=dtype, device=weight.device)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        w = dequantize(weight[r0:r1], scale[r0 // bn: math.ceil(r1 / bn)], block, dtype, buf[: r1 - r0])
+        y[..., r0:r1] = torch.nn.functional.linear(x, w.to(x.dtype))
+    return y

@@ -1,0 +1,67 @@
+"""The block-FP8 linear scheme: F8_E4M3 weight kept as ``torch.float8_e4m3fn`` in memory (a
+zero-copy view of the checkpoint where the loader allows), F32 ``weight_scale_inv`` per block.
+
+Forward dequantizes block rows at a time (:func:`.kernels.linear`). With activation emulation
+(the default, ``activation_quant=dynamic``) the input is first quantized as DeepSeek's
+``act_quant`` does it (per token, groups of ``block[1]``), which is what the deployed FP8 GEMMs
+(DeepSeek's ``fp8_gemm``, vLLM / sglang block-FP8 kernels, DeepGEMM) compute on;
+``activation_quant=none`` is the weight-only model (DeepSeek's reference ``gemm_impl="bf16"``:
+``weight_dequant`` then a bf16 matmul).
+"""
+
+from __future__ import annotations
+
+import torch
+from quantplug.api import LinearScheme, TensorSpec
+from torch import nn
+
+from . import kernels
+
+ACTIVATION_MODES = ("dynamic", "none")
+SCALE_DTYPES = ("F32", "BF16", "F16")
+
+
+class FP8BlockScheme(LinearScheme):
+    """``weight`` F8_E4M3 [out, in] + ``weight_scale_inv`` [ceil(out/bn), ceil(in/bk)] (stacked
+    with a leading expert dimension for routed experts)."""
+
+    name = "fp8-block"
+
+    def __init__(self, block: tuple[int, int], activation_quant: str = "dynamic", scale_fmt: str | None = None,
+                 reason: str = "") -> None:
+        self.block = block
+        self.activation_quant = activation_quant
+        self.scale_fmt = scale_fmt
+        self.reason = reason
+
+    @property
+    def key(self) -> str:
+        return f"fp8-block {self.block[0]}x{self.block[1]} act={self.activation_quant}"
+
+    def describe(self) -> str:
+        if self.activation_quant == "none":
+            act = "activations not quantized (activation_quant=none: weight-only)"
+        else:
+            fmt = ", ue8m0 scales" if self.scale_fmt == "ue8m0" else ""
+            act = f"activations fp8 e4m3 per token per {self.block[1]} (DeepSeek act_quant{fmt}; activation_quant=dynamic)"
+        return f"fp8 e4m3 block {list(self.block)}, weight_scale_inv f32; {act}"
+
+    def tensor_specs(self, out_features: int, in_features: int) -> list[TensorSpec]:
+        return [TensorSpec("weight", ("F8_E4M3",), (out_features, in_features)),
+                TensorSpec("weight_scale_inv", SCALE_DTYPES,
+                           kernels.scale_shape(out_features, in_features, self.block), target="F32")]
+
+    def _parts(self, layer: nn.Module, index: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        w: torch.Tensor = layer.weight  # type: ignore[assignment]
+        s: torch.Tensor = layer.weight_scale_inv  # type: ignore[assignment]
+        return (w, s) if index is None else (w[index], s[index])
+
+    def dequantize(self, layer: nn.Module, index: int | None = None) -> torch.Tensor:
+        w, s = self._parts(layer, index)
+        return kernels.dequantize(w, s, self.block, layer.model_dtype)  # type: ignore[arg-type]
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
+        if self.activation_quant == "dynamic":
+            x = kernels.act_quant(x, self.block[1], self.scale_fmt)
+        w, s = self._parts(layer, index)
+        return kernels.linear(x, w, s, self.block, layer.model_dtype)  # type: ignore[arg-type]
