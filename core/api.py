@@ -12,12 +12,17 @@ Groups:
 * answers: :class:`Claim`, :class:`AttentionLayout`, :class:`Problem`, :class:`ExportResult`,
   :class:`TensorSpec` (and what a scheme is given: :class:`TensorInfo`);
 * schemes: :class:`LinearScheme` (abstract), :class:`DenseScheme`, :func:`refuse` (a plan-time
-  refusal naming the layer and the field, never a silent dense fallback), :data:`LAYER_KINDS`;
+  refusal naming the layer and the field, never a silent dense fallback), :data:`LAYER_KINDS`,
+  :class:`SplitRule` (how a stored tensor follows a tensor-parallel split: ``LinearScheme.split``);
 * what hooks receive: :class:`Checkpoint`, :class:`ModelConfig`, :class:`RopeConfig`,
   :class:`LoadPlan`;
 * reading: :func:`read_gguf_header` / :class:`GGUFHeader`, :data:`GGUF_FLOATS`,
   :data:`TORCH_DTYPES`, :data:`SAFETENSORS_DTYPES`, :func:`read_into`;
-* exporting: :func:`dense_state` (a loaded model back to dense tensors, hub layout);
+* exporting: :func:`dense_state` (a loaded model back to dense tensors, hub layout),
+  :func:`named_linears`, :func:`convert_expert_layout`, :func:`plan_of`;
+* adding an architecture (``quantplug_architectures``): :class:`ArchSpec`, :class:`PlanOracle`
+  and the planned layers a model is built from (:class:`QuantLinear`, :class:`StackedLinear`,
+  :class:`Embedding`, :class:`RMSNorm`, :class:`FloatParams`, :class:`Rotary`);
 * errors: :class:`QuantplugError` and its subclasses.
 """
 
@@ -43,9 +48,22 @@ from .errors import (
     UnknownArchitectureError,
 )
 from .hookspecs import BACKEND_HOOKS, CONTRACT_VERSION, GLOBAL_HOOKS, hookimpl
-from .layers.linear import FLOATS, DenseScheme, LinearScheme, RefusedScheme
+from .layers.linear import (
+    FLOATS,
+    DenseScheme,
+    FloatParams,
+    LinearScheme,
+    QuantLinear,
+    RefusedScheme,
+    SplitRule,
+    StackedLinear,
+)
+from .layers.norm import RMSNorm
+from .layers.rope import Rotary
 from .memory import read_into
 from .models.config import ModelConfig, RopeConfig
+from .models.deepseek import Embedding, PlanOracle
+from .models.registry import ArchSpec
 from .plan import LoadPlan
 from .types import (
     FLOAT_DTYPES,
@@ -170,7 +188,7 @@ __all__ = [
     "AttentionLayout", "Claim", "Decision", "ExportResult", "PluginInfo", "Problem", "SkipRule",
     "TensorInfo", "TensorSpec",
     # schemes
-    "DenseScheme", "FLOATS", "LinearScheme", "RefusedScheme", "refuse",
+    "DenseScheme", "FLOATS", "LinearScheme", "RefusedScheme", "SplitRule", "refuse",
     # what hooks receive
     "Checkpoint", "LoadPlan", "ModelConfig", "RopeConfig",
     # reading
@@ -178,6 +196,8 @@ __all__ = [
     "ggml_types", "read_gguf_header", "read_into", "storage_shape",
     # exporting
     "convert_expert_layout", "dense_state", "named_linears", "option", "plan_of",
+    # adding an architecture
+    "ArchSpec", "Embedding", "FloatParams", "PlanOracle", "QuantLinear", "RMSNorm", "Rotary", "StackedLinear",
     # errors
     "AmbiguousBackendError", "CheckpointError", "ConfigError", "LoadError", "NoBackendError", "PlanError",
     "PluginLoadError", "QuantplugError", "UnknownArchitectureError",

@@ -10,6 +10,9 @@ from .linear import FloatParams
 
 
 class RMSNorm(FloatParams):
+    """``weight * x / sqrt(mean(x^2) + eps)``, statistics in float32; one float parameter
+    ``weight`` [dim] loaded from ``<ckpt>.weight``."""
+
     def __init__(self, dim: int, eps: float, ckpt: str) -> None:
         super().__init__()
         self.qp_init(ckpt)

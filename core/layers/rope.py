@@ -55,6 +55,9 @@ def softmax_scale(rope: RopeConfig, qk_head_dim: int) -> float:
 
 
 class Rotary(nn.Module):
+    """Rotary embedding for the ``qk_rope_head_dim`` part of queries and keys: ``cos_sin(positions)``
+    then ``rotate(x, cos, sin)``; interleaved pairs (DeepSeek) or halves; yarn via ``RopeConfig``."""
+
     def __init__(self, rope: RopeConfig, dim: int, interleave: bool) -> None:
         super().__init__()
         inv_freq, self.attention_scaling = rope_inv_freq(rope, dim)
