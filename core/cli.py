@@ -145,6 +145,12 @@ def cmd_forward(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .generate import cli_generate
+
+    return cli_generate(args, _load(args))
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     from .plan import build_plan
 
@@ -191,6 +197,17 @@ def build_parser() -> argparse.ArgumentParser:
     f = ckpt_cmd("forward", "load and run one forward pass", cmd_forward)
     f.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 1,2,3")
     f.add_argument("--json", action="store_true")
+    g = ckpt_cmd("generate", "generate text with the MLA latent cache (greedy unless sampling is asked)", cmd_generate)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="text, encoded with the checkpoint's tokenizer")
+    src.add_argument("--tokens", help="comma-separated prompt token ids (no tokenizer needed)")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=None, help="sample at this temperature (0 or unset: greedy)")
+    g.add_argument("--top-p", type=float, default=None, help="sample from the top-p nucleus")
+    g.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed")
+    g.add_argument("--chat", action="store_true", help="wrap --prompt in the checkpoint's chat template")
+    g.add_argument("--json", action="store_true", help="one JSON object: tokens, text, speed, cache bytes")
     e = ckpt_cmd("explain", "each decision for one layer: value, plugin, reason", cmd_explain)
     e.add_argument("layer")
     d = sub.add_parser("demo", help="export tiny checkpoints with every backend, load them, compare with dense")

@@ -56,6 +56,12 @@ class LinearScheme(abc.ABC):
     name = "dense"
     #: why this scheme was chosen, recorded in the plan's decision (set per instance if useful)
     reason: str = ""
+    #: True when ``apply`` is ``dequantize`` then a float matmul (activations not quantized):
+    #: MLA decode may then absorb a dense ``kv_b_proj`` per head through ``dequantize`` and attend
+    #: on the cached latent. False (the safe default) for schemes that quantize activations or
+    #: that have not said: decode then expands K/V from the cached latent with ``apply`` (exact,
+    #: but O(cached tokens) per step)
+    weight_only: bool = False
 
     @property
     def key(self) -> str:
@@ -107,6 +113,7 @@ class DenseScheme(LinearScheme):
     """Unquantized weight [out, in]; F32 / F16 / BF16 on disk, model dtype in memory."""
 
     name = "dense"
+    weight_only = True
 
     def tensor_specs(self, out_features: int, in_features: int) -> list[TensorSpec]:
         return [TensorSpec("weight", FLOATS, (out_features, in_features))]

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..generate import GenerationMixin, LatentCache, MLACache
 from ..layers.linear import FloatParams, LinearScheme, PlannedModule, QuantLinear, Source, StackedLinear
 from ..layers.norm import RMSNorm, Rotary, softmax_scale
 from ..types import AttentionLayout
@@ -121,37 +122,90 @@ class MLA(nn.Module):
             self.g_proj = _lin(d, f"{base}.g_proj", h, nh * cfg.v_head_dim)
         self.o_proj = _lin(d, f"{base}.o_proj", nh * cfg.v_head_dim, h)
         self.scale = softmax_scale(cfg.rope, cfg.qk_head_dim)
+        #: heads computed here: all of them, or this rank's share under tensor parallelism
+        #: (``quantplug.parallel``: q/kv_b/g_proj/k_b/v_b hold these heads, o_proj all-reduces)
+        self.num_heads = nh
+        #: latent dims the cache holds per token (not split over ranks)
+        self.kv_lora_rank, self.qk_rope_head_dim = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        self._kv_b_heads: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: LatentCache | None = None) -> torch.Tensor:
+        """x [b, t, hidden]; with ``cache`` the t tokens follow the ``cache.length`` cached ones
+        (their latent is appended) and attend to all of them.
+
+        Without a cache, or for the first chunk into an empty one, the dense layout runs the
+        expanded form (K/V per head from ``kv_b_proj``), exactly as a forward without cache.
+        Later chunks attend on the cached latent: the split K/V layout and a dense ``kv_b_proj``
+        whose scheme is ``weight_only`` use the absorbed form (q_nope through W_UK, attention on
+        the latent, W_UV after); any other dense scheme (one that quantizes activations) expands
+        K/V from the cached latent through its own ``apply`` (exact, O(cached tokens) per step).
+        """
         cfg = self.cfg
         b, t, _ = x.shape
-        nh, nope, rope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        nh, nope, rope, v = self.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         q = self.q_proj(x) if self.q_lora is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(b, t, nh, nope + rope).transpose(1, 2)
         q_pass, q_rot = torch.split(q, [nope, rope], dim=-1)
         ckv = self.kv_a_proj_with_mqa(x)
-        kv_nope, k_rot = torch.split(ckv, [cfg.kv_lora_rank, rope], dim=-1)
-        kv_nope = self.kv_a_layernorm(kv_nope).view(b, 1, t, cfg.kv_lora_rank)
+        kv_nope, k_rot = torch.split(ckv, [self.kv_lora_rank, rope], dim=-1)
+        kv_nope = self.kv_a_layernorm(kv_nope).view(b, 1, t, self.kv_lora_rank)
         k_rot = k_rot.reshape(b, 1, t, rope)
         rot = self.rotary[0]
         q_rot, k_rot = rot.rotate(q_rot, cos, sin), rot.rotate(k_rot, cos, sin)
-        if self.layout.kind == "dense":
+        past = 0
+        if cache is not None:
+            past = cache.length
+            kv_nope, k_rot = cache.append(kv_nope, k_rot)            # [b, 1, past + t, ...]
+        if self.layout.kind != "dense":
+            # Absorbed form (llama.cpp): scores = (q_nope k_b) . c + q_rot . k_rot; out = (p c) v_b^T.
+            q_lat = self.k_b.forward_all(q_pass)                      # [b, nh, t, kv_lora]
+            out = self.v_b.forward_all(self._latent_attention(q_lat, q_rot, kv_nope, k_rot, past))
+        elif past == 0:
             kv = self.kv_b_proj(kv_nope).view(b, t, nh, nope + v).transpose(1, 2)
             k_nope, val = torch.split(kv, [nope, v], dim=-1)
             k = torch.cat([k_nope, k_rot.expand(-1, nh, -1, -1)], dim=-1)
             qs = torch.cat([q_pass, q_rot], dim=-1)
             out = F.scaled_dot_product_attention(qs, k, val, is_causal=True, scale=self.scale)
+        elif self.kv_b_proj.scheme.weight_only:
+            w_uk, w_uv_t = self._kv_b_per_head()
+            out = self._latent_attention(q_pass @ w_uk, q_rot, kv_nope, k_rot, past) @ w_uv_t
         else:
-            # Absorbed form (llama.cpp): scores = (q_nope k_b) . c + q_rot . k_rot; out = (p c) v_b^T.
-            q_lat = self.k_b.forward_all(q_pass)                      # [b, nh, t, kv_lora]
-            scores = (q_lat @ kv_nope.transpose(-1, -2) + q_rot @ k_rot.transpose(-1, -2)) * self.scale
-            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
-            p = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
-            out = self.v_b.forward_all(p @ kv_nope)                  # [b, nh, t, v]
+            n = past + t
+            kv = self.kv_b_proj(kv_nope).view(b, n, nh, nope + v).transpose(1, 2)
+            k_nope, val = torch.split(kv, [nope, v], dim=-1)
+            k = torch.cat([k_nope, k_rot.expand(-1, nh, -1, -1)], dim=-1)
+            qs = torch.cat([q_pass, q_rot], dim=-1)
+            mask = None if t == 1 else ~torch.ones(t, n, dtype=torch.bool, device=x.device).triu(past + 1)
+            out = F.scaled_dot_product_attention(qs, k, val, attn_mask=mask, scale=self.scale)
         out = out.transpose(1, 2).reshape(b, t, nh * v)
         if cfg.mla_use_output_gate:
             out = out * torch.sigmoid(self.g_proj(x))
         return self.o_proj(out)
+
+    def _latent_attention(self, q_lat: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor,
+                          k_rot: torch.Tensor, past: int) -> torch.Tensor:
+        """Attention on the latent: q_lat [b, nh, t, kv_lora], q_rot [b, nh, t, rope] against the
+        latent [b, 1, n, kv_lora] and k_rot [b, 1, n, rope] of n = past + t tokens; query i sees
+        keys <= past + i. Returns p @ latent [b, nh, t, kv_lora]."""
+        t, n = q_lat.shape[-2], latent.shape[-2]
+        scores = (q_lat @ latent.transpose(-1, -2) + q_rot @ k_rot.transpose(-1, -2)) * self.scale
+        if t > 1:
+            mask = torch.ones(t, n, dtype=torch.bool, device=q_lat.device).triu(past + 1)
+            scores = scores.masked_fill(mask, float("-inf"))
+        p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_lat.dtype)
+        return p @ latent
+
+    def _kv_b_per_head(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense ``kv_b_proj`` [nh * (nope + v), kv_lora] per head for the absorbed decode: W_UK
+        [nh, nope, kv_lora] and W_UV^T [nh, kv_lora, v]. Made once, on the first decode step,
+        through the scheme's ``dequantize``: views of the weight for the core's dense scheme (no
+        memory), otherwise one dense copy of this layer's kv_b_proj kept on the module."""
+        if self._kv_b_heads is None:
+            nope, v = self.cfg.qk_nope_head_dim, self.cfg.v_head_dim
+            w = self.kv_b_proj.scheme.dequantize(self.kv_b_proj).view(self.num_heads, nope + v, self.kv_lora_rank)
+            self._kv_b_heads = (w[:, :nope], w[:, nope:].transpose(1, 2))
+        return self._kv_b_heads
 
 
 class MLP(nn.Module):
@@ -262,8 +316,9 @@ class DecoderLayer(nn.Module):
         self.mlp: nn.Module = (MoE(cfg, d, f"{base}.mlp") if cfg.is_moe_layer(i)
                                else MLP(d, f"{base}.mlp", cfg.hidden_size, cfg.intermediate_size))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: LatentCache | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -276,17 +331,24 @@ class TextModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, d, self.rotary) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, d.ck("model.norm"))
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: MLACache | None = None) -> torch.Tensor:
+        """Hidden states [B, T, hidden] of ``ids`` [B, T]; ``positions`` [B, T] default to the
+        tokens after the ``cache``'s (0.. without one); with ``cache`` the tokens' latents are
+        appended to it (see ``quantplug.generate``)."""
         x = self.embed_tokens(ids)
-        pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand(ids.shape[0], -1)
-        cos, sin = self.rotary.cos_sin(pos, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
+        if positions is None:
+            start = cache.length if cache is not None else 0
+            positions = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0).expand(ids.shape[0], -1)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, None if cache is None else cache.layers[i])
         return self.norm(x)
 
 
-class DeepseekV3ForCausalLM(nn.Module):
-    """DeepSeek-V3 / Kimi-K2 text model: ``model.*`` and ``lm_head``."""
+class DeepseekV3ForCausalLM(GenerationMixin, nn.Module):
+    """DeepSeek-V3 / Kimi-K2 text model: ``model.*`` and ``lm_head``; ``generate`` / ``stream``
+    from :class:`quantplug.generate.GenerationMixin`."""
 
     packed_modules_mapping = {
         "fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"],
@@ -303,11 +365,20 @@ class DeepseekV3ForCausalLM(nn.Module):
         else:
             self.lm_head = _lin(d, "lm_head", cfg.hidden_size, cfg.vocab_size)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model(input_ids))
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: MLACache | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab]; ``positions`` / ``cache`` as :meth:`TextModel.forward`."""
+        return self.lm_head(self.model(input_ids, positions, cache))
+
+    def next_logits(self, input_ids: torch.Tensor, cache: MLACache) -> torch.Tensor:
+        """float32 logits [B, vocab] of the last position only (the LM head runs on one token)."""
+        return self.lm_head(self.model(input_ids, None, cache)[:, -1]).float()
+
+    def text_lm(self) -> DeepseekV3ForCausalLM:
+        return self
 
 
-class KimiK25ForConditionalGeneration(nn.Module):
+class KimiK25ForConditionalGeneration(GenerationMixin, nn.Module):
     """Kimi-K2.5 / K2.6: the DeepSeek-V3 text model under ``language_model``; vision not loaded."""
 
     packed_modules_mapping = DeepseekV3ForCausalLM.packed_modules_mapping
@@ -317,8 +388,12 @@ class KimiK25ForConditionalGeneration(nn.Module):
         self.config = cfg
         self.language_model = DeepseekV3ForCausalLM(cfg, d)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: MLACache | None = None) -> torch.Tensor:
+        return self.language_model(input_ids, positions, cache)
+
+    def text_lm(self) -> DeepseekV3ForCausalLM:
+        return self.language_model
 
 
 class KimiK3ForConditionalGeneration(KimiK25ForConditionalGeneration):

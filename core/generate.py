@@ -1,0 +1,372 @@
+"""Text generation: the MLA latent KV cache, sampling, ``generate`` and its streaming form.
+
+The cache keeps, per MLA layer and token, exactly what attention reads from the past: the normed
+compressed latent ``c_kv`` (``kv_lora_rank`` values) and the roped shared key ``k_pe``
+(``qk_rope_head_dim`` values), in the model dtype. For DeepSeek-V3 that is (512 + 64) x 61 layers
+per token, where an expanded per-head cache (transformers' ``DynamicCache``) holds
+128 heads x (192 + 128) = 40,960 values per layer: 71x more. Decode attends on the latent
+directly (the absorbed form, see :class:`quantplug.models.deepseek.MLA`).
+
+``generate`` follows transformers' argument names and meanings (greedy by default; a row that
+emits an end-of-sequence id stops and is padded with the first EOS id; ``min_new_tokens`` masks
+EOS; sampling applies temperature, then top-k, then top-p). ``stream`` yields the new tokens
+step by step and records timings for the CLI.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .errors import QuantplugError
+
+if TYPE_CHECKING:
+    from .models.config import ModelConfig
+
+#: tokens a cache grows by when a forward needs more room than it was preallocated for
+CHUNK = 256
+
+
+class GenerationError(QuantplugError):
+    """Bad generation arguments, or a sequence longer than the model's context."""
+
+
+def max_seq_len(cfg: ModelConfig) -> int:
+    """Longest sequence the config allows: ``max_position_embeddings``, or with yarn at least
+    ``factor x original_max_position_embeddings`` (yarn's extended context)."""
+    n = cfg.max_position_embeddings
+    if cfg.rope.type == "yarn":
+        n = max(n, int(cfg.rope.factor * cfg.rope.original_max_position_embeddings))
+    return n
+
+
+class LatentCache:
+    """One MLA layer's cache: latent ``[B, S, kv_lora_rank]`` and roped key ``[B, S, rope]``.
+
+    Preallocated for ``capacity`` tokens; a forward that needs more grows both buffers by
+    :data:`CHUNK` tokens at a time, never past ``limit``. ``append`` writes the new tokens and
+    returns views of every token so far (``[B, 1, L, dim]``: one "head", broadcast over heads).
+    """
+
+    def __init__(self, batch: int, kv_lora_rank: int, rope_dim: int, *, dtype: torch.dtype,
+                 device: torch.device, capacity: int, limit: int) -> None:
+        self.limit = limit
+        self.length = 0
+        cap = max(1, min(capacity, limit))
+        self.latent = torch.empty(batch, cap, kv_lora_rank, dtype=dtype, device=device)
+        self.k_rope = torch.empty(batch, cap, rope_dim, dtype=dtype, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return self.latent.shape[1]
+
+    def _grow(self, need: int) -> None:
+        cap = min(self.limit, -(-need // CHUNK) * CHUNK)
+        for name in ("latent", "k_rope"):
+            old = getattr(self, name)
+            new = old.new_empty(old.shape[0], cap, old.shape[2])
+            new[:, :self.length] = old[:, :self.length]
+            setattr(self, name, new)
+
+    def append(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent [B, 1, t, kv_lora], k_rope [B, 1, t, rope] -> all cached [B, 1, L, ...] (L = past + t)."""
+        t = latent.shape[-2]
+        need = self.length + t
+        if need > self.limit:
+            raise GenerationError(f"sequence of {need} tokens exceeds the model's context of {self.limit} "
+                                  "(max_position_embeddings, yarn included)")
+        if need > self.capacity:
+            self._grow(need)
+        self.latent[:, self.length:need] = latent[:, 0]
+        self.k_rope[:, self.length:need] = k_rope[:, 0]
+        self.length = need
+        return self.latent[:, None, :need], self.k_rope[:, None, :need]
+
+
+class MLACache:
+    """The model's cache: one :class:`LatentCache` per decoder layer, all of the same length."""
+
+    def __init__(self, layers: Sequence[LatentCache]) -> None:
+        self.layers = list(layers)
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length if self.layers else 0
+
+    def bytes_per_token(self) -> int:
+        """Bytes the cache holds per token, all layers: (kv_lora_rank + qk_rope_head_dim) x layers x dtype bytes."""
+        return sum((c.latent.shape[2] + c.k_rope.shape[2]) * c.latent.element_size() for c in self.layers)
+
+    def nbytes(self) -> int:
+        """Bytes allocated (capacity, not length)."""
+        return sum(c.latent.nbytes + c.k_rope.nbytes for c in self.layers)
+
+
+def new_cache(lm: Any, batch: int, capacity: int) -> MLACache:
+    """An empty cache for the text model ``lm`` (a ``DeepseekV3ForCausalLM``), room for ``capacity`` tokens."""
+    limit = max_seq_len(lm.config)
+    emb = lm.model.embed_tokens
+    device = next(iter(emb.parameters())).device
+    layers = [LatentCache(batch, layer.self_attn.kv_lora_rank, layer.self_attn.qk_rope_head_dim,
+                          dtype=emb.model_dtype, device=device, capacity=capacity, limit=limit)
+              for layer in lm.model.layers]
+    return MLACache(layers)
+
+
+def checkpoint_eos(model: Any) -> tuple[int, ...]:
+    """End-of-sequence ids of the loaded checkpoint: ``generation_config.json``'s ``eos_token_id``,
+    else config.json's (text config, then the wrapper's); an int or a list; () if none."""
+    found: Any = None
+    plan = getattr(model, "quantplug_plan", None)
+    if plan is not None:
+        gen = plan.checkpoint.sidecar("generation_config.json")
+        if isinstance(gen, dict):
+            found = gen.get("eos_token_id")
+        if found is None:
+            top = plan.checkpoint.config
+            text = top.get("text_config") if isinstance(top.get("text_config"), dict) else {}
+            found = text.get("eos_token_id", top.get("eos_token_id"))
+    if found is None:
+        found = model.text_lm().config.raw.get("eos_token_id")
+    if found is None:
+        return ()
+    return tuple(int(x) for x in (found if isinstance(found, (list, tuple)) else [found]))
+
+
+def _eos_ids(model: Any, eos_token_id: Any) -> tuple[int, ...]:
+    if eos_token_id == "checkpoint":
+        return checkpoint_eos(model)
+    if eos_token_id is None:
+        return ()
+    return tuple(int(x) for x in (eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]))
+
+
+def process_logits(logits: torch.Tensor, *, step: int, eos: Sequence[int], min_new_tokens: int, do_sample: bool,
+                   temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """transformers' processors, in its order: min_new_tokens (EOS masked), then, when sampling,
+    temperature, top-k and top-p (filtered entries become -inf). ``logits`` [B, V] float32."""
+    if step < min_new_tokens and eos:
+        logits = logits.clone()
+        logits[:, list(eos)] = float("-inf")
+    if not do_sample:
+        return logits
+    if temperature != 1.0:
+        logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        # transformers' TopPLogitsWarper: drop the low tail whose cumulative probability <= 1 - top_p,
+        # always keeping the most likely token
+        sorted_logits, order = torch.sort(logits, descending=False, dim=-1)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove = cum <= (1 - top_p)
+        remove[..., -1:] = False
+        logits = logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    return logits
+
+
+def _check_args(max_new_tokens: int, min_new_tokens: int, do_sample: bool, temperature: float,
+                top_k: int | None, top_p: float | None) -> None:
+    if max_new_tokens < 0 or min_new_tokens < 0:
+        raise GenerationError(f"max_new_tokens ({max_new_tokens}) and min_new_tokens ({min_new_tokens}) must be >= 0")
+    if do_sample and not temperature > 0:
+        raise GenerationError(f"temperature must be > 0 when sampling, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise GenerationError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise GenerationError(f"top_p must be in (0, 1], got {top_p}")
+
+
+class Generation:
+    """An iterator over new tokens (LongTensor [B] per step) for ``input_ids`` [B, T].
+
+    After (or during) iteration: ``tokens`` (the steps so far), ``prefill_seconds`` (prompt
+    forward + first token), ``decode_seconds`` (every later step; model and sampling time only,
+    not the consumer's), ``cache`` (the :class:`MLACache`).
+    """
+
+    def __init__(self, model: Any, input_ids: torch.Tensor, max_new_tokens: int, *, min_new_tokens: int = 0,
+                 do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, eos_token_id: Any = "checkpoint",
+                 generator: torch.Generator | None = None) -> None:
+        _check_args(max_new_tokens, min_new_tokens, do_sample, temperature, top_k, top_p)
+        if input_ids.dim() != 2 or input_ids.shape[1] < 1 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise GenerationError(f"input_ids must be an integer tensor [batch, tokens >= 1], got "
+                                  f"{input_ids.dtype} {list(input_ids.shape)}")
+        self.lm = model.text_lm()
+        vocab = self.lm.config.vocab_size
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+            raise GenerationError(f"input_ids must be in [0, {vocab}); got values {int(input_ids.min())}.."
+                                  f"{int(input_ids.max())}")
+        self.input_ids = input_ids.long()
+        self.max_new_tokens = max_new_tokens
+        self.eos = _eos_ids(model, eos_token_id)
+        self.settings = {"min_new_tokens": min_new_tokens, "do_sample": do_sample, "temperature": temperature,
+                         "top_k": top_k, "top_p": top_p}
+        self.generator = generator
+        self.tokens: list[torch.Tensor] = []
+        self.prefill_seconds = 0.0
+        self.decode_seconds = 0.0
+        b, t = self.input_ids.shape
+        limit = max_seq_len(self.lm.config)
+        if t + max_new_tokens > limit:
+            raise GenerationError(f"prompt of {t} tokens + max_new_tokens {max_new_tokens} exceeds the model's "
+                                  f"context of {limit} tokens (max_position_embeddings, yarn included)")
+        with torch.inference_mode():
+            self.cache = new_cache(self.lm, b, t + max_new_tokens)
+        self._it = self._run()
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        return next(self._it)
+
+    def _pick(self, logits: torch.Tensor, step: int) -> torch.Tensor:
+        scores = process_logits(logits, step=step, eos=self.eos, **self.settings)
+        if not self.settings["do_sample"]:
+            return scores.argmax(dim=-1)
+        probs = torch.softmax(scores, dim=-1)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+
+    def _run(self) -> Iterator[torch.Tensor]:
+        if self.max_new_tokens == 0:
+            return
+        b = self.input_ids.shape[0]
+        eos = torch.tensor(self.eos, dtype=torch.long, device=self.input_ids.device)
+        finished = torch.zeros(b, dtype=torch.bool, device=self.input_ids.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            tok = self._pick(self.lm.next_logits(self.input_ids, self.cache), 0)
+        self.prefill_seconds = time.perf_counter() - t0
+        for step in range(self.max_new_tokens):
+            if step:
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    tok = self._pick(self.lm.next_logits(tok[:, None], self.cache), step)
+            if len(self.eos):
+                tok = torch.where(finished, eos[0], tok)
+                finished = finished | torch.isin(tok, eos)
+            if step:
+                self.decode_seconds += time.perf_counter() - t0
+            self.tokens.append(tok)
+            yield tok
+            if len(self.eos) and bool(finished.all()):
+                return
+
+    def sequences(self) -> torch.Tensor:
+        """The prompt and every token generated so far, [B, T + n]."""
+        if not self.tokens:
+            return self.input_ids
+        return torch.cat([self.input_ids, torch.stack(self.tokens, dim=1)], dim=1)
+
+    def tokens_per_second(self) -> float:
+        """Decode rate: tokens after the first over the time spent producing them."""
+        n = len(self.tokens) - 1
+        return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
+
+
+class GenerationMixin:
+    """``generate`` and ``stream`` for the causal-LM classes; they provide ``text_lm()``."""
+
+    def text_lm(self) -> Any:
+        raise NotImplementedError
+
+    def stream(self, input_ids: torch.Tensor, max_new_tokens: int = 20, **kwargs: Any) -> Generation:
+        """Iterator over new tokens, one LongTensor [B] per step (see :class:`Generation`);
+        keyword arguments as :meth:`generate`."""
+        return Generation(self, input_ids, max_new_tokens, **kwargs)
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, *, min_new_tokens: int = 0,
+                 do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, eos_token_id: Any = "checkpoint",
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Prompt ``input_ids`` [B, T] plus up to ``max_new_tokens`` new tokens: LongTensor [B, T + n].
+
+        Greedy unless ``do_sample``; sampling applies ``temperature``, ``top_k``, ``top_p`` in that
+        order and draws with ``generator``. ``eos_token_id``: an id or list of ids, None for none,
+        default the checkpoint's (generation_config.json, then config.json). A row that emits EOS
+        is finished and padded with the first EOS id; generation stops when every row is finished
+        (n < max_new_tokens then). EOS cannot be chosen before ``min_new_tokens`` new tokens.
+        """
+        g = Generation(self, input_ids, max_new_tokens, min_new_tokens=min_new_tokens, do_sample=do_sample,
+                       temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
+                       generator=generator)
+        for _ in g:
+            pass
+        return g.sequences()
+
+
+def cli_generate(args: Any, model: Any) -> int:
+    """``quantplug generate``: stream the new text (or token ids) to stdout, or one JSON object."""
+    import json
+    import sys
+
+    from .tokenizer import load_tokenizer
+
+    tok = load_tokenizer(args.path)
+    if args.tokens is not None:
+        try:
+            ids = [int(t) for t in args.tokens.split(",") if t.strip()]
+        except ValueError:
+            raise GenerationError(f"--tokens {args.tokens!r}: expected comma-separated integers") from None
+    else:
+        if tok is None:
+            raise GenerationError(f"{args.path}: no tokenizer (tokenizer.json, tiktoken.model or a GGUF vocabulary); "
+                                  "pass --tokens")
+        if args.chat:
+            ids = tok.encode(tok.render_chat([{"role": "user", "content": args.prompt}]), add_special_tokens=False)
+        else:
+            ids = tok.encode(args.prompt)
+    if not ids:
+        raise GenerationError("the prompt has no tokens")
+    sample = args.top_p is not None or args.top_k is not None or bool(args.temperature)
+    gen = model.stream(torch.tensor([ids]), args.max_new_tokens, do_sample=sample,
+                       temperature=args.temperature or 1.0, top_p=args.top_p, top_k=args.top_k,
+                       generator=torch.Generator().manual_seed(args.seed) if sample else None)
+    packs = getattr(model, "expert_cache", None)  # set by the ExpertPack backend when experts live in a pack
+    before: dict[str, int] = {}
+    new: list[int] = []
+    shown = ""
+    for step, t in enumerate(gen):
+        new.append(int(t[0]))
+        if step == 0 and packs is not None:
+            before = packs.stats()
+        if args.json:
+            continue
+        if tok is None:
+            print(new[-1], end=" ", flush=True)
+            continue
+        text = tok.decode(new, skip_special_tokens=True)
+        if text.startswith(shown) and not text.endswith("\ufffd"):
+            print(text[len(shown):], end="", flush=True)
+            shown = text
+    result: dict[str, Any] = {"tokens": new}
+    if tok is not None:
+        result["text"] = tok.decode(new, skip_special_tokens=True)
+    result.update({"tokens_per_second": round(gen.tokens_per_second(), 3),
+                   "prefill_seconds": round(gen.prefill_seconds, 6),
+                   "kv_cache_bytes_per_token": gen.cache.bytes_per_token()})
+    if packs is not None:
+        after, steps = packs.stats(), max(len(new) - 1, 1)
+        hits, misses = after["hits"] - before.get("hits", 0), after["misses"] - before.get("misses", 0)
+        result["expert_cache_hit_rate"] = round(hits / (hits + misses), 4) if hits + misses else None
+        result["ssd_bytes_per_token"] = round((after["bytes_read"] - before.get("bytes_read", 0)) / steps, 1)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    if tok is not None and result["text"] != shown:
+        print(result["text"][len(shown):] if result["text"].startswith(shown) else "", end="")
+    print(flush=True)
+    extra = ""
+    if packs is not None:
+        extra = (f", expert cache hit rate {result['expert_cache_hit_rate']}, "
+                 f"{result['ssd_bytes_per_token']:,.0f} SSD bytes/token")
+    print(f"[{len(new)} tokens, {result['tokens_per_second']:.2f} tok/s decode, prefill "
+          f"{gen.prefill_seconds:.3f} s, KV cache {result['kv_cache_bytes_per_token']:,} bytes/token{extra}]",
+          file=sys.stderr)
+    return 0
