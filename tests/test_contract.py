@@ -303,3 +303,36 @@ def test_explain_accepts_tensor_names(ckpt, capsys):
     assert main(["explain", str(ckpt), "model.layers.1.self_attn.kv_b_proj.weight"]) == 0
     out = capsys.readouterr().out
     assert "linear_scheme" in out and "model.layers.1.self_attn.kv_b_proj" in out and "dense" in out
+
+
+@pytest.mark.parametrize("layout", ["hub", "fused"])
+def test_tensor_spec_shape_none_works_for_stacked_experts(tmp_path, layout):
+    """A scheme may leave shapes to its own check(): stacked experts (hub slots, and fused
+    gate_up_proj halves resolved from the header) load and compute as with explicit shapes."""
+    from quantplug.testing import to_layout
+
+    class Open(api.LinearScheme):
+        name = "open-shape"
+
+        def tensor_specs(self, out_features, in_features):
+            return [api.TensorSpec("weight", api.FLOATS, None)]
+
+        def dequantize(self, layer, index=None):
+            return layer.weight if index is None else layer.weight[index]
+
+    class OpenExperts(Claimer):
+        @api.hookimpl
+        def quantplug_linear_scheme(self, layer_kind):
+            return Open() if layer_kind == "experts" else None
+
+    cfg = tiny_config()
+    state = random_state(cfg, seed=5)
+    path = write_checkpoint(tmp_path / layout, cfg, to_layout(state, layout))
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    ref = quantplug.load(path, plugin_manager=PluginManager(entry_points=False, env={}), progress=False)
+    pm = PluginManager(entry_points=False, env={})
+    pm.register(OpenExperts("open"), "open")
+    model = quantplug.load(path, plugin_manager=pm, progress=False)
+    assert "open-shape" in model.quantplug_plan.schemes().values()
+    with torch.no_grad():
+        assert torch.equal(model(ids), ref(ids))
