@@ -136,9 +136,9 @@ def write_gguf(path: str | Path, tensors: Mapping[str, torch.Tensor], cfg: Model
         w.add_token_list([f"<tok{i}>" for i in range(vocab)])
         w.add_token_types([1] * vocab)
     written: dict[str, str] = {}
-    for name, t in tensors.items():
-        ttype = _type_for(name, t, default_type, types)
-        arr = t.detach().to(torch.float32).contiguous().numpy()
+    for name, tensor in tensors.items():
+        ttype = _type_for(name, tensor, default_type, types)
+        arr = tensor.detach().to(torch.float32).contiguous().numpy()
         if ttype in ggml.BLOCKS and arr.shape[-1] % ggml.BLOCKS[ttype][0]:
             ttype = "F16"
         if ttype == "F32":

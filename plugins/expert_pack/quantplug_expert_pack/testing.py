@@ -56,14 +56,14 @@ def reference_state(directory: str | Path, model_config: Any) -> dict[str, torch
     inv = {v: k for k, v in model_to_gguf(model_config).items()}
     state: dict[str, torch.Tensor] = {}
     for file in sorted(Path(directory).glob("*.gguf")):
-        for t in GGUFReader(file).tensors:
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            state[inv[t.name]] = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type))).float().reshape(shape)
+        for rt in GGUFReader(file).tensors:
+            shape = tuple(int(d) for d in reversed(rt.shape.tolist()))
+            state[inv[rt.name]] = torch.from_numpy(np.array(dequantize(rt.data, rt.tensor_type))).float().reshape(shape)
     for k in [k for k in state if k.endswith(".k_b_proj.weight")]:
         base = k[: -len(".k_b_proj.weight")]
         state[f"{base}.kv_b_proj.weight"] = join_kv_b(state.pop(k), state.pop(f"{base}.v_b_proj.weight"))
     for k in [k for k in state if ".mlp.experts." in k and not k.split(".mlp.experts.")[1][0].isdigit()]:
-        t = state.pop(k)
+        t: torch.Tensor = state.pop(k)
         base, proj, _ = k.rsplit(".", 2)
         for e in range(t.shape[0]):
             state[f"{base}.{e}.{proj}.weight"] = t[e]
