@@ -1,8 +1,13 @@
-"""Tiny DeepSeek-V3 / Kimi checkpoints for the demo, tests and plugin authors' test kits.
+"""Tiny DeepSeek-V3 / Kimi checkpoints, and the backend conformance kit.
 
-Writes real safetensors checkpoints (hub or transformers-5 expert layout, optional Kimi wrapper,
-both rope spellings, optional shards with an index) from random weights, with no dependency
-beyond torch and safetensors.
+The helpers here write real safetensors checkpoints (hub or transformers-5 expert layout,
+optional Kimi wrapper, both rope spellings, optional shards with an index) from random weights,
+with no dependency beyond torch and safetensors.
+
+:class:`BackendConformance` (``quantplug.testing.conformance``) is the kit a backend's own test
+suite subclasses; ``quantplug.testing.plugin`` is the pytest plugin (``pytest11`` entry point)
+with the kit's fixtures; :func:`hf_logits` (``quantplug.testing.reference``) is the transformers
+reference. Those three import pytest / transformers, so they load on first use only.
 """
 
 from __future__ import annotations
@@ -15,6 +20,18 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+
+_PLAIN_FLOATS = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
+_LAZY = {"BackendConformance": "conformance", "hf_logits": "reference", "rel_err": "reference"}
+
+
+def __getattr__(name: str) -> Any:
+    """``BackendConformance``, ``hf_logits``, ``rel_err``: imported on first use (pytest, transformers)."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def tiny_config(**overrides: Any) -> dict[str, Any]:
@@ -160,7 +177,9 @@ def write_checkpoint(path: str | Path, config: Mapping[str, Any], tensors: Mappi
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(config, indent=2))
-    items = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
+    # dtype= converts plain floats only: FP8 payloads, e8m0 scales and integer tensors are data
+    # in their own encoding and are written exactly as given
+    items = {k: (v.to(dtype) if dtype is not None and v.dtype in _PLAIN_FLOATS else v).contiguous()
              for k, v in tensors.items()}
     if shards <= 1:
         save_file(items, str(root / "model.safetensors"))

@@ -1,0 +1,680 @@
+"""The backend conformance kit: one class a backend's test suite subclasses.
+
+A vendor writes::
+
+    from quantplug.testing import BackendConformance
+    from acme_quant import write_acme
+
+    class TestAcme(BackendConformance):
+        backend = "acme"
+
+        def write_checkpoint(self, path, config, dense_state):
+            write_acme(path, config, dense_state)
+
+``write_checkpoint`` writes the backend's format (config.json included) into directory ``path``
+from a tiny dense DeepSeek-V3 / Kimi-K2.5 model: ``config`` is its config.json dict (Kimi:
+wrapped, text config under ``text_config``), ``dense_state`` its weights as stored in a hub
+checkpoint (per-expert routed experts, Kimi names under ``language_model.``, vision tensors
+included). Bundled backends that can export write it with :meth:`export_checkpoint`.
+
+pytest then runs every ``test_*`` check below against the installed backend (the entry point
+named ``backend``, or ``plugin`` when set), each in an isolated plugin manager (core defaults +
+this backend; no other entry points, no ``QUANTPLUG_*`` variables). Each failure says what the
+backend did and what to change.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+import importlib
+import importlib.metadata as md
+import json
+import shutil
+import types
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ..api import LAYER_KINDS, ExportResult, LinearScheme, QuantplugError, TensorSpec, dense_state
+from ..checkpoint import Checkpoint
+from ..layers.linear import DenseScheme, QuantLinear, StackedLinear
+from ..loader import load
+from ..models.deepseek import Embedding
+from ..plan import LoadPlan, build_plan
+from ..plugins import ENTRY_POINT_GROUP, PluginManager
+from . import hub_rope_spelling, random_state, text_names, tiny_config, wrap_kimi, write_checkpoint
+from .formats import FORMATS, write_format_fixtures
+from .probes import (
+    forbid_data_reads,
+    installed,
+    isolated_plugin_manager,
+    rename_stored_tensor,
+    truncate_file,
+    write_distribution,
+)
+from .reference import hf_logits, rel_err
+
+#: the kit's model: every in_features a multiple of 128 (MXFP4 32, int4 groups 32/128, FP8 blocks
+#: 128, ggml blocks 32); kv_a_proj_with_mqa has 160 output rows, a partial 128-block
+KIT_CONFIG: dict[str, Any] = {
+    "vocab_size": 160, "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 128,
+    "num_hidden_layers": 2, "first_k_dense_replace": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "q_lora_rank": 128, "kv_lora_rank": 128, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 32,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
+}
+#: checkpoint layouts the kit writes: DeepSeek-V3 (hub spelling) and the Kimi-K2.5 wrapper with vision
+LAYOUTS = ("deepseek_v3", "kimi_k25")
+#: a layer kind no quantplug version asks about
+UNKNOWN_KIND = "quantplug-conformance-unknown-kind"
+
+
+def _fail(message: str) -> None:
+    pytest.fail(message, pytrace=False)
+
+
+class _Recorder:
+    """Wraps a manager's ``call``: names the hook being run, records the backend's answers."""
+
+    def __init__(self, pm: PluginManager, backend: str) -> None:
+        self.pm, self.backend, self.current = pm, backend, ""
+        self.answers: list[tuple[str, dict[str, Any], Any]] = []
+        self._call = pm.call
+        pm.call = self.call  # type: ignore[method-assign]
+
+    def call(self, hook: str, plugins: Any, *, firstresult: bool, **kwargs: Any) -> list[tuple[Any, Any]]:
+        outer, self.current = self.current, hook
+        try:
+            answers = self._call(hook, plugins, firstresult=firstresult, **kwargs)
+        finally:
+            self.current = outer
+        for value, info in answers:
+            if info.name == self.backend:
+                self.answers.append((hook, kwargs, value))
+        return answers
+
+    def replay(self, hook: str, kwargs: dict[str, Any]) -> Any:
+        got = self._call(hook, [self.backend], firstresult=True, **kwargs)
+        return got[0][0] if got else None
+
+
+def _mutable_part(value: Any, where: str, top: bool = True) -> str | None:
+    """Where ``value`` is not a frozen value (None when it is)."""
+    if value is None or isinstance(value, bool | int | float | complex | str | bytes | Path | enum.Enum | type
+                                   | range | types.MappingProxyType | torch.dtype):
+        return None
+    if isinstance(value, frozenset | tuple):
+        for i, item in enumerate(value):
+            found = _mutable_part(item, f"{where}[{i}]", top=False)
+            if found:
+                return found
+        return None
+    if isinstance(value, list | dict | set | bytearray):
+        return f"{where} is a {type(value).__name__} (use a tuple, frozenset or types.MappingProxyType)"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        if not value.__dataclass_params__.frozen:  # type: ignore[attr-defined]
+            return f"{where} is a {type(value).__name__} dataclass without frozen=True"
+        for f in dataclasses.fields(value):
+            if f.compare:  # compare=False fields are caches / handles, not part of the value
+                found = _mutable_part(getattr(value, f.name), f"{where}.{f.name}", top=False)
+                if found:
+                    return found
+        return None
+    if top:
+        return f"{where} is a {type(value).__name__} object (return a frozen dataclass)"
+    return None  # a handle held by a frozen value (an open file, a cache): its own business
+
+
+class BackendConformance:
+    """Subclass as ``Test<Name>``, set :attr:`backend`, implement :meth:`write_checkpoint`."""
+
+    #: the backend's entry-point name (= the name its Claims carry)
+    backend: ClassVar[str] = ""
+    #: the plugin object (module or import path); None: load the installed entry point ``backend``
+    plugin: ClassVar[Any] = None
+    #: layouts to check (drop "kimi_k25" only if the format cannot hold a Kimi wrapper)
+    layouts: ClassVar[tuple[str, ...]] = LAYOUTS
+    #: changes to :data:`KIT_CONFIG` (e.g. larger dims for a format with bigger blocks)
+    config_overrides: ClassVar[Mapping[str, Any]] = {}
+    #: ``options=`` for every plan and load (e.g. ``{"activation_quant": "none"}`` for a weight-only forward)
+    options: ClassVar[Mapping[str, Any]] = {}
+    #: ``options`` passed to ``quantplug_export`` (by the round-trip check and :meth:`export_checkpoint`)
+    export_options: ClassVar[Mapping[str, Any]] = {}
+    #: forward vs transformers on the backend's own dequantized weights, and apply vs dequantize + matmul;
+    #: raise it only for a format whose forward quantizes activations, and say why in a comment
+    forward_rtol: ClassVar[float] = 1e-5
+    #: dequantized weights vs the dense weights they were written from (max abs err / max abs)
+    weight_rtol: ClassVar[float] = 0.35
+    #: bundled formats (keys of ``quantplug.testing.formats.FORMATS``) this backend reads on purpose
+    claims_formats: ClassVar[tuple[str, ...]] = ()
+
+    # -- what the vendor writes ---------------------------------------------------------------
+
+    def write_checkpoint(self, path: Path, config: dict[str, Any], dense_state: dict[str, torch.Tensor]) -> None:
+        """Write ``dense_state`` in the backend's format, with ``config`` as config.json, into ``path``."""
+        raise NotImplementedError(f"{type(self).__name__}.write_checkpoint(path, config, dense_state) must write "
+                                  f"a {self.backend!r} checkpoint: the conformance kit builds every test case with it")
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def plugin_object(self) -> Any:
+        """The backend's plugin object (``plugin``, or the installed entry point ``backend``)."""
+        plugin = type(self).plugin
+        if isinstance(plugin, str):
+            return importlib.import_module(plugin)
+        if plugin is not None:
+            return plugin
+        eps = [ep for ep in md.entry_points(group=ENTRY_POINT_GROUP) if ep.name == self.backend]
+        if not eps:
+            _fail(f"no entry point named {self.backend!r} in group {ENTRY_POINT_GROUP!r} is installed: install your "
+                  f"distribution (pip install -e .), or set `plugin = <your module>` on {type(self).__name__}")
+        return eps[0].load()
+
+    def export_checkpoint(self, path: Path, config: dict[str, Any], dense_state: dict[str, torch.Tensor], *,
+                          options: Mapping[str, Any] | None = None, pick: int = 0) -> ExportResult:
+        """Write the checkpoint with the backend's own ``quantplug_export``: a dense checkpoint is
+        written beside ``path``, loaded, exported, and export result number ``pick`` copied to ``path``."""
+        path = Path(path)
+        dense_dir = write_checkpoint(path.parent / f"{path.name}.dense", config, dense_state)
+        model = load(dense_dir, plugin_manager=isolated_plugin_manager(), progress=False)
+        pm = isolated_plugin_manager({self.backend: self.plugin_object()})
+        out = path.parent / f"{path.name}.export"
+        out.mkdir()
+        plan: LoadPlan = model.quantplug_plan  # type: ignore[assignment]
+        answers = pm.call("quantplug_export", [self.backend], firstresult=True, model=model,
+                          model_config=plan.model_config, destination=out,
+                          options=dict(self.export_options if options is None else options), plan=plan)
+        if not answers:
+            _fail(f"backend {self.backend!r} has no quantplug_export: implement write_checkpoint yourself")
+        value = answers[0][0]
+        results = list(value) if isinstance(value, list | tuple) else [value]
+        shutil.copytree(results[pick].path, path, dirs_exist_ok=True)
+        return results[pick]
+
+    # -- fixtures -----------------------------------------------------------------------------
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def quantplug_kit(cls, tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Kit]:
+        kit = _Kit(cls(), tmp_path_factory.mktemp(f"conformance-{cls.backend or 'unnamed'}"))
+        yield kit
+        kit.close()
+
+    def _layout(self, kit: _Kit, layout: str) -> _Case:
+        if layout not in self.layouts:
+            pytest.skip(f"{type(self).__name__}.layouts leaves out {layout}")
+        return kit.case(layout)
+
+    # -- the checks ---------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("layout", LAYOUTS)
+    def test_claims_its_own_checkpoint(self, quantplug_kit: _Kit, layout: str) -> None:
+        """quantplug_detect returns a Claim for the checkpoint write_checkpoint wrote."""
+        case = self._layout(quantplug_kit, layout)
+        claim = quantplug_kit.claim(case.path)
+        if claim is None:
+            _fail(f"[claims own checkpoint] quantplug_detect of {self.backend!r} returned None for the {layout} "
+                  f"checkpoint its own write_checkpoint wrote ({_listing(case.path)}); detect must recognise "
+                  "its format from config.json, sidecar files or the tensor headers (checkpoint.config, "
+                  "checkpoint.sidecar(name), checkpoint.tensors)")
+
+    @pytest.mark.parametrize("layout", LAYOUTS)
+    def test_plan_of_its_own_checkpoint_is_clean(self, quantplug_kit: _Kit, layout: str) -> None:
+        """The plan of the backend's own checkpoint has no error Problems."""
+        case = self._layout(quantplug_kit, layout)
+        plan = quantplug_kit.plan(case.path)
+        if plan.backend != self.backend:
+            _fail(f"[clean plan] the {layout} checkpoint was planned by {plan.backend or 'the dense core'}, "
+                  f"not {self.backend!r} (see test_claims_its_own_checkpoint)")
+        if plan.errors:
+            listing = "\n  ".join(p.describe() for p in plan.errors[:10])
+            _fail(f"[clean plan] the plan of backend {self.backend!r}'s own {layout} checkpoint has {len(plan.errors)} "
+                  f"error(s); the tensors write_checkpoint wrote must be the ones the backend's schemes declare "
+                  f"(TensorSpec names, dtypes, shapes):\n  {listing}")
+
+    @pytest.mark.parametrize("layout", LAYOUTS)
+    def test_does_not_claim_a_dense_checkpoint(self, quantplug_kit: _Kit, layout: str) -> None:
+        """A plain float checkpoint (no quantization_config, no sidecars) is not the backend's."""
+        case = self._layout(quantplug_kit, layout)
+        claim = quantplug_kit.claim(case.dense_path)
+        if claim is not None:
+            _fail(f"[does not claim dense] quantplug_detect of {self.backend!r} claimed a plain dense {layout} "
+                  f"checkpoint (config.json without quantization_config, float safetensors) with reason "
+                  f"{claim.reason!r}: return None unless the checkpoint is in your format, or every user who "
+                  "installs the backend loses dense loading")
+
+    @pytest.mark.parametrize("fmt", sorted(FORMATS))
+    def test_does_not_claim_other_formats(self, quantplug_kit: _Kit, fmt: str) -> None:
+        """The tiny fixtures of the bundled formats are not claimed (two claims are ambiguous)."""
+        if fmt == self.backend or fmt in self.claims_formats:
+            pytest.skip(f"{fmt} is backend {self.backend!r}'s own format")
+        path = quantplug_kit.formats()[fmt]
+        claim = quantplug_kit.claim(path)
+        if claim is not None:
+            _fail(f"[does not claim other formats] quantplug_detect of {self.backend!r} claimed a {fmt} checkpoint "
+                  f"({_listing(path)}) with reason {claim.reason!r}: users with the bundled {fmt!r} backend get "
+                  "AmbiguousBackendError. Claim only what your format is recognised by (e.g. "
+                  "quantization_config.quant_method == 'yours'); if reading that format is intended, list it in "
+                  f"{type(self).__name__}.claims_formats")
+
+    @pytest.mark.parametrize("layout", LAYOUTS)
+    def test_plan_reads_no_tensor_data(self, quantplug_kit: _Kit, layout: str) -> None:
+        """Planning uses headers only: no hook reads tensor bytes."""
+        case = self._layout(quantplug_kit, layout)
+        rec = quantplug_kit.recorder
+        with forbid_data_reads(case.path, lambda: rec.current or "planning") as reads:
+            try:
+                quantplug_kit.plan(case.path)
+            except (QuantplugError, AssertionError):
+                if not reads:
+                    raise
+        if reads:
+            listing = "\n  ".join(reads.events[:5])
+            _fail(f"[plan reads no tensor data] planning backend {self.backend!r}'s {layout} checkpoint read tensor data (by the code named):\n"
+                  f"  {listing}\nhooks see headers only (checkpoint.tensors: name, dtype, shape, offsets); read "
+                  "data in the scheme after loading (process_after_loading) instead")
+
+    def test_hook_answers_are_frozen_and_repeatable(self, quantplug_kit: _Kit) -> None:
+        """Every answer is a frozen value (Claim.quant_config included), of the type the hook
+        documents, and the same question asked again gets an equal answer."""
+        rec = quantplug_kit.recorder
+        rec.answers.clear()
+        for layout in self.layouts:
+            quantplug_kit.plan(quantplug_kit.case(layout).path)
+        problems: list[str] = []
+        for hook, _, value in rec.answers:
+            problems += _check_answer(hook, value)
+        for hook, kwargs, value in rec.answers[:200]:
+            again = rec.replay(hook, kwargs)
+            if _fingerprint(hook, again) != _fingerprint(hook, value):
+                problems.append(f"{hook}({_args(kwargs)}) answered {_fingerprint(hook, value)!r}, then "
+                                f"{_fingerprint(hook, again)!r} when asked again: answers must depend only on the "
+                                "arguments (no hidden state)")
+        if problems:
+            listing = "\n  ".join(dict.fromkeys(problems))
+            _fail(f"[frozen answers] backend {self.backend!r}'s hook answers:\n  {listing}")
+
+    def test_unknown_layer_kind_gets_none(self, quantplug_kit: _Kit) -> None:
+        """quantplug_linear_scheme answers None for a layer kind it does not know (kinds are added over time)."""
+        plan = quantplug_kit.plan(quantplug_kit.case(self.layouts[0]).path)
+        targets = [d.target for d in plan.decisions if d.hook == "quantplug_linear_scheme"]
+        asked: list[str] = []
+        for name in targets[:1] + targets[-1:]:
+            answers = quantplug_kit.pm.call(
+                "quantplug_linear_scheme", [self.backend], firstresult=True, layer_name=name, layer_kind=UNKNOWN_KIND,
+                shard_names=(name,), quant_config=plan.quant_config, checkpoint=plan.checkpoint, options={})
+            if answers:
+                asked.append(f"{name}: {answers[0][0]!r}")
+        if asked:
+            _fail(f"[unknown layer kind] quantplug_linear_scheme of {self.backend!r} answered for layer_kind "
+                  f"{UNKNOWN_KIND!r} ({'; '.join(asked)}): return None for kinds you do not handle (known today: "
+                  f"{', '.join(LAYER_KINDS)}; later versions may ask about new ones)")
+
+    @pytest.mark.parametrize("layout", LAYOUTS)
+    def test_forward_matches_transformers(self, quantplug_kit: _Kit, layout: str) -> None:
+        """Logits equal transformers' DeepseekV3ForCausalLM run on the backend's own dequantized
+        weights (``quantplug.api.dense_state`` of the loaded model), fp32."""
+        case = self._layout(quantplug_kit, layout)
+        quantplug_kit.check_forward(case.path, case, f"{layout} checkpoint")
+
+    @pytest.mark.parametrize("layout", LAYOUTS)
+    def test_apply_agrees_with_dequantize(self, quantplug_kit: _Kit, layout: str) -> None:
+        """For every quantized layer, scheme.apply(x) == x @ scheme.dequantize().T (and embed == row lookup)."""
+        case = self._layout(quantplug_kit, layout)
+        model = quantplug_kit.load(case.path)
+        bad = _apply_mismatches(model, self.forward_rtol)
+        if bad:
+            listing = "\n  ".join(bad[:8])
+            _fail(f"[apply agrees with dequantize] {len(bad)} layer(s) of backend {self.backend!r}'s {layout} checkpoint "
+                  f"compute something else than their own dequantized weight (rel err > {self.forward_rtol:g}):\n"
+                  f"  {listing}\napply(layer, x) must equal x @ dequantize(layer).T: check scales, zero points, "
+                  "packing order and the stacked index in both")
+
+    @pytest.mark.parametrize("layout", LAYOUTS)
+    def test_dequantized_weights_are_close_to_the_source(self, quantplug_kit: _Kit, layout: str) -> None:
+        """dense_state of the loaded model is the dense model write_checkpoint was given, up to
+        quantization error (``weight_rtol``), under the same names."""
+        case = self._layout(quantplug_kit, layout)
+        quantplug_kit.check_weights(quantplug_kit.load(case.path), case, f"{layout} checkpoint")
+
+    def test_missing_tensor_is_named_at_plan_time(self, quantplug_kit: _Kit) -> None:
+        """With one tensor of a quantized layer gone (a scale, preferably), the plan fails naming it."""
+        case = quantplug_kit.case(self.layouts[0])
+        plan = quantplug_kit.plan(case.path)
+        info = _victim(plan)
+        work = quantplug_kit.copy(case.path, "missing")
+        stored = info.stored_name or info.name
+        rename_stored_tensor(work / info.file.name, stored)
+        text, raised = quantplug_kit.plan_errors(work)
+        if stored not in text:
+            _fail(f"[missing tensor] {stored} (in {info.file.name}) was removed from backend {self.backend!r}'s checkpoint, "
+                  f"but the plan {'raised' if raised else 'reported'}: {text or 'no error'}. Declare every tensor "
+                  "a scheme needs in tensor_specs (optional=False) so the plan names a missing one before loading")
+
+    def test_truncated_file_is_named_at_plan_time(self, quantplug_kit: _Kit) -> None:
+        """A weight file cut in the middle of its last tensor fails the plan, naming the file.
+
+        safetensors and GGUF files are size-checked against their headers when the checkpoint is
+        indexed, so this is a plan-time error (never a load-time one) whatever the backend; the
+        check makes sure the backend does not hide it (e.g. by failing differently in detect).
+        """
+        case = quantplug_kit.case(self.layouts[0])
+        ckpt = Checkpoint.open(case.path)
+        file = max(ckpt.files, key=lambda f: f.stat().st_size)
+        last = max((t for t in ckpt.tensors.values() if t.file == file), key=lambda t: t.offset)
+        ckpt.close()
+        work = quantplug_kit.copy(case.path, "truncated")
+        cut = truncate_file(work / file.name, last.offset + last.nbytes // 2)
+        text, raised = quantplug_kit.plan_errors(work)
+        if file.name not in text:
+            _fail(f"[truncated file] {file.name} was cut by {cut} bytes (inside tensor {last.label}), but planning "
+                  f"{'raised' if raised else 'reported'}: {text or 'no error'}; expected a QuantplugError naming "
+                  f"{file.name} at plan time")
+
+    def test_export_round_trip(self, quantplug_kit: _Kit) -> None:
+        """quantplug_export of a dense model writes checkpoints this backend claims, plans cleanly and
+        loads to a model that matches transformers on its dequantized weights (skipped without export)."""
+        if not quantplug_kit.pm.implements(self.backend, "quantplug_export"):
+            pytest.skip(f"{self.backend!r} does not implement quantplug_export")
+        case = quantplug_kit.case(self.layouts[0])
+        model = load(case.dense_path, plugin_manager=isolated_plugin_manager(), progress=False)
+        plan: LoadPlan = model.quantplug_plan  # type: ignore[assignment]
+        out = quantplug_kit.root / "export"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        answers = quantplug_kit.pm.call("quantplug_export", [self.backend], firstresult=True, model=model,
+                                        model_config=plan.model_config, destination=out,
+                                        options=dict(self.export_options), plan=plan)
+        if not answers:
+            _fail(f"[export round trip] quantplug_export of {self.backend!r} returned None for a dense model")
+        value = answers[0][0]
+        results = list(value) if isinstance(value, list | tuple) else [value]
+        for res in results:
+            if not isinstance(res, ExportResult):
+                _fail(f"[export round trip] quantplug_export returned {type(res).__name__}; expected ExportResult")
+            label = f"exported checkpoint {res.format!r} ({res.path})"
+            exported = quantplug_kit.plan(res.path)
+            if exported.backend != self.backend or exported.errors:
+                listing = "; ".join(p.describe() for p in exported.errors[:5])
+                _fail(f"[export round trip] {label}: planned by {exported.backend or 'the dense core'}"
+                      f"{', errors: ' + listing if listing else ''}; an export must be claimed by its own backend "
+                      "and plan cleanly")
+            loaded = quantplug_kit.check_forward(res.path, case, label)
+            quantplug_kit.check_weights(loaded, case, label)
+
+    def test_found_through_its_entry_point(self, quantplug_kit: _Kit) -> None:
+        """Entry-point discovery (``quantplug.backends``) lists the backend active and it claims its
+        checkpoint. Uses the installed distribution, else a throwaway one pointing at the module."""
+        installed_eps = [ep for ep in md.entry_points(group=ENTRY_POINT_GROUP) if ep.name == self.backend]
+        plugin = quantplug_kit.plugin
+        module = getattr(plugin, "__name__", None)
+        if not installed_eps and not isinstance(plugin, types.ModuleType):
+            pytest.skip(f"{self.backend!r} is not installed and its plugin is not a module an entry point can name")
+        site = quantplug_kit.root / "site"
+        with _maybe_installed(site, None if installed_eps else (self.backend, str(module))):
+            pm = PluginManager(env={"QUANTPLUG_PLUGINS": self.backend})
+            rec = {r.name: r for r in pm.records()}.get(self.backend)
+            if rec is None or rec.status != "active":
+                _fail(f"[entry point] entry point {self.backend!r} in group {ENTRY_POINT_GROUP!r}: "
+                      f"{'not found' if rec is None else f'{rec.status}: {rec.error}'}")
+            plan = build_plan(quantplug_kit.case(self.layouts[0]).path, plugin_manager=pm, options=self.options)
+            if plan.backend != self.backend:
+                _fail(f"[entry point] loaded through its entry point, {self.backend!r} did not claim its checkpoint")
+
+
+# ---------------------------------------------------------------------------------------------
+# the kit's state for one test class
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Case:
+    layout: str
+    config: dict[str, Any]          # config.json as written (Kimi: wrapped)
+    text_config: dict[str, Any]     # the text model's config, transformers 5 spelling (the reference's)
+    state: dict[str, torch.Tensor]  # dense weights as stored (Kimi: language_model. + vision)
+    prefix: str
+    path: Path                      # the backend's checkpoint
+    dense_path: Path                # the same model, dense
+
+
+_FORMAT_CACHE: dict[tuple[str, str], dict[str, Path]] = {}
+
+
+class _Kit:
+    def __init__(self, test: BackendConformance, root: Path) -> None:
+        if not test.backend:
+            raise TypeError(f"{type(test).__name__}: set `backend = '<entry-point name>'`")
+        self.test, self.root, self.backend = test, root, test.backend
+        self.plugin = test.plugin_object()
+        self.pm = isolated_plugin_manager({self.backend: self.plugin})
+        self.recorder = _Recorder(self.pm, self.backend)
+        self.text_config = tiny_config(**{**KIT_CONFIG, **dict(test.config_overrides)})
+        self.ids = torch.randint(0, self.text_config["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
+        self._cases: dict[str, _Case] = {}
+        self._models: dict[Path, torch.nn.Module] = {}
+
+    def close(self) -> None:
+        self._models.clear()
+
+    def case(self, layout: str) -> _Case:
+        if layout not in self._cases:
+            text = self.text_config
+            state = random_state(text, seed=1)
+            if layout == "kimi_k25":
+                config, state, prefix = *wrap_kimi(hub_rope_spelling(text), state), "language_model"
+            else:
+                config, prefix = {**hub_rope_spelling(text), "architectures": ["DeepseekV3ForCausalLM"]}, ""
+            dense_path = write_checkpoint(self.root / layout / "dense", config, state)
+            path = self.root / layout / self.backend
+            path.mkdir(parents=True)
+            self.test.write_checkpoint(path, copy.deepcopy(config), dict(state))
+            if not (path / "config.json").is_file():
+                _fail(f"{type(self.test).__name__}.write_checkpoint wrote no config.json into {path}")
+            self._cases[layout] = _Case(layout, config, text, state, prefix, path, dense_path)
+        return self._cases[layout]
+
+    def formats(self) -> dict[str, Path]:
+        key = (str(self.root.parent), json.dumps(self.text_config, sort_keys=True))
+        if key not in _FORMAT_CACHE:
+            root = self.root.parent / f"formats-{len(_FORMAT_CACHE)}"
+            _FORMAT_CACHE[key] = write_format_fixtures(root, {**self.text_config}, random_state(self.text_config))
+        return _FORMAT_CACHE[key]
+
+    def claim(self, path: Path) -> Any:
+        """The backend's own answer to quantplug_detect for ``path`` (None: not claimed)."""
+        answers = self.pm.call("quantplug_detect", [self.backend], firstresult=True, checkpoint=Checkpoint.open(path))
+        return answers[0][0] if answers else None
+
+    def plan(self, path: Path) -> LoadPlan:
+        return build_plan(path, plugin_manager=self.pm, options=self.test.options)
+
+    def plan_errors(self, path: Path) -> tuple[str, bool]:
+        """The plan's errors as text (or the QuantplugError it raised), and whether it raised."""
+        try:
+            plan = self.plan(path)
+        except QuantplugError as exc:
+            return str(exc), True
+        return "\n".join(p.describe() for p in plan.errors), False
+
+    def load(self, path: Path) -> torch.nn.Module:
+        if path not in self._models:
+            try:
+                self._models[path] = load(path, plugin_manager=self.pm, options=self.test.options, progress=False)
+            except QuantplugError as exc:
+                _fail(f"{self.backend!r} cannot load {path} ({type(exc).__name__}), so this check cannot run; "
+                      f"fix the plan first (test_plan_of_its_own_checkpoint_is_clean):\n{exc}")
+        return self._models[path]
+
+    def copy(self, path: Path, tag: str) -> Path:
+        dst = self.root / f"{path.parent.name}-{tag}"
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(path, dst)
+        return dst
+
+    def text_state(self, model: torch.nn.Module, case: _Case) -> dict[str, torch.Tensor]:
+        state = dense_state(model)
+        cut = f"{case.prefix}." if case.prefix else ""
+        return {k[len(cut):]: v for k, v in state.items() if k.startswith(cut)}
+
+    def check_forward(self, path: Path, case: _Case, label: str) -> torch.nn.Module:
+        model = self.load(path)
+        with torch.no_grad():
+            got = model(self.ids)
+        ref = hf_logits(case.text_config, self.text_state(model, case), self.ids)
+        err = rel_err(got, ref)
+        if not err <= self.test.forward_rtol:
+            bad = _apply_mismatches(model, self.test.forward_rtol)
+            hint = ("; these layers' apply disagrees with their dequantize:\n  " + "\n  ".join(bad[:5]) if bad else
+                    "; every scheme's apply agrees with its dequantize, so look at process_after_loading / "
+                    "model-level post-processing")
+            _fail(f"[forward matches transformers] {self.backend!r}, {label}: logits differ from transformers' "
+                  f"DeepseekV3ForCausalLM run on the backend's own dequantized weights (quantplug.api.dense_state): "
+                  f"max rel err {err:.3g} > {self.test.forward_rtol:g}{hint}")
+        return model
+
+    def check_weights(self, model: torch.nn.Module, case: _Case, label: str) -> None:
+        got = self.text_state(model, case)
+        want = {n: case.state[(f"{case.prefix}." if case.prefix else "") + n] for n in text_names(case.text_config)}
+        missing = sorted(set(want) - set(got))
+        if missing:
+            _fail(f"[weights close to source] {self.backend!r}, {label}: dense_state of the loaded model lacks "
+                  f"{len(missing)} tensor(s), e.g. {missing[:3]}")
+        far = []
+        for name, w in want.items():
+            err = rel_err(got[name].float(), w.float())
+            if not err <= self.test.weight_rtol:
+                far.append((err, name))
+        if far:
+            listing = "\n  ".join(f"{n}: rel err {e:.3g}" for e, n in sorted(far, reverse=True)[:8])
+            _fail(f"[weights close to source] {self.backend!r}, {label}: {len(far)} dequantized weight(s) are far "
+                  f"from the dense weights write_checkpoint was given (max abs err / max abs > "
+                  f"{self.test.weight_rtol:g}):\n  {listing}\ncheck that dequantize applies the scales "
+                  "(and zero points) and that write_checkpoint quantizes the tensor it names")
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+@contextmanager
+def _maybe_installed(site: Path, entry: tuple[str, str] | None) -> Iterator[None]:
+    if entry is None:
+        yield
+        return
+    shutil.rmtree(site, ignore_errors=True)
+    name, module = entry
+    write_distribution(site, f"{name}-conformance-probe", "0.0.0", {name: module})
+    with installed(site):
+        yield
+
+
+def _listing(path: Path) -> str:
+    names = sorted(p.name for p in Path(path).iterdir())
+    return ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+
+
+def _args(kwargs: Mapping[str, Any]) -> str:
+    keys = ("layer_name", "layer_kind")
+    shown = [f"{k}={kwargs[k]!r}" for k in keys if k in kwargs]
+    return ", ".join(shown)
+
+
+def _check_answer(hook: str, value: Any) -> list[str]:
+    out: list[str] = []
+    if hook == "quantplug_detect":
+        found = _mutable_part(value.quant_config, "Claim.quant_config")
+        if found:
+            out.append(f"quantplug_detect: {found}; the parsed config is shared by every later hook and load")
+    elif hook == "quantplug_linear_scheme":
+        if not isinstance(value, LinearScheme):
+            out.append(f"quantplug_linear_scheme returned {type(value).__name__}; expected a LinearScheme")
+        else:
+            specs = value.tensor_specs(256, 256)
+            if not all(isinstance(s, TensorSpec) for s in specs):
+                out.append(f"{type(value).__name__}.tensor_specs must return TensorSpec values")
+            if not isinstance(value.key, str) or not isinstance(value.describe(), str):
+                out.append(f"{type(value).__name__}.key / describe() must be str")
+    elif hook in ("quantplug_tensor_names", "quantplug_packed_modules"):
+        if not isinstance(value, Mapping):
+            out.append(f"{hook} returned {type(value).__name__}; expected a mapping")
+        else:
+            for k, v in value.items():
+                ok = isinstance(v, str) if hook == "quantplug_tensor_names" else (
+                    isinstance(v, Sequence) and not isinstance(v, str) and all(isinstance(s, str) for s in v))
+                if not isinstance(k, str) or not ok:
+                    out.append(f"{hook}: entry {k!r}: {v!r} is not name -> "
+                               f"{'name' if hook == 'quantplug_tensor_names' else 'list of shard names'}")
+                    break
+    elif hook == "quantplug_resolve_prefix":
+        if not isinstance(value, str):
+            out.append(f"quantplug_resolve_prefix returned {type(value).__name__}; expected str")
+    else:
+        for i, item in enumerate(value if isinstance(value, list | tuple) else [value]):
+            found = _mutable_part(item, f"{hook} answer[{i}]")
+            if found:
+                out.append(f"{hook}: {found}")
+    return out
+
+
+def _fingerprint(hook: str, value: Any) -> Any:
+    if value is None:
+        return None
+    if hook == "quantplug_detect":
+        return (value.backend, value.reason, type(value.quant_config).__name__)
+    if hook == "quantplug_linear_scheme":
+        return (type(value).__name__, value.key) if isinstance(value, LinearScheme) else repr(value)
+    if isinstance(value, Mapping):
+        return {k: tuple(v) if isinstance(v, list | tuple) else v for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return tuple(getattr(v, "describe", lambda v=v: repr(v))() for v in value)
+    return value
+
+
+def _victim(plan: LoadPlan) -> Any:
+    """A tensor the plan needs: preferably a scale of a quantized layer, else a quantized weight."""
+    best = None
+    for pp in plan.params:
+        scheme = getattr(pp.module, "scheme", None)
+        if scheme is None or isinstance(scheme, DenseScheme) or not pp.sources:
+            continue
+        info = pp.sources[0][1]
+        if pp.local != "weight":
+            return info
+        best = best or info
+    return best or plan.params[0].sources[0][1]
+
+
+def _apply_mismatches(model: torch.nn.Module, rtol: float) -> list[str]:
+    g = torch.Generator().manual_seed(3)
+    bad: list[str] = []
+    for mod in model.modules():
+        scheme = getattr(mod, "scheme", None)
+        if scheme is None or isinstance(scheme, DenseScheme):
+            continue
+        with torch.no_grad():
+            if isinstance(mod, Embedding):
+                w = scheme.dequantize(mod).float()
+                ids = torch.randint(0, w.shape[0], (2, 5), generator=g)
+                err = rel_err(scheme.embed(mod, ids).float(), F.embedding(ids, w))
+                where = mod.qp_ckpt
+            elif isinstance(mod, QuantLinear | StackedLinear):
+                slots: list[int | None] = [None]
+                if isinstance(mod, StackedLinear):
+                    slots = [0, mod.n - 1] if mod.n > 1 else [0]
+                err = 0.0
+                for slot in slots:
+                    x = torch.randn(3, mod.in_features, generator=g, dtype=torch.float32)
+                    w = scheme.dequantize(mod, slot).float()
+                    err = max(err, rel_err(scheme.apply(mod, x, slot).float(), F.linear(x, w)))
+                where = mod.qp_ckpt
+            else:
+                continue
+        if not err <= rtol:
+            bad.append(f"{where} ({scheme.describe()}): rel err {err:.3g}")
+    return bad

@@ -1,0 +1,193 @@
+"""Tiny checkpoints in the bundled backends' formats, written without those backends.
+
+A backend must not claim another format's checkpoint (two claims are an
+``AmbiguousBackendError`` for every user who has both installed). These fixtures carry what
+each format is recognised by, with tensors of the right names, dtypes and shapes:
+
+* ``quark``: config.json ``quantization_config.quant_method = "quark"``, MXFP4 ``weight`` U8
+  [out, in/2] + ``weight_scale`` U8 [out, in/32];
+* ``modelslim``: ``quant_model_description.json`` beside config.json, W8A8_DYNAMIC int8
+  weights with ``weight_scale`` / ``weight_offset``;
+* ``expert_pack``: a llama.cpp ``deepseek2`` GGUF (F32 tensors, legacy ``attn_kv_b``);
+* ``compressed_tensors``: ``quant_method = "compressed-tensors"``, pack-quantized int4 group 32
+  (``weight_packed`` I32, ``weight_scale``, ``weight_shape``);
+* ``fp8``: DeepSeek's native ``quant_method = "fp8"``, ``weight`` F8_E4M3 + ``weight_scale_inv``
+  F32 per [128, 128] block.
+
+Keys are the entry-point names of the bundled backends that read each format.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import write_checkpoint
+
+#: linear projections of the text model (what the formats quantize); router, norms, embeddings stay float
+LINEAR = re.compile(r"(^|\.)model\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?"
+                    r"(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|g_proj|gate_proj|up_proj|down_proj)"
+                    r"\.weight$")
+
+
+def _linears(state: Mapping[str, torch.Tensor]) -> list[str]:
+    return [n for n, t in state.items() if LINEAR.search(n) and t.dim() == 2]
+
+
+def _with_qc(config: Mapping[str, Any], qc: dict[str, Any]) -> dict[str, Any]:
+    cfg = copy.deepcopy(dict(config))
+    target = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+    target["quantization_config"] = qc
+    return cfg
+
+
+def quark(path: Path, config: Mapping[str, Any], state: Mapping[str, torch.Tensor]) -> Path:
+    out = dict(state)
+    g = torch.Generator().manual_seed(1)
+    for n in _linears(state):
+        o, i = state[n].shape
+        if i % 32:
+            continue
+        out[n] = torch.randint(0, 256, (o, i // 2), generator=g, dtype=torch.uint8)
+        out[n.removesuffix("weight") + "weight_scale"] = torch.full((o, i // 32), 120, dtype=torch.uint8)
+    weight = {"dtype": "fp4", "qscheme": "per_group", "group_size": 32, "ch_axis": -1, "scale_format": "e8m0",
+              "is_dynamic": False}
+    qc = {"quant_method": "quark", "global_quant_config": {"weight": weight, "input_tensors": None,
+                                                         "output_tensors": None, "bias": None},
+          "layer_quant_config": {}, "layer_type_quant_config": {}, "exclude": [],
+          "export": {"weight_format": "real_quantized", "pack_method": "reorder"}, "version": "0.13"}
+    return write_checkpoint(path, _with_qc(config, qc), out)
+
+
+def modelslim(path: Path, config: Mapping[str, Any], state: Mapping[str, torch.Tensor]) -> Path:
+    out: dict[str, torch.Tensor] = {}
+    desc: dict[str, Any] = {"model_quant_type": "W8A8_DYNAMIC", "version": "1.0.0"}
+    linears = set(_linears(state))
+    for n, t in state.items():
+        if n not in linears:
+            out[n], desc[n] = t, "FLOAT"
+            continue
+        scale = (t.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-8).float()
+        base = n.removesuffix("weight")
+        out[n] = torch.round(t / scale).clamp(-128, 127).to(torch.int8)
+        out[base + "weight_scale"], out[base + "weight_offset"] = scale, torch.zeros_like(scale)
+        for k in ("weight", "weight_scale", "weight_offset"):
+            desc[base + k] = "W8A8_DYNAMIC"
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(dict(config), indent=2))
+    (root / "quant_model_description.json").write_text(json.dumps(desc, indent=2))
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in out.items()}, str(root / "quant_model_weight_w8a8.safetensors"))
+    return root
+
+
+_GGUF_LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.q_proj": "attn_q", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.kv_b_proj": "attn_kv_b", "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
+}
+
+
+def gguf(path: Path, config: Mapping[str, Any], state: Mapping[str, torch.Tensor]) -> Path:
+    """A llama.cpp deepseek2 GGUF (F32, one ``attn_kv_b`` per layer, stacked ``ffn_*_exps``)."""
+    from gguf import GGUFWriter
+
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    text = config.get("text_config", config)
+    (root / "config.json").write_text(json.dumps(dict(config), indent=2))
+    tensors: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    for name, t in state.items():
+        n = name.removeprefix("language_model.")
+        if n == "model.embed_tokens.weight":
+            tensors["token_embd.weight"] = t
+        elif n == "model.norm.weight":
+            tensors["output_norm.weight"] = t
+        elif n == "lm_head.weight":
+            tensors["output.weight"] = t
+        elif m := re.match(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$", n):
+            experts.setdefault((int(m.group(1)), m.group(3)), {})[int(m.group(2))] = t
+        elif m := re.match(r"^model\.layers\.(\d+)\.(.+)\.(weight|e_score_correction_bias)$", n):
+            if m.group(3) == "e_score_correction_bias":
+                tensors[f"blk.{m.group(1)}.exp_probs_b.bias"] = t
+            elif m.group(2) in _GGUF_LAYER:
+                tensors[f"blk.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}.weight"] = t
+    for (layer, proj), per in experts.items():
+        tensors[f"blk.{layer}.ffn_{proj}_exps.weight"] = torch.stack([per[k] for k in sorted(per)])
+    w = GGUFWriter(str(root / "model.gguf"), "deepseek2")
+    w.add_block_count(int(text["num_hidden_layers"]))
+    w.add_embedding_length(int(text["hidden_size"]))
+    w.add_head_count(int(text["num_attention_heads"]))
+    w.add_expert_count(int(text["n_routed_experts"]))
+    w.add_expert_used_count(int(text["num_experts_per_tok"]))
+    w.add_leading_dense_block_count(int(text["first_k_dense_replace"]))
+    for name, t in tensors.items():
+        w.add_tensor(name, t.detach().float().contiguous().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return root
+
+
+def compressed_tensors(path: Path, config: Mapping[str, Any], state: Mapping[str, torch.Tensor]) -> Path:
+    out = dict(state)
+    g = torch.Generator().manual_seed(2)
+    for n in _linears(state):
+        o, i = state[n].shape
+        if i % 32:
+            continue
+        base = n.removesuffix("weight")
+        del out[n]
+        out[base + "weight_packed"] = torch.randint(-(2 ** 31), 2 ** 31 - 1, (o, i // 8), generator=g,
+                                                    dtype=torch.int32)
+        out[base + "weight_scale"] = torch.full((o, i // 32), 0.002, dtype=torch.bfloat16)
+        out[base + "weight_shape"] = torch.tensor([o, i], dtype=torch.int64)
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32,
+               "dynamic": False, "actorder": None, "observer": "minmax"}
+    qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                        "output_activations": None, "format": "pack-quantized"}},
+          "ignore": ["lm_head"], "kv_cache_scheme": None}
+    return write_checkpoint(path, _with_qc(config, qc), out)
+
+
+def fp8(path: Path, config: Mapping[str, Any], state: Mapping[str, torch.Tensor]) -> Path:
+    out = dict(state)
+    for n in _linears(state):
+        t = state[n].float()
+        o, i = t.shape
+        scale = torch.full((math.ceil(o / 128), math.ceil(i / 128)), float(t.abs().max()) / 448 or 1.0)
+        out[n] = (t / scale[0, 0]).to(torch.float8_e4m3fn)
+        out[n.removesuffix("weight") + "weight_scale_inv"] = scale
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    return write_checkpoint(path, _with_qc(config, qc), out)
+
+
+#: bundled backend (entry-point name) -> writer of a tiny checkpoint in its format
+FORMATS: dict[str, Callable[[Path, Mapping[str, Any], Mapping[str, torch.Tensor]], Path]] = {
+    "quark": quark, "modelslim": modelslim, "expert_pack": gguf, "compressed_tensors": compressed_tensors,
+    "fp8": fp8,
+}
+
+
+def write_format_fixtures(root: str | Path, config: Mapping[str, Any],
+                          state: Mapping[str, torch.Tensor]) -> dict[str, Path]:
+    """One tiny checkpoint per bundled format under ``root`` (see :data:`FORMATS`), written from the
+    dense ``config`` / ``state`` (names as stored)."""
+    base = Path(root)
+    return {name: write(base / name, config, state) for name, write in FORMATS.items()}
