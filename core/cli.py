@@ -80,15 +80,27 @@ def _print_plan(d: dict[str, Any], verbose: bool = True) -> None:
         print("problems:     none")
 
 
+def _ckpt_options(args: argparse.Namespace) -> dict[str, Any]:
+    opts = _options(args.option)
+    if getattr(args, "strict_split", False):
+        opts["strict_split"] = True
+    return opts
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
+    from .parallel import describe
     from .plan import build_plan
 
-    p = build_plan(args.path, backend=args.backend, options=_options(args.option))
+    if args.tp < 1:
+        raise QuantplugError(f"--tp {args.tp}: expected a world size >= 1")
+    p = build_plan(args.path, backend=args.backend, options=_ckpt_options(args), world_size=args.tp)
     d = p.to_dict()
     if args.json:
         print(json.dumps(d, indent=2))
     else:
         _print_plan(d)
+        if p.parallel is not None:
+            print(describe(p.parallel))
     return 1 if p.errors else 0
 
 
@@ -99,7 +111,7 @@ def _rss_peak() -> int:
 def _load(args: argparse.Namespace) -> Any:
     from .loader import load
 
-    return load(args.path, backend=args.backend, options=_options(args.option))
+    return load(args.path, backend=args.backend, options=_ckpt_options(args))
 
 
 def cmd_load(args: argparse.Namespace) -> int:
@@ -109,7 +121,18 @@ def cmd_load(args: argparse.Namespace) -> int:
     model = _load(args)
     secs = time.perf_counter() - t0
     d = model.quantplug_plan.to_dict()
-    d.update({"model_bytes": model_bytes(model), "seconds": round(secs, 4), "peak_rss_bytes": _rss_peak()})
+    d.update({"model_bytes": model_bytes(model), "seconds": round(secs, 4), "peak_rss_bytes": _rss_peak(),
+              "bytes_read": model.load_report["bytes_read"]})
+    if args.comm is not None:  # under torchrun: one object per rank, printed by rank 0
+        from .parallel import gather_json
+
+        mine = {"rank": args.comm.rank, "world_size": args.comm.world, "bytes_read": d["bytes_read"],
+                "peak_rss": d["peak_rss_bytes"], "model_bytes": d["model_bytes"], "seconds": d["seconds"]}
+        for obj in gather_json(args.comm, mine):
+            print(json.dumps(obj) if args.json else
+                  f"rank {obj['rank']}: read {obj['bytes_read']:,} bytes, {obj['model_bytes']:,} bytes in "
+                  f"parameters/buffers, {obj['seconds']:.3f} s, peak RSS {obj['peak_rss'] / 2**20:.1f} MiB")
+        return 0
     if args.json:
         print(json.dumps(d, indent=2))
     else:
@@ -189,10 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("path")
         c.add_argument("--backend", default=None, help="use this backend even if others claim the checkpoint")
         c.add_argument("--option", "-o", action="append", metavar="KEY=VALUE", help="backend option (JSON value)")
+        c.add_argument("--strict-split", action="store_true",
+                       help="tensor parallel: a layer that cannot split is an error, not replicated")
         c.set_defaults(fn=fn)
         return c
 
-    ckpt_cmd("plan", "show the load plan (headers only)", cmd_plan).add_argument("--json", action="store_true")
+    pl = ckpt_cmd("plan", "show the load plan (headers only)", cmd_plan)
+    pl.add_argument("--json", action="store_true")
+    pl.add_argument("--tp", type=int, default=1, metavar="N",
+                    help="show the split over N tensor-/expert-parallel ranks and each rank's bytes")
     ckpt_cmd("load", "load and report bytes, seconds, peak RSS", cmd_load).add_argument("--json", action="store_true")
     f = ckpt_cmd("forward", "load and run one forward pass", cmd_forward)
     f.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 1,2,3")
@@ -231,8 +259,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     args = parser.parse_args(argv)
+    from .parallel import torchrun_session
+
     try:
-        return int(args.fn(args))
+        # under torchrun (WORLD_SIZE > 1): the group comes from the environment; only rank 0 prints
+        with torchrun_session() as comm:
+            args.comm = comm
+            return int(args.fn(args))
     except PlanError as exc:
         if args.debug:
             raise

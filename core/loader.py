@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import parallel
 from .checkpoint import TORCH_DTYPES
 from .checkpoint.gguf_index import GGUF_FLOATS
 from .errors import LoadError
@@ -58,6 +59,8 @@ def _stream(plan: LoadPlan, info: TensorInfo, dst: torch.Tensor, stage: _Stage) 
 
 def _materialize(plan: LoadPlan, pp: ParamPlan, device: torch.device, stage: _Stage) -> torch.Tensor:
     ckpt = plan.checkpoint
+    if pp.sources[0][0].slices is not None:  # a tensor-parallel slice: read only its byte ranges
+        return parallel.materialize_sliced(plan, pp, device, stage, STAGE_BYTES)
     if pp.zero_copy and device.type == "cpu":
         src, info = pp.sources[0]
         t = ckpt.tensor(info)
@@ -105,6 +108,8 @@ def execute(plan: LoadPlan, *, device: str | torch.device = "cpu",
             bar.update(pp.nbytes)
     if bar is not None:
         bar.close()
+    if plan.parallel is not None:
+        plan.parallel.finish_params()
     for mod in model.modules():
         if isinstance(mod, PlannedModule):
             mod.qp_finish()
@@ -119,16 +124,43 @@ def execute(plan: LoadPlan, *, device: str | torch.device = "cpu",
 
 def load(path: str | Path, *, backend: str | None = None, dtype: torch.dtype = torch.float32,
          device: str | torch.device = "cpu", options: Mapping[str, Any] | None = None,
-         plugin_manager: PluginManager | None = None, progress: bool | None = None) -> nn.Module:
+         plugin_manager: PluginManager | None = None, progress: bool | None = None,
+         group: Any = None) -> nn.Module:
     """Plan (headers only, every problem raised together) then load; returns the torch module.
 
     ``model(input_ids)`` with a LongTensor [B, T] returns logits [B, T, vocab]; the module
-    carries ``quantplug_plan`` and ``decisions``.
+    carries ``quantplug_plan``, ``decisions`` and ``load_report`` (rank, world_size, bytes_read).
+
+    Under an initialized ``torch.distributed`` default group of world size N > 1 (or
+    ``group=``), the model is split over the ranks (``quantplug.parallel``): each rank reads only
+    its share, and ``model(input_ids)``, called on every rank with the same ids, returns the
+    full logits on every rank. A rank that fails while planning or loading makes every rank
+    raise (no rank is left waiting in a collective).
     """
     t0 = time.perf_counter()
-    p = build_plan(path, backend=backend, options=options, dtype=dtype, plugin_manager=plugin_manager)
-    model = execute(p, device=device, plugin_manager=plugin_manager, progress=progress)
+    comm = parallel.resolve_group(group)
+    if comm is None:
+        p = build_plan(path, backend=backend, options=options, dtype=dtype, plugin_manager=plugin_manager)
+        model = execute(p, device=device, plugin_manager=plugin_manager, progress=progress)
+    else:
+        err: BaseException | None = None
+        try:
+            p = build_plan(path, backend=backend, options=options, dtype=dtype, plugin_manager=plugin_manager,
+                           world_size=comm.world, rank=comm.rank, comm=comm)
+            p.raise_for_problems()
+        except Exception as exc:  # noqa: BLE001 (re-raised by agree, after telling the other ranks)
+            err = exc
+        comm.agree(err, "planning")
+        try:
+            model = execute(p, device=device, plugin_manager=plugin_manager,
+                            progress=progress if comm.rank == 0 else False)
+        except Exception as exc:  # noqa: BLE001
+            err = exc
+        comm.agree(err, "loading")
     model.load_seconds = time.perf_counter() - t0  # type: ignore[assignment]
+    model.load_report = {  # type: ignore[assignment]
+        "rank": comm.rank if comm else 0, "world_size": comm.world if comm else 1,
+        "bytes_read": sum(parallel.source_bytes(s, i) for pp in p.params for s, i in pp.sources)}
     return model
 
 

@@ -54,7 +54,7 @@ class ParamPlan:
         if len(self.sources) != 1:
             return False
         src, info = self.sources[0]
-        if src.slot is not None:
+        if src.slot is not None or src.slices is not None:
             return False
         if info.format == "gguf":
             return GGUF_FLOATS.get(info.dtype, torch.uint8) == self.dtype
@@ -86,6 +86,8 @@ class LoadPlan:
     checkpoint: Checkpoint = field(repr=False)
     model: nn.Module = field(repr=False)
     plan_seconds: float = 0.0
+    #: tensor-parallel split of this plan (``quantplug.parallel.ParallelPlan``), None: one process
+    parallel: Any = None
 
     @property
     def errors(self) -> list[Problem]:
@@ -144,6 +146,7 @@ class LoadPlan:
             "problems": [{"severity": p.severity, "kind": p.kind, "message": p.describe()} for p in self.problems],
             "problem_groups": group_problems(self.problems, severity=True),
             "plan_ms": round(self.plan_seconds * 1000, 2),
+            **({"parallel": self.parallel.to_dict()} if self.parallel is not None else {}),
         }
 
 
@@ -375,10 +378,21 @@ def _gc_paused() -> Iterator[None]:
 
 
 def build_plan(path: str | Path, *, backend: str | None = None, options: Mapping[str, Any] | None = None,
-               dtype: torch.dtype = torch.float32, plugin_manager: PluginManager | None = None) -> LoadPlan:
-    """Compute the plan from headers only; problems are collected in ``plan.problems``."""
+               dtype: torch.dtype = torch.float32, plugin_manager: PluginManager | None = None,
+               world_size: int = 1, rank: int = 0, comm: Any = None) -> LoadPlan:
+    """Compute the plan from headers only; problems are collected in ``plan.problems``.
+
+    ``world_size`` > 1: the plan of rank ``rank`` of a tensor-/expert-parallel load
+    (:func:`quantplug.parallel.shard_plan`; ``plan.parallel`` has every rank's bytes)."""
     with _gc_paused():
-        return _build_plan(path, backend, options, dtype, plugin_manager)
+        p = _build_plan(path, backend, options, dtype, plugin_manager)
+        if world_size > 1:
+            from .parallel import shard_plan
+
+            t0 = time.perf_counter()
+            shard_plan(p, world_size, rank, comm)
+            p.plan_seconds += time.perf_counter() - t0
+        return p
 
 
 def _build_plan(path: str | Path, backend: str | None, options: Mapping[str, Any] | None,
@@ -441,8 +455,17 @@ def _build_plan(path: str | Path, backend: str | None, options: Mapping[str, Any
     return plan
 
 
-def plan(path: str | Path, *, backend: str | None = None, options: Mapping[str, Any] | None = None) -> LoadPlan:
-    """The LoadPlan for ``path`` (headers only), or :class:`PlanError` listing every problem."""
-    p = build_plan(path, backend=backend, options=options)
+def plan(path: str | Path, *, backend: str | None = None, options: Mapping[str, Any] | None = None,
+         dtype: torch.dtype = torch.float32, plugin_manager: PluginManager | None = None,
+         world_size: int = 1, rank: int = 0) -> LoadPlan:
+    """The LoadPlan for ``path`` (headers only), or :class:`PlanError` listing every problem.
+
+    ``world_size`` > 1: rank ``rank``'s share of a tensor-parallel load; ``plan.parallel``
+    shows every rank's bytes and each split decision, without starting any rank.
+
+    ``plugin_manager``: an explicit manager (tests, vendor kits: ``PluginManager(entry_points=False)``
+    plus ``register``); default the process-wide one built from the installed entry points."""
+    p = build_plan(path, backend=backend, options=options, dtype=dtype, plugin_manager=plugin_manager,
+                   world_size=world_size, rank=rank)
     p.raise_for_problems()
     return p

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,34 @@ class Source(NamedTuple):
     narrow: tuple[int, int, int] | None = None
     slot: int | None = None
     optional: bool = False
+    #: tensor-parallel slices ((axis, start, length), ...) of the stored tensor's storage shape,
+    #: set by :func:`quantplug.parallel.shard_plan` (``narrow`` folded in): the loader reads
+    #: exactly those byte ranges, never the whole tensor
+    slices: tuple[tuple[int, int, int], ...] | None = None
+
+
+class SplitRule(NamedTuple):
+    """How one stored tensor of a scheme follows a tensor-parallel split of its layer.
+
+    Splitting the layer's out (column-parallel) or in (row-parallel) dimension into equal
+    contiguous parts, every ``features`` layer features of a part map to ``units`` indices of
+    stored ``axis``: dense ``weight`` out -> (0, 1, 1), in -> (1, 1, 1); MXFP4 packs 2 values per
+    byte along in -> (1, 2, 1) and has one scale per 32 -> (1, 32, 1); ModelSlim W4A8 packs two
+    output rows per byte -> (0, 2, 1); a ggml Q4_0 row holds blocks of 32 values in 18 bytes ->
+    (1, 32, 18). A part whose bounds are not multiples of ``features`` would cut a block: the
+    layer is then replicated (recorded), never split wrongly.
+
+    ``axis=None``: the tensor does not follow this split and is loaded whole on every rank
+    (per-tensor input scales; per-output tensors under a row split). ``once=True`` (with
+    ``axis=None``, row split only): a per-output additive term of the partial sums (ModelSlim
+    W8A8 ``quant_bias``): rank 0 keeps it, the other ranks hold zeros, so the all-reduce adds it
+    once, not N times.
+    """
+
+    axis: int | None
+    features: int = 1
+    units: int = 1
+    once: bool = False
 
 
 class LinearScheme(abc.ABC):
@@ -82,6 +110,19 @@ class LinearScheme(abc.ABC):
         """Extra header-only checks of the tensors found (keyed by suffix); default none."""
         return []
 
+    def split(self, direction: str, out_features: int, in_features: int) -> Mapping[str, SplitRule] | str | None:
+        """How this layer's stored tensors split over tensor-parallel ranks.
+
+        ``direction`` is ``"out"`` (column-parallel: each rank holds a slice of the output
+        features) or ``"in"`` (row-parallel: a slice of the input features, partial sums
+        all-reduced). Return one :class:`SplitRule` per spec suffix, or a string saying why this
+        scheme cannot split that way (the layer is replicated with that reason), or None (the
+        default): the scheme declares nothing, and the layer is replicated on every rank. Stacked
+        layers (routed experts, MLA K/V per head) split along their stacking axis and are not
+        asked. See ``quantplug_linear_scheme`` in hookspecs.py for the rules.
+        """
+        return None
+
     def target_dtype(self, spec: TensorSpec, model_dtype: torch.dtype, stored: str) -> torch.dtype:
         """dtype the parameter holds: ``spec.target`` if set, else floats in the model dtype, else as stored."""
         from ..checkpoint import TORCH_DTYPES
@@ -122,6 +163,9 @@ class DenseScheme(LinearScheme):
         w: torch.Tensor = layer.weight  # type: ignore[assignment]
         return w if index is None else w[index]
 
+    def split(self, direction: str, out_features: int, in_features: int) -> Mapping[str, SplitRule]:
+        return {"weight": SplitRule(0 if direction == "out" else 1)}
+
 
 class RefusedScheme(LinearScheme):
     """A layer the backend cannot compute: one plan-time error Problem naming the layer and the
@@ -156,6 +200,8 @@ class PlannedModule(nn.Module):
 
     qp_ckpt: str
     qp_sources: dict[str, list[Source]]
+    #: tensor-parallel forward of this module (``quantplug.parallel``), None: unsplit
+    qp_parallel: Any = None
     # registered by the loader from the plan; declared for type checkers
     weight: torch.Tensor
 
@@ -204,6 +250,8 @@ class QuantLinear(PlannedModule):
         return self.scheme.target_dtype(self.specs[name], model_dtype, stored)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qp_parallel is not None:
+            return self.qp_parallel(self, x)  # column / row parallel with its collective
         return self.scheme.apply(self, x)
 
     def qp_finish(self) -> None:

@@ -13,7 +13,7 @@ Kimi-K3 output gate (``mla_use_output_gate``): each MLA layer has ``self_attn.g_
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +73,8 @@ class Embedding(PlannedModule):
         return self.scheme.target_dtype(self.specs[name], model_dtype, stored)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qp_parallel is not None:
+            return self.qp_parallel(self, ids)  # vocab-parallel: masked lookup + all-reduce
         return self.scheme.embed(self, ids)
 
     def qp_finish(self) -> None:
@@ -85,9 +87,12 @@ class TiedHead(nn.Module):
     def __init__(self, embed: Embedding) -> None:
         super().__init__()
         self._embed = [embed]  # a list, so the embedding is not registered twice
+        self.qp_parallel: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         e = self._embed[0]
+        if self.qp_parallel is not None:
+            return self.qp_parallel(e, x)  # this rank's vocab rows, logits all-gathered
         return e.scheme.apply(e, x)
 
 
@@ -256,6 +261,12 @@ class Experts(nn.Module):
         super().__init__()
         e, h, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.n = e
+        #: routed experts [first, first + count) are computed here (expert parallelism:
+        #: ``quantplug.parallel`` gives each rank a contiguous block); stacked slot = k - slot_base
+        #: (0 for schemes that address experts themselves, e.g. an expert pack)
+        self.first, self.count, self.slot_base = 0, e, 0
+        #: expert-parallel all-reduce of the routed output (``quantplug.parallel``), None: unsplit
+        self.qp_parallel: Any = None
         self.gate_proj: StackedLinear
         self.up_proj: StackedLinear
         self.down_proj: StackedLinear

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
-from quantplug.api import GGUF_FLOATS, LinearScheme, Problem, TensorInfo, TensorSpec
+from quantplug.api import GGUF_FLOATS, LinearScheme, Problem, SplitRule, TensorInfo, TensorSpec
 from torch import nn
 
 from . import ggml
@@ -43,6 +43,19 @@ class GGMLScheme(LinearScheme):
 
     def tensor_specs(self, out_features: int, in_features: int) -> list[TensorSpec]:
         return [TensorSpec("weight", (self.ggml_type,), (out_features, in_features))]
+
+    def split(self, direction: str, out_features: int, in_features: int) -> dict[str, SplitRule] | None:
+        """Rows follow out; along in, a row is whole blocks of ``block`` values in ``size`` bytes
+        (32 for Q4_0..Q8_0 / MXFP4, 256 for K-quants: llama.cpp ``ggml-common.h``), so a
+        row-parallel part must hold whole blocks or the layer is replicated."""
+        if direction == "out":
+            return {"weight": SplitRule(0)}
+        if self.ggml_type in ggml.FLOAT_TYPES:
+            return {"weight": SplitRule(1)}
+        if self.ggml_type not in ggml.BLOCKS:
+            return None
+        block, size = ggml.BLOCKS[self.ggml_type]
+        return {"weight": SplitRule(1, block, size)}
 
     def check(self, layer_name: str, tensors: Mapping[str, TensorInfo]) -> list[Problem]:
         if self.ggml_type not in ggml.SUPPORTED:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from quantplug.api import LinearScheme, TensorSpec
+from quantplug.api import LinearScheme, SplitRule, TensorSpec
 from torch import nn
 
 ACTIVATION_MODES = ("ascend", "msmodelslim")
@@ -98,6 +98,20 @@ class W8A8Static(_IntScheme):
                 TensorSpec("quant_bias", ("I32",), (n,)),
                 TensorSpec("deq_scale", ("I64", "F32"), (n,))]
 
+    def split(self, direction: str, out_features: int, in_features: int) -> dict[str, SplitRule]:
+        """Column-parallel: every out-indexed tensor by rows, the per-tensor activation scale and
+        offset whole. Row-parallel: weight columns; the per-output ``quant_bias`` (a constant of
+        the int32 accumulator) is added on rank 0 only, so the all-reduce counts it once; the
+        static per-tensor input quantization is the same on every rank (vllm-ascend's W8A8
+        static method: ``quant_bias = layer.quant_bias if tp_rank == 0 else None``)."""
+        if direction == "out":
+            rows = SplitRule(0)
+            return {"weight": rows, "weight_scale": rows, "weight_offset": rows, "input_scale": SplitRule(None),
+                    "input_offset": SplitRule(None), "quant_bias": rows, "deq_scale": rows}
+        whole = SplitRule(None)
+        return {"weight": SplitRule(1), "weight_scale": whole, "weight_offset": whole, "input_scale": whole,
+                "input_offset": whole, "quant_bias": SplitRule(None, once=True), "deq_scale": whole}
+
     def process_after_loading(self, layer: nn.Module) -> None:
         layer.register_buffer("_deq", deq_scale_f32(layer.deq_scale), persistent=False)
         layer._symmetric = bool((layer.weight_offset == 0).all())
@@ -135,6 +149,15 @@ class W8A8Dynamic(_IntScheme):
         return [TensorSpec("weight", ("I8",), (n, in_features)),
                 TensorSpec("weight_scale", ("F32", "F16", "BF16"), sc, target="F32"),
                 TensorSpec("weight_offset", ("F32", "F16", "BF16"), sc, target="F32")]
+
+    def split(self, direction: str, out_features: int, in_features: int) -> dict[str, SplitRule] | str:
+        """Column-parallel by rows. Row-parallel would need the per-token activation scale over
+        the whole input row (an all-reduce of min / max inside apply): not done, so the layer is
+        replicated rather than quantized differently from one process."""
+        if direction == "in":
+            return "per-token dynamic activation quantization spans the whole input row"
+        return {s.suffix: SplitRule(0, 2 if s.suffix == "weight" and self.desc_type == "W4A8_DYNAMIC" else 1)
+                for s in self.tensor_specs(out_features, in_features)}
 
     def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
         q, s, o = dynamic_quant(x, self.mode)

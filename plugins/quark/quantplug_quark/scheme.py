@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
-from quantplug.api import LinearScheme, Problem, TensorInfo, TensorSpec
+from quantplug.api import LinearScheme, Problem, SplitRule, TensorInfo, TensorSpec
 from torch import nn
 
 GROUP = 32
@@ -85,6 +85,14 @@ class MXFP4Scheme(LinearScheme):
                 # exponent. Kept as stored (no target: a U8 target would *convert* E8M0 values, 2**(b-127)
                 # -> int, not keep the bits) and read through .view(uint8), so both give identical logits.
                 TensorSpec("weight_scale", ("U8", "F8_E8M0"), (out_features, in_features // GROUP))]
+
+    def split(self, direction: str, out_features: int, in_features: int) -> dict[str, SplitRule]:
+        """Rows of both tensors follow out; along in, 2 values per byte and one scale per 32
+        (vLLM ``layers/linear.py`` packed_dim=1 / packed_factor=2 for the fp4 weight), so a
+        row-parallel part must hold whole 32-groups or the layer is replicated."""
+        if direction == "out":
+            return {"weight": SplitRule(0), "weight_scale": SplitRule(0)}
+        return {"weight": SplitRule(1, 2, 1), "weight_scale": SplitRule(1, GROUP, 1)}
 
     def check(self, layer_name: str, tensors: Mapping[str, TensorInfo]) -> list[Problem]:
         w = tensors.get("weight")

@@ -1,0 +1,650 @@
+"""Tensor- and expert-parallel loading over ``torch.distributed``: each rank reads only its share.
+
+Under an initialized default process group of world size N > 1 (or ``load(..., group=g)``),
+the plan is rewritten for this rank (:func:`shard_plan`): every parameter's sources become the
+byte ranges of the rank's slice, and the model's modules get their collectives. The split is
+the one serving engines use:
+
+* MLA: heads over ranks. ``q_b_proj`` (or ``q_proj``), ``kv_b_proj``, the Kimi-K3 ``g_proj`` and
+  the split ``k_b`` / ``v_b`` stacks hold this rank's heads; ``o_proj`` is row-parallel with an
+  all-reduce; ``q_a_proj``, ``kv_a_proj_with_mqa`` and the norms are replicated. (vLLM
+  ``models/deepseek_v2.py`` DeepseekV2MLAAttention: ColumnParallelLinear q_b_proj / kv_b_proj,
+  RowParallelLinear o_proj, ReplicatedLinear q_a_proj / kv_a_proj_with_mqa,
+  ``num_local_heads = num_heads // tp_size``; DeepSeek-V3 ``inference/model.py`` MLA:
+  ``n_local_heads = n_heads // world_size``, wq / wkv_b column-, wo row-parallel.)
+* Dense MLP and shared experts: gate / up by output rows, down by input columns + all-reduce
+  (vLLM DeepseekV2MLP MergedColumnParallelLinear + RowParallelLinear; DeepSeek MLP w1 / w3
+  column-, w2 row-parallel).
+* Routed experts, expert-parallel: rank r computes a contiguous block of experts, the router is
+  replicated, the routed output is all-reduced once (DeepSeek ``inference/model.py`` MoE:
+  ``experts_start_idx = rank * n_local_experts``, gate replicated, ``dist.all_reduce(y)``).
+* Embedding vocab-parallel: masked lookup + all-reduce (DeepSeek ParallelEmbedding, vLLM
+  VocabParallelEmbedding); ``lm_head`` by vocab rows + one all-gather of the logits (DeepSeek
+  ``Transformer.forward``: ``dist.all_gather(all_logits, logits)``).
+
+How a quantized tensor follows a split is the scheme's answer (``LinearScheme.split``); a
+split the scheme does not declare, or one that would cut a block or group, replicates that
+layer on every rank (a ``tensor_parallel`` decision with the reason, counted in the per-rank
+bytes; option ``strict_split`` makes it a Problem). A replicated column layer computes its full
+output and keeps this rank's slice; a replicated row layer all-gathers its input; so every
+mix stays exact.
+
+Documented behaviour where N does not divide: heads (attention replicated in that layer),
+intermediate size (that MLP replicated), experts (uneven contiguous blocks: the first E mod N
+ranks hold one more), vocabulary (uneven row blocks, the gather trims the padding).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .checkpoint import TORCH_DTYPES, storage_shape
+from .checkpoint.gguf_index import GGUF_FLOATS
+from .errors import LoadError, QuantplugError
+from .layers.linear import PlannedModule, QuantLinear, Source, SplitRule, StackedLinear
+from .memory import read_into
+from .types import CORE, Decision, Problem, TensorInfo
+
+if TYPE_CHECKING:
+    from .plan import LoadPlan, ParamPlan
+
+HOOK = "tensor_parallel"
+
+
+# ---------------------------------------------------------------------------------------------
+# Process group and collectives
+# ---------------------------------------------------------------------------------------------
+
+class Comm:
+    """The process group the model's forward talks over (``group`` None: the default group)."""
+
+    def __init__(self, world: int, rank: int, group: Any = None) -> None:
+        self.world, self.rank, self.group = world, rank, group
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous()
+        dist.all_reduce(t, group=self.group)
+        return t
+
+    def all_gather(self, t: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+        """Concatenate every rank's ``t`` along the last dim; rank i contributes ``sizes[i]``
+        columns (padded to the largest for the collective, trimmed after)."""
+        m = max(sizes)
+        if t.shape[-1] < m:
+            t = F.pad(t, (0, m - t.shape[-1]))
+        t = t.contiguous()
+        bufs = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(bufs, t, group=self.group)
+        return torch.cat([b[..., :s] for b, s in zip(bufs, sizes)], dim=-1)
+
+    def agree(self, error: BaseException | None, stage: str) -> None:
+        """Every rank says whether ``stage`` worked; a rank whose peer failed raises too, so
+        nobody waits in a later collective for a rank that has given up."""
+        flags = torch.zeros(self.world, dtype=torch.int32)
+        flags[self.rank] = 1 if error is not None else 0
+        dist.all_reduce(flags, group=self.group)
+        if error is not None:
+            raise error
+        failed = [i for i, f in enumerate(flags.tolist()) if f]
+        if failed:
+            raise LoadError(f"rank(s) {failed} of {self.world} failed during {stage}; rank {self.rank} stops too "
+                            "(their error is on their stderr)")
+
+
+def resolve_group(group: Any = None) -> Comm | None:
+    """The Comm for ``group`` (default: the initialized default group), None when not
+    distributed or world size 1."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.get_world_size(group)
+    if world <= 1:
+        return None
+    return Comm(world, dist.get_rank(group), group)
+
+
+def block(n: int, world: int, rank: int) -> tuple[int, int]:
+    """Rank ``rank``'s contiguous block of ``n`` items: (start, length); the first ``n % world``
+    ranks hold one more."""
+    base, extra = divmod(n, world)
+    return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward of split modules (set as ``module.qp_parallel``)
+# ---------------------------------------------------------------------------------------------
+
+class Column:
+    """Column-parallel linear: this rank's output features ``[start, start + length)``.
+    ``sharded`` False: the weight is whole here (a split would cut a block), the full output is
+    computed and sliced. ``gather``: concatenate every rank's slice (lm_head)."""
+
+    def __init__(self, comm: Comm, start: int, length: int, sizes: Sequence[int], sharded: bool,
+                 gather: bool = False) -> None:
+        self.comm, self.start, self.length, self.sizes = comm, start, length, list(sizes)
+        self.sharded, self.gather = sharded, gather
+
+    def __call__(self, mod: Any, x: torch.Tensor) -> torch.Tensor:
+        y = mod.scheme.apply(mod, x)
+        if self.sharded:
+            return self.comm.all_gather(y, self.sizes) if self.gather else y
+        return y if self.gather else y[..., self.start:self.start + self.length].contiguous()
+
+
+class Row:
+    """Row-parallel linear: input is this rank's slice of features; partial outputs all-reduced.
+    ``sharded`` False: the weight is whole here; the input slices are all-gathered first."""
+
+    def __init__(self, comm: Comm, sizes: Sequence[int], sharded: bool) -> None:
+        self.comm, self.sizes, self.sharded = comm, list(sizes), sharded
+
+    def __call__(self, mod: Any, x: torch.Tensor) -> torch.Tensor:
+        if self.sharded:
+            return self.comm.all_reduce(mod.scheme.apply(mod, x))
+        return mod.scheme.apply(mod, self.comm.all_gather(x, self.sizes))
+
+
+class VocabEmbedding:
+    """Vocab-parallel lookup: rows ``[start, start + length)`` here, others zero, all-reduced."""
+
+    def __init__(self, comm: Comm, start: int, length: int) -> None:
+        self.comm, self.start, self.length = comm, start, length
+
+    def __call__(self, mod: Any, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        mask = (local >= 0) & (local < self.length)
+        out = mod.scheme.embed(mod, torch.where(mask, local, torch.zeros_like(local)))
+        return self.comm.all_reduce(out.masked_fill(~mask.unsqueeze(-1), 0))
+
+
+class Reduce:
+    """All-reduce of a module's output (routed experts: each rank's experts' share)."""
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+
+    def __call__(self, out: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-rank plan
+# ---------------------------------------------------------------------------------------------
+
+#: rank -> (sources, shape) of one parameter
+Rewrite = Callable[[int], tuple[list[tuple[Source, TensorInfo]], tuple[int, ...]]]
+
+
+@dataclass
+class ParallelPlan:
+    """What :func:`shard_plan` decided for ``world`` ranks, and this rank's share."""
+
+    world: int
+    rank: int
+    decisions: list[Decision] = field(default_factory=list)
+    #: bytes each rank reads (from headers alone)
+    rank_bytes: list[int] = field(default_factory=list)
+    #: bytes every rank reads whole (replicated tensors)
+    replicated_bytes: int = 0
+    #: bytes of the tensors split over the ranks (whole size)
+    sharded_bytes: int = 0
+    #: (module, parameter) zeroed on ranks other than 0 after loading (``SplitRule.once``)
+    zero_off_rank0: list[tuple[nn.Module, str]] = field(default_factory=list, repr=False)
+
+    def finish_params(self) -> None:
+        """Called by the loader once parameters are registered, before schemes post-process."""
+        if self.rank == 0:
+            return
+        for mod, name in self.zero_off_rank0:
+            p = getattr(mod, name)
+            mod.register_parameter(name, nn.Parameter(torch.zeros_like(p), requires_grad=False))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"world_size": self.world, "rank": self.rank, "rank_bytes": self.rank_bytes,
+                "replicated_bytes": self.replicated_bytes, "sharded_bytes": self.sharded_bytes,
+                "bound_bytes": self.replicated_bytes + math.ceil(self.sharded_bytes / self.world),
+                "decisions": [{"target": d.target, "value": str(d.value), "reason": d.reason}
+                              for d in self.decisions]}
+
+
+def _eff_shape(src: Source, info: TensorInfo) -> list[int]:
+    """The storage shape a source feeds after its own ``narrow``."""
+    shape = list(storage_shape(info))
+    if src.narrow is not None:
+        shape[src.narrow[0]] = src.narrow[2]
+    return shape
+
+
+def _with_slice(src: Source, axis: int, start: int, length: int) -> Source:
+    """``src`` reading only [start, start + length) of storage ``axis`` (after its own narrow)."""
+    slices = dict((a, (s, n)) for a, s, n in (src.slices or ()))
+    if src.narrow is not None and src.narrow[0] not in slices:
+        slices[src.narrow[0]] = (src.narrow[1], src.narrow[2])
+    if axis in slices:
+        start += slices[axis][0]
+    slices[axis] = (start, length)
+    return src._replace(narrow=None, slices=tuple(sorted((a, s, n) for a, (s, n) in slices.items())))
+
+
+def _param_shape(pp: ParamPlan, sources: list[tuple[Source, TensorInfo]]) -> tuple[int, ...]:
+    src, info = sources[0]
+    shape = _eff_shape(src, info)
+    for a, _, n in src.slices or ():
+        shape[a] = n
+    if src.slot is not None:
+        return (len(sources), *shape)
+    return tuple(shape)
+
+
+def source_bytes(src: Source, info: TensorInfo) -> int:
+    """Bytes read for one source: its slice (or narrow) of the stored tensor."""
+    full = storage_shape(info)
+    n = math.prod(full)
+    if n == 0:
+        return 0
+    item = info.nbytes // n
+    shape = _eff_shape(src, info)
+    for a, _, length in src.slices or ():
+        shape[a] = length
+    return item * math.prod(shape)
+
+
+class _Sharder:
+    def __init__(self, plan: LoadPlan, world: int, rank: int, comm: Comm | None) -> None:
+        self.plan, self.world, self.rank = plan, world, rank
+        self.comm = comm if comm is not None else Comm(world, rank)
+        self.strict = bool(plan.options.get("strict_split", False))
+        self.params: dict[int, list[ParamPlan]] = {}
+        for pp in plan.params:
+            self.params.setdefault(id(pp.module), []).append(pp)
+        self.rewrites: dict[int, Rewrite] = {}
+        self.pp_by_id: dict[int, ParamPlan] = {id(pp): pp for pp in plan.params}
+        self.out = ParallelPlan(world, rank)
+        self.pending_once: list[tuple[nn.Module, str]] = []
+
+    # -- recording ------------------------------------------------------------------------------
+
+    def decide(self, target: str, value: str, reason: str) -> None:
+        self.out.decisions.append(Decision(HOOK, target, value, CORE, reason))
+
+    def replicated(self, target: str, reason: str) -> None:
+        self.decide(target, "replicated", reason)
+        if self.strict:
+            self.plan.problems.append(Problem(f"tensor-parallel split over {self.world} ranks impossible: {reason} "
+                                              "(option strict_split forbids replicating it)", layer=target,
+                                              kind="split"))
+
+    # -- linears --------------------------------------------------------------------------------
+
+    def try_linear(self, mod: PlannedModule, scheme: Any, direction: str, out_f: int, in_f: int,
+                   ranges: Sequence[tuple[int, int]]) -> dict[int, Rewrite] | str:
+        """Rewrites of ``mod``'s parameters for a split of ``direction`` into ``ranges`` (features
+        per rank), or why it cannot split."""
+        rules = scheme.split(direction, out_f, in_f)
+        if rules is None:
+            return f"scheme {scheme.describe()} declares no split rule"
+        if isinstance(rules, str):
+            return rules
+        full = out_f if direction == "out" else in_f
+        rewrites: dict[int, Rewrite] = {}
+        once: list[tuple[nn.Module, str]] = []
+        for pp in self.params.get(id(mod), []):
+            rule: SplitRule | None = rules.get(pp.local)
+            if rule is None:
+                return f"scheme {scheme.describe()} declares no split rule for {pp.local}"
+            if rule.axis is None:
+                if rule.once and direction == "in":
+                    once.append((mod, pp.local))
+                continue
+            if len(pp.sources) != 1 or pp.sources[0][0].slot is not None:
+                return f"{pp.local} is fed by {len(pp.sources)} tensors; only a single stored tensor splits"
+            src, info = pp.sources[0]
+            shape = _eff_shape(src, info)
+            axis, f, u = rule.axis, rule.features, rule.units
+            if axis >= len(shape) or shape[axis] * f != full * u:
+                return (f"{pp.local}: stored axis {axis} of {info.label} has {shape[axis] if axis < len(shape) else '-'}"
+                        f" entries, the split rule expects {full} / {f} * {u}")
+            for start, length in ranges:
+                if start % f or length % f:
+                    return (f"{pp.local}: this rank's slice [{start}, {start + length}) of {full} {direction} features "
+                            f"would cut its {f}-feature blocks / groups")
+
+            def rw(r: int, src: Source = src, info: TensorInfo = info, pp: ParamPlan = pp,
+                   axis: int = axis, f: int = f, u: int = u) -> tuple[list[tuple[Source, TensorInfo]], tuple[int, ...]]:
+                start, length = ranges[r]
+                s = [(_with_slice(src, axis, start // f * u, length // f * u), info)]
+                return s, _param_shape(pp, s)
+
+            rewrites[id(pp)] = rw
+        self.pending_once = once
+        return rewrites
+
+    def linear(self, mod: QuantLinear, direction: str, ranges: Sequence[tuple[int, int]],
+               gather: bool = False) -> bool:
+        """Split ``mod`` or replicate it (recorded); sets its forward. True when split."""
+        res = self.try_linear(mod, mod.scheme, direction, mod.out_features, mod.in_features, ranges)
+        sizes = [n for _, n in ranges]
+        start, length = ranges[self.rank]
+        sharded = not isinstance(res, str)
+        if isinstance(res, str):
+            self.replicated(mod.qp_ckpt, res)
+        else:
+            self.rewrites.update(res)
+            self.out.zero_off_rank0 += self.pending_once
+            self.decide(mod.qp_ckpt, f"{'column' if direction == 'out' else 'row'}-parallel",
+                        f"{direction} features split {sizes}")
+            if direction == "out":
+                mod.out_features = length
+            else:
+                mod.in_features = length
+        mod.qp_parallel = (Column(self.comm, start, length, sizes, sharded, gather) if direction == "out"
+                           else Row(self.comm, sizes, sharded))
+        return sharded
+
+    def stacked(self, mod: StackedLinear, ranges: Sequence[tuple[int, int]]) -> dict[int, Rewrite] | str:
+        """Rewrites splitting a stacked module's slots (experts, heads) into ``ranges``."""
+        rewrites: dict[int, Rewrite] = {}
+        for pp in self.params.get(id(mod), []):
+            src0, info0 = pp.sources[0]
+            if src0.slot is not None:
+                def rw_slots(r: int, pp: ParamPlan = pp) -> tuple[list[tuple[Source, TensorInfo]], tuple[int, ...]]:
+                    start, length = ranges[r]
+                    s = [(src._replace(slot=src.slot - start), info) for src, info in pp.sources
+                         if src.slot is not None and start <= src.slot < start + length]
+                    return s, (length, *pp.shape[1:])
+                rewrites[id(pp)] = rw_slots
+                continue
+            if len(pp.sources) != 1:
+                return f"{pp.local} is fed by {len(pp.sources)} tensors"
+            shape = _eff_shape(src0, info0)
+            if not shape or shape[0] != mod.n:
+                return f"{pp.local}: {info0.label} has no leading axis of {mod.n} slots"
+
+            def rw(r: int, pp: ParamPlan = pp, src: Source = src0,
+                   info: TensorInfo = info0) -> tuple[list[tuple[Source, TensorInfo]], tuple[int, ...]]:
+                start, length = ranges[r]
+                s = [(_with_slice(src, 0, start, length), info)]
+                return s, _param_shape(pp, s)
+            rewrites[id(pp)] = rw
+        return rewrites
+
+    # -- model parts ----------------------------------------------------------------------------
+
+    def even(self, n: int) -> list[tuple[int, int]]:
+        return [(r * (n // self.world), n // self.world) for r in range(self.world)]
+
+    def attention(self, attn: Any) -> None:
+        cfg = attn.cfg
+        nh = cfg.num_attention_heads
+        name = attn.o_proj.qp_ckpt.rsplit(".", 1)[0]
+        if nh % self.world:
+            self.replicated(name, f"{nh} attention heads do not divide over {self.world} ranks: "
+                                  "attention is replicated in this layer")
+            return
+        hl = nh // self.world
+        heads = self.even(nh)
+        cols: list[tuple[QuantLinear, int]] = []
+        cols.append((attn.q_proj if attn.q_lora is None else attn.q_b_proj, cfg.qk_head_dim))
+        if attn.layout.kind == "dense":
+            cols.append((attn.kv_b_proj, cfg.qk_nope_head_dim + cfg.v_head_dim))
+        if cfg.mla_use_output_gate:
+            cols.append((attn.g_proj, cfg.v_head_dim))
+        for lin, per in cols:
+            self.linear(lin, "out", [(s * per, n * per) for s, n in heads])
+        if attn.layout.kind == "split_kv":
+            for stack in (attn.k_b, attn.v_b):
+                res = self.stacked(stack, heads)
+                if isinstance(res, str):
+                    # the per-head stacks must follow the heads: nothing else is exact
+                    raise QuantplugError(f"{stack.qp_ckpt}: cannot split its {nh} heads over {self.world} ranks: {res}")
+                self.rewrites.update(res)
+                stack.n = hl
+                self.decide(stack.qp_ckpt, "head-parallel", f"heads split {[n for _, n in heads]}")
+        self.linear(attn.o_proj, "in", [(s * cfg.v_head_dim, n * cfg.v_head_dim) for s, n in heads])
+        attn.num_heads = hl
+
+    def mlp(self, mlp: Any) -> None:
+        inter = mlp.gate_proj.out_features
+        name = mlp.down_proj.qp_ckpt.rsplit(".", 1)[0]
+        if inter % self.world:
+            self.replicated(name, f"intermediate size {inter} does not divide over {self.world} ranks")
+            return
+        ranges = self.even(inter)
+        self.linear(mlp.gate_proj, "out", ranges)
+        self.linear(mlp.up_proj, "out", ranges)
+        self.linear(mlp.down_proj, "in", ranges)
+
+    def experts(self, ex: Any) -> None:
+        ranges = [block(ex.n, self.world, r) for r in range(self.world)]
+        name = ex.gate_proj.qp_ckpt.rsplit(".", 1)[0]
+        rewrites: dict[int, Rewrite] = {}
+        backed = []
+        for lin in (ex.gate_proj, ex.up_proj, ex.down_proj):
+            res = self.stacked(lin, ranges)
+            if isinstance(res, str):
+                self.replicated(name, f"routed experts cannot split by expert: {res}")
+                return
+            rewrites.update(res)
+            backed.append(bool(self.params.get(id(lin))))
+        if any(backed) and not all(backed):
+            self.replicated(name, "some expert projections are stored tensors and others are served by the scheme")
+            return
+        self.rewrites.update(rewrites)
+        first, count = ranges[self.rank]
+        ex.first, ex.count = first, count
+        if all(backed):
+            ex.slot_base = first
+            for lin in (ex.gate_proj, ex.up_proj, ex.down_proj):
+                lin.n = count
+        ex.qp_parallel = Reduce(self.comm)
+        self.decide(name, "expert-parallel", f"experts per rank {[n for _, n in ranges]} (contiguous blocks); "
+                                             "router replicated; one all-reduce")
+
+    def embedding(self, emb: Any, head: Any) -> None:
+        ranges = [block(emb.vocab, self.world, r) for r in range(self.world)]
+        res = self.try_linear(emb, emb.scheme, "out", emb.vocab, emb.dim, ranges)
+        start, length = ranges[self.rank]
+        if isinstance(res, str):
+            self.replicated(emb.qp_ckpt, res)
+            return
+        self.rewrites.update(res)
+        emb.qp_parallel = VocabEmbedding(self.comm, start, length)
+        self.decide(emb.qp_ckpt, "vocab-parallel", f"rows per rank {[n for _, n in ranges]}; masked lookup + all-reduce")
+        if head is not None:  # tied lm_head: the same rows, logits gathered
+            head.qp_parallel = Column(self.comm, start, length, [n for _, n in ranges], True, gather=True)
+
+    def run(self) -> ParallelPlan:
+        from .models.deepseek import MLA, MLP, DeepseekV3ForCausalLM, Embedding, Experts, TiedHead
+
+        model = self.plan.model
+        for mod in model.modules():
+            if isinstance(mod, MLA):
+                self.attention(mod)
+            elif isinstance(mod, MLP):
+                self.mlp(mod)
+            elif isinstance(mod, Experts):
+                self.experts(mod)
+        for mod in model.modules():
+            if isinstance(mod, DeepseekV3ForCausalLM):
+                tied = mod.lm_head if isinstance(mod.lm_head, TiedHead) else None
+                emb: Embedding = mod.model.embed_tokens
+                self.embedding(emb, tied)
+                if tied is None:
+                    head = mod.lm_head
+                    assert isinstance(head, QuantLinear)
+                    self.linear(head, "out", [block(head.out_features, self.world, r) for r in range(self.world)],
+                                gather=True)
+        # bytes per rank, from headers alone
+        totals = [0] * self.world
+        for pp in self.plan.params:
+            rw = self.rewrites.get(id(pp))
+            whole = sum(source_bytes(s, i) for s, i in pp.sources)
+            if rw is None:
+                self.out.replicated_bytes += whole
+                totals = [t + whole for t in totals]
+                continue
+            self.out.sharded_bytes += whole
+            for r in range(self.world):
+                totals[r] += sum(source_bytes(s, i) for s, i in rw(r)[0])
+        self.out.rank_bytes = totals
+        for pid, rw in self.rewrites.items():
+            pp = self.pp_by_id[pid]
+            pp.sources, pp.shape = rw(self.rank)
+        # parameters with no source left here (an expert block holding none of a per-expert
+        # list cannot happen: blocks are never empty unless E < N)
+        self.plan.params = [pp for pp in self.plan.params if pp.sources]
+        return self.out
+
+
+def shard_plan(plan: LoadPlan, world: int, rank: int, comm: Comm | None = None) -> ParallelPlan:
+    """Rewrite ``plan`` for rank ``rank`` of ``world``: sources become this rank's slices,
+    modules get their collectives (over ``comm``; none needed for a plan that is only shown).
+    The decisions go into ``plan.decisions``; the result is also ``plan.parallel``."""
+    if not 0 <= rank < world:
+        raise QuantplugError(f"rank {rank} is outside world size {world}")
+    out = _Sharder(plan, world, rank, comm).run()
+    plan.decisions.extend(out.decisions)
+    plan.parallel = out
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading slices
+# ---------------------------------------------------------------------------------------------
+
+def _runs(info: TensorInfo, slices: Sequence[tuple[int, int, int]]) -> tuple[list[int], int, int]:
+    """File byte offsets of the contiguous runs of a slice (C order), run length, item size."""
+    shape = storage_shape(info)
+    n = math.prod(shape)
+    item = info.nbytes // n if n else 1
+    sl = {a: (s, ln) for a, s, ln in slices}
+    if not sl:
+        return [info.offset], info.nbytes, item
+    last = max(sl)
+    strides = [item * math.prod(shape[i + 1:]) for i in range(len(shape))]
+    run = sl[last][1] * strides[last]
+    axes = [range(sl[i][0], sl[i][0] + sl[i][1]) if i in sl else range(shape[i]) for i in range(last)]
+    base = info.offset + sl[last][0] * strides[last]
+    offsets = [base + sum(i * st for i, st in zip(idx, strides)) for idx in itertools.product(*axes)]
+    return offsets, run, item
+
+
+def read_slices(fd: int, info: TensorInfo, slices: Sequence[tuple[int, int, int]], dst: torch.Tensor,
+                stage: Any, stage_bytes: int) -> int:
+    """Fill contiguous ``dst`` with the slice of stored tensor ``info`` (row slices one range,
+    column slices row by row), converting the dtype through ``stage``; returns bytes read."""
+    offsets, run, item = _runs(info, slices)
+    if info.format == "gguf":
+        src_dtype = GGUF_FLOATS.get(info.dtype, torch.uint8)
+    else:
+        src_dtype = TORCH_DTYPES[info.dtype]
+    total = run * len(offsets)
+    if dst.numel() * dst.element_size() != total // item * dst.element_size() or total % item:
+        raise LoadError(f"{info.where()}: slice {list(slices)} holds {total} bytes, the parameter "
+                        f"{list(dst.shape)} {dst.dtype} expects {dst.numel()} elements")
+    flat = dst.view(-1)
+    if src_dtype == dst.dtype:
+        out = flat.view(torch.uint8)
+        for i, off in enumerate(offsets):
+            read_into(fd, off, out[i * run:(i + 1) * run])
+        return total
+    # pieces of at most stage_bytes, batched into the staging buffer, converted in one copy
+    cap = max(item, stage_bytes // item * item)
+    pieces = [(off + p, min(cap, run - p)) for off in offsets for p in range(0, run, cap)]
+    pos = 0
+    i = 0
+    while i < len(pieces):
+        buf = stage.get(cap)
+        used = 0
+        while i < len(pieces) and used + pieces[i][1] <= cap:
+            off, n = pieces[i]
+            read_into(fd, off, buf[used:used + n])
+            used += n
+            i += 1
+        count = used // item
+        flat[pos:pos + count].copy_(buf[:used].view(src_dtype))
+        pos += count
+    return total
+
+
+def materialize_sliced(plan: LoadPlan, pp: ParamPlan, device: torch.device, stage: Any, stage_bytes: int) -> torch.Tensor:
+    """A parameter whose sources carry rank slices: only those byte ranges are read."""
+    out = torch.empty(pp.shape, dtype=pp.dtype)
+    for src, info in pp.sources:
+        dst = out if src.slot is None else out[src.slot]
+        read_slices(plan.checkpoint.fd(info.file), info, src.slices or (), dst, stage, stage_bytes)
+    return out if device.type == "cpu" else out.to(device)
+
+
+def describe(par: ParallelPlan | Mapping[str, Any]) -> str:
+    """Text for ``quantplug plan --tp N``: per-rank bytes and every split decision."""
+    d = par.to_dict() if isinstance(par, ParallelPlan) else par
+    lines = [f"tensor parallel: {d['world_size']} ranks; replicated {d['replicated_bytes']:,} bytes, "
+             f"split {d['sharded_bytes']:,} bytes (bound per rank {d['bound_bytes']:,})"]
+    for r, b in enumerate(d["rank_bytes"]):
+        lines.append(f"  rank {r}: reads {b:,} bytes")
+    counts: dict[str, int] = {}
+    for dec in d["decisions"]:
+        counts[dec["value"]] = counts.get(dec["value"], 0) + 1
+    lines.append("  splits: " + ", ".join(f"{v} x{n}" for v, n in sorted(counts.items())))
+    for dec in d["decisions"]:
+        lines.append(f"  {dec['target']}: {dec['value']} ({dec['reason']})")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch under torchrun
+# ---------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def torchrun_session() -> Iterator[Comm | None]:
+    """For the CLI: when started by torchrun (``WORLD_SIZE`` > 1 in the environment), initialize
+    the default group from it (nccl with CUDA, else gloo) and silence stdout on every rank but 0;
+    destroy the group on exit. Yields the Comm, or None for a single process."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world <= 1 or not dist.is_available():
+        yield None
+        return
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    comm = resolve_group()
+    saved = sys.stdout
+    devnull = None
+    if comm is not None and comm.rank != 0:
+        devnull = open(os.devnull, "w")  # noqa: SIM115 (closed below)
+        sys.stdout = devnull
+    try:
+        yield comm
+    finally:
+        sys.stdout = saved
+        if devnull is not None:
+            devnull.close()
+        if started:
+            dist.destroy_process_group()
+
+
+def gather_json(comm: Comm, obj: Any) -> list[Any]:
+    """Every rank's JSON-able ``obj`` (small: per-rank reports), in rank order, on every rank
+    (sent as JSON bytes, not pickles)."""
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    sizes = torch.zeros(comm.world, dtype=torch.int64)
+    sizes[comm.rank] = data.numel()
+    dist.all_reduce(sizes, group=comm.group)
+    buf = torch.zeros(int(sizes.max()), dtype=torch.uint8)
+    buf[:data.numel()] = data
+    bufs = [torch.empty_like(buf) for _ in range(comm.world)]
+    dist.all_gather(bufs, buf, group=comm.group)
+    return [json.loads(bytes(b[:int(n)].tolist()).decode()) for b, n in zip(bufs, sizes)]

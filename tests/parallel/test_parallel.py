@@ -1,0 +1,346 @@
+"""Tensor- and expert-parallel loading (issue 11): gloo on CPU, ranks spawned as subprocesses.
+
+One spawn per world size runs every case (tiny checkpoints: dense hub / fused layouts, both
+rope spellings, Kimi-K3 wrapper with output gate, tied embeddings and no q_lora, the Quark and
+ModelSlim vendor fixtures, exported Quark / ModelSlim W4A8, GGUF with K-quants, an expert pack;
+a rank that fails; uneven heads / experts / vocabulary at 4 ranks). Every rank's logits must
+equal the single-process logits (computed here) within rel 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import quantplug
+import torch
+from quantplug.errors import PlanError
+from quantplug.testing import (
+    hub_rope_spelling,
+    random_state,
+    tiny_config,
+    to_layout,
+    wrap_kimi,
+    write_checkpoint,
+)
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from conftest import VENDOR  # noqa: E402
+
+WORKER = Path(__file__).with_name("worker.py")
+TOL = 1e-5
+
+
+def _ids(vocab: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 10), generator=torch.Generator().manual_seed(seed))
+
+
+def _loaded(path: Path, **kw):
+    return quantplug.load(path, progress=False, **kw)
+
+
+def _gguf(root: Path) -> Path:
+    """A llama.cpp deepseek2 GGUF: split K/V, mixed legacy types, routed-expert down as K-quants."""
+    from quantplug.models.config import parse_model_config
+    from quantplug_expert_pack.export import gguf_state, write_gguf
+    from quantplug_expert_pack.testing import random_rows
+
+    cfg = tiny_config(moe_intermediate_size=256, q_lora_rank=64)
+    mc = parse_model_config(cfg, "DeepseekV3ForCausalLM", False)
+    root.mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps(cfg))
+    tensors = gguf_state(random_state(cfg, seed=3), mc, split_kv=True)
+    rng = np.random.default_rng(0)
+    raw = {}
+    for i in range(mc.num_hidden_layers):
+        name = f"blk.{i}.ffn_down_exps.weight"
+        if name in tensors:
+            typ = "Q4_K" if i % 2 else "Q6_K"
+            raw[name] = (random_rows(typ, tuple(tensors.pop(name).shape), rng, scale=2e-4), typ)
+    types = {"attn_k_b": "Q4_0", "attn_v_b": "Q5_0", "attn_q_b": "Q4_1", "attn_output": "Q5_1",
+             "ffn_gate_exps": "MXFP4", "ffn_up_exps": "Q8_0", "output": "Q8_0", "token_embd": "Q5_1"}
+    write_gguf(root / "model.gguf", tensors, mc, default_type="Q8_0", types=types, vocab=cfg["vocab_size"], raw=raw)
+    return root
+
+
+def _export(dense: Path, backend: str, dest: Path, options: dict) -> list:
+    from quantplug.plugins import get_plugin_manager
+
+    model = _loaded(dense)
+    pm = get_plugin_manager()
+    answers = pm.call("quantplug_export", [backend], firstresult=True, model=model,
+                      model_config=model.quantplug_plan.model_config, destination=dest, options=options,
+                      plan=model.quantplug_plan)
+    res = answers[0][0]
+    return list(res) if isinstance(res, list | tuple) else [res]
+
+
+def build_cases(root: Path) -> dict[str, list[dict]]:
+    """Checkpoints + single-process reference logits; the case lists for 2 and 4 ranks."""
+    cfg = tiny_config()
+    state = random_state(cfg)
+    paths: dict[str, tuple[Path, dict]] = {}
+    # dense, hub layout, transformers-5 rope spelling, bf16 on disk (every tensor converted: read with preadv)
+    big = tiny_config(hidden_size=128, n_routed_experts=16, moe_intermediate_size=64, n_group=4, topk_group=2)
+    paths["dense-hub-bf16"] = (write_checkpoint(root / "dense-bf16", big, random_state(big, seed=1),
+                                                dtype=torch.bfloat16), {})
+    paths["dense-fused-hubrope"] = (write_checkpoint(root / "dense-fused", hub_rope_spelling(cfg),
+                                                     to_layout(state, "fused")), {})
+    k3 = tiny_config(mla_use_output_gate=True, tie_word_embeddings=True, q_lora_rank=None)
+    kc, kt = wrap_kimi(k3, random_state(k3, seed=2), arch="KimiK3ForConditionalGeneration")
+    paths["kimi-k3-gate-tied-qproj"] = (write_checkpoint(root / "kimi-k3", kc, kt), {})
+    paths["quark-vendor"] = (VENDOR / "quark_mxfp4_dsv3", {})
+    paths["modelslim-vendor"] = (VENDOR / "modelslim_w8a8_dsv3", {"activation_quant": "msmodelslim"})
+    # exports from a dense model (intermediate 96: a 2-rank MXFP4 down_proj slice cuts 32-groups)
+    ex = tiny_config(q_lora_rank=64)
+    dense = write_checkpoint(root / "dense-export", ex, random_state(ex, seed=5))
+    paths["quark-export"] = (_export(dense, "quark", root / "quark", {})[0].path, {})
+    ms = _export(dense, "modelslim", root / "modelslim", {"recipes": ["w4a8"]})
+    paths["modelslim-w4a8-export"] = (ms[0].path, {})
+    gguf = _gguf(root / "gguf")
+    paths["gguf-kquants"] = (gguf, {})
+    from quantplug_expert_pack.build import build_pack
+
+    pack = root / "pack"
+    shutil.copytree(gguf, pack)
+    build_pack(pack, progress=False)
+    paths["expert-pack"] = (pack, {"expert_cache_mb": 4})
+    # 4 ranks: 6 heads (attention replicated), 6 experts (blocks 2,2,1,1), vocab 162 (41,41,40,40)
+    odd = tiny_config(num_attention_heads=6, num_key_value_heads=6, n_routed_experts=6, vocab_size=162)
+    paths["uneven-heads-experts-vocab"] = (write_checkpoint(root / "uneven", odd, random_state(odd, seed=4)), {})
+
+    cases: dict[str, dict] = {}
+    for name, (path, options) in paths.items():
+        model = _loaded(path, options=options)
+        ids = _ids(model.quantplug_plan.model_config.vocab_size)
+        with torch.no_grad():
+            logits = model(ids)
+        ref = root / f"{name}.ref.safetensors"
+        save_file({"ids": ids, "logits": logits.contiguous()}, str(ref))
+        cases[name] = {"name": name, "path": str(path), "options": options, "ref": str(ref),
+                       "weight_bytes": model.load_report["bytes_read"]}
+    fail = dict(cases["dense-fused-hubrope"], name="rank-1-fails", fail_on=[1])
+    two = [cases[n] for n in paths if n != "uneven-heads-experts-vocab"] + [fail]
+    four = list(cases.values())
+    return {"2": two, "4": four}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn(world: int, cases: list[dict], out: Path, timeout: float = 300) -> list[list[dict]]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cases.json").write_text(json.dumps(cases))
+    port = _free_port()
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out / "cases.json"), str(out)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{logs[r][-3000:]}"
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    cases = build_cases(root)
+    return {"cases": cases, 2: spawn(2, cases["2"], root / "run2"), 4: spawn(4, cases["4"], root / "run4")}
+
+
+def _results(runs, world: int, name: str) -> list[dict]:
+    out = []
+    for rank in range(world):
+        rec = next(r for r in runs[world][rank] if r["name"] == name)
+        assert "crash" not in rec, rec["crash"]
+        out.append(rec)
+    return out
+
+
+CASES = ["dense-hub-bf16", "dense-fused-hubrope", "kimi-k3-gate-tied-qproj", "quark-vendor", "modelslim-vendor",
+         "quark-export", "modelslim-w4a8-export", "gguf-kquants", "expert-pack"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", CASES)
+def test_every_rank_matches_single_process(runs, world, name):
+    recs = _results(runs, world, name)
+    case = next(c for c in runs["cases"][str(world)] if c["name"] == name)
+    for rank, rec in enumerate(recs):
+        assert "error" not in rec, f"rank {rank}: {rec['error']}"
+        assert rec["rel_err"] <= TOL, f"rank {rank}: rel err {rec['rel_err']:.2e}"
+        par = rec["parallel"]
+        assert par["world_size"] == world and par["rank"] == rank
+        # the bytes this rank read are the plan's figure for it, from headers alone
+        assert rec["report"]["bytes_read"] == par["rank_bytes"][rank]
+        assert par["rank_bytes"][rank] <= 1.05 * (par["replicated_bytes"] + par["sharded_bytes"] / world)
+        assert par["replicated_bytes"] + par["sharded_bytes"] == case["weight_bytes"]
+        assert par["rank_bytes"][rank] < case["weight_bytes"]
+
+
+def test_each_rank_reads_only_its_byte_ranges(runs):
+    """bf16 on disk -> fp32: every tensor goes through preadv, so the process's read bytes
+    (``rchar``) are the slices, headers and config only, not the whole checkpoint."""
+    for world in (2, 4):
+        for rank, rec in enumerate(_results(runs, world, "dense-hub-bf16")):
+            planned = rec["report"]["bytes_read"]
+            assert planned <= rec["rchar"] <= planned + 128 * 1024, (world, rank, rec["rchar"], planned)
+            whole = rec["parallel"]["replicated_bytes"] + rec["parallel"]["sharded_bytes"]
+            assert rec["rchar"] < (0.62 if world == 2 else 0.4) * whole
+
+
+def test_split_decisions(runs):
+    two = _results(runs, 2, "dense-fused-hubrope")[0]["parallel"]["decisions"]
+    got = {d["target"]: d["value"] for d in two}
+    assert got["model.layers.0.self_attn.q_b_proj"] == "column-parallel"
+    assert got["model.layers.0.self_attn.o_proj"] == "row-parallel"
+    assert got["model.layers.1.mlp.experts"] == "expert-parallel"
+    assert got["model.embed_tokens"] == "vocab-parallel" and got["lm_head"] == "column-parallel"
+    # a 48-wide slice of a 96-input MXFP4 down_proj would cut its 32-groups: replicated, with the reason
+    quark = {d["target"]: d for d in _results(runs, 2, "quark-export")[0]["parallel"]["decisions"]}
+    down = quark["model.layers.0.mlp.down_proj"]
+    assert down["value"] == "replicated" and "32-feature blocks" in down["reason"]
+    assert quark["model.layers.0.mlp.gate_proj"]["value"] == "column-parallel"
+    # ModelSlim: W8A8 static o_proj row-parallel (quant_bias on rank 0 only); dynamic down_proj replicated
+    ms = {d["target"]: d for d in _results(runs, 2, "modelslim-vendor")[0]["parallel"]["decisions"]}
+    assert ms["model.layers.0.self_attn.o_proj"]["value"] == "row-parallel"
+    assert ms["model.layers.0.mlp.down_proj"]["value"] == "replicated"
+    assert "dynamic activation" in ms["model.layers.0.mlp.down_proj"]["reason"]
+    # GGUF: split K/V stacks follow the heads
+    gg = {d["target"]: d["value"] for d in _results(runs, 2, "gguf-kquants")[0]["parallel"]["decisions"]}
+    assert gg["model.layers.0.self_attn.k_b_proj"] == "head-parallel"
+
+
+def test_uneven_heads_experts_vocab_at_4_ranks(runs):
+    recs = _results(runs, 4, "uneven-heads-experts-vocab")
+    for rec in recs:
+        assert "error" not in rec and rec["rel_err"] <= TOL, rec
+    dec = {d["target"]: d for d in recs[0]["parallel"]["decisions"]}
+    attn = dec["model.layers.0.self_attn"]
+    assert attn["value"] == "replicated" and "6 attention heads" in attn["reason"]
+    assert "[2, 2, 1, 1]" in dec["model.layers.1.mlp.experts"]["reason"]
+    assert "[41, 41, 40, 40]" in dec["model.embed_tokens"]["reason"]
+
+
+def test_a_failing_rank_does_not_hang_the_others(runs):
+    failed, other = _results(runs, 2, "rank-1-fails")[1], _results(runs, 2, "rank-1-fails")[0]
+    assert "CheckpointError" in failed["error"] and "missing-on-this-rank" in failed["error"]
+    assert "LoadError" in other["error"] and "rank(s) [1] of 2 failed during planning" in other["error"]
+
+
+# -- headers only: no ranks started ---------------------------------------------------------------
+
+def test_plan_world_size_shows_every_rank_without_reading_data(tmp_path):
+    cfg = tiny_config()
+    path = write_checkpoint(tmp_path / "d", cfg, random_state(cfg))
+    p = quantplug.plan(path, world_size=4, rank=2)
+    d = p.to_dict()["parallel"]
+    assert d["world_size"] == 4 and len(d["rank_bytes"]) == 4
+    assert sum(d["rank_bytes"]) == 4 * d["replicated_bytes"] + d["sharded_bytes"]
+    src = next(pp for pp in p.params if pp.param == "model.layers.0.self_attn.o_proj.weight").sources[0][0]
+    assert src.slices == ((1, 64, 32),)  # rank 2 of 4: input columns 64..96 of 128
+    assert any(d.hook == "tensor_parallel" for d in p.decisions)
+
+
+def test_strict_split_makes_a_block_cutting_split_a_problem(tmp_path):
+    cfg = tiny_config(q_lora_rank=64)
+    dense = write_checkpoint(tmp_path / "d", cfg, random_state(cfg))
+    q = _export(dense, "quark", tmp_path / "q", {})[0].path
+    assert quantplug.plan(q, world_size=2).parallel is not None  # replicated, fine
+    with pytest.raises(PlanError) as e:
+        quantplug.plan(q, world_size=2, options={"strict_split": True})
+    assert "model.layers.0.mlp.down_proj" in str(e.value) and "32-feature" in str(e.value)
+
+
+def test_a_scheme_that_declares_nothing_is_replicated(tmp_path):
+    from quantplug.api import Claim, DenseScheme, hookimpl
+    from quantplug.plugins import PluginManager
+
+    class Opaque(DenseScheme):
+        name = "opaque"
+
+        def split(self, direction, out_features, in_features):
+            return None
+
+    class Plugin:
+        @hookimpl
+        def quantplug_detect(self, checkpoint):
+            return Claim("opaque", None, "test plugin claims every checkpoint")
+
+        @hookimpl
+        def quantplug_linear_scheme(self, layer_name, layer_kind):
+            return Opaque() if layer_name.endswith("o_proj") else None
+
+    pm = PluginManager(entry_points=False, env={})
+    pm.register(Plugin(), "opaque")
+    cfg = tiny_config()
+    path = write_checkpoint(tmp_path / "d", cfg, random_state(cfg))
+    p = quantplug.plan(path, world_size=2, plugin_manager=pm)
+    dec = {d.target: d for d in p.decisions if d.hook == "tensor_parallel"}
+    assert dec["model.layers.0.self_attn.o_proj"].value == "replicated"
+    assert "declares no split rule" in dec["model.layers.0.self_attn.o_proj"].reason
+    src = next(pp for pp in p.params if pp.param == "model.layers.0.self_attn.o_proj.weight").sources[0][0]
+    assert src.slices is None
+
+
+def test_split_rules_of_the_bundled_schemes():
+    from quantplug.api import SplitRule
+    from quantplug_expert_pack.schemes import GGMLScheme
+    from quantplug_modelslim.schemes import W4A8Dynamic, W8A8Dynamic, W8A8Static
+    from quantplug_quark.scheme import MXFP4Scheme
+
+    assert MXFP4Scheme().split("in", 64, 128) == {"weight": SplitRule(1, 2, 1), "weight_scale": SplitRule(1, 32, 1)}
+    assert GGMLScheme("Q4_K").split("in", 64, 512) == {"weight": SplitRule(1, 256, 144)}
+    assert GGMLScheme("Q8_0").split("out", 64, 512) == {"weight": SplitRule(0)}
+    assert W4A8Dynamic().split("out", 64, 64)["weight"] == SplitRule(0, 2, 1)
+    assert isinstance(W8A8Dynamic().split("in", 64, 64), str)
+    st = W8A8Static().split("in", 64, 64)
+    assert st["quant_bias"] == SplitRule(None, once=True) and st["weight"] == SplitRule(1)
+
+
+def test_cli_plan_tp(tmp_path, capsys):
+    from quantplug.cli import main
+
+    cfg = tiny_config()
+    path = write_checkpoint(tmp_path / "d", cfg, random_state(cfg))
+    assert main(["plan", str(path), "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallel: 2 ranks" in out and "rank 1: reads" in out
+    assert "model.layers.1.mlp.experts: expert-parallel" in out
+
+
+def test_torchrun_forward_prints_the_single_process_argmax(tmp_path):
+    cfg = tiny_config()
+    path = write_checkpoint(tmp_path / "d", cfg, random_state(cfg))
+    cmd = ["forward", str(path), "--tokens", "3,14,15,92,65", "--json"]
+    single = subprocess.run([sys.executable, "-m", "quantplug", *cmd], capture_output=True, text=True, check=True)
+    multi = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            "-m", "quantplug", *cmd], capture_output=True, text=True, timeout=240,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert multi.returncode == 0, multi.stderr[-2000:]
+    lines = [ln for ln in multi.stdout.splitlines() if ln.startswith("{")]
+    assert len(lines) == 1  # only rank 0 prints
+    a, b = json.loads(single.stdout), json.loads(lines[0])
+    assert a["argmax"] == b["argmax"]
+    assert torch.allclose(torch.tensor(a["logits"]), torch.tensor(b["logits"]), rtol=0, atol=1e-5)

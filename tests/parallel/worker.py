@@ -1,0 +1,80 @@
+"""One rank of a tensor-parallel test run (launched by test_parallel.py, gloo on CPU).
+
+argv: cases.json out_dir. Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT. For each
+case: load under the default process group, run the forward, compare with the single-process
+logits the parent saved, record decisions, planned and actually read bytes; write
+``rank{R}.json``. A case may expect this rank to fail (``fail_on``: the ranks given a broken
+path) and every other rank to raise rather than hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def _rchar() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    return -1
+
+
+def run_case(case: dict, rank: int) -> dict:
+    import quantplug
+    from safetensors.torch import load_file
+
+    path = case["path"]
+    if rank in case.get("fail_on", []):
+        path = path + "-missing-on-this-rank"
+    rec: dict = {"name": case["name"]}
+    before = _rchar()
+    try:
+        model = quantplug.load(path, options=case.get("options", {}), progress=False)
+    except Exception as exc:  # noqa: BLE001 (recorded for the parent to check)
+        rec["error"] = f"{type(exc).__name__}: {exc}"
+        return rec
+    rec["rchar"] = _rchar() - before
+    ref = load_file(case["ref"])
+    ids = ref["ids"]
+    with torch.no_grad():
+        out = model(ids)
+    rec["rel_err"] = float((out - ref["logits"]).abs().max() / ref["logits"].abs().max())
+    rec["shape"] = list(out.shape)
+    plan = model.quantplug_plan
+    rec["report"] = model.load_report
+    rec["parallel"] = plan.parallel.to_dict() if plan.parallel is not None else None
+    return rec
+
+
+def main() -> int:
+    cases = json.loads(Path(sys.argv[1]).read_text())
+    out_dir = Path(sys.argv[2])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    from quantplug.plugins import get_plugin_manager
+
+    get_plugin_manager()  # entry points imported before any case (their file reads are not the load's)
+    rank = dist.get_rank()
+    results = []
+    for case in cases:
+        try:
+            results.append(run_case(case, rank))
+        except Exception:  # noqa: BLE001
+            results.append({"name": case["name"], "crash": traceback.format_exc()})
+        # keep the ranks in step between cases (a case that failed on one rank must not skew the next)
+        dist.barrier()
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
