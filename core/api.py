@@ -17,7 +17,8 @@ Groups:
 * what hooks receive: :class:`Checkpoint`, :class:`ModelConfig`, :class:`RopeConfig`,
   :class:`LoadPlan`;
 * reading: :func:`read_gguf_header` / :class:`GGUFHeader`, :data:`GGUF_FLOATS`,
-  :data:`TORCH_DTYPES`, :data:`SAFETENSORS_DTYPES`, :func:`read_into`;
+  :data:`TORCH_DTYPES`, :data:`SAFETENSORS_DTYPES`, :func:`read_into`; :func:`contained` /
+  :func:`check_inside` (a file name read from checkpoint metadata must stay inside its directory);
 * exporting: :func:`dense_state` (a loaded model back to dense tensors, hub layout),
   :func:`named_linears`, :func:`convert_expert_layout`, :func:`plan_of`;
 * adding an architecture (``quantplug_architectures``): :class:`ArchSpec`, :class:`PlanOracle`
@@ -78,6 +79,7 @@ from .types import (
     TensorInfo,
     TensorSpec,
 )
+from .validation import check_inside, contained
 
 #: Every hook of the contract, by scope.
 HOOKS = GLOBAL_HOOKS | BACKEND_HOOKS
@@ -193,7 +195,7 @@ __all__ = [
     "Checkpoint", "LoadPlan", "ModelConfig", "RopeConfig",
     # reading
     "FLOAT_DTYPES", "GGUF_FLOATS", "GGUFHeader", "SAFETENSORS_DTYPES", "SkippedArray", "TORCH_DTYPES",
-    "ggml_types", "read_gguf_header", "read_into", "storage_shape",
+    "check_inside", "contained", "ggml_types", "read_gguf_header", "read_into", "storage_shape",
     # exporting
     "convert_expert_layout", "dense_state", "named_linears", "option", "plan_of",
     # adding an architecture

@@ -15,7 +15,7 @@ from torch import nn
 from . import parallel
 from .checkpoint import TORCH_DTYPES
 from .checkpoint.gguf_index import GGUF_FLOATS
-from .errors import LoadError
+from .errors import CheckpointError, LoadError
 from .layers.linear import PlannedModule
 from .memory import read_into
 from .plan import LoadPlan, ParamPlan, build_plan
@@ -97,12 +97,13 @@ def execute(plan: LoadPlan, *, device: str | torch.device = "cpu",
 
         bar = tqdm(total=sum(p.nbytes for p in order), unit="B", unit_scale=True, desc="loading", file=sys.stderr)
     stage = _Stage()
+    plan.checkpoint.check_unchanged()  # a file replaced or shrunk since its header was read: LoadError
     for pp in order:
         try:
             t = _materialize(plan, pp, dev, stage)
-        except (RuntimeError, OSError) as exc:
+        except (RuntimeError, OSError, CheckpointError) as exc:
             src, info = pp.sources[0]
-            raise LoadError(f"{info.where()}: cannot load into {pp.param} ({exc})") from None
+            raise LoadError(f"{info.where()} ({info.file}): cannot load into {pp.param} ({exc})") from None
         pp.module.register_parameter(pp.local, nn.Parameter(t, requires_grad=False))
         if bar is not None:
             bar.update(pp.nbytes)

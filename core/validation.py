@@ -1,8 +1,9 @@
 """Bounded, typed reading of untrusted checkpoint metadata (JSON files, GGUF keys, file names).
 
 Everything quantplug parses itself goes through here: JSON is size- and depth-bounded before it
-is decoded (non-finite literals refused), values are read through :class:`Fields`, which checks
-type and range and names the file and key path on failure, and every file name taken from a
+is decoded, values are read through :class:`Fields`, which checks type and range (a ``NaN`` /
+``Infinity`` literal, which Python's json accepts, fails there, named by its key path) and names
+the file and key path on failure, and every file name taken from a
 checkpoint's own metadata is resolved with :func:`contained` (no ``..``, no absolute paths, no
 symlink leaving the directory).
 
@@ -30,10 +31,6 @@ MAX_JSON_BYTES = 64 << 20
 MAX_JSON_DEPTH = 32
 _STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
 T = TypeVar("T")
-
-
-def _no_constant(name: str) -> NoReturn:
-    raise ValueError(f"non-finite number {name} (JSON has no NaN / Infinity)")
 
 
 def json_depth_ok(text: str, limit: int = MAX_JSON_DEPTH) -> bool:
@@ -64,7 +61,7 @@ def read_json(path: Path, *, error: type[Exception] = ConfigError, max_bytes: in
     if not json_depth_ok(text):
         raise error(f"{path}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
     try:
-        return json.loads(text, parse_constant=_no_constant)
+        return json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise error(f"{path}: not valid JSON ({exc})") from None
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, LoadError
 from ..types import TensorInfo
 from ..validation import contained, read_json
 from .gguf_index import gguf_view, index_gguf, storage_shape
@@ -41,6 +41,12 @@ class Checkpoint:
         self._sidecars: dict[str, Any] = {}
         #: model name -> stored name, when a backend renamed the tensors (see :meth:`renamed`)
         self.names: dict[str, str] = {}
+        #: file -> (size, mtime_ns, inode) when the headers were read (see :meth:`check_unchanged`)
+        self.identity: dict[Path, tuple[int, int, int]] = {}
+        for f in files:
+            with contextlib.suppress(OSError):
+                st = os.stat(f)
+                self.identity[f] = (st.st_size, st.st_mtime_ns, st.st_ino)
 
     @classmethod
     def open(cls, path: str | Path) -> Checkpoint:
@@ -92,6 +98,7 @@ class Checkpoint:
                                    else dataclasses.replace(info, name=model_name, stored_name=stored))
         view = Checkpoint(self.path, self.config, tensors, self.files, self.gguf_metadata)
         view._files, view._maps, view._sidecars, view.names = self._files, self._maps, self._sidecars, dict(names)
+        view.identity = self.identity
         return view
 
     def label(self, model_name: str) -> str:
@@ -175,6 +182,22 @@ class Checkpoint:
             except OSError as exc:
                 raise CheckpointError(f"{file}: cannot open ({exc.strerror})") from None
         return fd
+
+    def check_unchanged(self) -> None:
+        """:class:`LoadError` if a weight file was replaced, shrunk, grown or rewritten since its
+        header was read (between plan and load): the plan's byte ranges would no longer hold."""
+        for f, (size, mtime, ino) in self.identity.items():
+            try:
+                st = os.stat(f)
+            except OSError as exc:
+                raise LoadError(f"{f}: cannot stat it any more ({exc.strerror}); it was removed or replaced "
+                                "after the plan was made: plan and load again") from None
+            if (st.st_size, st.st_mtime_ns, st.st_ino) != (size, mtime, ino):
+                first = next((t.label for t in self.tensors.values() if t.file == f), "(no tensor)")
+                what = (f"size {size:,} -> {st.st_size:,} bytes" if st.st_size != size
+                        else "replaced (new inode)" if st.st_ino != ino else "rewritten (new mtime)")
+                raise LoadError(f"{f}: changed since the plan was made ({what}; first tensor in it: {first}); "
+                                "plan and load again")
 
     def close(self) -> None:
         self._files.close()

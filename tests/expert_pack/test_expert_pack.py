@@ -17,7 +17,7 @@ import quantplug
 import torch
 from quantplug.checkpoint.gguf_index import read_gguf_header
 from quantplug.cli import main
-from quantplug.errors import CheckpointError, PlanError
+from quantplug.errors import CheckpointError, LoadError, PlanError
 from quantplug.models.config import parse_model_config
 from quantplug.testing import random_state, tiny_config, wrap_kimi
 from quantplug_expert_pack.build import build_pack
@@ -131,7 +131,8 @@ def test_corrupt_pack_payload_fails_on_first_read_naming_entry(gguf_dir, tmp_pat
         fh.seek(entry.offset + 3)
         fh.write(bytes([b[0] ^ 0xFF]))
     model = quantplug.load(root, progress=False)  # the index is intact: plan and load succeed
-    with pytest.raises(CheckpointError, match=r"experts\.qpack: checksum mismatch in layer 2 expert 5 up_proj"):
+    with pytest.raises(LoadError, match=r"experts\.qpack: tensor blk\.2\.ffn_up_exps\.weight expert 5: checksum "
+                                        r"mismatch in layer 2 expert 5 up_proj"):
         for e in range(8):
             model.model.layers[2].mlp.experts.up_proj(torch.zeros(1, CFG["hidden_size"]), e)
 
@@ -233,9 +234,9 @@ def test_missing_gguf_tensor_is_named_by_its_llama_cpp_name(gguf_dir, tmp_path):
 def test_cli_build_plan_and_explain(gguf_dir, tmp_path, capsys):
     root = tmp_path / "cli"
     shutil.copytree(gguf_dir[0], root)
-    assert main(["expert-pack", "build", str(root)]) == 0
+    assert main(["expert-pack", "build", str(root), "--in-place"]) == 0
     assert "48 entries" in capsys.readouterr().out
-    assert main(["expert-pack", "build", str(root)]) == 1  # already built: one line, no traceback
+    assert main(["expert-pack", "build", str(root), "--in-place"]) == 1  # already built: one line, no traceback
     err = capsys.readouterr().err
     assert "already has an expert pack" in err and "Traceback" not in err
     assert main(["plan", str(root), "--json"]) == 0

@@ -24,12 +24,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quantplug.api import AttentionLayout, CheckpointError, Claim, Problem, hookimpl
+from quantplug.api import AttentionLayout, CheckpointError, Claim, Problem, contained, hookimpl
 
 from .build import build_pack
 from .export import export_gguf
@@ -77,7 +78,7 @@ def quantplug_detect(checkpoint: Any) -> Claim | None:
     pack = None
     named = meta.get(KV_FILE)
     if named:
-        path = checkpoint.path / str(named)
+        path = contained(checkpoint.path, named, f"{files[0]}: metadata {KV_FILE}")
         if not path.is_file():
             raise CheckpointError(f"{files[0]}: its routed experts were moved to {named} by `quantplug expert-pack "
                                   f"build`, but {path} is missing")
@@ -218,7 +219,11 @@ def quantplug_export(model: Any, plan: Any, destination: Path, options: Mapping[
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
-    res = build_pack(args.path, alignment=args.alignment)
+    if (args.output is None) == (not args.in_place):
+        print("error: expert-pack build needs exactly one of -o DST (write a new directory, SRC untouched) or "
+              "--in-place (rewrite SRC's GGUF files)", file=sys.stderr)
+        return 2
+    res = build_pack(args.path, None if args.in_place else args.output, alignment=args.alignment)
     print(f"{res.pack}: {res.layers} MoE layers x {res.experts} experts x 3 roles = {res.entries} entries, "
           f"{res.moved_bytes:,} bytes moved out of {', '.join(p.name for p in res.gguf_files)}")
     return 0
@@ -228,7 +233,10 @@ def _cmd_build(args: argparse.Namespace) -> int:
 def quantplug_cli_commands(subparsers: Any) -> None:
     p = subparsers.add_parser("expert-pack", help="expert packs: routed experts served from SSD (GGUF)")
     sub = p.add_subparsers(dest="expert_pack_command", required=True)
-    b = sub.add_parser("build", help="move a GGUF checkpoint's routed experts into experts.qpack")
-    b.add_argument("path", help="checkpoint directory (config.json + .gguf files)")
+    b = sub.add_parser("build", help="copy a GGUF checkpoint with its routed experts moved into experts.qpack")
+    b.add_argument("path", help="source checkpoint directory (config.json + .gguf files)")
+    b.add_argument("-o", "--output", help="new directory to write (other files hard-linked or copied); SRC is "
+                                          "left byte-identical, even if the build is killed or the disk fills")
+    b.add_argument("--in-place", action="store_true", help="rewrite SRC's GGUF files instead (the old behaviour)")
     b.add_argument("--alignment", type=int, default=4096, help="payload alignment in bytes (default 4096)")
     b.set_defaults(fn=_cmd_build)

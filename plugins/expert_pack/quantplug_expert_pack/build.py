@@ -1,4 +1,5 @@
-"""``quantplug expert-pack build DIR``: move a GGUF's routed experts into an expert pack.
+"""``quantplug expert-pack build SRC -o DST``: a copy of a GGUF checkpoint with its routed experts
+moved into an expert pack (``--in-place``: rewrite SRC itself, the original behaviour).
 
 Reads the GGUF headers with quantplug's header reader, copies every ``blk.N.ffn_{gate,up,down}_exps``
 tensor expert by expert into ``experts.qpack`` (format: :mod:`.pack`), then rewrites each GGUF
@@ -6,6 +7,11 @@ without those tensors: metadata bytes copied verbatim, plus two keys tying the G
 (``quantplug.expert_pack.file`` and ``quantplug.expert_pack.index_sha256``). Files are written
 under temporary names and renamed only when everything is written, pack first; a failed build
 leaves the original GGUF untouched.
+
+Out of place (``output=``, the CLI's ``-o``), everything is written into a hidden sibling
+``.DST.partial-PID`` directory (every other file of SRC hard-linked when larger than
+:data:`LINK_MIN_BYTES`, else copied) that is renamed to DST as the very last step: a build killed
+at any point, or failing on a full disk, leaves SRC byte-identical and nothing under DST.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import struct
 import sys
 from dataclasses import dataclass
@@ -22,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from quantplug.api import CheckpointError, GGUFHeader, TensorInfo, read_gguf_header
+from quantplug.api import CheckpointError, GGUFHeader, TensorInfo, check_inside, contained, read_gguf_header
 
 from .pack import (
     _HEADER,
@@ -41,6 +48,9 @@ from .pack import (
 MAGIC_GGUF = b"GGUF"
 EXPS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 COPY_CHUNK = 64 << 20
+#: files of SRC at least this large are hard-linked into DST (when the file system allows);
+#: smaller ones (config.json, tokenizer files) are copied, so editing them in DST leaves SRC alone
+LINK_MIN_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -103,17 +113,98 @@ def _rewrite_gguf(header: GGUFHeader, keep: list[TensorInfo], extra_kv: dict[str
 
 
 
-def build_pack(directory: str | Path, *, alignment: int = 4096, progress: bool | None = None) -> BuildResult:
-    """Move every routed-expert tensor of the GGUF files in ``directory`` into ``experts.qpack``."""
+def build_pack(directory: str | Path, output: str | Path | None = None, *, alignment: int = 4096,
+               progress: bool | None = None) -> BuildResult:
+    """Move every routed-expert tensor of the GGUF files in ``directory`` into ``experts.qpack``.
+
+    ``output``: write a new checkpoint directory there (must not exist) and leave ``directory``
+    untouched; None: rewrite ``directory`` in place. I/O failures (a full disk) are
+    :class:`CheckpointError` naming the file; the partial output is removed.
+    """
     root = Path(directory)
+    if output is None:
+        return _guarded(root, lambda: _build(root, root, alignment, progress))
+    dst = Path(output)
+    if dst.exists() or dst.is_symlink():
+        raise CheckpointError(f"{dst}: already exists; `expert-pack build -o` writes a new directory")
+    src_real, dst_real = Path(os.path.realpath(root)), Path(os.path.realpath(dst))
+    if dst_real == src_real or src_real in dst_real.parents:
+        raise CheckpointError(f"{dst}: the output directory must not lie inside the source {root}")
+    if not (root / "config.json").is_file():
+        raise CheckpointError(f"{root}: config.json is missing (expected a checkpoint directory)")
+    partial = dst.parent / f".{dst.name}.partial-{os.getpid()}"
+
+    def run() -> BuildResult:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        partial.mkdir()
+        try:
+            res = _build(root, partial, alignment, progress)
+            written = {p.name for p in (res.pack, *res.gguf_files)}
+            _mirror(root, partial, written)
+            _fsync_dir(partial)
+            os.rename(partial, dst)  # the one step that makes DST appear, whole
+            _fsync_dir(dst.parent)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        return BuildResult(dst / res.pack.name, res.layers, res.experts, res.entries, res.moved_bytes,
+                           tuple(dst / p.name for p in res.gguf_files))
+
+    return _guarded(dst, run)
+
+
+def _guarded(where: Path, fn: Any) -> BuildResult:
+    try:
+        result: BuildResult = fn()
+    except OSError as exc:  # ENOSPC, EIO, permissions: one error class, naming the file
+        name = exc.filename or where
+        raise CheckpointError(f"{name}: {exc.strerror or exc} while building the expert pack; the source checkpoint "
+                              "is unchanged and no partial output was kept") from None
+    return result
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _mirror(src: Path, dst: Path, skip: set[str]) -> None:
+    """Every file of ``src`` not in ``skip`` (top level) into ``dst``: large ones hard-linked
+    (copied where linking fails), small ones copied. Symlinks must stay inside ``src``."""
+    for dirpath, dirnames, filenames in os.walk(src):
+        rel = Path(dirpath).relative_to(src)
+        for d in dirnames:
+            (dst / rel / d).mkdir(exist_ok=True)
+        for name in filenames:
+            if rel == Path(".") and (name in skip or name.endswith(".tmp")):
+                continue
+            s = Path(dirpath) / name
+            contained(src, str(rel / name), f"{src}: file")
+            target = dst / rel / name
+            if s.stat().st_size >= LINK_MIN_BYTES:
+                try:
+                    os.link(os.path.realpath(s), target)
+                    continue
+                except OSError:
+                    pass  # another file system, or links not allowed: copy
+            shutil.copy2(s, target)
+
+
+def _build(root: Path, out_dir: Path, alignment: int, progress: bool | None) -> BuildResult:
+    """The build proper: read from ``root``, write the pack and rewritten GGUFs into ``out_dir``
+    (temporary names, renamed at the end)."""
     if not (root / "config.json").is_file():
         raise CheckpointError(f"{root}: config.json is missing (expected a checkpoint directory)")
     if alignment <= 0 or alignment & (alignment - 1):
         raise CheckpointError(f"alignment {alignment} is not a power of two")
-    pack_path = root / PACK_NAME
-    if pack_path.exists():
+    pack_path = out_dir / PACK_NAME
+    if (root / PACK_NAME).exists() or pack_path.exists():
         raise CheckpointError(f"{pack_path}: the checkpoint already has an expert pack")
     files = sorted(root.glob("*.gguf"))
+    check_inside(root, files, str(root))
     if not files:
         raise CheckpointError(f"{root}: no .gguf files to take experts from")
     headers = [read_gguf_header(f) for f in files]
@@ -195,8 +286,8 @@ def build_pack(directory: str | Path, *, alignment: int = 4096, progress: bool |
             keep = [t for t in h.tensors if not EXPS.match(t.name)]
             if len(keep) == len(h.tensors):
                 continue
-            tmp = h.file.with_suffix(".gguf.tmp")
-            tmp_ggufs.append((tmp, h.file))
+            tmp = (out_dir / h.file.name).with_suffix(".gguf.tmp")
+            tmp_ggufs.append((tmp, out_dir / h.file.name))
             _rewrite_gguf(h, keep, extra, tmp)
         os.replace(tmp_pack, pack_path)
         for tmp, final in tmp_ggufs:

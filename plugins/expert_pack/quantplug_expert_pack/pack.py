@@ -51,7 +51,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from quantplug.api import GGUF_FLOATS, CheckpointError, QuantplugError
+from quantplug.api import GGUF_FLOATS, CheckpointError, LoadError, QuantplugError
 
 from .ggml import BLOCKS, FLOAT_TYPES
 
@@ -77,6 +77,11 @@ def _type_tables() -> tuple[dict[int, str], dict[str, int]]:
 
     by_id = {int(t): t.name for t in GGMLQuantizationType}
     return by_id, {v: k for k, v in by_id.items()}
+
+
+def _tensor(layer: int, role: str) -> str:
+    """The GGUF tensor an expert payload came from (for messages)."""
+    return f"tensor blk.{layer}.ffn_{role.removesuffix('_proj')}_exps.weight"
 
 
 def payload_size(ggml_type: str, rows: int, row_len: int) -> int:
@@ -241,10 +246,14 @@ class ExpertPack:
         got = 0
         fd = self._fileno()
         while got < length:
-            n = os.preadv(fd, [view[got:]], start + got)
+            try:
+                n = os.preadv(fd, [view[got:]], start + got)
+            except OSError as exc:
+                raise LoadError(f"{self.path}: {_tensor(layer, entries[0].role)} expert {expert}: read error at "
+                                f"offset {start + got} ({exc.strerror or exc})") from None
             if n <= 0:
-                raise CheckpointError(f"{self.path}: short read at {start + got} for layer {layer} expert {expert} "
-                                      "(file truncated after it was opened?)")
+                raise LoadError(f"{self.path}: {_tensor(layer, entries[0].role)} expert {expert}: short read at "
+                                f"{start + got} (file truncated after it was opened?)")
             got += n
         tensors = []
         for role, e in enumerate(entries):
@@ -252,8 +261,8 @@ class ExpertPack:
             key = (layer, expert, role)
             if key not in self._verified:
                 if hashlib.sha256(view[lo:lo + e.size]).digest() != e.sha256:
-                    raise CheckpointError(f"{self.path}: checksum mismatch in {e.describe()} at offset {e.offset} "
-                                          f"({e.size} bytes): the expert pack is corrupt")
+                    raise LoadError(f"{self.path}: {_tensor(layer, e.role)} expert {expert}: checksum mismatch in "
+                                    f"{e.describe()} at offset {e.offset} ({e.size} bytes): the expert pack is corrupt")
                 with self._lock:
                     self._verified.add(key)
             tensors.append(out[lo:lo + e.size].view(e.shape[0], -1))
@@ -276,8 +285,14 @@ class ExpertCache:
     a miss reads the expert straight into the least recently used slot (no other allocation), so
     resident memory never exceeds the budget and does not fragment. Pages of the buffer are
     touched only as slots fill. The tensors :meth:`get` returns are views of a slot: use them
-    before the next :meth:`get` (the model dequantizes them immediately). ``stats()`` reports
-    hits, misses, evictions, bytes read and the resident size.
+    before the next :meth:`get` *from the same thread* (the model dequantizes them immediately).
+
+    Threads: the slot a thread's last :meth:`get` returned is pinned to that thread until its
+    next :meth:`get`, and eviction skips slots pinned by other threads, so concurrent forwards
+    never see their expert overwritten; when every slot is pinned, the read goes to a private
+    buffer (not cached). A failed read (I/O error, checksum mismatch) gives its slot back, so a
+    retry after the file is repaired reads it again. ``stats()`` reports hits, misses, evictions,
+    bytes read and the resident size.
     """
 
     def __init__(self, pack: ExpertPack, budget_bytes: int) -> None:
@@ -287,16 +302,28 @@ class ExpertCache:
         self._buffer: torch.Tensor | None = None
         self._items: OrderedDict[tuple[int, int], tuple[int, tuple[torch.Tensor, ...]]] = OrderedDict()
         self._free: list[int] = list(range(self.n_slots - 1, -1, -1))
-        self.hits = self.misses = self.evictions = self.bytes_read = 0
+        self.hits = self.misses = self.evictions = self.bytes_read = self.unpinned_reads = 0
         self._lock = threading.Lock()
+        self._pins: dict[int, int] = {}  # thread id -> slot its last get() returned
+
+    def _victim(self) -> tuple[int, int] | None:
+        """(layer, expert) of the least recently used item whose slot no other thread holds."""
+        pinned = set(self._pins.values())
+        for key, (slot, _) in self._items.items():
+            if slot not in pinned:
+                return key
+        return None
 
     def get(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
         key = (layer, expert)
+        me = threading.get_ident()
         with self._lock:
+            self._pins.pop(me, None)  # this thread is done with what its previous get() returned
             item = self._items.get(key)
             if item is not None:
                 self._items.move_to_end(key)
                 self.hits += 1
+                self._pins[me] = item[0]
                 return item[1]
             if self.n_slots < 1:
                 raise QuantplugError(f"{self.pack.path}: expert cache budget {self.budget} bytes holds no expert "
@@ -306,11 +333,26 @@ class ExpertCache:
             if self._free:
                 slot = self._free.pop()
             else:
-                _, (slot, _) = self._items.popitem(last=False)
+                victim = self._victim()
+                if victim is None:  # pins of threads that have exited, or more threads than slots
+                    live = {t.ident for t in threading.enumerate()}
+                    self._pins = {t: s for t, s in self._pins.items() if t in live}
+                    victim = self._victim()
+                if victim is None:  # every slot in use by another thread right now: read privately
+                    self.misses += 1
+                    self.unpinned_reads += 1
+                    self.bytes_read += self.pack.expert_span(layer, expert)[1]
+                    return self.pack.read_expert(layer, expert)
+                slot, _ = self._items.pop(victim)
                 self.evictions += 1
             region = self._buffer[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
-            tensors = self.pack.read_expert(layer, expert, region)
+            try:
+                tensors = self.pack.read_expert(layer, expert, region)
+            except BaseException:
+                self._free.append(slot)  # a failed read caches nothing; a retry reads again
+                raise
             self._items[key] = (slot, tensors)
+            self._pins[me] = slot
             self.misses += 1
             self.bytes_read += self.pack.expert_span(layer, expert)[1]
             return tensors
@@ -322,4 +364,5 @@ class ExpertCache:
     def stats(self) -> dict[str, int]:
         return {"budget_bytes": self.budget, "slot_bytes": self.slot_bytes, "slots": self.n_slots,
                 "resident_bytes": self.resident, "hits": self.hits, "misses": self.misses,
-                "evictions": self.evictions, "bytes_read": self.bytes_read, "experts_cached": len(self._items)}
+                "evictions": self.evictions, "bytes_read": self.bytes_read, "experts_cached": len(self._items),
+                "unpinned_reads": self.unpinned_reads}
