@@ -42,7 +42,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ..api import LAYER_KINDS, ExportResult, LinearScheme, QuantplugError, TensorSpec, dense_state
+from ..api import LAYER_KINDS, ExportResult, LinearScheme, QuantplugError, TensorSpec, dense_state, plan_of
 from ..checkpoint import Checkpoint
 from ..layers.linear import DenseScheme, QuantLinear, StackedLinear
 from ..loader import load
@@ -328,7 +328,7 @@ class BackendConformance:
         """For every quantized layer, scheme.apply(x) == x @ scheme.dequantize().T (and embed == row lookup)."""
         case = self._layout(quantplug_kit, layout)
         model = quantplug_kit.load(case.path)
-        bad = _apply_mismatches(model, self.forward_rtol)
+        bad = _apply_mismatches(model, self.forward_rtol, quantplug_kit.ids)
         if bad:
             listing = "\n  ".join(bad[:8])
             _fail(f"[apply agrees with dequantize] {len(bad)} layer(s) of backend {self.backend!r}'s {layout} checkpoint "
@@ -518,8 +518,11 @@ class _Kit:
         return dst
 
     def text_state(self, model: torch.nn.Module, case: _Case) -> dict[str, torch.Tensor]:
+        """dense_state of ``model``, text names (the plan's prefix removed: a backend that renames
+        tensors may load a Kimi checkpoint under unprefixed model names)."""
         state = dense_state(model)
-        cut = f"{case.prefix}." if case.prefix else ""
+        prefix = plan_of(model).prefix
+        cut = f"{prefix}." if prefix else ""
         return {k[len(cut):]: v for k, v in state.items() if k.startswith(cut)}
 
     def check_forward(self, path: Path, case: _Case, label: str) -> torch.nn.Module:
@@ -529,7 +532,7 @@ class _Kit:
         ref = hf_logits(case.text_config, self.text_state(model, case), self.ids)
         err = rel_err(got, ref)
         if not err <= self.test.forward_rtol:
-            bad = _apply_mismatches(model, self.test.forward_rtol)
+            bad = _apply_mismatches(model, self.test.forward_rtol, self.ids)
             hint = ("; these layers' apply disagrees with their dequantize:\n  " + "\n  ".join(bad[:5]) if bad else
                     "; every scheme's apply agrees with its dequantize, so look at process_after_loading / "
                     "model-level post-processing")
@@ -650,8 +653,39 @@ def _victim(plan: LoadPlan) -> Any:
     return best or plan.params[0].sources[0][1]
 
 
-def _apply_mismatches(model: torch.nn.Module, rtol: float) -> list[str]:
+def _layer_inputs(model: torch.nn.Module, ids: torch.Tensor) -> dict[tuple[int, int | None], torch.Tensor]:
+    """The first few input rows each (layer, stacked index) sees in a forward pass on ``ids``:
+    realistic activations (schemes with static activation ranges clip anything else)."""
+    seen: dict[tuple[int, int | None], torch.Tensor] = {}
+    schemes = [getattr(m, "scheme", None) for m in model.modules()]
+    classes: set[type[LinearScheme]] = {type(s) for s in schemes if isinstance(s, LinearScheme)}
+    saved = [(cls, cls.__dict__.get("apply")) for cls in classes]
+
+    def wrap(original: Any) -> Any:
+        def apply(self: LinearScheme, layer: torch.nn.Module, x: torch.Tensor, index: int | None = None) -> Any:
+            seen.setdefault((id(layer), index), x.detach().reshape(-1, x.shape[-1])[:4].clone())
+            return original(self, layer, x, index)
+        return apply
+
+    try:
+        for cls, _ in saved:
+            cls.apply = wrap(cls.apply)  # type: ignore[method-assign]
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for cls, own in reversed(saved):
+            if own is None:
+                del cls.apply
+            else:
+                cls.apply = own
+    return seen
+
+
+def _apply_mismatches(model: torch.nn.Module, rtol: float, ids: torch.Tensor) -> list[str]:
+    """Layers whose apply differs from dequantize + matmul, on the inputs they see in a forward
+    pass on ``ids`` (random ones for layers the pass does not reach, e.g. unrouted experts)."""
     g = torch.Generator().manual_seed(3)
+    inputs = _layer_inputs(model, ids)
     bad: list[str] = []
     for mod in model.modules():
         scheme = getattr(mod, "scheme", None)
@@ -669,7 +703,9 @@ def _apply_mismatches(model: torch.nn.Module, rtol: float) -> list[str]:
                     slots = [0, mod.n - 1] if mod.n > 1 else [0]
                 err = 0.0
                 for slot in slots:
-                    x = torch.randn(3, mod.in_features, generator=g, dtype=torch.float32)
+                    x = inputs.get((id(mod), slot))
+                    if x is None:
+                        x = torch.randn(3, mod.in_features, generator=g, dtype=torch.float32)
                     w = scheme.dequantize(mod, slot).float()
                     err = max(err, rel_err(scheme.apply(mod, x, slot).float(), F.linear(x, w)))
                 where = mod.qp_ckpt
