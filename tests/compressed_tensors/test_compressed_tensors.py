@@ -308,6 +308,21 @@ def test_naive_dequant_matches_compressed_tensors(strategy, shape):
         assert torch.equal(kernels.dequantize(lay, compressed["weight"], scale, rows=(128, 300)), want[128:])
 
 
+def test_threaded_dequant_equals_one_thread():
+    """Row ranges split over threads (boundaries inside 128-row blocks and scale groups) change nothing."""
+    g = torch.Generator().manual_seed(5)
+    for lay, q, scale in (
+            (Layout("fp8", 8, "block", None, (128, 128), 1000, 1100),
+             torch.randn(1000, 1100, generator=g).to(torch.float8_e4m3fn), torch.rand(8, 9, generator=g)),
+            (Layout("packed", 4, "group", 32, None, 999, 1024),
+             torch.randint(-(2 ** 31), 2 ** 31 - 1, (999, 128), generator=g, dtype=torch.int32),
+             torch.rand(999, 32, generator=g).to(torch.bfloat16))):
+        one = kernels.dequantize(lay, q, scale, dtype=torch.bfloat16, threads=1)
+        assert torch.equal(kernels.dequantize(lay, q, scale, dtype=torch.bfloat16, threads=3), one)
+        assert torch.equal(kernels.dequantize(lay, q, scale, rows=(128, 777), threads=3),
+                           kernels.dequantize(lay, q, scale, threads=1)[128:777])
+
+
 def test_fp8_activation_groups_match_compressed_tensors():
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize

@@ -31,7 +31,7 @@ IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(g
 
 
 def w4a16_config(ignore: list[str] | None = None) -> dict[str, Any]:
-    weights = {"actorder": None, "block_structure": None, "dynamic": False, "group_size": GROUP, "num_bits": 4,
+    weights: dict[str, Any] = {"actorder": None, "block_structure": None, "dynamic": False, "group_size": GROUP, "num_bits": 4,
                "observer": None, "observer_kwargs": {}, "scale_dtype": None, "strategy": "group",
                "symmetric": True, "type": "int", "zp_dtype": None}
     return {"config_groups": {"group_0": {"format": "pack-quantized", "input_activations": None,

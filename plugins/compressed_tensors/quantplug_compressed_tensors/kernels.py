@@ -23,6 +23,7 @@ elements at once, so a forward never holds a whole dense copy of a large weight.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -134,39 +135,27 @@ def _values_into(layout: Layout, q: torch.Tensor, o: torch.Tensor) -> None:
         o.copy_(q)
 
 
-def dequantize(layout: Layout, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None,
-               dtype: torch.dtype = torch.float32, rows: tuple[int, int] | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """Dense weight rows ``rows`` (default all) [r, in] in ``dtype``.
-
-    ``q``: the stored weight (int32 words, int8 or float8) of the whole layer; ``scale`` as
-    stored; ``zero_point`` already unpacked to float32 [out, G] (:func:`unpack_zero_point`) or
-    as stored for naive formats. For the block strategy ``rows[0]`` must be a block boundary.
-    """
-    r0, r1 = rows if rows is not None else (0, layout.out_features)
+def _dequant_range(layout: Layout, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+                   out: torch.Tensor, r0: int, a0: int, a1: int) -> None:
+    """Rows a0..a1 of the weight into ``out`` (whose row 0 is weight row ``r0``), CHUNK elements at
+    a time: each torch op stays below ATen's parallel grain, so it runs in the calling thread."""
     n = layout.in_features
-    if out is None:
-        out = torch.empty(r1 - r0, n, dtype=dtype, device=q.device)
     step = max(1, CHUNK // max(n, 1))
-    if layout.strategy == "block":
-        assert layout.block
-        bh = layout.block[0]
-        step = max(bh, step // bh * bh)
     direct = out.dtype == torch.float32
-    tmp = None if direct else torch.empty(min(step, r1 - r0), n, dtype=torch.float32, device=q.device)
+    tmp = None if direct else torch.empty(min(step, a1 - a0), n, dtype=torch.float32, device=q.device)
     s_all = scale.reshape(1, 1) if layout.strategy == "tensor" else scale
-    for a in range(r0, r1, step):
-        b = min(a + step, r1)
+    for a in range(a0, a1, step):
+        b = min(a + step, a1)
         o = out[a - r0:b - r0] if direct else tmp[:b - a]  # type: ignore[index]
         _values_into(layout, q[a:b], o)
         if layout.strategy == "block":
             assert layout.block
             bh, bw = layout.block
-            s = s_all[a // bh:-(-b // bh)].float().repeat_interleave(bh, dim=0)[:b - a]
+            first = a // bh
+            s = s_all[first:-(-b // bh)].float().repeat_interleave(bh, dim=0)[a - first * bh:b - first * bh]
             group = bw
         else:
-            s = s_all.float() if layout.strategy == "tensor" else s_all[a:b].float()
-            s = s.expand(b - a, 1) if layout.strategy == "tensor" else s
+            s = s_all.float().expand(b - a, 1) if layout.strategy == "tensor" else s_all[a:b].float()
             group = layout.group if layout.strategy == "group" and layout.group else n
             if zero_point is not None:
                 z = zero_point.reshape(1, 1) if layout.strategy == "tensor" else zero_point[a:b]
@@ -174,6 +163,41 @@ def dequantize(layout: Layout, q: torch.Tensor, scale: torch.Tensor, zero_point:
         _groups_(o, s, group, torch.Tensor.mul_)
         if not direct:
             out[a - r0:b - r0].copy_(o)
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None or _POOL._max_workers < workers:  # noqa: SLF001 (grow once, reuse)
+        _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="quantplug-ct")
+    return _POOL
+
+
+def dequantize(layout: Layout, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None,
+               dtype: torch.dtype = torch.float32, rows: tuple[int, int] | None = None,
+               out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+    """Dense weight rows ``rows`` (default all) [r, in] in ``dtype``.
+
+    ``q``: the stored weight (int32 words, int8 or float8) of the whole layer; ``scale`` as
+    stored; ``zero_point`` already unpacked to float32 [out, G] (:func:`unpack_zero_point`) or
+    as stored for naive formats. Large weights are split into contiguous row ranges run by
+    ``threads`` (default ``torch.get_num_threads()``) Python threads (torch ops release the GIL; each op is small
+    enough to run serially in its thread, so no OpenMP barrier is paid per chunk).
+    """
+    r0, r1 = rows if rows is not None else (0, layout.out_features)
+    if out is None:
+        out = torch.empty(r1 - r0, layout.in_features, dtype=dtype, device=q.device)
+    workers = min(threads or torch.get_num_threads(), (r1 - r0) * layout.in_features // (8 * CHUNK))
+    if workers <= 1 or q.device.type != "cpu":
+        _dequant_range(layout, q, scale, zero_point, out, r0, r0, r1)
+        return out
+    bounds = [r0 + (r1 - r0) * i // workers for i in range(workers + 1)]
+    jobs = [_pool(workers).submit(_dequant_range, layout, q, scale, zero_point, out, r0, a, b)
+            for a, b in zip(bounds, bounds[1:])]
+    for j in jobs:
+        j.result()
     return out
 
 

@@ -4,10 +4,10 @@ stored in memory, activations fake-quantized as the config says (or not: ``activ
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from quantplug.api import FLOATS, TORCH_DTYPES, LinearScheme, LoadError, Problem, TensorInfo, TensorSpec
-from torch import nn
 
 from . import kernels
 from .config import QuantArgs
@@ -86,7 +86,7 @@ class CTScheme(LinearScheme):
                             tensor=t.name, file=t.file.name)]
         return []
 
-    def process_after_loading(self, layer: nn.Module) -> None:
+    def process_after_loading(self, layer: Any) -> None:
         if self.kind == "packed":
             shape = layer.weight_shape.to(torch.int64).reshape(-1, 2)
             want = torch.tensor([layer.out_features, layer.in_features])
@@ -108,14 +108,14 @@ class CTScheme(LinearScheme):
 
     # -- compute --------------------------------------------------------------------------------
 
-    def _layout_of(self, layer: nn.Module) -> Layout:
+    def _layout_of(self, layer: Any) -> Layout:
         lay = getattr(layer, "_ct_layout", None)
         if lay is None:
             lay = self.layout(layer.out_features, layer.in_features)
             layer._ct_layout = lay
         return lay
 
-    def _parts(self, layer: nn.Module, index: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _parts(self, layer: Any, index: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         q = layer.weight_packed if self.kind == "packed" else layer.weight
         s = layer.weight_scale
         z = getattr(layer, "_zero_point", None)
@@ -124,12 +124,12 @@ class CTScheme(LinearScheme):
             z = z[index] if z is not None else None
         return q, s, z
 
-    def dequantize(self, layer: nn.Module, index: int | None = None, rows: tuple[int, int] | None = None,
+    def dequantize(self, layer: Any, index: int | None = None, rows: tuple[int, int] | None = None,
                    dtype: torch.dtype | None = None) -> torch.Tensor:
         q, s, z = self._parts(layer, index)
         return kernels.dequantize(self._layout_of(layer), q, s, z, dtype or layer.model_dtype, rows)
 
-    def quantize_input(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def quantize_input(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         act = self.act
         if act is None or self.act_mode == "none":
             return x
@@ -138,7 +138,7 @@ class CTScheme(LinearScheme):
             return kernels.fp8_quant(x, act.group_size if act.strategy == "group" else None, static)
         return kernels.int8_quant(x, static)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
+    def apply(self, layer: Any, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
         x = self.quantize_input(layer, x)
         lay = self._layout_of(layer)
         q, s, z = self._parts(layer, index)
