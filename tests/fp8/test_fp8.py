@@ -125,13 +125,15 @@ def test_activation_emulation_equals_reference_act_quant_and_moves_logits_bounde
     assert "activation_quant=dynamic" in desc and "per token per 128" in desc
     weight_only, out_none = load_logits(ckpt[0], IDS, options={"activation_quant": "none"})
     # the weight-only model with the reference act_quant applied to the input of every FP8 linear
-    # (QuantLinear and per-expert StackedLinear calls) reproduces the default model exactly
-    hooked = 0
+    # (each FP8 scheme's apply: QuantLinear forward and the routed experts' grouped calls)
+    # reproduces the default model exactly
+    patched = set()
     for mod in weight_only.modules():
-        if getattr(mod, "scheme", None) is not None and mod.scheme.name == "fp8-block":
-            mod.register_forward_pre_hook(lambda m, args: (ref_act_quant(args[0]), *args[1:]))
-            hooked += 1
-    assert hooked == 3 * 5 + 2 * 3 + 3 + 2 * 3  # attention x3 layers, dense MLP, 2 MoE x (shared + experts)
+        scheme = getattr(mod, "scheme", None)
+        if scheme is not None and scheme.name == "fp8-block" and id(scheme) not in patched:
+            scheme.apply = lambda layer, x, index=None, orig=scheme.apply: orig(layer, ref_act_quant(x), index)
+            patched.add(id(scheme))
+    assert len(patched) == 3 * 5 + 3 + 2 * 6  # attention x3 layers, dense MLP, 2 MoE x (shared + experts)
     with torch.no_grad():
         emulated = weight_only(IDS)
     assert torch.equal(out, emulated)

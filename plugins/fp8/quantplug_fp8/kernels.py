@@ -26,8 +26,8 @@ ACT_AMAX_FLOOR = 1e-4
 #: rows of dense weight materialized at once by :func:`linear` (times in_features elements),
 #: rounded to whole block rows: bounded temporaries whatever the matrix size
 LINEAR_CHUNK_ELEMS = 1 << 20
-#: rows converted per step by :func:`dequantize` (bounds the per-row scale gather)
-DEQUANT_CHUNK_ROWS = 1024
+#: elements decoded per step by :func:`dequantize` (its int16 buffer stays in cache)
+DEQUANT_CHUNK_ELEMS = 1 << 18
 
 
 def scale_shape(out_features: int, in_features: int, block: tuple[int, int]) -> tuple[int, int]:
@@ -40,18 +40,24 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     """F8_E4M3 ``weight`` [out, in] (or [n, out, in]) with F32 ``scale`` per block -> dense ``dtype``.
 
     Exact: each element is its fp8 value times its own block's scale, multiplied in float32 (as
-    DeepSeek's kernel), then cast to ``dtype``. Works row-chunk by row-chunk, so the only
-    temporaries are a per-row scale gather (1/bk of a chunk) and, for a non-float32 ``dtype``,
-    one float32 chunk.
+    DeepSeek's kernel), then cast to ``dtype``; bit-identical to ``weight.float() * scale``
+    expanded per element (NaN codes included). torch converts float8 to float element by element
+    on CPU, so the bytes are decoded with integer ops instead: e4m3 ``s eeee mmm`` shifted left 7
+    (sign bit kept, its int16 sign extension cleared) is the fp16 ``s 0eeee mmm0000000``, which
+    is the fp8 value times 2**-8 (subnormals included: both formats' subnormals scale alike); the
+    2**8 is folded into the block scale (exact: a power of two). Works in chunks of
+    :data:`DEQUANT_CHUNK_ELEMS` elements through one reused int16 buffer (cache-sized: 8x the
+    speed of ``Tensor.float()`` on 2 cores), plus a per-row scale gather (1/bk of a chunk) and,
+    for a non-float32 ``dtype``, one float32 chunk.
     """
     if weight.dim() == 3:
         res = out if out is not None else torch.empty(weight.shape, dtype=dtype, device=weight.device)
         for i in range(weight.shape[0]):
             dequantize(weight[i], scale[i], block, dtype, res[i])
         return res
-    if weight.dim() != 2 or scale.dim() != 2:
-        raise QuantplugError(f"fp8 dequantize: expected a 2-D weight and scale, got {list(weight.shape)} "
-                             f"and {list(scale.shape)}")
+    if weight.dim() != 2 or scale.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
+        raise QuantplugError(f"fp8 dequantize: expected a 2-D float8_e4m3fn weight and a 2-D scale, got "
+                             f"{weight.dtype} {list(weight.shape)} and {list(scale.shape)}")
     rows, cols = weight.shape
     bn, bk = block
     want = scale_shape(rows, cols, block)
@@ -64,19 +70,33 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
         raise QuantplugError(f"fp8 dequantize(out=...): need {dtype} {list(weight.shape)}, got {out.dtype} "
                              f"{list(out.shape)}")
     scale = scale.to(torch.float32)
+    fold = bool((scale.abs() < 2.0 ** 100).all())  # scale * 2**8 stays finite and exact
+    mult = scale * 256.0 if fold else scale
+    raw = weight.view(torch.int8)
+    # e4m3fn NaN codes are 0x7F (the int8 maximum) and 0xFF (the uint8 maximum): two reductions
+    # over the bytes say whether any chunk needs the NaN fix-up below
+    has_nan = rows * cols > 0 and (int(raw.max()) == 0x7F or int(raw.view(torch.uint8).max()) == 0xFF)
     full = cols // bk * bk
-    step = max(bn, DEQUANT_CHUNK_ROWS // bn * bn)
-    scratch = None if dtype == torch.float32 else torch.empty(min(step, rows), cols, dtype=torch.float32)
+    step = max(1, min(rows, DEQUANT_CHUNK_ELEMS // max(cols, 1)))
+    bits = torch.empty(step, cols, dtype=torch.int16, device=weight.device)
+    scratch = None if dtype == torch.float32 else torch.empty(step, cols, dtype=torch.float32, device=weight.device)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
+        x = bits[: r1 - r0]
+        x.copy_(raw[r0:r1])
+        x.bitwise_left_shift_(7).bitwise_and_(-16385)  # & 0xBFFF: drop the sign extension's bit 14
         o = out[r0:r1] if scratch is None else scratch[: r1 - r0]
-        o.copy_(weight[r0:r1])  # fp8 -> f32 is exact
+        o.copy_(x.view(torch.float16))
+        if not fold:
+            o.mul_(256.0)
         # each row's block row, from its own index (partial last block row included)
-        s = scale.index_select(0, torch.arange(r0, r1, device=scale.device) // bn)  # [rows, ceil(in/bk)]
+        s = mult.index_select(0, torch.arange(r0, r1, device=scale.device) // bn)  # [rows, ceil(in/bk)]
         if full:
             o[:, :full].view(r1 - r0, full // bk, bk).mul_(s[:, : full // bk, None])
         if full < cols:  # the partial last block column
             o[:, full:].mul_(s[:, full // bk:])
+        if has_nan:  # NaN codes (s 1111 111) decoded to 0x3F80 | sign (+-480 before scaling)
+            o.masked_fill_((x & 0x7FFF) == 0x3F80, float("nan"))
         if scratch is not None:
             out[r0:r1].copy_(o)
     return out
