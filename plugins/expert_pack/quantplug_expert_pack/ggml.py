@@ -27,6 +27,7 @@ MXFP4     32     17    e8m0 exponent, qs[16]: x = 2^(e-128) * kvalues[nibble], j
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -69,11 +70,35 @@ class _Scratch:
         return buf[:n].view(shape)
 
 
-def _f16(b: torch.Tensor, ws: _Scratch, key: str) -> torch.Tensor:
-    """Two bytes per block [nb, 2] -> float32 [nb, 1] (little-endian f16)."""
-    raw = ws.get(key + "_raw", (b.shape[0], 2), torch.uint8)
-    raw.copy_(b)
+_LOCAL = threading.local()
+
+
+def _scratch(name: str) -> _Scratch:
+    """This thread's persistent scratch ``name`` (``"kernel"``: the kernels' temporaries, bounded
+    by ``chunk_blocks``; ``"weights"``: :func:`linear`'s dequantized chunk). Reused across calls,
+    so a forward pass allocates no fresh multi-MB temporaries; one set per thread, so concurrent
+    forwards in different threads never share a buffer."""
+    pool = getattr(_LOCAL, "pool", None)
+    if pool is None:
+        pool = _LOCAL.pool = {}
+    ws = pool.get(name)
+    if ws is None:
+        ws = pool[name] = _Scratch()
+    return ws
+
+
+def _f16(b: torch.Tensor, off: int, ws: _Scratch, key: str) -> torch.Tensor:
+    """The little-endian f16 at byte ``off`` of each block [nb, size] -> float32 [nb, 1].
+
+    Read in one strided pass through a float16 view of the blocks when the layout allows it (even
+    block size, offset and storage offset: every ggml type with an f16 scale), else through a
+    contiguous copy of the two bytes."""
     out = ws.get(key, (b.shape[0], 1), torch.float32)
+    if b.shape[1] % 2 == 0 and off % 2 == 0 and b.storage_offset() % 2 == 0 and b.stride(0) % 2 == 0:
+        out.copy_(b.view(torch.float16)[:, off // 2:off // 2 + 1])
+        return out
+    raw = ws.get(key + "_raw", (b.shape[0], 2), torch.uint8)
+    raw.copy_(b[:, off:off + 2])
     out.copy_(raw.view(torch.float16))
     return out
 
@@ -89,8 +114,11 @@ def _nibbles(qs: torch.Tensor, groups: int, ws: _Scratch, key: str = "nib") -> t
     """qs [nb, groups*w] -> [nb, groups, 2, w] uint8: low nibbles of each group, then high nibbles."""
     nb, w = qs.shape[0], qs.shape[1] // groups
     out = ws.get(key, (nb, groups, 2, w), torch.uint8)
-    torch.bitwise_right_shift(qs.reshape(nb, groups, 1, w), _LOHI.view(1, 1, 2, 1), out=out)
-    return out.bitwise_and_(0x0F)
+    src = qs.reshape(nb, groups, w)
+    # two scalar ops (vectorized) rather than one broadcast shift by [0, 4] (an order slower)
+    torch.bitwise_and(src, 0x0F, out=out[:, :, 0])
+    torch.bitwise_right_shift(src, 4, out=out[:, :, 1])
+    return out
 
 
 def _mul_sub(o: torch.Tensor, q: torch.Tensor, dl: torch.Tensor, ml: torch.Tensor, ws: _Scratch) -> None:
@@ -105,14 +133,13 @@ def _mul_sub(o: torch.Tensor, q: torch.Tensor, dl: torch.Tensor, ml: torch.Tenso
 
 
 def _q4_0(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
-    d = _f16(b[:, :2], ws, "d")
+    d = _f16(b, 0, ws, "d")
     q = _nibbles(b[:, 2:], 1, ws).view(torch.int8).sub_(8)
-    o.copy_(q.view(-1, 32))
-    o.mul_(d)
+    torch.mul(q.view(-1, 32), d, out=o)  # float(q) * d in one pass (the cast is exact)
 
 
 def _q4_1(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
-    d, m = _f16(b[:, :2], ws, "d"), _f16(b[:, 2:4], ws, "m")
+    d, m = _f16(b, 0, ws, "d"), _f16(b, 2, ws, "m")
     o.copy_(_nibbles(b[:, 4:], 1, ws).view(-1, 32))
     o.mul_(d).add_(m)
 
@@ -126,7 +153,7 @@ def _qh_bits(qh: torch.Tensor, ws: _Scratch) -> torch.Tensor:
 
 
 def _q5_0(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
-    d = _f16(b[:, :2], ws, "d")
+    d = _f16(b, 0, ws, "d")
     ql = _nibbles(b[:, 6:], 1, ws).view(-1, 32)
     ql.bitwise_or_(_qh_bits(b[:, 2:6], ws).bitwise_left_shift_(4))
     o.copy_(ql.view(torch.int8).sub_(16))
@@ -134,7 +161,7 @@ def _q5_0(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
 
 
 def _q5_1(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
-    d, m = _f16(b[:, :2], ws, "d"), _f16(b[:, 2:4], ws, "m")
+    d, m = _f16(b, 0, ws, "d"), _f16(b, 2, ws, "m")
     ql = _nibbles(b[:, 8:], 1, ws).view(-1, 32)
     ql.bitwise_or_(_qh_bits(b[:, 4:8], ws).bitwise_left_shift_(4))
     o.copy_(ql)
@@ -142,7 +169,7 @@ def _q5_1(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
 
 
 def _q8_0(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
-    d = _f16(b[:, :2], ws, "d")
+    d = _f16(b, 0, ws, "d")
     o.copy_(b[:, 2:].view(torch.int8))
     o.mul_(d)
 
@@ -150,7 +177,7 @@ def _q8_0(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
 def _q2_k(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
     nb = b.shape[0]
     scales = b[:, :16]
-    d, dmin = _f16(b[:, 80:82], ws, "d"), _f16(b[:, 82:84], ws, "dmin")
+    d, dmin = _f16(b, 80, ws, "d"), _f16(b, 82, ws, "dmin")
     lo = ws.get("sc_lo", (nb, 16), torch.uint8)
     hi = ws.get("sc_hi", (nb, 16), torch.uint8)
     torch.bitwise_and(scales, 0x0F, out=lo)
@@ -166,7 +193,7 @@ def _q2_k(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
 def _q3_k(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
     nb = b.shape[0]
     hmask, qs, sc = b[:, :32], b[:, 32:96], b[:, 96:108]
-    d = _f16(b[:, 108:110], ws, "d")
+    d = _f16(b, 108, ws, "d")
     lsc = ws.get("lsc", (nb, 2, 8), torch.uint8)
     torch.bitwise_right_shift(sc[:, :8].reshape(nb, 1, 8), _LOHI.view(1, 2, 1), out=lsc)
     hsc = ws.get("hsc", (nb, 4, 4), torch.uint8)
@@ -197,7 +224,7 @@ def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _k4_scales(b: torch.Tensor, ws: _Scratch) -> tuple[torch.Tensor, torch.Tensor]:
     nb = b.shape[0]
-    d, dmin = _f16(b[:, :2], ws, "d"), _f16(b[:, 2:4], ws, "dmin")
+    d, dmin = _f16(b, 0, ws, "d"), _f16(b, 2, ws, "dmin")
     sc, mn = _scale_min_k4(b[:, 4:16])
     return _scaled(d, sc, ws, "dl").view(nb, 8, 1), _scaled(dmin, mn, ws, "ml").view(nb, 8, 1)
 
@@ -220,7 +247,7 @@ def _q5_k(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
 
 def _q6_k(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
     nb = b.shape[0]
-    d = _f16(b[:, 208:210], ws, "d")
+    d = _f16(b, 208, ws, "d")
     dl = _scaled(d, b[:, 192:208].view(torch.int8), ws, "dl").view(nb, 16, 1)
     lo = ws.get("lo", (nb, 2, 2, 64), torch.uint8)
     torch.bitwise_right_shift(b[:, :128].reshape(nb, 2, 1, 64), _LOHI.view(1, 1, 2, 1), out=lo)
@@ -278,28 +305,38 @@ def dequantize(data: torch.Tensor, ggml_type: str, *, chunk_blocks: int = 1 << 1
                              f"elements, got {out.dtype} {list(out.shape)}")
     out = out.view(blocks.shape[0], block)
     kernel = KERNELS[ggml_type]
-    ws = _Scratch()
+    ws = _scratch("kernel")
     for s in range(0, blocks.shape[0], chunk_blocks):  # bounded, reused temporaries
         kernel(blocks[s:s + chunk_blocks], out[s:s + chunk_blocks], ws)
     return out.view(*lead, data.shape[-1] // size * block)
 
 
-#: elements of dense weight materialized at once by :func:`linear` (1 MiB of float32)
+#: elements of dense weight materialized at once by :func:`linear` (1 MiB of float32: the chunk
+#: stays in the L2 cache between its dequantization and its matmul)
 LINEAR_CHUNK_ELEMS = 1 << 18
 
 
 def linear(x: torch.Tensor, data: torch.Tensor, ggml_type: str, dtype: torch.dtype) -> torch.Tensor:
-    """``x @ W^T`` for packed ``W`` [out, row_bytes], dequantizing a block of rows at a time so the
-    dense copy never exceeds :data:`LINEAR_CHUNK_ELEMS` elements (bounded peak memory)."""
+    """``x @ W^T`` for packed ``W`` [out, row_bytes]: exact (``W`` dequantized bit-exactly, rounded to
+    the model ``dtype``, then a float matmul), a block of rows at a time into this thread's reused
+    buffer, so the dense copy never exceeds :data:`LINEAR_CHUNK_ELEMS` elements and no call
+    allocates a fresh weight-sized tensor."""
     if ggml_type in FLOAT_TYPES:
         return torch.nn.functional.linear(x, data.to(x.dtype))
-    rows = data.shape[0]
-    in_features = data.shape[-1] // BLOCKS[ggml_type][1] * BLOCKS[ggml_type][0]
-    step = max(1, LINEAR_CHUNK_ELEMS // max(in_features, 1))
+    block, size = BLOCKS[ggml_type]
+    rows, k = data.shape[0], data.shape[-1] // size * block
+    step = min(rows, max(1, LINEAR_CHUNK_ELEMS // max(k, 1)))
+    wbuf = _scratch("weights").get("w", (step, k), torch.float32)
+
+    def chunk(r: int, n: int) -> torch.Tensor:
+        w = dequantize(data[r:r + n], ggml_type, out=wbuf[:n])
+        return w if dtype == torch.float32 and x.dtype == torch.float32 else w.to(dtype).to(x.dtype)
+
     if step >= rows:
-        return torch.nn.functional.linear(x, dequantize(data, ggml_type).to(dtype).to(x.dtype))
-    out = torch.empty(*x.shape[:-1], rows, dtype=x.dtype, device=x.device)
+        return torch.nn.functional.linear(x, chunk(0, rows))
+    x2 = x.reshape(-1, k)
+    out_t = torch.empty(rows, x2.shape[0], dtype=x.dtype, device=x.device)  # rows of W^T x^T: contiguous slices
     for r in range(0, rows, step):
-        w = dequantize(data[r:r + step], ggml_type).to(x.dtype)
-        out[..., r:r + step] = torch.nn.functional.linear(x, w)
-    return out
+        n = min(step, rows - r)
+        torch.mm(chunk(r, n), x2.t(), out=out_t[r:r + n])
+    return out_t.t().reshape(*x.shape[:-1], rows)
