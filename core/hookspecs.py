@@ -248,8 +248,42 @@ def quantplug_linear_scheme(
     The answers for a fused module and for each of its shards must agree (equal ``key``), else
     the plan reports a Problem. ``options`` is the ``options=`` mapping given to ``load``.
 
+    Tensor parallelism (``quantplug.parallel``; a load under a torch.distributed group of N > 1
+    ranks, or ``plan(path, world_size=N)``). How a stored tensor splits is the scheme's answer,
+    never the core's guess: ``scheme.split(direction, out_features, in_features)`` is asked for
+    ``"out"`` (column-parallel: q_b_proj / q_proj, kv_b_proj, g_proj, gate / up projections,
+    the embedding and lm_head by vocabulary rows) and ``"in"`` (row-parallel: o_proj,
+    down_proj, with an all-reduce) and returns, per spec suffix, a
+    :class:`~quantplug.layers.linear.SplitRule` ``(axis, features, units, once)``:
+
+    * ``axis``: the stored axis that follows the split dimension; each ``features`` layer
+      features map to ``units`` stored indices (packing and block sizes: MXFP4 weight along in
+      ``(1, 2, 1)`` and its scales ``(1, 32, 1)``; ModelSlim W4A8 two rows per byte along out
+      ``(0, 2, 1)``; ggml Q4_K rows along in ``(1, 256, 144)``). The core checks that every
+      rank's slice starts and ends on a multiple of ``features`` and that the stored axis has
+      ``full / features * units`` entries;
+    * ``axis=None``: the tensor is whole on every rank (per-tensor input scales; per-output
+      scales under a row split); with ``once=True`` (row split) it is a per-output additive
+      term kept on rank 0 and zero elsewhere, so the all-reduce adds it once (ModelSlim W8A8
+      ``quant_bias``);
+    * a string instead of rules: why this scheme cannot split that way (ModelSlim dynamic
+      per-token activation quantization spans the whole input row, so its row-parallel
+      layers are replicated).
+
+    Where the rules are missing (the default ``split`` returns None: third-party schemes that
+    declare nothing), or a slice would cut a block or group, the layer is replicated on every
+    rank: a ``tensor_parallel`` decision with the reason, its bytes counted on every rank
+    (option ``strict_split`` turns it into a plan Problem). A replicated column layer computes
+    its full output and keeps the rank's slice; a replicated row layer all-gathers its input:
+    exact either way. Stacked layers are not asked: routed experts split by expert (each rank
+    a contiguous block, ``kind="experts"`` tensors along their leading axis, or per-expert
+    tensors whole), split MLA ``k_b`` / ``v_b`` stacks by head. A scheme that serves experts
+    itself (no tensors, e.g. an expert pack) is called with global expert indices, only for
+    the experts of its rank.
+
     .. versionadded:: 1.0
-    .. versionchanged:: 1.1 ``scheme.reason`` is recorded with the decision; ``quantplug.api.refuse``.
+    .. versionchanged:: 1.1 ``scheme.reason`` is recorded with the decision; ``quantplug.api.refuse``;
+       ``LinearScheme.split`` declares tensor-parallel splits.
 
     Example::
 

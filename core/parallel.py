@@ -332,9 +332,10 @@ class _Sharder:
         return rewrites
 
     def linear(self, mod: QuantLinear, direction: str, ranges: Sequence[tuple[int, int]],
-               gather: bool = False) -> bool:
+               gather: bool = False, res: dict[int, Rewrite] | str | None = None) -> bool:
         """Split ``mod`` or replicate it (recorded); sets its forward. True when split."""
-        res = self.try_linear(mod, mod.scheme, direction, mod.out_features, mod.in_features, ranges)
+        if res is None:
+            res = self.try_linear(mod, mod.scheme, direction, mod.out_features, mod.in_features, ranges)
         sizes = [n for _, n in ranges]
         start, length = ranges[self.rank]
         sharded = not isinstance(res, str)
@@ -395,24 +396,40 @@ class _Sharder:
             return
         hl = nh // self.world
         heads = self.even(nh)
-        cols: list[tuple[QuantLinear, int]] = []
-        cols.append((attn.q_proj if attn.q_lora is None else attn.q_b_proj, cfg.qk_head_dim))
+        # (module, direction, per-head features): every one must split, or the whole layer's
+        # attention is replicated (the decode path and the K/V stacks see one head count)
+        parts: list[tuple[QuantLinear, str, int]] = [
+            (attn.q_proj if attn.q_lora is None else attn.q_b_proj, "out", cfg.qk_head_dim)]
         if attn.layout.kind == "dense":
-            cols.append((attn.kv_b_proj, cfg.qk_nope_head_dim + cfg.v_head_dim))
+            parts.append((attn.kv_b_proj, "out", cfg.qk_nope_head_dim + cfg.v_head_dim))
         if cfg.mla_use_output_gate:
-            cols.append((attn.g_proj, cfg.v_head_dim))
-        for lin, per in cols:
-            self.linear(lin, "out", [(s * per, n * per) for s, n in heads])
+            parts.append((attn.g_proj, "out", cfg.v_head_dim))
+        parts.append((attn.o_proj, "in", cfg.v_head_dim))
+        planned = []
+        once: list[tuple[nn.Module, str]] = []
+        for lin, direction, per in parts:
+            ranges = [(s * per, n * per) for s, n in heads]
+            res = self.try_linear(lin, lin.scheme, direction, lin.out_features, lin.in_features, ranges)
+            if isinstance(res, str):
+                self.replicated(name, f"{lin.qp_ckpt.rsplit('.', 1)[-1]}: {res}; attention is replicated in this layer")
+                return
+            once += self.pending_once
+            planned.append((lin, direction, ranges, res))
+        stacks = []
         if attn.layout.kind == "split_kv":
             for stack in (attn.k_b, attn.v_b):
-                res = self.stacked(stack, heads)
-                if isinstance(res, str):
-                    # the per-head stacks must follow the heads: nothing else is exact
-                    raise QuantplugError(f"{stack.qp_ckpt}: cannot split its {nh} heads over {self.world} ranks: {res}")
-                self.rewrites.update(res)
-                stack.n = hl
-                self.decide(stack.qp_ckpt, "head-parallel", f"heads split {[n for _, n in heads]}")
-        self.linear(attn.o_proj, "in", [(s * cfg.v_head_dim, n * cfg.v_head_dim) for s, n in heads])
+                sres = self.stacked(stack, heads)
+                if isinstance(sres, str):
+                    self.replicated(name, f"{stack.qp_ckpt}: {sres}; attention is replicated in this layer")
+                    return
+                stacks.append((stack, sres))
+        for lin, direction, ranges, res in planned:
+            self.pending_once = [(m, n) for m, n in once if m is lin]
+            self.linear(lin, direction, ranges, res=res)
+        for stack, sres in stacks:
+            self.rewrites.update(sres)
+            stack.n = hl
+            self.decide(stack.qp_ckpt, "head-parallel", f"heads split {[n for _, n in heads]}")
         attn.num_heads = hl
 
     def mlp(self, mlp: Any) -> None:
@@ -429,6 +446,9 @@ class _Sharder:
     def experts(self, ex: Any) -> None:
         ranges = [block(ex.n, self.world, r) for r in range(self.world)]
         name = ex.gate_proj.qp_ckpt.rsplit(".", 1)[0]
+        if ex.n < self.world:
+            self.replicated(name, f"{ex.n} routed experts are fewer than {self.world} ranks")
+            return
         rewrites: dict[int, Rewrite] = {}
         backed = []
         for lin in (ex.gate_proj, ex.up_proj, ex.down_proj):
@@ -502,9 +522,6 @@ class _Sharder:
         for pid, rw in self.rewrites.items():
             pp = self.pp_by_id[pid]
             pp.sources, pp.shape = rw(self.rank)
-        # parameters with no source left here (an expert block holding none of a per-expert
-        # list cannot happen: blocks are never empty unless E < N)
-        self.plan.params = [pp for pp in self.plan.params if pp.sources]
         return self.out
 
 
