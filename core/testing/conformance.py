@@ -61,12 +61,13 @@ from .probes import (
 )
 from .reference import hf_logits, rel_err
 
-#: the kit's model: every in_features a multiple of 128 (MXFP4 32, int4 groups 32/128, FP8 blocks
-#: 128, ggml blocks 32); kv_a_proj_with_mqa has 160 output rows, a partial 128-block
+#: the kit's model: 2 layers (one dense MLP, one MoE with 4 experts + 1 shared), every in_features
+#: a multiple of 64 (MXFP4 and int4 groups of 32, ggml blocks of 32); FP8's [128, 128] blocks are
+#: all partial, kv_a_proj_with_mqa has 96 output rows
 KIT_CONFIG: dict[str, Any] = {
-    "vocab_size": 160, "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 128,
-    "num_hidden_layers": 2, "first_k_dense_replace": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
-    "q_lora_rank": 128, "kv_lora_rank": 128, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 32,
+    "vocab_size": 160, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 64,
+    "num_hidden_layers": 2, "first_k_dense_replace": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+    "q_lora_rank": 64, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 32,
     "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
 }
 #: checkpoint layouts the kit writes: DeepSeek-V3 (hub spelling) and the Kimi-K2.5 wrapper with vision

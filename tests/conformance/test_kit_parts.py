@@ -113,9 +113,10 @@ def test_write_checkpoint_dtype_casts_plain_floats_only(tmp_path):
     assert got["i8"].dtype == torch.int8 and got["i32"].dtype == torch.int32
 
 
-def test_pytest_plugin_fixtures(quantplug_tiny_checkpoint, quantplug_reference, quantplug_plugin_manager,
-                                quantplug_distribution):
+def test_pytest_plugin_fixtures(pytestconfig, quantplug_tiny_checkpoint, quantplug_reference,
+                                quantplug_plugin_manager, quantplug_distribution):
     """The fixtures the pytest11 plugin ships, as a backend's own tests use them."""
+    assert pytestconfig.pluginmanager.hasplugin("quantplug")  # loaded through the pytest11 entry point
     pm = quantplug_plugin_manager()
     ids = torch.tensor([[1, 2, 3, 4]])
     for layout in ("deepseek_v3", "fused", "kimi_k25", "tied", "sharded"):
