@@ -205,7 +205,7 @@ class Generation:
         self.input_ids = input_ids.long()
         self.max_new_tokens = max_new_tokens
         self.eos = _eos_ids(model, eos_token_id)
-        self.settings = {"min_new_tokens": min_new_tokens, "do_sample": do_sample, "temperature": temperature,
+        self.settings: dict[str, Any] = {"min_new_tokens": min_new_tokens, "do_sample": do_sample, "temperature": temperature,
                          "top_k": top_k, "top_p": top_p}
         self.generator = generator
         self.tokens: list[torch.Tensor] = []

@@ -95,7 +95,7 @@ class Tokenizer:
         n = len(ranks)
         named = {int(i): _token_str(t) for i, t in (config.get("added_tokens_decoder") or {}).items()}
         specials = {(named.get(i) or f"<|reserved_token_{i}|>"): i for i in range(n, n + KIMI_RESERVED)}
-        pattern = config.get("pat_str") if isinstance(config.get("pat_str"), str) else KIMI_PATTERN
+        pattern = str(config["pat_str"]) if isinstance(config.get("pat_str"), str) else KIMI_PATTERN
         self._tt = tiktoken.Encoding(name=file.parent.name or "tiktoken", pat_str=pattern, mergeable_ranks=ranks,
                                      special_tokens=specials)
         self._specials = set(specials.values())

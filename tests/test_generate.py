@@ -15,9 +15,25 @@ from conftest import VENDOR, rel_err
 from quantplug.cli import main
 from quantplug.generate import GenerationError, new_cache, process_logits
 from quantplug.models.config import parse_model_config
-from quantplug.testing import hub_rope_spelling, random_state, tiny_config, to_layout, wrap_kimi, write_checkpoint
+from quantplug.testing import (
+    hub_rope_spelling,
+    random_state,
+    tiny_config,
+    to_layout,
+    wrap_kimi,
+    write_checkpoint,
+)
 
 IDS = torch.randint(0, 160, (2, 7), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one torch thread is several times faster than two spinning on a shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def hf_model(cfg: dict, state: dict):
@@ -259,4 +275,12 @@ def test_cli_generate_prints_text_with_a_tokenizer(tmp_path, capsys):
     assert len(d["tokens"]) == 5 and d["text"] == " ".join(f"w{t}" for t in d["tokens"])
     assert main(["generate", str(path), "--prompt", "w1 w2 w3", "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.strip() == d["text"]
+    # --chat: the prompt goes through tokenizer_config.json's template first
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "{% for m in messages %}w7 {{ m['content'] }} w8{% endfor %}{% if add_generation_prompt %}"
+                          " w9{% endif %}"}))
+    assert main(["generate", str(path), "--prompt", "w1", "--chat", "--max-new-tokens", "3", "--json"]) == 0
+    chat = json.loads(capsys.readouterr().out)
+    model = quantplug.load(path, progress=False)
+    assert chat["tokens"] == model.generate(torch.tensor([[7, 1, 8, 9]]), 3, eos_token_id=None)[0, 4:].tolist()
     shutil.rmtree(path)
