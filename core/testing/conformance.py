@@ -235,7 +235,7 @@ class BackendConformance:
                   f"not {self.backend!r} (see test_claims_its_own_checkpoint)")
         if plan.errors:
             listing = "\n  ".join(p.describe() for p in plan.errors[:10])
-            _fail(f"[clean plan] the plan of backend {self.backend!r}'s own {layout} checkpoint has {len(plan.errors)} "
+            _fail(f"[clean plan] the plan of backend {self.backend}'s own {layout} checkpoint has {len(plan.errors)} "
                   f"error(s); the tensors write_checkpoint wrote must be the ones the backend's schemes declare "
                   f"(TensorSpec names, dtypes, shapes):\n  {listing}")
 
@@ -254,7 +254,7 @@ class BackendConformance:
     def test_does_not_claim_other_formats(self, quantplug_kit: _Kit, fmt: str) -> None:
         """The tiny fixtures of the bundled formats are not claimed (two claims are ambiguous)."""
         if fmt == self.backend or fmt in self.claims_formats:
-            pytest.skip(f"{fmt} is backend {self.backend!r}'s own format")
+            pytest.skip(f"{fmt} is backend {self.backend}'s own format")
         path = quantplug_kit.formats()[fmt]
         claim = quantplug_kit.claim(path)
         if claim is not None:
@@ -277,7 +277,7 @@ class BackendConformance:
                     raise
         if reads:
             listing = "\n  ".join(reads.events[:5])
-            _fail(f"[plan reads no tensor data] planning backend {self.backend!r}'s {layout} checkpoint read tensor data (by the code named):\n"
+            _fail(f"[plan reads no tensor data] planning backend {self.backend}'s {layout} checkpoint read tensor data (by the code named):\n"
                   f"  {listing}\nhooks see headers only (checkpoint.tensors: name, dtype, shape, offsets); read "
                   "data in the scheme after loading (process_after_loading) instead")
 
@@ -299,7 +299,7 @@ class BackendConformance:
                                 "arguments (no hidden state)")
         if problems:
             listing = "\n  ".join(dict.fromkeys(problems))
-            _fail(f"[frozen answers] backend {self.backend!r}'s hook answers:\n  {listing}")
+            _fail(f"[frozen answers] backend {self.backend}'s hook answers:\n  {listing}")
 
     def test_unknown_layer_kind_gets_none(self, quantplug_kit: _Kit) -> None:
         """quantplug_linear_scheme answers None for a layer kind it does not know (kinds are added over time)."""
@@ -332,7 +332,7 @@ class BackendConformance:
         bad = _apply_mismatches(model, self.forward_rtol, quantplug_kit.ids)
         if bad:
             listing = "\n  ".join(bad[:8])
-            _fail(f"[apply agrees with dequantize] {len(bad)} layer(s) of backend {self.backend!r}'s {layout} checkpoint "
+            _fail(f"[apply agrees with dequantize] {len(bad)} layer(s) of backend {self.backend}'s {layout} checkpoint "
                   f"compute something else than their own dequantized weight (rel err > {self.forward_rtol:g}):\n"
                   f"  {listing}\napply(layer, x) must equal x @ dequantize(layer).T: check scales, zero points, "
                   "packing order and the stacked index in both")
@@ -354,7 +354,7 @@ class BackendConformance:
         rename_stored_tensor(work / info.file.name, stored)
         text, raised = quantplug_kit.plan_errors(work)
         if stored not in text:
-            _fail(f"[missing tensor] {stored} (in {info.file.name}) was removed from backend {self.backend!r}'s checkpoint, "
+            _fail(f"[missing tensor] {stored} (in {info.file.name}) was removed from backend {self.backend}'s checkpoint, "
                   f"but the plan {'raised' if raised else 'reported'}: {text or 'no error'}. Declare every tensor "
                   "a scheme needs in tensor_specs (optional=False) so the plan names a missing one before loading")
 

@@ -75,9 +75,11 @@ def _data_starts(path: str | Path) -> dict[tuple[int, int], tuple[Path, int]]:
 def _culprit() -> str:
     """The innermost caller outside quantplug's core, the standard library and pluggy."""
     stack = traceback.extract_stack()[:-3]
+    stdlib = os.path.dirname(os.__file__)
     for frame in reversed(stack):
         f = frame.filename
-        if f.startswith(_PKG) or "/pluggy/" in f or f.startswith(os.path.dirname(os.__file__)) or f.startswith("<"):
+        if (f.startswith(_PKG) or "/pluggy/" in f or f.startswith("<")
+                or (f.startswith(stdlib) and "-packages" not in f)):
             continue
         return f"{f}:{frame.lineno} in {frame.name}"
     last = stack[-1] if stack else None

@@ -133,7 +133,7 @@ EXPECT = {
     "scaleless_acme": ("forward or apply or weights", {
         "test_dequantized_weights_are_close_to_the_source": "check that dequantize applies the scales"}),
     "sloppy_acme": ("reads or frozen or unknown", {
-        "test_plan_reads_no_tensor_data": "planning backend 'acme''s deepseek_v3 checkpoint read tensor data",
+        "test_plan_reads_no_tensor_data": "planning backend acme's deepseek_v3 checkpoint read tensor data",
         "test_hook_answers_are_frozen_and_repeatable": "Claim.quant_config is a dict",
         "test_unknown_layer_kind_gets_none": "return None for kinds you do not handle"}),
     "lax_acme": ("missing", {"test_missing_tensor_is_named_at_plan_time": "Declare every tensor a scheme needs"}),
