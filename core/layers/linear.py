@@ -141,6 +141,19 @@ class LinearScheme(abc.ABC):
         w = self.dequantize(layer, index)
         return F.linear(x.to(w.dtype), w)
 
+    def apply_grouped(self, layer: nn.Module, x: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
+        """Stacked layers (routed experts): ``x`` [rows, in] holds consecutive groups of rows,
+        ``groups`` = [(slot, rows), ...] in order; returns [rows, out], each group through its
+        slot. The default applies slot by slot; a scheme may batch the slots (one kernel over
+        several experts' weights). Must agree with :meth:`apply` per group."""
+        if len(groups) == 1:
+            return self.apply(layer, x, groups[0][0])
+        outs, start = [], 0
+        for slot, n in groups:
+            outs.append(self.apply(layer, x[start:start + n], slot))
+            start += n
+        return torch.cat(outs)
+
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the weight (layer kind ``"embedding"``), in the model dtype. The
         default dequantizes the whole matrix; a scheme can dequantize only the rows looked up."""
@@ -312,6 +325,10 @@ class StackedLinear(PlannedModule):
 
     def forward(self, x: torch.Tensor, index: int) -> torch.Tensor:
         return self.scheme.apply(self, x, index)
+
+    def forward_grouped(self, x: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
+        """Consecutive row groups of x [rows, in], group (slot, n) through slot ``slot``."""
+        return self.scheme.apply_grouped(self, x, groups)
 
     def forward_all(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., n, T, in] -> [..., n, T, out], slot i applied to x[..., i, :, :]."""

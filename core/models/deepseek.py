@@ -286,14 +286,27 @@ class Experts(nn.Module):
             setattr(self, proj, StackedLinear(e, i, o, d.scheme(name, "experts", shards), name, src, d.model_dtype))
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [T, H], idx / w [T, top_k]. Token-expert pairs are sorted by expert once (one
+        bincount read back: the only host sync), each projection runs over the hit experts'
+        consecutive row groups (``StackedLinear.forward_grouped``), and one ``index_add_`` sums
+        the weighted rows back per token, in ascending expert order as a per-expert loop would."""
         out = torch.zeros_like(x)
-        hit = torch.unique(idx).tolist()
-        for k in hit:
-            pos, tok = torch.where(idx.t() == k)
-            xs = x[tok]
-            hs = F.silu(self.gate_proj(xs, k)) * self.up_proj(xs, k)
-            hs = self.down_proj(hs, k) * w[tok, pos, None]
-            out.index_add_(0, tok, hs.to(out.dtype))
+        k = idx.shape[-1]
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)                 # by expert, then by token
+        counts = torch.bincount(flat, minlength=self.n).tolist()
+        lo = sum(counts[:self.first])
+        groups = [(e - self.slot_base, counts[e]) for e in range(self.first, self.first + self.count) if counts[e]]
+        if not groups:
+            return self.qp_parallel(out) if self.qp_parallel is not None else out
+        order = order[lo:lo + sum(n for _, n in groups)]
+        tok = order // k
+        xs = x.index_select(0, tok)
+        hs = F.silu(self.gate_proj.forward_grouped(xs, groups)) * self.up_proj.forward_grouped(xs, groups)
+        hs = self.down_proj.forward_grouped(hs, groups) * w.reshape(-1).index_select(0, order).unsqueeze(-1)
+        out.index_add_(0, tok, hs.to(out.dtype))
+        if self.qp_parallel is not None:
+            out = self.qp_parallel(out)  # sum of every rank's experts: one all-reduce
         return out
 
 

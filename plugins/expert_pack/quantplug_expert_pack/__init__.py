@@ -16,7 +16,9 @@ Every GGUF-specific decision is one of this plugin's hook answers:
 
 Options (``quantplug.load(..., options={...})`` / ``-o KEY=VALUE``): ``expert_cache_mb`` (LRU
 budget for pack-served experts, default 1024), ``dequantize`` (keep a dense copy of every GGUF
-linear after loading: faster forward, more memory; default false).
+linear after loading: faster forward, more memory; default false), ``kernels`` ("exact", the
+default: bit-exact dequantization + float matmul; "fast": Q4_0 / Q4_1 / Q4_K / Q8_0 linears repacked
+at load for torch's int4 CPU kernel, bfloat16 activations; error documented in the README).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quantplug.api import AttentionLayout, CheckpointError, Claim, Problem, contained, hookimpl
+from quantplug.api import AttentionLayout, CheckpointError, Claim, Problem, contained, hookimpl, option
 
 from .build import build_pack
 from .export import export_gguf
@@ -43,6 +45,8 @@ QUANTPLUG_CONTRACT = "1.1"
 
 __version__ = "0.1.0"
 DEFAULT_CACHE_MB = 1024
+#: values of the ``kernels`` option: "exact" (default) or "fast" (see schemes.GGMLScheme)
+KERNELS = ("exact", "fast")
 _EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)$")
 
 
@@ -140,7 +144,11 @@ def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Seque
     info = checkpoint.get(f"{names[0]}.weight") or checkpoint.get(f"{layer_name}.weight")
     if info is None:
         return None  # the core's dense scheme answers; the plan reports the missing tensor
-    return GGMLScheme(info.dtype, cache=bool(options.get("dequantize", False)))
+    # kernels="fast" repacks 4-bit-affine ggml types for torch's int4 kernel; never the embedding
+    # (looked up row by row, not multiplied)
+    kernels = option(options, "kernels", "exact", KERNELS)
+    return GGMLScheme(info.dtype, cache=bool(options.get("dequantize", False)),
+                      kernels="exact" if layer_kind == "embedding" else kernels)
 
 
 _META_CHECKS = (

@@ -340,3 +340,74 @@ def linear(x: torch.Tensor, data: torch.Tensor, ggml_type: str, dtype: torch.dty
         n = min(step, rows - r)
         torch.mm(chunk(r, n), x2.t(), out=out_t[r:r + n])
     return out_t.t().reshape(*x.shape[:-1], rows)
+
+
+# --- fast kernels (load option ``kernels="fast"``) ---------------------------------------------
+#
+# torch's CPU weight-only int4 kernel (``aten._weight_int4pack_mm_for_cpu``, the one gpt-fast and
+# torchao use) computes ``x @ W^T`` with ``W = (q - 8) * scale + zero`` per group of 32 inputs, q a
+# 4-bit code, from a layout made once by ``aten._convert_weight_to_int4pack_for_cpu``. Its fast
+# path takes bfloat16 activations and scales (its float32 path is a slow reference loop), so
+# "fast" rounds activations, group scales / zeros and the output to bfloat16; the int4 codes are
+# kept exactly. ggml types whose blocks are 4-bit affine in groups of 32 map onto it directly:
+#
+# * Q4_0: scale d, zero 0 (w = d * (q - 8));  Q4_1: scale d, zero m + 8d (w = d * q + m);
+# * Q4_K: per sub-block of 32, scale dl = d * sc, zero 8 dl - ml (w = dl * q - ml);
+# * Q8_0: q8 = 16 * hi + lo (hi = q8 >> 4 in -8..7, lo = q8 & 15): two int4 halves side by side,
+#   hi with scale 16d, lo with scale d and zero 8d, against x repeated twice (K' = 2K).
+#
+# The kernel needs the output rows in multiples of 16; other shapes and types stay exact.
+
+#: ggml types with a fast (int4-pack) kernel
+FAST_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
+INT4_GROUP = 32
+
+
+def _int4_parts(data: torch.Tensor, ggml_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed rows [N, row_bytes] -> (codes int32 [N, K'] in 0..15, scale [N, K'/32], zero [N, K'/32])
+    float32, with ``(codes - 8) * scale + zero`` = the dequantized weight (K' = 2K for Q8_0)."""
+    n, size = data.shape[0], BLOCKS[ggml_type][1]
+    b = data.reshape(-1, size)
+    ws = _Scratch()
+    if ggml_type in ("Q4_0", "Q4_1"):
+        d = _f16(b, 0, ws, "d").clone()
+        codes = _nibbles(b[:, 2 if ggml_type == "Q4_0" else 4:], 1, ws).reshape(n, -1).to(torch.int32)
+        zero = torch.zeros_like(d) if ggml_type == "Q4_0" else _f16(b, 2, ws, "m") + 8 * d
+        return codes, d.view(n, -1), zero.view(n, -1)
+    if ggml_type == "Q4_K":
+        dl, ml = _k4_scales(b, ws)
+        codes = _nibbles(b[:, 16:], 4, ws).reshape(n, -1).to(torch.int32)
+        return codes, dl.reshape(n, -1).clone(), (8 * dl - ml).reshape(n, -1)
+    if ggml_type == "Q8_0":
+        d = _f16(b, 0, ws, "d").clone().view(n, -1)
+        q = b[:, 2:].view(torch.int8).reshape(n, -1).to(torch.int32)
+        codes = torch.cat([(q >> 4) + 8, q & 15], dim=-1)
+        return codes, torch.cat([16 * d, d], dim=-1), torch.cat([torch.zeros_like(d), 8 * d], dim=-1)
+    raise QuantplugError(f"ggml type {ggml_type} has no fast kernel; fast types: {', '.join(FAST_TYPES)}")
+
+
+def int4_repack(data: torch.Tensor, ggml_type: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The fast kernel's form of packed rows ``[..., N, row_bytes]`` (stacked: one per leading
+    index): (int4 pack uint8 [..., N, K'/2], scales and zeros bfloat16 [..., K'/32, N, 2]); None
+    when the type has no fast kernel or N is not a multiple of 16."""
+    if ggml_type not in FAST_TYPES or data.shape[-2] % 16:
+        return None
+    lead = data.shape[:-2]
+    flat = data.reshape(-1, *data.shape[-2:])
+    packs, szs = [], []
+    for m in flat:
+        codes, scale, zero = _int4_parts(m, ggml_type)
+        packs.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1))
+        szs.append(torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous())
+    pack, sz = torch.stack(packs), torch.stack(szs)
+    return pack.view(*lead, *pack.shape[1:]), sz.view(*lead, *sz.shape[1:])
+
+
+def int4_linear(x: torch.Tensor, pack: torch.Tensor, sz: torch.Tensor, ggml_type: str) -> torch.Tensor:
+    """``x @ W^T`` through the int4-pack kernel (bfloat16 activations; see the section comment)."""
+    n = pack.shape[0]
+    xb = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    if ggml_type == "Q8_0":
+        xb = torch.cat([xb, xb], dim=-1)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), pack, INT4_GROUP, sz)
+    return y.to(x.dtype).view(*x.shape[:-1], n)

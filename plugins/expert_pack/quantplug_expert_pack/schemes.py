@@ -30,16 +30,20 @@ class GGMLScheme(LinearScheme):
 
     name = "ggml"
 
-    def __init__(self, ggml_type: str, cache: bool = False) -> None:
+    def __init__(self, ggml_type: str, cache: bool = False, kernels: str = "exact") -> None:
         self.ggml_type = ggml_type
         self.cache = cache
+        #: "exact" (dequantize bit-exactly, float matmul) or "fast" (the int4-pack kernel for
+        #: ggml.FAST_TYPES, bfloat16 activations; other types stay exact)
+        self.kernels = kernels
 
     @property
     def key(self) -> str:
         return "ggml"
 
     def describe(self) -> str:
-        return f"ggml {self.ggml_type}" + ("; cached dense copy" if self.cache else "")
+        fast = self.kernels == "fast" and self.ggml_type in ggml.FAST_TYPES and not self.cache
+        return f"ggml {self.ggml_type}" + ("; cached dense copy" if self.cache else "") + ("; fast int4 kernel" if fast else "")
 
     def tensor_specs(self, out_features: int, in_features: int) -> list[TensorSpec]:
         return [TensorSpec("weight", (self.ggml_type,), (out_features, in_features))]
@@ -78,6 +82,11 @@ class GGMLScheme(LinearScheme):
         return self._dense(layer, w if index is None else w[index])
 
     def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
+        pack = getattr(layer, "_int4", None)
+        if pack is not None:
+            sz: torch.Tensor = layer._int4_sz  # type: ignore[assignment]
+            return ggml.int4_linear(x, pack if index is None else pack[index], sz if index is None else sz[index],
+                                    self.ggml_type)
         if getattr(layer, "_dequantized", None) is not None or self.ggml_type in ggml.FLOAT_TYPES:
             return F.linear(x, self.dequantize(layer, index).to(x.dtype))
         w: torch.Tensor = layer.weight  # type: ignore[assignment]
@@ -94,6 +103,13 @@ class GGMLScheme(LinearScheme):
     def process_after_loading(self, layer: nn.Module) -> None:
         if self.cache and self.ggml_type not in ggml.FLOAT_TYPES:
             layer.register_buffer("_dequantized", self._dense(layer, layer.weight), persistent=False)  # type: ignore[arg-type]
+        elif self.kernels == "fast":
+            # repacked once, here (counted in load time and model bytes); the packed weight stays
+            # for dequantize / export
+            fast = ggml.int4_repack(layer.weight, self.ggml_type)  # type: ignore[arg-type]
+            if fast is not None:
+                layer.register_buffer("_int4", fast[0], persistent=False)
+                layer.register_buffer("_int4_sz", fast[1], persistent=False)
 
 
 class PackedExpertsScheme(LinearScheme):
