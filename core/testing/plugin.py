@@ -19,10 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-import torch
+
+if TYPE_CHECKING:  # pytest loads this plugin in every session: torch only when a fixture is used
+    import torch
 
 LAYOUTS = ("deepseek_v3", "fused", "kimi_k25", "tied", "sharded")
 

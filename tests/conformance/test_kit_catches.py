@@ -6,9 +6,16 @@ kit in a pytester session exactly as a vendor's suite would run it.
 
 from __future__ import annotations
 
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+
+# the worked example, importable without being installed
+EXAMPLE = Path(__file__).parents[2] / "examples" / "acme_quant"
+if str(EXAMPLE) not in sys.path:
+    sys.path.insert(0, str(EXAMPLE))
 
 pytest_plugins = ["pytester"]
 
