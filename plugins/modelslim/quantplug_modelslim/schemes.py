@@ -39,6 +39,11 @@ def dynamic_quant(x: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tenso
     return torch.clamp(torch.round(x / s + o), -128, 127), s, o
 
 
+def int8_matmul(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """int8 q [..., k] x int8 w [n, k] -> exact int32 [..., n] (``torch._int_mm``, CPU: any shape)."""
+    return torch._int_mm(q.reshape(-1, q.shape[-1]), w.t()).view(*q.shape[:-1], w.shape[0])
+
+
 def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
     """int8 [..., n/2, k] (low nibble = even row, high nibble = odd row, signed) -> int8 [..., n, k]."""
     p = packed.view(torch.int8) if packed.dtype != torch.int8 else packed
@@ -122,10 +127,10 @@ class W8A8Static(_IntScheme):
         if not layer._symmetric:
             w = self.dequantize(layer).to(torch.float32)
             return F.linear((q - o) * s, w).to(x.dtype)
-        # int8 x int8 accumulated exactly (float64 holds every int32 sum exactly)
-        acc = F.linear(q.to(torch.float64), layer.weight.to(torch.float64))
-        acc = (acc + layer.quant_bias.to(torch.float64)).to(torch.float32)
-        return (acc * layer._deq).to(x.dtype)
+        # int8 x int8 -> int32, as the deployed kernel computes (the same integers the float64
+        # emulation produced, so the same logits, from an int8 GEMM instead of a float64 one)
+        acc = int8_matmul(q.to(torch.int8), layer.weight) + layer.quant_bias
+        return (acc.to(torch.float32) * layer._deq).to(x.dtype)
 
 
 class W8A8Dynamic(_IntScheme):
@@ -159,8 +164,21 @@ class W8A8Dynamic(_IntScheme):
         return {s.suffix: SplitRule(0, 2 if s.suffix == "weight" and self.desc_type == "W4A8_DYNAMIC" else 1)
                 for s in self.tensor_specs(out_features, in_features)}
 
+    def process_after_loading(self, layer: nn.Module) -> None:
+        # per-channel symmetric int8 weights (what Ascend deploys): the int8 x int8 -> int32 path
+        layer._int_path = (self.desc_type == "W8A8_DYNAMIC" and not self.group_size
+                           and bool((layer.weight_offset == 0).all()))
+        if layer._int_path:
+            layer.register_buffer("_row_sum", layer.weight.to(torch.int32).sum(-1), persistent=False)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
         q, s, o = dynamic_quant(x, self.mode)
+        if getattr(layer, "_int_path", False):
+            # s * ws * sum_k (q_k - o) w_k = s * ws * (q . w - o * sum_k w_k), the dot in int32
+            w, ws, rs = (layer.weight, layer.weight_scale, layer._row_sum) if index is None else \
+                (layer.weight[index], layer.weight_scale[index], layer._row_sum[index])
+            acc = int8_matmul(q.to(torch.int8), w) - o.to(torch.int32) * rs
+            return (acc.to(torch.float32) * s * ws.view(-1)).to(x.dtype)
         w = self.dequantize(layer, index).to(torch.float32)
         return F.linear((q - o) * s, w).to(x.dtype)
 
