@@ -36,7 +36,7 @@ import types
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import pytest
 import torch
@@ -62,8 +62,8 @@ from .probes import (
 from .reference import hf_logits, rel_err
 
 #: the kit's model: 2 layers (one dense MLP, one MoE with 4 experts + 1 shared), every in_features
-#: a multiple of 64 (MXFP4 and int4 groups of 32, ggml blocks of 32); FP8's [128, 128] blocks are
-#: all partial, kv_a_proj_with_mqa has 96 output rows
+#: a multiple of 64 (MXFP4 and int4 groups of 32, ggml blocks of 32); most FP8 [128, 128] blocks
+#: are partial (kv_a_proj_with_mqa: 96 x 64)
 KIT_CONFIG: dict[str, Any] = {
     "vocab_size": 160, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 64,
     "num_hidden_layers": 2, "first_k_dense_replace": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
@@ -76,7 +76,7 @@ LAYOUTS = ("deepseek_v3", "kimi_k25")
 UNKNOWN_KIND = "quantplug-conformance-unknown-kind"
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     pytest.fail(message, pytrace=False)
 
 
@@ -530,6 +530,11 @@ class _Kit:
         model = self.load(path)
         with torch.no_grad():
             got = model(self.ids)
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            _fail("the forward check runs transformers' DeepseekV3ForCausalLM as the reference: "
+                  "pip install 'transformers>=5' (or quantplug[test])")
         ref = hf_logits(case.text_config, self.text_state(model, case), self.ids)
         err = rel_err(got, ref)
         if not err <= self.test.forward_rtol:
