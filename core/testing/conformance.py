@@ -288,6 +288,9 @@ class BackendConformance:
         rec.answers.clear()
         for layout in self.layouts:
             quantplug_kit.plan(quantplug_kit.case(layout).path)
+        if not any(hook == "quantplug_detect" for hook, _, _ in rec.answers):
+            _fail(f"[frozen answers] the kit saw no answer of {self.backend!r} while planning its own checkpoints "
+                  "(see test_claims_its_own_checkpoint)")
         problems: list[str] = []
         for hook, _, value in rec.answers:
             problems += _check_answer(hook, value)
