@@ -71,6 +71,8 @@ def contained(root: Path, name: Any, what: str) -> Path:
     relative path that, symlinks resolved, stays inside ``root``."""
     if not isinstance(name, str) or not name or "\0" in name:
         raise CheckpointError(f"{what}: file name {name!r} is not a non-empty string")
+    if len(name) > 4096 or any(len(part.encode()) > 255 for part in re.split(r"[\\/]", name)):
+        raise CheckpointError(f"{what}: file name {name[:80]!r}... is longer than a file system allows")
     p = Path(name)
     if p.is_absolute() or name.startswith(("/", "\\")) or ".." in re.split(r"[\\/]", name):
         raise CheckpointError(f"{what}: file name {name!r} must be relative to the checkpoint directory "

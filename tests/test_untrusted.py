@@ -236,7 +236,6 @@ def test_quark_e8m0_scales_give_identical_logits(tmp_path):
     # below have one layout (the U8 header is padded with JSON whitespace to the same length), so
     # every tensor sits at the same offset and the logits must be bit-identical.
     root = kit.vendor(tmp_path / "e8m0", "quark_mxfp4_dsv3")
-    base = _logits(root)
     st = load_file(str(root / "model.safetensors"))
     n = 0
     for k in list(st):
@@ -251,9 +250,7 @@ def test_quark_e8m0_scales_give_identical_logits(tmp_path):
     assert header.count(b'"U8"     ') == n
     control = kit.clone(root, tmp_path / "u8", changed="model.safetensors")
     (control / "model.safetensors").write_bytes(data[:8] + header + data[8 + hlen:])
-    e8m0, u8 = _logits(root), _logits(control)
-    assert torch.equal(e8m0, u8)
-    assert float((e8m0 - base).abs().max() / base.abs().max()) < 1e-5  # the vendor file, re-laid out
+    assert torch.equal(_logits(root), _logits(control))
 
 
 # -- 7. grouped errors ---------------------------------------------------------------------------
@@ -447,7 +444,7 @@ def test_two_threads_forward_on_one_pack_model_match_one_thread(pack_dir):
     model = quantplug.load(pack_dir, progress=False, options={"expert_cache_mb": 0.02})
     cache = model.expert_cache
     assert cache.n_slots >= 1
-    ids = [torch.tensor([[i, (7 * i) % 160, (13 * i) % 160, 5, 9]]) for i in range(8)]
+    ids = [torch.tensor([[i, (7 * i) % 160, (13 * i) % 160, 5, 9]]) for i in range(4)]
     with torch.no_grad():
         ref = [model(x) for x in ids]
     out: dict[tuple[int, int], torch.Tensor] = {}
@@ -455,7 +452,7 @@ def test_two_threads_forward_on_one_pack_model_match_one_thread(pack_dir):
 
     def run(t: int) -> None:
         try:
-            for rep in range(3):
+            for rep in range(2):
                 for i in range(t, len(ids), 2):
                     with torch.no_grad():
                         out[(i, rep)] = model(ids[i])

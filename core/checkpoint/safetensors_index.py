@@ -65,10 +65,10 @@ def read_index(root: Path) -> dict[str, str]:
     weight_map: dict[str, str] = doc["weight_map"]
     checked: set[str] = set()
     for name, shard in weight_map.items():
-        if shard in checked:
-            continue
         if not isinstance(shard, str):
             raise CheckpointError(f"{index_path}: weight_map[{name!r}] = {shard!r}: expected a shard file name")
+        if shard in checked:
+            continue
         contained(root, shard, f"{index_path}: weight_map[{name!r}]")
         checked.add(shard)
     return weight_map

@@ -1,0 +1,456 @@
+"""Seeded mutation fuzzing of everything quantplug parses itself.
+
+Bases: a sharded dense safetensors checkpoint (with index), a GGUF checkpoint, the same GGUF after
+``expert-pack build``, the amd-quark MXFP4 vendor fixture and the msmodelslim W8A8 vendor fixture.
+Each case copies one base (hard links), replaces one file with a mutated version and runs, by
+level, the file's own reader (``read``), ``quantplug.plan`` (``plan``) or plan + load + forward
+(``forward``).
+
+Oracle, per case: it ends in success or a :class:`~quantplug.errors.QuantplugError` (anything
+else, a hang over ``timeout_s`` or a MemoryError is a failure). A forward that succeeds must give
+the base's logits bit for bit unless the difference is explained:
+
+* ``data``: the mutated bytes lie inside the data of a tensor the plan uses (safetensors and GGUF
+  carry no data checksum; the expert pack does, and its payload mutations must raise);
+* ``declared``: the mutated header / config declares a different but valid model (the plan's
+  fingerprint: parsed config, schemes, every used tensor's dtype / shape / byte range, differs
+  from the base's); when only the config differs the logits must still be finite.
+
+Anything else (same fingerprint, untouched data, different logits) is a failure: a silent wrong
+load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import resource
+import signal
+import struct
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from quantplug.checkpoint.gguf_index import read_gguf_header
+from quantplug.checkpoint.safetensors_index import read_header
+from quantplug.errors import QuantplugError
+from quantplug.loader import execute
+from quantplug.plan import build_plan
+
+from . import kit
+
+VALUES: list[Any] = [
+    None, -1, 0, 1, 2, 3, 7, 255, 2**31, 2**32 + 1, 2**63, -(2**63), 10**30, 0.0, -0.0, 1e-320, 1e308,
+    -1.5, 0.5, 1e6, float("nan"), float("inf"), True, False, "", "x", "yarn", "default", "linear", "silu",
+    "softmax", "fp4", "int8", "e8m0", "per_group", "W8A8", "FLOAT", "../../x.safetensors", "/etc/passwd",
+    "model.safetensors", [], [1, 2], [None], {}, {"a": 1}, {"type": "yarn"}, "a" * 5000,
+]
+INTERESTING_U64 = [0, 1, 2, 3, 4, 7, 8, 31, 32, 33, 4096, 2**31, 2**32 - 1, 2**32, 2**63, 2**64 - 1]
+DTYPES = ["F32", "F16", "BF16", "U8", "I8", "I64", "F8_E4M3", "F8_E8M0", "BOOL", "F64", "Q4_0", "X"]
+
+
+@dataclass
+class Base:
+    kind: str
+    root: Path
+    targets: list[str]
+    _ref: tuple[torch.Tensor, Any, dict[str, list[tuple[int, int]]]] | None = None
+
+    def reference(self) -> tuple[torch.Tensor, Any, dict[str, list[tuple[int, int]]]]:
+        """The unmutated base's logits, plan fingerprint and used data ranges (computed once)."""
+        if self._ref is None:
+            self._ref = _forward(self.root)
+        return self._ref
+
+
+@dataclass
+class Report:
+    cases: int = 0
+    outcomes: Counter[str] = field(default_factory=Counter)
+    failures: list[str] = field(default_factory=list)
+    max_case_s: float = 0.0
+    slowest: str = ""
+    rss_growth_mb: float = 0.0
+    seconds: float = 0.0
+    level_seconds: Counter[str] = field(default_factory=Counter)
+
+    def summary(self) -> str:
+        top = ", ".join(f"{k}: {v}" for k, v in sorted(self.outcomes.items()))
+        lv = ", ".join(f"{k} {v:.1f} s" for k, v in sorted(self.level_seconds.items()))
+        return (f"{self.cases} cases in {self.seconds:.1f} s ({lv}); {len(self.failures)} failure(s); slowest case "
+                f"{self.max_case_s:.2f} s ({self.slowest}); peak RSS growth {self.rss_growth_mb:.0f} MB\n  {top}")
+
+
+class CaseTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float) -> Iterator[None]:
+    def fire(*_: Any) -> None:
+        raise CaseTimeout
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _forward(root: Path) -> tuple[torch.Tensor, Any, dict[str, list[tuple[int, int]]]]:
+    plan = build_plan(root)
+    plan.raise_for_problems()
+    fp = fingerprint(plan)
+    used: dict[str, list[tuple[int, int]]] = {}
+    for pp in plan.params:
+        for _, info in pp.sources:
+            used.setdefault(info.file.name, []).append((info.offset, info.offset + info.nbytes))
+    model = execute(plan, progress=False)
+    with torch.no_grad():
+        out = model(kit.IDS)
+    plan.checkpoint.close()
+    return out, fp, used
+
+
+def fingerprint(plan: Any) -> Any:
+    cfg = dataclasses.replace(plan.model_config, raw=None)
+    tensors = sorted((i.name, i.dtype, i.shape, i.file.name, i.offset, i.nbytes)
+                     for pp in plan.params for _, i in pp.sources)
+    pack = getattr(plan.quant_config, "pack", None)
+    return (repr(cfg), tuple(sorted(plan.schemes().items())), tuple(tensors), plan.prefix,
+            pack.index_sha256 if pack is not None else None)
+
+
+def make_bases(work: Path) -> list[Base]:
+    builders: list[tuple[str, Callable[[Path], Path], list[str]]] = [
+        ("dense", kit.dense, ["config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
+                              "model-00002-of-00002.safetensors"]),
+        ("gguf", kit.gguf, ["config.json", "model.gguf"]),
+        ("pack", kit.packed, ["model.gguf", "experts.qpack"]),
+        ("quark", lambda p: kit.vendor(p, "quark_mxfp4_dsv3"), ["config.json"]),
+        ("modelslim", lambda p: kit.vendor(p, "modelslim_w8a8_dsv3"), ["config.json", "quant_model_description.json"]),
+    ]
+    return [Base(kind, build(work / f"base-{kind}"), targets) for kind, build, targets in builders]
+
+
+# -- mutators ------------------------------------------------------------------------------------
+
+def _paths(node: Any, prefix: tuple = (), out: list | None = None, limit: int = 400) -> list[tuple]:
+    out = [] if out is None else out
+    if len(out) >= limit:
+        return out
+    if isinstance(node, dict):
+        for k, v in node.items():
+            out.append((*prefix, k))
+            _paths(v, (*prefix, k), out, limit)
+    elif isinstance(node, list):
+        for i, v in enumerate(node[:20]):
+            out.append((*prefix, i))
+            _paths(v, (*prefix, i), out, limit)
+    return out
+
+
+def _bytes_op(rng: random.Random, data: bytes, lo: int = 0, hi: int | None = None) -> tuple[bytes, str, int]:
+    hi = len(data) if hi is None else hi
+    b = bytearray(data)
+    op = rng.choice(["flip", "flip", "set", "truncate", "insert", "zero"])
+    pos = rng.randrange(lo, max(hi, lo + 1)) if hi > lo else lo
+    if op == "truncate":
+        return bytes(b[:pos]), f"truncate at {pos}", pos
+    if op == "insert":
+        return bytes(b[:pos] + bytes(rng.randrange(256) for _ in range(rng.randint(1, 9))) + b[pos:]), f"insert at {pos}", pos
+    if pos >= len(b):
+        return bytes(b) + b"\0", "append", pos
+    if op == "flip":
+        b[pos] ^= 1 << rng.randrange(8)
+    elif op == "zero":
+        b[pos] = 0
+    else:
+        b[pos] = rng.choice([0, 1, 0x7F, 0x80, 0xFF, rng.randrange(256)])
+    return bytes(b), f"{op} byte {pos}", pos
+
+
+def mutate_json(rng: random.Random, data: bytes, focus: str | None = None) -> tuple[bytes, str]:
+    if rng.random() < 0.15:
+        out, what, _ = _bytes_op(rng, data)
+        return out, f"json text: {what}"
+    doc = json.loads(data)
+    paths = _paths(doc)
+    if focus:
+        focused = [p for p in paths if p and p[0] == focus]
+        paths = focused or paths
+    if not paths:
+        return b"[]", "json: replaced by []"
+    path = rng.choice(paths)
+    parent = doc
+    for k in path[:-1]:
+        parent = parent[k]
+    last = path[-1]
+    op = rng.random()
+    if op < 0.6:
+        value = rng.choice(VALUES)
+        if rng.random() < 0.05:
+            value = json.loads("[" * 40 + "]" * 40)
+        parent[last] = value
+        what = f"set {'.'.join(map(str, path))} = {str(value)[:30]!r}"
+    elif op < 0.75 and isinstance(parent, dict):
+        del parent[last]
+        what = f"delete {'.'.join(map(str, path))}"
+    elif op < 0.85:
+        parent[last] = [parent[last]] if rng.random() < 0.5 else {"v": parent[last]}
+        what = f"wrap {'.'.join(map(str, path))}"
+    elif isinstance(parent, dict):
+        parent[rng.choice(["rope_type", "type", "factor", "weight_map", "quant_method", "x"])] = rng.choice(VALUES)
+        what = f"add key under {'.'.join(map(str, path[:-1])) or '(root)'}"
+    else:
+        parent.append(rng.choice(VALUES))
+        what = f"append to {'.'.join(map(str, path[:-1]))}"
+    return json.dumps(doc).encode(), what
+
+
+def mutate_safetensors(rng: random.Random, data: bytes, data_only: bool) -> tuple[bytes, str, int]:
+    (n,) = struct.unpack_from("<Q", data, 0)
+    if data_only:
+        out, what, pos = _bytes_op(rng, data, 8 + n, len(data))
+        return out, f"data: {what}", pos
+    r = rng.random()
+    if r < 0.35:
+        out, what, _ = _bytes_op(rng, data, 0, 8 + n)
+        return out, f"header: {what}", -1
+    if r < 0.45:
+        v = rng.choice([0, 1, n - 1, n + 1, n + 8, 2**63, len(data), rng.randrange(2**64)])
+        return struct.pack("<Q", v) + data[8:], f"header length = {v}", -1
+    header = json.loads(data[8:8 + n])
+    names = [k for k in header if k != "__metadata__"]
+    name = rng.choice(names)
+    entry = header[name]
+    field_ = rng.choice(["dtype", "shape", "data_offsets", "data_offsets", "shape"])
+    if field_ == "dtype":
+        entry["dtype"] = rng.choice(DTYPES)
+    elif field_ == "shape":
+        shape = list(entry["shape"])
+        if shape and rng.random() < 0.7:
+            i = rng.randrange(len(shape))
+            shape[i] = rng.choice([0, 1, shape[i] * 2, shape[i] // 2, shape[i] + 1, -1, 2**40])
+        else:
+            shape = shape + [1] if rng.random() < 0.5 else shape[1:]
+        entry["shape"] = shape
+    else:
+        s, e = entry["data_offsets"]
+        other = header[rng.choice(names)]["data_offsets"]
+        entry["data_offsets"] = rng.choice([[s + 4, e + 4], [s, e - 4], other, [e, s], [s, 2**62], [-1, e]])
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    return struct.pack("<Q", len(blob)) + blob + data[8 + n:], f"header: {name}.{field_} = {entry[field_]}", -1
+
+
+def _gguf_layout(path: Path) -> tuple[int, list[tuple[str, int]], list[tuple[str, int]]]:
+    """data_start, (tensor name, offset of its n_dims field), (metadata key, offset of its type field)."""
+    h = read_gguf_header(path)
+    data = path.read_bytes()[:h.data_start]
+    tensors = []
+    for t in h.tensors:
+        raw = t.name.encode()
+        pos = data.index(struct.pack("<Q", len(raw)) + raw, h.kv_end) + 8 + len(raw)
+        tensors.append((t.name, pos))
+    keys = []
+    for k in h.metadata:
+        raw = k.encode()
+        keys.append((k, data.index(struct.pack("<Q", len(raw)) + raw) + 8 + len(raw)))
+    return h.data_start, tensors, keys
+
+
+def mutate_gguf(rng: random.Random, data: bytes, layout: Any, data_only: bool) -> tuple[bytes, str, int]:
+    data_start, tensors, keys = layout
+    if data_only:
+        out, what, pos = _bytes_op(rng, data, data_start, len(data))
+        return out, f"data: {what}", pos
+    b = bytearray(data)
+    r = rng.random()
+    if r < 0.3:
+        out, what, _ = _bytes_op(rng, data, 0, data_start)
+        return out, f"header: {what}", -1
+    if r < 0.4:
+        pos = rng.choice([8, 16]) if rng.random() < 0.5 else rng.randrange(0, data_start - 8)
+        v = rng.choice(INTERESTING_U64)
+        struct.pack_into("<Q", b, pos, v)
+        return bytes(b), f"u64 at {pos} = {v}", -1
+    if r < 0.75:
+        name, pos = rng.choice(tensors)
+        (nd,) = struct.unpack_from("<I", b, pos)
+        f = rng.choice(["n_dims", "dim", "type", "offset", "offset", "offset"])
+        if f == "n_dims":
+            struct.pack_into("<I", b, pos, rng.choice([0, 1, 2, 3, 4, 5, 9, 2**31]))
+        elif f == "dim" and nd:
+            i = rng.randrange(nd)
+            (d,) = struct.unpack_from("<Q", b, pos + 4 + 8 * i)
+            struct.pack_into("<Q", b, pos + 4 + 8 * i, rng.choice([0, 1, d * 2, d // 2, d + 32, 2**40, 2**63]))
+        elif f == "type":
+            struct.pack_into("<I", b, pos + 4 + 8 * nd, rng.choice([0, 1, 2, 3, 6, 7, 8, 9, 10, 12, 14, 30, 39, 99]))
+        else:
+            (off,) = struct.unpack_from("<Q", b, pos + 4 + 8 * nd + 4)
+            _, other = rng.choice(tensors)
+            (ond,) = struct.unpack_from("<I", b, other)
+            (ooff,) = struct.unpack_from("<Q", b, other + 4 + 8 * ond + 4)
+            v = rng.choice([ooff, off + 32, off - 32, off + 1, 2**40, ooff + 32])
+            struct.pack_into("<Q", b, pos + 4 + 8 * nd + 4, v % 2**64)
+        return bytes(b), f"tensor {name}: {f}", -1
+    key, pos = rng.choice(keys)
+    if rng.random() < 0.5:
+        struct.pack_into("<I", b, pos, rng.choice([0, 1, 4, 5, 6, 7, 8, 9, 10, 12, 13, 2**31]))
+        return bytes(b), f"metadata {key}: value type", -1
+    (vt,) = struct.unpack_from("<I", b, pos)
+    width = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}.get(vt, 8)
+    for i in range(width):
+        b[pos + 4 + i] = rng.choice([0, 0xFF, rng.randrange(256)])
+    return bytes(b), f"metadata {key}: value bytes", -1
+
+
+def mutate_pack(rng: random.Random, data: bytes, data_only: bool) -> tuple[bytes, str, int]:
+    (data_offset,) = struct.unpack_from("<Q", data, 56)
+    if data_only:
+        out, what, pos = _bytes_op(rng, data, data_offset, len(data))
+        return out, f"payload: {what}", pos
+    if rng.random() < 0.5:
+        b = bytearray(data)
+        pos = rng.choice([8, 12, 16, 20, 24, 28, 32, 36, 40, 48, 56, 64])
+        width = 8 if pos >= 40 else 4
+        v = rng.choice(INTERESTING_U64) % (2 ** (8 * width))
+        b[pos:pos + width] = v.to_bytes(width, "little")
+        return bytes(b), f"header field @{pos} = {v}", -1
+    out, what, _ = _bytes_op(rng, data, 0, data_offset)
+    return out, f"header/index: {what}", -1
+
+
+# -- runner --------------------------------------------------------------------------------------
+
+LEVELS = ("read", "plan", "forward")
+
+
+class Fuzzer:
+    def __init__(self, work: Path, seed: int, timeout_s: float = 20.0,
+                 forward_kinds: tuple[str, ...] = ("dense", "gguf", "pack", "quark", "modelslim")) -> None:
+        self.work, self.rng, self.timeout_s = work, random.Random(seed), timeout_s
+        self.forward_kinds = forward_kinds
+        self.bases = make_bases(work)
+        self.layouts = {b.kind: _gguf_layout(b.root / "model.gguf") for b in self.bases if b.kind in ("gguf", "pack")}
+        self.originals = {(b.kind, t): (b.root / t).read_bytes() for b in self.bases for t in b.targets}
+        # one working copy per base (hard links); a case swaps in its mutated file, then the link back
+        self.copies = {b.kind: kit.clone(b.root, work / f"case-{b.kind}") for b in self.bases}
+        self.n = 0
+
+    def case(self, level: str) -> tuple[Base, str, bytes, str, int]:
+        rng = self.rng
+        base = rng.choice(self.bases)
+        if level == "read":
+            base = rng.choice([b for b in self.bases if b.kind in ("dense", "gguf", "pack")])
+            target = rng.choice([t for t in base.targets if not t.endswith(".json")])
+        elif level == "forward":
+            base = rng.choice([b for b in self.bases if b.kind in self.forward_kinds])
+            target = rng.choice(base.targets)
+        else:
+            target = rng.choice(base.targets)
+        data = self.originals[(base.kind, target)]
+        data_only = level == "forward" and rng.random() < 0.3
+        pos = -1
+        if target.endswith(".json"):
+            focus = "quantization_config" if base.kind == "quark" and rng.random() < 0.7 else None
+            out, what = mutate_json(rng, data, focus)
+        elif target.endswith(".safetensors"):
+            out, what, pos = mutate_safetensors(rng, data, data_only)
+        elif target.endswith(".gguf"):
+            out, what, pos = mutate_gguf(rng, data, self.layouts[base.kind], data_only)
+        else:
+            out, what, pos = mutate_pack(rng, data, data_only)
+        return base, target, out, what, pos
+
+    def run(self, counts: dict[str, int]) -> Report:
+        rep = Report()
+        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        t_start = time.perf_counter()
+        plan_ = [lvl for lvl in LEVELS for _ in range(counts.get(lvl, 0))]
+        self.rng.shuffle(plan_)
+        for level in plan_:
+            self.one(level, rep)
+        rep.seconds = time.perf_counter() - t_start
+        rep.rss_growth_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+        return rep
+
+    def one(self, level: str, rep: Report) -> None:
+        base, target, data, what, pos = self.case(level)
+        if level == "forward":
+            base.reference()  # the base's own logits, once, outside the case's clock
+        self.n += 1
+        root = self.copies[base.kind]
+        (root / target).unlink()
+        (root / target).write_bytes(data)
+        label = f"#{self.n} {level} {base.kind}/{target}: {what[:150]}"
+        t0 = time.perf_counter()
+        try:
+            with _deadline(self.timeout_s):
+                outcome = self._execute(level, base, root, target, pos)
+        except CaseTimeout:
+            outcome = "FAIL"
+            rep.failures.append(f"{label}: no result within {self.timeout_s} s")
+        except QuantplugError:
+            outcome = "error"
+        except MemoryError:
+            outcome = "FAIL"
+            rep.failures.append(f"{label}: MemoryError")
+        except Exception as exc:  # noqa: BLE001 (the point: anything but QuantplugError is a finding)
+            outcome = "FAIL"
+            tb = traceback.format_exception(type(exc), exc, exc.__traceback__)[-3:]
+            rep.failures.append(f"{label}: {type(exc).__name__}: {exc} | {''.join(tb).strip()[-400:]}")
+        if isinstance(outcome, tuple):
+            outcome, problem = outcome
+            rep.failures.append(f"{label}: {problem}")
+        dt = time.perf_counter() - t0
+        rep.level_seconds[level] += dt
+        if dt > rep.max_case_s:
+            rep.max_case_s, rep.slowest = dt, label
+        rep.cases += 1
+        rep.outcomes[f"{level}:{outcome}"] += 1
+        (root / target).unlink()
+        os.link(base.root / target, root / target)
+
+    def _execute(self, level: str, base: Base, root: Path, target: str, pos: int) -> Any:
+        path = root / target
+        if level == "read":
+            if target.endswith(".safetensors"):
+                read_header(path)
+            elif target.endswith(".gguf"):
+                read_gguf_header(path)
+            else:
+                from quantplug_expert_pack.pack import ExpertPack
+
+                ExpertPack(path).close()
+            return "ok"
+        if level == "plan":
+            p = build_plan(root)
+            p.checkpoint.close()
+            p.raise_for_problems()
+            return "ok"
+        ref_logits, ref_fp, _ = base.reference()
+        out, fp, used = _forward(root)
+        if torch.equal(out, ref_logits) or (out.shape == ref_logits.shape
+                                            and torch.equal(out.isnan(), ref_logits.isnan())
+                                            and torch.equal(out.nan_to_num(), ref_logits.nan_to_num())):
+            return "same"
+        if pos >= 0 and fp == ref_fp and any(lo <= pos < hi for lo, hi in used.get(target, [])):
+            return "explained-data"
+        if fp != ref_fp:
+            only_config = fp[1:] == ref_fp[1:]
+            if only_config and not bool(out.isfinite().all()):
+                return "FAIL", "a config the validator accepted gives non-finite logits"
+            return "explained-declared"
+        return "FAIL", "loaded without error but the logits differ (same plan, untouched tensor data)"
