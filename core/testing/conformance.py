@@ -203,9 +203,16 @@ class BackendConformance:
     @pytest.fixture(scope="class")
     @classmethod
     def quantplug_kit(cls, tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Kit]:
+        # the kit's model is tiny: one thread computes it fastest, and a shared CI box's other
+        # processes do not stall OpenMP's worker pool (restored after the class)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
         kit = _Kit(cls(), tmp_path_factory.mktemp(f"conformance-{cls.backend or 'unnamed'}"))
-        yield kit
-        kit.close()
+        try:
+            yield kit
+        finally:
+            kit.close()
+            torch.set_num_threads(threads)
 
     def _layout(self, kit: _Kit, layout: str) -> _Case:
         if layout not in self.layouts:

@@ -117,6 +117,16 @@ def test_pytest_plugin_fixtures(pytestconfig, quantplug_tiny_checkpoint, quantpl
                                 quantplug_plugin_manager, quantplug_distribution):
     """The fixtures the pytest11 plugin ships, as a backend's own tests use them."""
     assert pytestconfig.pluginmanager.hasplugin("quantplug")  # loaded through the pytest11 entry point
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: one thread is fastest on a shared box
+    try:
+        _check_fixtures(quantplug_tiny_checkpoint, quantplug_reference, quantplug_plugin_manager,
+                        quantplug_distribution)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_fixtures(quantplug_tiny_checkpoint, quantplug_reference, quantplug_plugin_manager, quantplug_distribution):
     pm = quantplug_plugin_manager()
     ids = torch.tensor([[1, 2, 3, 4]])
     for layout in ("deepseek_v3", "fused", "kimi_k25", "tied", "sharded"):
