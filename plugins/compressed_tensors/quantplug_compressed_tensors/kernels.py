@@ -15,27 +15,26 @@ and one rounding to the model dtype follows), so a bfloat16 result equals compre
 own decompressor, which multiplies in the scale's dtype, and a float32 result is the exact
 q * scale the vendor fixtures' reference logits use.
 
-Work is chunked: a dequantization fills its output :data:`CHUNK` elements at a time (every
-temporary stays in cache), and :func:`linear` dequantizes at most :data:`LINEAR_CHUNK` weight
-elements at once, so a forward never holds a whole dense copy of a large weight.
+Work is chunked: a dequantization fills its output :data:`CHUNK` elements at a time with a few
+whole-chunk ops (no per-element Python, no gather), and :func:`linear` dequantizes at most
+:data:`LINEAR_CHUNK` weight elements at once, so a forward never holds a whole dense copy of a
+large weight.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-#: output elements produced per inner dequantization step (float32: 128 KiB, cache-resident)
-CHUNK = 1 << 15
+#: output elements produced per dequantization step (4 MiB of float32): big enough that the few
+#: parallel regions per step cost little, small enough to bound the temporaries
+CHUNK = 1 << 20
 #: dense weight elements materialized at once by :func:`linear` (1 MiB of float32)
 LINEAR_CHUNK = 1 << 18
 FP8_MAX = 448.0
-#: byte -> (low nibble - 8, high nibble - 8): two int4 values of a pack-quantized word
-INT4_LUT = torch.stack(((torch.arange(256) & 0xF) - 8, (torch.arange(256) >> 4) - 8), dim=-1).float()
 
 
 @dataclass(frozen=True)
@@ -117,87 +116,60 @@ def unpack_zero_point(zp: torch.Tensor, bits: int, out_features: int) -> torch.T
     return unpack_rows(zp.t().contiguous(), bits, out_features).t().float()
 
 
-def _values_into(layout: Layout, q: torch.Tensor, o: torch.Tensor) -> None:
-    """Write the integer / fp8 values of stored rows ``q`` into float32 ``o`` [r, in]."""
-    if layout.kind == "packed":
-        b = q.view(torch.uint8)
-        n = layout.in_features
-        if layout.bits == 4:
-            if b.shape[-1] * 2 == n:
-                torch.index_select(INT4_LUT, 0, b.reshape(-1).to(torch.int32), out=o.view(-1, 2))
-            else:  # in_features not a multiple of 8: the last word is padded
-                full = torch.index_select(INT4_LUT, 0, b.reshape(-1).to(torch.int32)).view(b.shape[0], -1)
-                o.copy_(full[:, :n])
-        else:
-            o.copy_(b[:, :n])
-            o.sub_(128.0)
-    else:
-        o.copy_(q)
-
-
-def _dequant_range(layout: Layout, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-                   out: torch.Tensor, r0: int, a0: int, a1: int) -> None:
-    """Rows a0..a1 of the weight into ``out`` (whose row 0 is weight row ``r0``), CHUNK elements at
-    a time: each torch op stays below ATen's parallel grain, so it runs in the calling thread."""
+def _int_values(layout: Layout, q: torch.Tensor) -> torch.Tensor:
+    """Stored rows ``q`` -> their integer values as int8 [r, in] (packed: offset removed with
+    byte ops: x = byte ^ 0x88 turns each unsigned nibble u into the 4-bit two's complement of
+    u - 8, so a sign-extending shift yields q directly)."""
+    if layout.kind != "packed":
+        return q
+    b = q.view(torch.uint8)
     n = layout.in_features
-    step = max(1, CHUNK // max(n, 1))
-    direct = out.dtype == torch.float32
-    tmp = None if direct else torch.empty(min(step, a1 - a0), n, dtype=torch.float32, device=q.device)
-    s_all = scale.reshape(1, 1) if layout.strategy == "tensor" else scale
-    for a in range(a0, a1, step):
-        b = min(a + step, a1)
-        o = out[a - r0:b - r0] if direct else tmp[:b - a]  # type: ignore[index]
-        _values_into(layout, q[a:b], o)
-        if layout.strategy == "block":
-            assert layout.block
-            bh, bw = layout.block
-            first = a // bh
-            s = s_all[first:-(-b // bh)].float().repeat_interleave(bh, dim=0)[a - first * bh:b - first * bh]
-            group = bw
-        else:
-            s = s_all.float().expand(b - a, 1) if layout.strategy == "tensor" else s_all[a:b].float()
-            group = layout.group if layout.strategy == "group" and layout.group else n
-            if zero_point is not None:
-                z = zero_point.reshape(1, 1) if layout.strategy == "tensor" else zero_point[a:b]
-                _groups_(o, z.float().expand(b - a, -1), group, torch.Tensor.sub_)
-        _groups_(o, s, group, torch.Tensor.mul_)
-        if not direct:
-            out[a - r0:b - r0].copy_(o)
-
-
-_POOL: ThreadPoolExecutor | None = None
-
-
-def _pool(workers: int) -> ThreadPoolExecutor:
-    global _POOL
-    if _POOL is None or _POOL._max_workers < workers:  # noqa: SLF001 (grow once, reuse)
-        _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="quantplug-ct")
-    return _POOL
+    if layout.bits == 8:
+        return (b ^ 0x80).view(torch.int8)[:, :n]
+    x = (b ^ 0x88).view(torch.int8)
+    return torch.stack(((x << 4) >> 4, x >> 4), dim=-1).view(b.shape[0], -1)[:, :n]
 
 
 def dequantize(layout: Layout, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None,
                dtype: torch.dtype = torch.float32, rows: tuple[int, int] | None = None,
-               out: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """Dense weight rows ``rows`` (default all) [r, in] in ``dtype``.
 
     ``q``: the stored weight (int32 words, int8 or float8) of the whole layer; ``scale`` as
     stored; ``zero_point`` already unpacked to float32 [out, G] (:func:`unpack_zero_point`) or
-    as stored for naive formats. Large weights are split into contiguous row ranges run by
-    ``threads`` (default ``torch.get_num_threads()``) Python threads (torch ops release the GIL; each op is small
-    enough to run serially in its thread, so no OpenMP barrier is paid per chunk).
+    as stored for naive formats. Works :data:`CHUNK` elements at a time, each step a few whole-
+    chunk torch ops (few parallel regions; temporaries bounded by the chunk). When the output
+    dtype is the scale's (or float32), values and products are formed in the output itself: the
+    product of an integer or fp8 value and a scale is exact in float32, so one rounding happens
+    either way.
     """
     r0, r1 = rows if rows is not None else (0, layout.out_features)
+    n = layout.in_features
     if out is None:
-        out = torch.empty(r1 - r0, layout.in_features, dtype=dtype, device=q.device)
-    workers = min(threads or torch.get_num_threads(), (r1 - r0) * layout.in_features // (8 * CHUNK))
-    if workers <= 1 or q.device.type != "cpu":
-        _dequant_range(layout, q, scale, zero_point, out, r0, r0, r1)
-        return out
-    bounds = [r0 + (r1 - r0) * i // workers for i in range(workers + 1)]
-    jobs = [_pool(workers).submit(_dequant_range, layout, q, scale, zero_point, out, r0, a, b)
-            for a, b in zip(bounds, bounds[1:])]
-    for j in jobs:
-        j.result()
+        out = torch.empty(r1 - r0, n, dtype=dtype, device=q.device)
+    cdt = out.dtype if out.dtype in (torch.float32, scale.dtype) else torch.float32
+    step = max(1, CHUNK // max(n, 1))
+    tmp = None if cdt == out.dtype else torch.empty(min(step, r1 - r0), n, dtype=cdt, device=q.device)
+    s_all = scale.reshape(1, 1) if layout.strategy == "tensor" else scale
+    for a in range(r0, r1, step):
+        b = min(a + step, r1)
+        o = out[a - r0:b - r0] if tmp is None else tmp[:b - a]
+        o.copy_(_int_values(layout, q[a:b]))
+        if layout.strategy == "block":
+            assert layout.block
+            bh, bw = layout.block
+            first = a // bh
+            s = s_all[first:-(-b // bh)].to(cdt).repeat_interleave(bh, dim=0)[a - first * bh:b - first * bh]
+            group = bw
+        else:
+            s = s_all.to(cdt).expand(b - a, 1) if layout.strategy == "tensor" else s_all[a:b].to(cdt)
+            group = layout.group if layout.strategy == "group" and layout.group else n
+            if zero_point is not None:
+                z = zero_point.reshape(1, 1) if layout.strategy == "tensor" else zero_point[a:b]
+                _groups_(o, z.to(cdt).expand(b - a, -1), group, torch.Tensor.sub_)
+        _groups_(o, s, group, torch.Tensor.mul_)
+        if tmp is not None:
+            out[a - r0:b - r0].copy_(o)
     return out
 
 

@@ -47,8 +47,8 @@ class CTScheme(LinearScheme):
             return f"{w}; weight-only"
         a = describe_activations(self.act)
         if self.act_mode == "none":
-            return f"{w}; activations {a} in the config, NOT emulated (activation_quant=none)"
-        return f"{w}; activations {a} (emulated; activation_quant=none for weight-only)"
+            return f"{w}; activations {a} NOT emulated (activation_quant=none)"
+        return f"{w}; activations {a} (emulated)"
 
     # -- storage --------------------------------------------------------------------------------
 
