@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -99,10 +100,10 @@ def _child(code: str, path: Path, prompt: int, new: int, threads: int) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def bench_expert_pack(cfg: dict, state: dict, root: Path, cache_mb: float, prompt: int, new: int) -> dict:
+def bench_expert_pack(cfg: dict, state: dict, root: Path, cache_mbs: list[float], prompt: int, new: int) -> list:
     """The same weights as a Q8_0 GGUF whose routed experts moved to an expert pack: ``quantplug
-    generate --json`` in a fresh process with an expert cache of ``cache_mb``; its hit rate and
-    bytes read from the pack per generated token (decode steps)."""
+    generate --json`` in a fresh process (one torch thread) per expert-cache budget in
+    ``cache_mbs``; its hit rate and bytes read from the pack per generated token (decode steps)."""
     from quantplug.models.config import parse_model_config
     from quantplug_expert_pack.build import build_pack
     from quantplug_expert_pack.export import gguf_state, write_gguf
@@ -116,14 +117,21 @@ def bench_expert_pack(cfg: dict, state: dict, root: Path, cache_mb: float, promp
     built = build_pack(d, progress=False)
     tokens = ",".join(str(i) for i in range(1, prompt + 1))
     code = "import sys; from quantplug.cli import main; sys.exit(main(sys.argv[1:]))"
-    r = subprocess.run([sys.executable, "-c", code, "generate", str(d), "--tokens", tokens, "--max-new-tokens",
-                        str(new), "--json", "-o", f"expert_cache_mb={cache_mb}"], capture_output=True, text=True)
-    if r.returncode:
-        raise SystemExit(f"expert-pack child failed:\n{r.stderr[-3000:]}")
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    return {"pack_bytes": built.moved_bytes, "cache_mb": cache_mb,
-            "expert_cache_hit_rate": out["expert_cache_hit_rate"], "ssd_bytes_per_token": out["ssd_bytes_per_token"],
-            "tokens_per_second_wall": out["tokens_per_second"]}
+    rows = []
+    for mb in cache_mbs:
+        r = subprocess.run([sys.executable, "-c", code, "generate", str(d), "--tokens", tokens, "--max-new-tokens",
+                            str(new), "--json", "-o", f"expert_cache_mb={mb}"], capture_output=True, text=True,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+        if r.returncode:
+            raise SystemExit(f"expert-pack child failed:\n{r.stderr[-3000:]}")
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        rows.append({"pack_bytes": built.moved_bytes, "cache_mb": mb,
+                     "expert_cache_hit_rate": out["expert_cache_hit_rate"],
+                     "pack_reads_per_expert_use": out["pack_reads_per_expert_use"],
+                     "ssd_bytes_per_token": out["ssd_bytes_per_token"],
+                     "tokens_per_second_wall": out["tokens_per_second"]})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def main() -> None:
@@ -134,8 +142,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads per contender; 1 (default) times with process CPU time, which other "
                          "processes on a shared machine do not inflate; more threads use wall time")
-    ap.add_argument("--pack-cache-mb", type=float, default=12.0,
-                    help="expert cache budget of the expert-pack run (the pack holds 27 MB of Q8_0 experts)")
+    ap.add_argument("--pack-cache-mb", type=float, nargs="+", default=[8.0, 16.0, 32.0],
+                    help="expert cache budgets of the expert-pack runs (the pack holds 27 MB of Q8_0 experts)")
+    ap.add_argument("--pack-only", action="store_true", help="only the expert-pack runs")
     args = ap.parse_args()
     cfg = bench_config()
     with tempfile.TemporaryDirectory(prefix="qp-bench-gen-") as tmp:
@@ -145,6 +154,9 @@ def main() -> None:
         print(f"checkpoint: {size / 1e6:.0f} MB fp32, {cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} "
               f"heads, kv_lora {cfg['kv_lora_rank']} + rope {cfg['qk_rope_head_dim']}; prompt {args.prompt}, "
               f"{args.new} new tokens, batch 1", flush=True)
+        if args.pack_only:
+            bench_expert_pack(cfg, state, Path(tmp), args.pack_cache_mb, args.prompt, args.new)
+            return
         ours, hf = [], []
         for rep in range(args.reps):  # alternate, each in a fresh process
             ours.append(_child(OURS, path, args.prompt, args.new, args.threads))

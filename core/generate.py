@@ -302,7 +302,13 @@ class GenerationMixin:
 
 
 def cli_generate(args: Any, model: Any) -> int:
-    """``quantplug generate``: stream the new text (or token ids) to stdout, or one JSON object."""
+    """``quantplug generate``: stream the new text (or token ids) to stdout, or one JSON object.
+
+    Expert packs (the model carries the ExpertPack backend's ``expert_cache``): over the decode
+    steps, ``expert_cache_hit_rate`` = 1 - pack reads / routed experts used (distinct experts per
+    MoE layer and step, counted at the routers), ``pack_reads_per_expert_use`` (above 1 when the
+    budget cannot hold an expert between its projections) and ``ssd_bytes_per_token`` (bytes the
+    cache read from the pack per decode step)."""
     import json
     import sys
 
@@ -330,6 +336,16 @@ def cli_generate(args: Any, model: Any) -> int:
                        generator=torch.Generator().manual_seed(args.seed) if sample else None)
     packs = getattr(model, "expert_cache", None)  # set by the ExpertPack backend when experts live in a pack
     before: dict[str, int] = {}
+    uses = [0]  # distinct routed experts per MoE layer and step, summed over decode steps
+    hooks = []
+    if packs is not None:
+        from .models.deepseek import Router
+
+        def count(_mod: Any, _inp: Any, out: Any) -> None:
+            if before:
+                uses[0] += int(torch.unique(out[0]).numel())
+
+        hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, Router)]
     new: list[int] = []
     shown = ""
     for step, t in enumerate(gen):
@@ -352,9 +368,15 @@ def cli_generate(args: Any, model: Any) -> int:
                    "prefill_seconds": round(gen.prefill_seconds, 6),
                    "kv_cache_bytes_per_token": gen.cache.bytes_per_token()})
     if packs is not None:
+        for h in hooks:
+            h.remove()
+        # expert-level: each routed expert a decode step uses is a hit unless the pack was read for it
+        # (the cache's own hits/misses count one lookup per projection)
         after, steps = packs.stats(), max(len(new) - 1, 1)
-        hits, misses = after["hits"] - before.get("hits", 0), after["misses"] - before.get("misses", 0)
-        result["expert_cache_hit_rate"] = round(hits / (hits + misses), 4) if hits + misses else None
+        misses = after["misses"] - before.get("misses", 0)
+        result["expert_cache_hit_rate"] = round(max(0.0, 1 - misses / uses[0]), 4) if uses[0] else None
+        # > 1 when the budget is too small to keep an expert between its projections (thrashing)
+        result["pack_reads_per_expert_use"] = round(misses / uses[0], 4) if uses[0] else None
         result["ssd_bytes_per_token"] = round((after["bytes_read"] - before.get("bytes_read", 0)) / steps, 1)
     if args.json:
         print(json.dumps(result))

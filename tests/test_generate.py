@@ -172,8 +172,20 @@ def test_expert_pack_cache_equals_recompute_and_cli_reports_ssd_reads(tmp_path, 
     assert main(["generate", str(root), "--tokens", "1,2,3,4", "--max-new-tokens", "5", "--json",
                  "-o", "expert_cache_mb=1"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert len(d["tokens"]) == 5 and 0 <= d["expert_cache_hit_rate"] <= 1 and d["ssd_bytes_per_token"] >= 0
-    assert d["kv_cache_bytes_per_token"] == (32 + 16) * 3 * 4
+    assert len(d["tokens"]) == 5 and d["kv_cache_bytes_per_token"] == (32 + 16) * 3 * 4
+    from quantplug_expert_pack.pack import PACK_NAME, ExpertPack
+
+    span = ExpertPack(root / PACK_NAME).expert_span(1, 0)[1]
+    # 1 MB holds all 16 experts: decode reads only experts the prompt did not route to, once each;
+    # 4 decode steps x 2 experts x 2 MoE layers = 16 expert uses
+    rate = d["expert_cache_hit_rate"]
+    assert 0.5 <= rate <= 1 and d["ssd_bytes_per_token"] == pytest.approx((1 - rate) * 16 * span / 4)
+    # one slot: every routed expert of every decode step is read from the pack
+    assert main(["generate", str(root), "--tokens", "1,2,3,4", "--max-new-tokens", "5", "--json",
+                 "-o", f"expert_cache_mb={1.5 * span / 2**20}"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    reads = d["pack_reads_per_expert_use"]
+    assert d["expert_cache_hit_rate"] == 0.0 and reads >= 1 and d["ssd_bytes_per_token"] == reads * 4 * span
 
 
 def test_eos_stops_rows_and_pads_like_transformers(tmp_path):
@@ -284,3 +296,23 @@ def test_cli_generate_prints_text_with_a_tokenizer(tmp_path, capsys):
     model = quantplug.load(path, progress=False)
     assert chat["tokens"] == model.generate(torch.tensor([[7, 1, 8, 9]]), 3, eos_token_id=None)[0, 4:].tolist()
     shutil.rmtree(path)
+
+
+def test_torchrun_generate_equals_single_process(tmp_path):
+    """Two tensor-parallel ranks (gloo): MLA heads split, the latent cache on every rank; rank 0
+    prints the same greedy tokens as one process."""
+    import os
+    import subprocess
+    import sys
+
+    cfg = tiny_config()
+    path = write_checkpoint(tmp_path / "d", cfg, random_state(cfg))
+    expect = quantplug.load(path, progress=False).generate(torch.tensor([[3, 14, 15, 92]]), 6, eos_token_id=None)
+    multi = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            "-m", "quantplug", "generate", str(path), "--tokens", "3,14,15,92", "--max-new-tokens",
+                            "6", "--json"], capture_output=True, text=True, timeout=240,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert multi.returncode == 0, multi.stderr[-2000:]
+    lines = [ln for ln in multi.stdout.splitlines() if ln.startswith("{")]
+    assert len(lines) == 1  # only rank 0 prints
+    assert json.loads(lines[0])["tokens"] == expect[0, 4:].tolist()
