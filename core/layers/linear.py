@@ -154,6 +154,12 @@ class LinearScheme(abc.ABC):
             start += n
         return torch.cat(outs)
 
+    def apply_all(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Stacked layers (MLA K/V per head): x [..., n, T, in] -> [..., n, T, out], slot i applied
+        to x[..., i, :, :]. The default applies slot by slot; a scheme may run one batched matmul."""
+        outs = [self.apply(layer, x[..., i, :, :], i) for i in range(x.shape[-3])]
+        return torch.stack(outs, dim=-3)
+
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the weight (layer kind ``"embedding"``), in the model dtype. The
         default dequantizes the whole matrix; a scheme can dequantize only the rows looked up."""
@@ -332,8 +338,7 @@ class StackedLinear(PlannedModule):
 
     def forward_all(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., n, T, in] -> [..., n, T, out], slot i applied to x[..., i, :, :]."""
-        outs = [self.scheme.apply(self, x[..., i, :, :], i) for i in range(self.n)]
-        return torch.stack(outs, dim=-3)
+        return self.scheme.apply_all(self, x)
 
     def qp_finish(self) -> None:
         self.scheme.process_after_loading(self)

@@ -92,6 +92,16 @@ class GGMLScheme(LinearScheme):
         w: torch.Tensor = layer.weight  # type: ignore[assignment]
         return ggml.linear(x, w if index is None else w[index], self.ggml_type, layer.model_dtype)  # type: ignore[arg-type]
 
+    def apply_all(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """MLA K/V per head in one batched matmul (exact: the whole stack dequantized into the
+        reused buffer, as :func:`ggml.linear` does per matrix; fast: per head, the int4 kernel is 2-D)."""
+        w: torch.Tensor = layer.weight  # type: ignore[assignment]
+        if getattr(layer, "_int4", None) is not None or w[0].numel() * w.shape[0] > ggml.LINEAR_CHUNK_ELEMS * 16:
+            return super().apply_all(layer, x)
+        dense = self.dequantize(layer) if self.ggml_type in ggml.FLOAT_TYPES or self.cache \
+            else ggml.dequantize_reused(w, self.ggml_type, layer.model_dtype)  # type: ignore[arg-type]
+        return torch.matmul(x, dense.to(x.dtype).transpose(-1, -2))
+
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Token embedding: dequantize only the looked-up rows of the packed matrix."""
         if getattr(layer, "_dequantized", None) is not None or self.ggml_type in ggml.FLOAT_TYPES:

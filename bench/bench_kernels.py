@@ -1,0 +1,242 @@
+"""Quantized forward speed: F32 / Q8_0 / Q4_0 GGUF of a ~136M-parameter DeepSeek-V3-shaped model,
+exact and fast kernels (``kernels`` load option), and llama.cpp when llama-cpp-python is importable.
+
+    python bench/bench_kernels.py [--reps 3] [--threads 2] [--root DIR] [--profile TYPE:KERNELS]
+
+Each contender runs in a fresh process (``python bench/bench_kernels.py --child ...``); contenders
+alternate, and the best of ``--reps`` rounds is reported. Timed per contender, after one warm-up:
+prefill of 64 tokens (one forward of [1, 64]) and a decode step (a forward of one token; quantplug
+has no KV cache yet, so a decode step is a 1-token forward here, which is what ``generate`` will
+call per new token once it exists). Ratios are taken within the same run.
+
+The model (``CONFIG``): 8 layers (1 dense + 7 MoE), hidden 512, 32 routed experts of 256 (top-4)
++ 1 shared, MLA q_lora 256 / kv_lora 128, vocab 32000: 136M parameters. Weights are random (std
+0.02, the repo's ``random_state``), written with quantplug's gguf-py writer (split MLA K/V);
+``token_embd`` / ``output`` are in the file's type as llama-quantize writes them for Q8_0
+(for Q4_0 llama-quantize would use Q6_K for ``output``; gguf-py cannot write Q6_K, so it is Q4_0).
+
+``--profile Q4_0:exact`` prints a cProfile of 20 one-token forwards in this process instead.
+
+Bench-only dependency: ``pip install -r bench/requirements.txt`` (llama-cpp-python; compiles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1408, "moe_intermediate_size": 256,
+    "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
+    "q_lora_rank": 256, "kv_lora_rank": 128, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32,
+    "v_head_dim": 64, "n_routed_experts": 32, "num_experts_per_tok": 4, "n_shared_experts": 1,
+    "n_group": 4, "topk_group": 2, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 1, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+    "rope_interleave": True, "tie_word_embeddings": False, "attention_bias": False,
+    "hidden_act": "silu", "scoring_func": "sigmoid",
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                        "original_max_position_embeddings": 1024, "beta_fast": 32, "beta_slow": 1,
+                        "mscale": 1.0, "mscale_all_dim": 1.0},
+}
+TYPES = ("F32", "Q8_0", "Q4_0")
+PREFILL = 64
+
+
+def build(root: Path) -> dict[str, Path]:
+    """One directory per type (config.json + model.gguf); reused when present."""
+    import torch
+    from quantplug.models.config import parse_model_config
+    from quantplug.testing import random_state
+    from quantplug_expert_pack.export import gguf_state, write_gguf
+
+    dirs = {t: root / t for t in TYPES}
+    if all((d / "model.gguf").exists() for d in dirs.values()):
+        return dirs
+    mc = parse_model_config(CONFIG, "DeepseekV3ForCausalLM", False)
+    state = gguf_state(random_state(CONFIG), mc)
+    print(f"model: {sum(t.numel() for t in state.values()) / 1e6:.1f}M parameters", file=sys.stderr)
+    for t, d in dirs.items():
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "config.json").write_text(json.dumps(CONFIG))
+        write_gguf(d / "model.gguf.tmp", state, mc, default_type=t, vocab=CONFIG["vocab_size"])
+        os.replace(d / "model.gguf.tmp", d / "model.gguf")
+    del torch
+    return dirs
+
+
+def _time(fn, n: int) -> float:
+    best = float("inf")
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def child(path: str, kernels: str, threads: int) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    import quantplug
+
+    t0 = time.perf_counter()
+    m = quantplug.load(path, progress=False, options={"kernels": kernels})
+    load_s = time.perf_counter() - t0
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, CONFIG["vocab_size"], (1, PREFILL), generator=g)
+    one = prompt[:, :1]
+    with torch.inference_mode():
+        m(prompt)
+        m(one)
+        prefill = _time(lambda: m(prompt), 3)
+        decode = _time(lambda: m(one), 10)
+    return {"load_s": round(load_s, 3), "prefill64_ms": round(prefill * 1e3, 2), "decode_ms": round(decode * 1e3, 2)}
+
+
+def llama_child(path: str, threads: int) -> dict:
+    from llama_cpp import Llama
+
+    t0 = time.perf_counter()
+    llm = Llama(model_path=path, n_ctx=256, n_threads=threads, n_threads_batch=threads, verbose=False)
+    load_s = time.perf_counter() - t0
+    import random
+
+    rnd = random.Random(0)
+    prompt = [rnd.randrange(CONFIG["vocab_size"]) for _ in range(PREFILL)]
+
+    def prefill() -> None:
+        llm.reset()
+        llm.eval(prompt)
+
+    def decode() -> None:
+        llm.eval([prompt[0]])  # one token on top of the prompt's cache
+
+    prefill()
+    p = _time(prefill, 3)
+    prefill()
+    d = float("inf")
+    for _ in range(10):
+        t0 = time.perf_counter()
+        decode()
+        d = min(d, time.perf_counter() - t0)
+    return {"load_s": round(load_s, 3), "prefill64_ms": round(p * 1e3, 2), "decode_ms": round(d * 1e3, 2)}
+
+
+def _old_dispatch(self, x, idx, w):  # type: ignore[no-untyped-def]
+    """Experts.forward before issue 14 (the "before" of ``--profile ... --old-dispatch``): one
+    torch.where over all pairs per hit expert, each expert's rows gathered and scattered alone."""
+    import torch
+    import torch.nn.functional as F
+
+    out = torch.zeros_like(x)
+    for k in torch.unique(idx).tolist():
+        pos, tok = torch.where(idx.t() == k)
+        xs = x[tok]
+        hs = F.silu(self.gate_proj(xs, k)) * self.up_proj(xs, k)
+        hs = self.down_proj(hs, k) * w[tok, pos, None]
+        out.index_add_(0, tok, hs.to(out.dtype))
+    return out
+
+
+def profile(path: str, kernels: str, threads: int, old_dispatch: bool) -> None:
+    import cProfile
+    import pstats
+
+    import torch
+
+    torch.set_num_threads(threads)
+    import quantplug
+    from quantplug.models.deepseek import Experts
+
+    if old_dispatch:
+        Experts.forward = _old_dispatch  # type: ignore[method-assign]
+    m = quantplug.load(path, progress=False, options={"kernels": kernels})
+    one = torch.tensor([[17]])
+    n = 20
+    with torch.inference_mode():
+        for _ in range(3):
+            m(one)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            m(one)
+        wall = (time.perf_counter() - t0) / n
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(n):
+            m(one)
+        pr.disable()
+    st = pstats.Stats(pr)
+    calls = sum(v[1] for v in st.stats.values())  # type: ignore[attr-defined]
+    code = Experts.forward.__code__
+    moe = sum(v[3] for k, v in st.stats.items()  # type: ignore[attr-defined]
+              if (k[0], k[1], k[2]) == (code.co_filename, code.co_firstlineno, code.co_name))
+    print(f"1-token forward: {wall * 1e3:.2f} ms unprofiled; {calls / n:.0f} Python function calls per forward; "
+          f"Experts.forward cumulative {moe / n * 1e3:.2f} ms of {st.total_tt / n * 1e3:.2f} ms profiled")  # type: ignore[attr-defined]
+    st.sort_stats("tottime").print_stats(12)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--root", default=None, help="where the GGUF files are built (default: a temp dir)")
+    ap.add_argument("--types", default=",".join(TYPES))
+    ap.add_argument("--kernels", default="exact,fast")
+    ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--profile", default=None, help="TYPE:KERNELS, e.g. Q4_0:exact")
+    ap.add_argument("--old-dispatch", action="store_true", help="with --profile: the pre-issue-14 MoE loop")
+    ap.add_argument("--child", nargs=3, metavar=("ENGINE", "PATH", "KERNELS"))
+    a = ap.parse_args()
+    if a.child:
+        engine, path, kernels = a.child
+        res = llama_child(path, a.threads) if engine == "llama" else child(path, kernels, a.threads)
+        print(json.dumps(res))
+        return
+    root = Path(a.root) if a.root else Path(tempfile.mkdtemp(prefix="qp_kernels_"))
+    dirs = build(root)
+    if a.profile:
+        t, k = a.profile.split(":")
+        profile(str(dirs[t]), k, a.threads, a.old_dispatch)
+        return
+    contenders = [("quantplug", t, k) for t in a.types.split(",") for k in a.kernels.split(",")]
+    if not a.no_llama:
+        try:
+            import llama_cpp  # noqa: F401
+
+            contenders += [("llama", t, "-") for t in a.types.split(",")]
+        except ImportError:
+            print("llama-cpp-python not importable: llama.cpp rows skipped", file=sys.stderr)
+    best: dict[tuple[str, str, str], dict] = {}
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
+    for r in range(a.reps):
+        for c in contenders:
+            engine, t, k = c
+            path = str(dirs[t] / "model.gguf") if engine == "llama" else str(dirs[t])
+            out = subprocess.run([sys.executable, __file__, "--threads", str(a.threads), "--child", engine, path, k],
+                                 capture_output=True, text=True, env=env)
+            if out.returncode:
+                print(f"{c}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
+                continue
+            res = json.loads(out.stdout.strip().splitlines()[-1])
+            prev = best.get(c)
+            best[c] = res if prev is None else {key: min(prev[key], res[key]) for key in res}
+            print(f"round {r}: {c} {res}", file=sys.stderr, flush=True)
+    f32 = {k: best.get(("quantplug", "F32", k)) for k in a.kernels.split(",")}
+    for c, res in best.items():
+        base = f32.get(c[2])
+        ratio = (f" ({res['prefill64_ms'] / base['prefill64_ms']:.2f}x / {res['decode_ms'] / base['decode_ms']:.2f}x"
+                 f" its F32)") if base and c[0] == "quantplug" else ""
+        print(f"{c[0]:9s} {c[1]:5s} {c[2]:5s} prefill64 {res['prefill64_ms']:8.2f} ms  decode {res['decode_ms']:7.2f} ms"
+              f"  load {res['load_s']:.3f} s{ratio}")
+    print(json.dumps({"|".join(c): v for c, v in best.items()}))
+
+
+if __name__ == "__main__":
+    main()
