@@ -467,3 +467,28 @@ def test_two_threads_forward_on_one_pack_model_match_one_thread(pack_dir):
     assert not errors, errors
     for (i, _), o in out.items():
         assert torch.equal(o, ref[i]), i
+
+
+def test_two_threads_generate_on_one_pack_model_match_one_thread(pack_dir):
+    model = quantplug.load(pack_dir, progress=False, options={"expert_cache_mb": 0.02})
+    if not hasattr(model, "generate"):
+        pytest.skip("generation not in this build")
+    prompts = [torch.tensor([[i + 1, 40 + i, 7]]) for i in range(4)]
+    ref = [model.generate(p, max_new_tokens=4, eos_token_id=None) for p in prompts]
+    out: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def run(t: int) -> None:
+        try:
+            for i in range(t, len(prompts), 2):
+                out[i] = model.generate(prompts[i], max_new_tokens=4, eos_token_id=None)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert all(torch.equal(out[i], ref[i]) for i in range(len(prompts)))

@@ -24,6 +24,8 @@ def main() -> int:
     print(rep.summary())
     for f in rep.failures:
         print("FAIL", f)
+    for w in rep.wrapped:
+        print("WRAPPED", w)
     return 1 if rep.failures else 0
 
 

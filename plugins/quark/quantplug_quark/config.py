@@ -33,7 +33,18 @@ class WeightSpec:
             raise ConfigError(f"quantization_config.{where}: expected an object, got {type(spec).__name__}")
         w = spec.get("weight") or {}
         if isinstance(w, list):  # Quark allows a list of specs (double quantization); we take none of those
+            if not all(isinstance(x, dict) for x in w):
+                raise ConfigError(f"config.json: quantization_config.{where}.weight: expected an object or a list "
+                                  "of objects")
             w = {"dtype": "+".join(str(x.get("dtype")) for x in w)}
+        if not isinstance(w, dict):
+            raise ConfigError(f"config.json: quantization_config.{where}.weight = {w!r:.60}: expected an object")
+        for key, types in (("dtype", str), ("qscheme", str), ("group_size", int), ("ch_axis", int),
+                           ("scale_format", str)):
+            v = w.get(key)
+            if v is not None and (type(v) is not types):
+                raise ConfigError(f"config.json: quantization_config.{where}.weight.{key} = {v!r:.60}: expected "
+                                  f"{'an integer' if types is int else 'a string'} or null")
         return cls(dtype=w.get("dtype"), qscheme=w.get("qscheme"), group_size=w.get("group_size"),
                    ch_axis=w.get("ch_axis"), scale_format=w.get("scale_format"),
                    has_input_quant=bool(spec.get("input_tensors")), has_output_quant=bool(spec.get("output_tensors")))
@@ -75,6 +86,8 @@ class QuarkConfig:
             raise ConfigError("quantization_config: layer_quant_config / layer_type_quant_config must be objects "
                               "and exclude a list")
         export = qc.get("export") or {}
+        if not isinstance(export, dict):
+            raise ConfigError(f"config.json: quantization_config.export = {export!r:.60}: expected an object")
         return cls(
             global_spec=WeightSpec.parse(qc.get("global_quant_config"), "global_quant_config"),
             layer_specs=tuple((k, WeightSpec.parse(v, f"layer_quant_config[{k!r}]")) for k, v in layers.items()),
