@@ -492,3 +492,26 @@ def test_two_threads_generate_on_one_pack_model_match_one_thread(pack_dir):
         t.join()
     assert not errors, errors
     assert all(torch.equal(out[i], ref[i]) for i in range(len(prompts)))
+
+
+def test_pack_counts_checked_before_reading_and_payloads_may_not_overlap(tmp_path, pack_dir):
+    import numpy as np
+    from quantplug_expert_pack.pack import ENTRY_DTYPE, HEADER_SIZE, PACK_NAME, ExpertPack
+
+    data = (pack_dir / PACK_NAME).read_bytes()
+    huge = bytearray(data)
+    struct.pack_into("<II", huge, 24, 2**20, 2**20)  # layers, experts: consistent with n_entries below
+    struct.pack_into("<Q", huge, 40, 3 * 2**40)
+    (tmp_path / "h.qpack").write_bytes(bytes(huge))
+    with pytest.raises(CheckpointError, match="cannot fit in the .*-byte file"):
+        ExpertPack(tmp_path / "h.qpack")
+    (n_entries,) = struct.unpack_from("<Q", data, 40)
+    idx = np.frombuffer(data[HEADER_SIZE:HEADER_SIZE + 80 * n_entries], dtype=ENTRY_DTYPE).copy()
+    idx["offset"][1] = idx["offset"][0]  # up_proj onto gate_proj's bytes, checksum made to match
+    raw = idx.tobytes()
+    bad = bytearray(data)
+    bad[HEADER_SIZE:HEADER_SIZE + len(raw)] = raw
+    bad[136:168] = hashlib.sha256(raw).digest()
+    (tmp_path / "o.qpack").write_bytes(bytes(bad))
+    with pytest.raises(CheckpointError, match="overlap: the index is corrupt"):
+        ExpertPack(tmp_path / "o.qpack")

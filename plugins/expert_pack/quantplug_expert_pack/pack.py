@@ -145,6 +145,9 @@ class ExpertPack:
                              f"{n_layers}*{n_experts}*{n_roles}")
         if file_size < actual:
             raise self._fail(f"extended expert pack: header says {file_size} bytes, the file has {actual}")
+        if n_entries * ENTRY_SIZE > actual - HEADER_SIZE:  # checked before anything is read or allocated
+            raise self._fail(f"index of {n_entries:,} entries ({n_entries * ENTRY_SIZE:,} bytes) cannot fit in the "
+                             f"{actual:,}-byte file: the header is corrupt")
         if index_offset != HEADER_SIZE or data_offset < index_offset + n_entries * ENTRY_SIZE:
             raise self._fail(f"index at {index_offset} / data at {data_offset} overlap or are misplaced")
         with open(self.path, "rb") as fh:
@@ -179,6 +182,14 @@ class ExpertPack:
         for i in np.nonzero((idx["offset"] % alignment != 0) | (idx["offset"] < data_offset) | (ends > file_size))[0][:1]:
             raise self._fail(f"entry {self._entry(idx, int(i), by_id).describe()}: payload {int(idx['offset'][i])}+"
                              f"{int(idx['size'][i])} is misaligned or outside the data region (file {file_size} bytes)")
+        if len(idx) > 1:  # payloads may not share bytes
+            order = np.argsort(idx["offset"], kind="stable")
+            starts, stops = idx["offset"][order].astype(np.int64), ends[order]
+            clash = np.nonzero(starts[1:] < stops[:-1])[0]
+            if len(clash):
+                a, b = int(order[clash[0]]), int(order[clash[0] + 1])
+                raise self._fail(f"entries {self._entry(idx, a, by_id).describe()} and {self._entry(idx, b, by_id).describe()}"
+                                 " overlap: the index is corrupt")
         self._idx, self._by_id = idx, by_id
         self._layer_pos = {layer: i for i, layer in enumerate(self.layers)}
         for i in range(len(idx)):  # per-entry type/size agreement (cheap: ints only)
