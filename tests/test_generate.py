@@ -50,7 +50,8 @@ def hf_model(cfg: dict, state: dict):
     return model
 
 
-def check_cached_equals_recompute(model, ids: torch.Tensor, steps: int = 6, chunks: tuple[int, ...] = (3,)) -> None:
+def check_cached_equals_recompute(model, ids: torch.Tensor, steps: int = 6, chunks: tuple[int, ...] = (3,),
+                                  tol: float = 1e-4) -> None:
     """Prefill ``ids`` in chunks (the first ``chunks`` tokens, then the rest: exercises attention
     of several new tokens on a non-empty cache), then decode greedily; at every step the cached
     logits equal a full forward over the whole sequence."""
@@ -61,13 +62,13 @@ def check_cached_equals_recompute(model, ids: torch.Tensor, steps: int = 6, chun
         for end in (*chunks, ids.shape[1]):
             logits = lm(ids[:, start:end], cache=cache)
             ref = model(ids[:, :end])[:, start:end]
-            assert rel_err(logits, ref) <= 1e-4, (start, end, rel_err(logits, ref))
+            assert rel_err(logits, ref) <= tol, (start, end, rel_err(logits, ref))
             start = end
         seq = ids
         step_logits = logits[:, -1]
         for _ in range(steps):
             ref = model(seq)[:, -1]
-            assert rel_err(step_logits, ref) <= 1e-4, rel_err(step_logits, ref)
+            assert rel_err(step_logits, ref) <= tol, rel_err(step_logits, ref)
             assert torch.equal(step_logits.argmax(-1), ref.argmax(-1))
             nxt = ref.argmax(-1, keepdim=True)
             seq = torch.cat([seq, nxt], 1)
@@ -115,7 +116,8 @@ def test_kimi_k3_output_gate_cache_equals_recompute(tmp_path):
         assert torch.equal(model(out)[:, IDS.shape[1] - 1:-1].argmax(-1), out[:, IDS.shape[1]:])
 
 
-@pytest.mark.parametrize("fixture", ["quark_mxfp4_dsv3", "modelslim_w8a8_dsv3"])
+@pytest.mark.parametrize("fixture", ["quark_mxfp4_dsv3", "modelslim_w8a8_dsv3", "ct_fp8_block_dsv3",
+                                     "ct_w4a16_experts_dsv3"])
 def test_vendor_fixtures_cache_equals_recompute(fixture):
     model = quantplug.load(VENDOR / fixture, progress=False)
     ids = torch.randint(0, model.text_lm().config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
@@ -316,3 +318,39 @@ def test_torchrun_generate_equals_single_process(tmp_path):
     lines = [ln for ln in multi.stdout.splitlines() if ln.startswith("{")]
     assert len(lines) == 1  # only rank 0 prints
     assert json.loads(lines[0])["tokens"] == expect[0, 4:].tolist()
+
+
+#: fp8 emulates DeepSeek's per-token fp8 activation quantization by default: a decode token's
+#: activations, computed alone, differ from the batched recompute's by ~1e-7, which can move one
+#: value across an fp8 rounding boundary (observed once: 1.05e-4 at one step, argmax equal);
+#: weight-only (activation_quant=none) the same check holds at 1e-4 (observed 5e-7)
+LOAD_CASES = {"fp8": [({}, 1e-3), ({"activation_quant": "none"}, 1e-4)]}
+
+
+def test_every_exporting_backend_cache_equals_recompute(tmp_path):
+    """Each installed backend that can export (the demo's path: quark, modelslim, expert_pack, fp8,
+    ...) writes a tiny model in its format; cached decode equals full recompute on each."""
+    from quantplug.plugins import get_plugin_manager
+    from quantplug.types import ExportResult
+
+    cfg = tiny_config(vocab_size=256, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                      q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
+                      n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2)
+    dense = quantplug.load(write_checkpoint(tmp_path / "dense", hub_rope_spelling(cfg), random_state(cfg)),
+                           progress=False)
+    pm = get_plugin_manager()
+    done = []
+    for rec in pm.records():
+        if not pm.implements(rec.name, "quantplug_export"):
+            continue
+        answers = pm.call("quantplug_export", [rec.name], firstresult=True, model=dense,
+                          model_config=dense.quantplug_plan.model_config, destination=tmp_path / rec.name,
+                          options={}, plan=dense.quantplug_plan)
+        results = answers[0][0] if answers else []
+        for res in results if isinstance(results, list | tuple) else [results]:
+            assert isinstance(res, ExportResult)
+            for options, tol in LOAD_CASES.get(rec.name, [({}, 1e-4)]):
+                model = quantplug.load(res.path, backend=rec.name, progress=False, options=options)
+                check_cached_equals_recompute(model, IDS, steps=3, tol=tol)
+            done.append(rec.name)
+    assert {"quark", "modelslim", "expert_pack"} <= set(done)
