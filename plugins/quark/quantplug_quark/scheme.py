@@ -8,6 +8,7 @@ same byte (OCP MX E8M0: biased exponent, 0xFF = NaN) and is read bit for bit.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 
 import torch
@@ -35,6 +36,36 @@ def dequantize_mxfp4(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     s = torch.where(scale == 255, torch.full_like(s, float("nan")), s)  # e8m0 0xFF is NaN
     out = (vals.unflatten(-1, (-1, GROUP)) * s.unsqueeze(-1)).flatten(-2)
     return out.to(dtype)
+
+
+#: dense weight elements materialized at once by :func:`mxfp4_linear` (1 MiB of float32)
+LINEAR_CHUNK_ELEMS = 1 << 18
+_SCRATCH = threading.local()
+
+
+def mxfp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x @ W^T`` with W dequantized exactly as :func:`dequantize_mxfp4` does (the same float32
+    products, rounded to ``dtype``), a block of rows at a time into this thread's reused buffer:
+    no weight-sized allocation per call and the chunk stays in cache for its matmul."""
+    rows, k = weight.shape[0], weight.shape[-1] * 2
+    step = min(rows, max(1, LINEAR_CHUNK_ELEMS // k))
+    buf = getattr(_SCRATCH, "w", None)
+    if buf is None or buf.numel() < step * k:
+        buf = _SCRATCH.w = torch.empty(step * k, dtype=torch.float32)
+    lut = _BYTE_LUT.to(weight.device)
+    x2 = x.reshape(-1, k)
+    out_t = torch.empty(rows, x2.shape[0], dtype=x.dtype, device=x.device)
+    for r in range(0, rows, step):
+        n = min(step, rows - r)
+        w = buf[:n * k].view(n, k)
+        torch.index_select(lut, 0, weight[r:r + n].reshape(-1).to(torch.int32), out=w.view(-1, 2))
+        sc = scale[r:r + n]
+        s = torch.exp2(sc.to(torch.float32) - 127.0)
+        s = torch.where(sc == 255, torch.full_like(s, float("nan")), s)  # e8m0 0xFF is NaN
+        w.view(n, -1, GROUP).mul_(s.unsqueeze(-1))
+        wd = w if dtype == torch.float32 and x.dtype == torch.float32 else w.to(dtype).to(x.dtype)
+        torch.mm(wd, x2.t(), out=out_t[r:r + n])
+    return out_t.t().reshape(*x.shape[:-1], rows)
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,7 +142,12 @@ class MXFP4Scheme(LinearScheme):
         return dequantize_mxfp4(w, s.view(torch.uint8), layer.model_dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
-        return F.linear(x, self.dequantize(layer, index).to(x.dtype))
+        if getattr(layer, "_dequantized", None) is not None:
+            return F.linear(x, self.dequantize(layer, index).to(x.dtype))
+        w, s = layer.weight, layer.weight_scale
+        if index is not None:
+            w, s = w[index], s[index]
+        return mxfp4_linear(x, w, s.view(torch.uint8), layer.model_dtype)
 
     def process_after_loading(self, layer: nn.Module) -> None:
         if self.cache:
