@@ -74,6 +74,13 @@ class Comm:
     def __init__(self, world: int, rank: int, group: Any = None) -> None:
         self.world, self.rank, self.group = world, rank, group
 
+    @property
+    def device(self) -> torch.device:
+        """Where this group's own small tensors (flags, sizes) live: NCCL only reduces on CUDA."""
+        if dist.is_initialized() and dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous()
         dist.all_reduce(t, group=self.group)
@@ -93,7 +100,7 @@ class Comm:
     def agree(self, error: BaseException | None, stage: str) -> None:
         """Every rank says whether ``stage`` worked; a rank whose peer failed raises too, so
         nobody waits in a later collective for a rank that has given up."""
-        flags = torch.zeros(self.world, dtype=torch.int32)
+        flags = torch.zeros(self.world, dtype=torch.int32, device=self.device)
         flags[self.rank] = 1 if error is not None else 0
         dist.all_reduce(flags, group=self.group)
         if error is not None:
@@ -152,7 +159,7 @@ class Row:
 
     def __call__(self, mod: Any, x: torch.Tensor) -> torch.Tensor:
         if self.sharded:
-            return self.comm.all_reduce(mod.scheme.apply(mod, x))
+            return mod.scheme.apply_row_parallel(mod, x, self.comm.all_reduce)
         return mod.scheme.apply(mod, self.comm.all_gather(x, self.sizes))
 
 
@@ -573,9 +580,7 @@ def read_slices(fd: int, info: TensorInfo, slices: Sequence[tuple[int, int, int]
                         f"{list(dst.shape)} {dst.dtype} expects {dst.numel()} elements")
     flat = dst.view(-1)
     if src_dtype == dst.dtype:
-        out = flat.view(torch.uint8)
-        for i, off in enumerate(offsets):
-            read_into(fd, off, out[i * run:(i + 1) * run])
+        _pread_runs(fd, [(off, run) for off in offsets], flat.view(torch.uint8))
         return total
     # pieces of at most stage_bytes, batched into the staging buffer, converted in one copy
     cap = max(item, stage_bytes // item * item)
@@ -583,17 +588,32 @@ def read_slices(fd: int, info: TensorInfo, slices: Sequence[tuple[int, int, int]
     pos = 0
     i = 0
     while i < len(pieces):
-        buf = stage.get(cap)
+        batch = []
         used = 0
         while i < len(pieces) and used + pieces[i][1] <= cap:
-            off, n = pieces[i]
-            read_into(fd, off, buf[used:used + n])
-            used += n
+            batch.append(pieces[i])
+            used += pieces[i][1]
             i += 1
+        buf = stage.get(cap)[:used]
+        _pread_runs(fd, batch, buf)
         count = used // item
-        flat[pos:pos + count].copy_(buf[:used].view(src_dtype))
+        flat[pos:pos + count].copy_(buf.view(src_dtype))
         pos += count
     return total
+
+
+def _pread_runs(fd: int, runs: Sequence[tuple[int, int]], out: torch.Tensor) -> None:
+    """Read file ranges (offset, length) back to back into contiguous uint8 ``out``: one memory
+    view for all of them (a column slice is thousands of short rows; a view per call would cost
+    more than the reads)."""
+    arr: Any = out.numpy() if out.numel() else b""
+    view = memoryview(arr).cast("B")
+    pos = 0
+    for off, n in runs:
+        got = os.preadv(fd, [view[pos:pos + n]], off)
+        if got != n:  # short read: finish it the careful way
+            read_into(fd, off + got, out[pos + got:pos + n])
+        pos += n
 
 
 def materialize_sliced(plan: LoadPlan, pp: ParamPlan, device: torch.device, stage: Any, stage_bytes: int) -> torch.Tensor:
@@ -628,7 +648,7 @@ def describe(par: ParallelPlan | Mapping[str, Any]) -> str:
 @contextlib.contextmanager
 def torchrun_session() -> Iterator[Comm | None]:
     """For the CLI: when started by torchrun (``WORLD_SIZE`` > 1 in the environment), initialize
-    the default group from it (nccl with CUDA, else gloo) and silence stdout on every rank but 0;
+    the default group from it (gloo: the CLI loads on CPU) and silence stdout on every rank but 0;
     destroy the group on exit. Yields the Comm, or None for a single process."""
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world <= 1 or not dist.is_available():
@@ -636,7 +656,7 @@ def torchrun_session() -> Iterator[Comm | None]:
         return
     started = not dist.is_initialized()
     if started:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("gloo")  # the CLI loads on CPU; NCCL reduces only CUDA tensors
     comm = resolve_group()
     saved = sys.stdout
     devnull = None
@@ -657,11 +677,11 @@ def gather_json(comm: Comm, obj: Any) -> list[Any]:
     """Every rank's JSON-able ``obj`` (small: per-rank reports), in rank order, on every rank
     (sent as JSON bytes, not pickles)."""
     data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-    sizes = torch.zeros(comm.world, dtype=torch.int64)
+    sizes = torch.zeros(comm.world, dtype=torch.int64, device=comm.device)
     sizes[comm.rank] = data.numel()
     dist.all_reduce(sizes, group=comm.group)
-    buf = torch.zeros(int(sizes.max()), dtype=torch.uint8)
-    buf[:data.numel()] = data
+    buf = torch.zeros(int(sizes.max()), dtype=torch.uint8, device=comm.device)
+    buf[:data.numel()] = data.to(comm.device)
     bufs = [torch.empty_like(buf) for _ in range(comm.world)]
     dist.all_gather(bufs, buf, group=comm.group)
-    return [json.loads(bytes(b[:int(n)].tolist()).decode()) for b, n in zip(bufs, sizes)]
+    return [json.loads(bytes(b[:int(n)].cpu().tolist()).decode()) for b, n in zip(bufs, sizes.tolist())]

@@ -6,9 +6,9 @@ scheme: each through its hook, the core default answering last, each recorded as
 with its plugin) -> model skeleton (no parameters yet) -> sources -> validate (missing,
 unexpected, shape, dtype, decision-vs-tensor mismatches, backend Problems) -> LoadPlan.
 
-Tensor-parallel room: a :class:`ParamPlan` names whole source tensors and, via ``narrow``, row
-ranges of them; a rank-sharded plan would narrow each source to that rank's slice so every
-rank reads only its bytes. Not implemented yet.
+Tensor parallel: a :class:`ParamPlan` names whole source tensors and, via ``narrow``, row
+ranges of them; ``build_plan(..., world_size=N, rank=r)`` then rewrites each source to rank r's
+slice (``Source.slices``, :mod:`quantplug.parallel`) so every rank reads only its bytes.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ interface: :class:`DenseScheme` is the core's default answer to ``quantplug_line
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -140,6 +140,14 @@ class LinearScheme(abc.ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
         w = self.dequantize(layer, index)
         return F.linear(x.to(w.dtype), w)
+
+    def apply_row_parallel(self, layer: nn.Module, x: torch.Tensor,
+                           all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Row-parallel forward (this rank holds a slice of the input features, see ``split``):
+        the partial output, summed over the ranks by ``all_reduce``. The default reduces the
+        output of :meth:`apply`; a scheme with an exact integer accumulator may reduce that
+        instead, before its float scaling, so the result equals one process bit for bit."""
+        return all_reduce(self.apply(layer, x))
 
     def apply_grouped(self, layer: nn.Module, x: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
         """Stacked layers (routed experts): ``x`` [rows, in] holds consecutive groups of rows,

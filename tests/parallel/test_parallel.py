@@ -138,7 +138,8 @@ def build_cases(root: Path) -> dict[str, list[dict]]:
         cases[name] = {"name": name, "path": str(path), "options": options, "ref": str(ref),
                        "weight_bytes": model.load_report["bytes_read"]}
     fail = dict(cases["dense-fused-hubrope"], name="rank-1-fails", fail_on=[1])
-    two = [cases[n] for n in paths if n != "uneven-4"] + [fail]
+    group = dict(cases["dense-fused-hubrope"], name="explicit-group", group="new")
+    two = [cases[n] for n in paths if n != "uneven-4"] + [fail, group]
     four = [cases[n] for n in paths if n != "uneven-2"]
     return {"2": two, "4": four}
 
@@ -275,6 +276,14 @@ def test_uneven_heads_experts_vocab(runs, world):
     assert vocab in dec["model.embed_tokens"]["reason"]
 
 
+def test_explicit_group(runs):
+    """``load(group=g)`` with a group other than the default one: collectives go over g."""
+    recs = _results(runs, 2, "explicit-group")
+    for rank, rec in enumerate(recs):
+        assert "error" not in rec and rec["rel_err"] <= TOL, rec
+        assert rec["report"] == {"rank": rank, "world_size": 2, "bytes_read": rec["parallel"]["rank_bytes"][rank]}
+
+
 def test_a_failing_rank_does_not_hang_the_others(runs):
     failed, other = _results(runs, 2, "rank-1-fails")[1], _results(runs, 2, "rank-1-fails")[0]
     assert "CheckpointError" in failed["error"] and "missing-on-this-rank" in failed["error"]
@@ -380,3 +389,30 @@ def test_torchrun_forward_prints_the_single_process_argmax(tmp_path):
     got = json.loads(lines[0])
     assert got["argmax"] == ref.argmax(-1).tolist()
     assert float((torch.tensor(got["logits"]) - ref).abs().max() / ref.abs().max()) <= TOL
+
+
+def test_read_slices_reads_exactly_the_slice(tmp_path):
+    """Row, column, stacked-axis and two-axis slices, with and without dtype conversion (tiny
+    staging buffer: pieces split across batches), equal ``narrow`` of the stored tensor."""
+    from quantplug.checkpoint import Checkpoint
+    from quantplug.loader import _Stage
+    from quantplug.parallel import read_slices
+
+    w = torch.randn(6, 10, 12).to(torch.bfloat16)
+    u = torch.randint(0, 255, (7, 9), dtype=torch.uint8)
+    save_file({"w": w, "u": u}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    ck = Checkpoint.open(tmp_path)
+    info = ck.tensors["w"]
+    for sl in [((0, 1, 3),), ((1, 2, 5),), ((2, 4, 4),), ((0, 2, 2), (1, 3, 4)), ((0, 1, 4), (2, 0, 6))]:
+        ref = w
+        for a, start, n in sl:
+            ref = ref.narrow(a, start, n)
+        for dtype, stage_bytes in ((torch.float32, 16), (torch.float32, 1 << 20), (torch.bfloat16, 1 << 20)):
+            out = torch.empty(ref.shape, dtype=dtype)
+            assert read_slices(ck.fd(info.file), info, sl, out, _Stage(), stage_bytes) == ref.numel() * 2
+            assert torch.equal(out, ref.to(dtype)), (sl, dtype)
+    out = torch.empty(7, 4, dtype=torch.uint8)
+    read_slices(ck.fd(ck.tensors["u"].file), ck.tensors["u"], ((1, 5, 4),), out, _Stage(), 1 << 20)
+    assert torch.equal(out, u[:, 5:9])
+    ck.close()

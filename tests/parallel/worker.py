@@ -36,8 +36,11 @@ def run_case(case: dict, rank: int) -> dict:
         path = path + "-missing-on-this-rank"
     rec: dict = {"name": case["name"]}
     before = _rchar()
+    kw = {}
+    if case.get("group") == "new":  # an explicit group= (a new group object over every rank)
+        kw["group"] = dist.new_group(list(range(dist.get_world_size())))
     try:
-        model = quantplug.load(path, options=case.get("options", {}), progress=False)
+        model = quantplug.load(path, options=case.get("options", {}), progress=False, **kw)
     except Exception as exc:  # noqa: BLE001 (recorded for the parent to check)
         rec["error"] = f"{type(exc).__name__}: {exc}"
         return rec

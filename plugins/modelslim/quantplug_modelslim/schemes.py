@@ -9,6 +9,8 @@ o = round(-128 - lo / s)) or "ascend" (torch_npu.npu_dynamic_quant: symmetric, s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from quantplug.api import LinearScheme, SplitRule, TensorSpec
@@ -130,6 +132,17 @@ class W8A8Static(_IntScheme):
         # int8 x int8 -> int32, as the deployed kernel computes (the same integers the float64
         # emulation produced, so the same logits, from an int8 GEMM instead of a float64 one)
         acc = int8_matmul(q.to(torch.int8), layer.weight) + layer.quant_bias
+        return (acc.to(torch.float32) * layer._deq).to(x.dtype)
+
+    def apply_row_parallel(self, layer: nn.Module, x: torch.Tensor,
+                           all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Row-parallel: the int32 partial accumulators are summed over the ranks (``quant_bias``
+        on rank 0 only), then scaled once: exactly the one-process integers and result."""
+        if not layer._symmetric:
+            return all_reduce(self.apply(layer, x))
+        s, o = layer.input_scale.to(torch.float32), layer.input_offset.to(torch.float32)
+        q = torch.clamp(torch.round(x.to(torch.float32) / s + o), -128, 127)
+        acc = all_reduce(int8_matmul(q.to(torch.int8), layer.weight) + layer.quant_bias)
         return (acc.to(torch.float32) * layer._deq).to(x.dtype)
 
 
