@@ -699,34 +699,43 @@ def _layer_inputs(model: torch.nn.Module, ids: torch.Tensor) -> dict[tuple[int, 
 
 def _apply_mismatches(model: torch.nn.Module, rtol: float, ids: torch.Tensor) -> list[str]:
     """Layers whose apply differs from dequantize + matmul, on the inputs they see in a forward
-    pass on ``ids`` (random ones for layers the pass does not reach, e.g. unrouted experts)."""
+    pass on ``ids`` (random ones for layers the pass does not reach, e.g. unrouted experts).
+    Stacked layers also check ``apply_grouped`` / ``apply_all`` where the scheme overrides them."""
     g = torch.Generator().manual_seed(3)
     inputs = _layer_inputs(model, ids)
     bad: list[str] = []
+
+    def x_for(mod: torch.nn.Module, slot: int | None, in_features: int) -> torch.Tensor:
+        x = inputs.get((id(mod), slot))
+        return torch.randn(3, in_features, generator=g) if x is None else x.float()
+
     for mod in model.modules():
         scheme = getattr(mod, "scheme", None)
         if scheme is None or isinstance(scheme, DenseScheme):
             continue
+        errs: dict[str, float] = {}
         with torch.no_grad():
             if isinstance(mod, Embedding):
                 w = scheme.dequantize(mod).float()
-                ids = torch.randint(0, w.shape[0], (2, 5), generator=g)
-                err = rel_err(scheme.embed(mod, ids).float(), F.embedding(ids, w))
-                where = mod.qp_ckpt
-            elif isinstance(mod, QuantLinear | StackedLinear):
-                slots: list[int | None] = [None]
-                if isinstance(mod, StackedLinear):
-                    slots = [0, mod.n - 1] if mod.n > 1 else [0]
-                err = 0.0
-                for slot in slots:
-                    x = inputs.get((id(mod), slot))
-                    if x is None:
-                        x = torch.randn(3, mod.in_features, generator=g, dtype=torch.float32)
-                    w = scheme.dequantize(mod, slot).float()
-                    err = max(err, rel_err(scheme.apply(mod, x, slot).float(), F.linear(x, w)))
-                where = mod.qp_ckpt
+                rows = torch.randint(0, w.shape[0], (2, 5), generator=g)
+                errs["embed"] = rel_err(scheme.embed(mod, rows).float(), F.embedding(rows, w))
+            elif isinstance(mod, QuantLinear):
+                x = x_for(mod, None, mod.in_features)
+                errs["apply"] = rel_err(scheme.apply(mod, x).float(), F.linear(x, scheme.dequantize(mod).float()))
+            elif isinstance(mod, StackedLinear):
+                xs = [x_for(mod, i, mod.in_features)[:3] for i in range(mod.n)]
+                refs = [F.linear(x, scheme.dequantize(mod, i).float()) for i, x in enumerate(xs)]
+                errs["apply"] = max(rel_err(scheme.apply(mod, xs[i], i).float(), refs[i]) for i in range(mod.n))
+                cls = type(scheme)
+                if cls.apply_grouped is not LinearScheme.apply_grouped:
+                    got = scheme.apply_grouped(mod, torch.cat(xs), [(i, len(x)) for i, x in enumerate(xs)])
+                    errs["apply_grouped"] = rel_err(got.float(), torch.cat(refs))
+                if cls.apply_all is not LinearScheme.apply_all and all(len(x) == len(xs[0]) for x in xs):
+                    got = scheme.apply_all(mod, torch.stack(xs))
+                    errs["apply_all"] = rel_err(got.float(), torch.stack(refs))
             else:
                 continue
-        if not err <= rtol:
-            bad.append(f"{where} ({scheme.describe()}): rel err {err:.3g}")
+        for what, err in errs.items():
+            if not err <= rtol:
+                bad.append(f"{mod.qp_ckpt} ({scheme.describe()}): {what} rel err {err:.3g}")
     return bad
