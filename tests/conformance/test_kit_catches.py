@@ -92,6 +92,30 @@ BROKEN = {
         def quantplug_linear_scheme(layer_name, layer_kind, quant_config):
             return None if layer_name.endswith("lm_head") else Int8RowScheme()
         """,
+    # a batched expert kernel (apply_grouped) that forgets the scales; apply itself is right
+    "batched_acme": """
+        import torch
+        import torch.nn.functional as F
+        import acme_quant
+        from acme_quant import *  # noqa: F403
+        from acme_quant import Int8RowScheme
+        from quantplug.api import hookimpl
+
+        class Batched(Int8RowScheme):
+            def apply_grouped(self, layer, x, groups):
+                outs, start = [], 0
+                for slot, n in groups:
+                    w, _ = self._tensors(layer, slot)
+                    outs.append(F.linear(x[start:start + n].float(), w.float()))
+                    start += n
+                return torch.cat(outs).to(x.dtype)
+
+        @hookimpl
+        def quantplug_linear_scheme(layer_name, layer_kind, shard_names, quant_config):
+            original = acme_quant.quantplug_linear_scheme(layer_name=layer_name, layer_kind=layer_kind,
+                                                          shard_names=shard_names, quant_config=quant_config)
+            return None if original is None else Batched()
+        """,
     # a scale the scheme needs is declared optional: the plan cannot name it when it is missing
     "lax_acme": """
         import acme_quant
@@ -143,6 +167,7 @@ EXPECT = {
         "test_plan_reads_no_tensor_data": "planning backend acme's deepseek_v3 checkpoint read tensor data",
         "test_hook_answers_are_frozen_and_repeatable": "Claim.quant_config is a dict",
         "test_unknown_layer_kind_gets_none": "return None for kinds you do not handle"}),
+    "batched_acme": ("apply", {"test_apply_agrees_with_dequantize": "apply_grouped rel err"}),
     "lax_acme": ("missing", {"test_missing_tensor_is_named_at_plan_time": "Declare every tensor a scheme needs"}),
 }
 
