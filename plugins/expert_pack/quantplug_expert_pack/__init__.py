@@ -135,6 +135,8 @@ def quantplug_attention_layout(layer_name: str, checkpoint: Any) -> AttentionLay
 @hookimpl
 def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Sequence[str],
                             quant_config: GGUFConfig, checkpoint: Any, options: Mapping[str, Any]) -> Any:
+    if layer_kind not in ("linear", "experts", "attn_k_b", "attn_v_b", "embedding"):
+        return None  # a kind added after this plugin was written: not ours to answer
     if layer_kind == "experts":
         m = _EXPERTS.match(layer_name)
         stored = f"{layer_name}.weight" in checkpoint or any(f"{s}.weight" in checkpoint for s in shard_names)
