@@ -98,12 +98,11 @@ def bench(reps: int, calls: int) -> None:
                 res = subprocess.run([sys.executable, __file__, "--child", n, "--set", set_name, "--calls", str(calls)],
                                      check=True, capture_output=True, text=True)
                 times[n].append(json.loads(res.stdout.strip().splitlines()[-1])["seconds"])
-        base = min(times["quantplug"])
+        base, base_med = min(times["quantplug"]), statistics.median(times["quantplug"])
         print(f"  {mib:.0f} MiB of F8_E4M3 weights -> float32; best / median of {reps} fresh processes")
         for n in names:
             b, m = min(times[n]), statistics.median(times[n])
-            ratio = "" if n == "quantplug" else f"  quantplug is {b / base:.2f}x faster (best), " \
-                f"{m / statistics.median(times['quantplug']):.2f}x (median)"
+            ratio = "" if n == "quantplug" else f"  time / quantplug's: {b / base:.2f}x best, {m / base_med:.2f}x median"
             print(f"  {n:<24} {b:.3f} s / {m:.3f} s  ({mib / b:,.0f} MiB/s){ratio}")
 
 

@@ -285,3 +285,14 @@ def test_export_roundtrip_and_cli_explain(tmp_path, capsys):
     assert main(["explain", str(res.path), "model.layers.1.self_attn.kv_a_proj_with_mqa",
                  "-o", "activation_quant=none"]) == 0
     assert "activation_quant=none" in capsys.readouterr().out
+
+
+def test_bfloat16_model_dtype(ckpt):
+    model, out = load_logits(ckpt[0], IDS, dtype=torch.bfloat16, options={"activation_quant": "none"})
+    _, ref = load_logits(ckpt[0], IDS, options={"activation_quant": "none"})
+    w = model.model.layers[1].self_attn.q_b_proj
+    assert w.weight.dtype == torch.float8_e4m3fn and w.weight_scale_inv.dtype == torch.float32
+    assert torch.equal(w.scheme.dequantize(w), ref_dequant(w.weight, w.weight_scale_inv).to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and rel_err(out.float(), ref) < 5e-2
+    _, dyn = load_logits(ckpt[0], IDS, dtype=torch.bfloat16)
+    assert torch.isfinite(dyn).all()

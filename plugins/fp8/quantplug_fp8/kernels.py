@@ -26,8 +26,10 @@ ACT_AMAX_FLOOR = 1e-4
 #: rows of dense weight materialized at once by :func:`linear` (times in_features elements),
 #: rounded to whole block rows: bounded temporaries whatever the matrix size
 LINEAR_CHUNK_ELEMS = 1 << 20
-#: elements decoded per step by :func:`dequantize` (its int16 buffer stays in cache)
-DEQUANT_CHUNK_ELEMS = 1 << 18
+#: elements decoded per step by :func:`dequantize`: its int16 buffer (4 MiB) stays in the
+#: last-level cache, and the op count stays low (each op is an intra-op parallel region, costly
+#: when the cores are oversubscribed)
+DEQUANT_CHUNK_ELEMS = 1 << 21
 
 
 def scale_shape(out_features: int, in_features: int, block: tuple[int, int]) -> tuple[int, int]:
@@ -46,9 +48,8 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     (sign bit kept, its int16 sign extension cleared) is the fp16 ``s 0eeee mmm0000000``, which
     is the fp8 value times 2**-8 (subnormals included: both formats' subnormals scale alike); the
     2**8 is folded into the block scale (exact: a power of two). Works in chunks of
-    :data:`DEQUANT_CHUNK_ELEMS` elements through one reused int16 buffer (cache-sized: 8x the
-    speed of ``Tensor.float()`` on 2 cores), plus a per-row scale gather (1/bk of a chunk) and,
-    for a non-float32 ``dtype``, one float32 chunk.
+    :data:`DEQUANT_CHUNK_ELEMS` elements through one reused int16 buffer, plus a per-row scale
+    gather (1/bk of the output) and, for a non-float32 ``dtype``, one float32 chunk.
     """
     if weight.dim() == 3:
         res = out if out is not None else torch.empty(weight.shape, dtype=dtype, device=weight.device)
@@ -72,6 +73,8 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     scale = scale.to(torch.float32)
     fold = bool((scale.abs() < 2.0 ** 100).all())  # scale * 2**8 stays finite and exact
     mult = scale * 256.0 if fold else scale
+    # each row's block row, from its own index (partial last block row included): [rows, ceil(in/bk)]
+    srows = mult.index_select(0, torch.arange(rows, device=scale.device) // bn)
     raw = weight.view(torch.int8)
     # e4m3fn NaN codes are 0x7F (the int8 maximum) and 0xFF (the uint8 maximum): two reductions
     # over the bytes say whether any chunk needs the NaN fix-up below
@@ -89,8 +92,7 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
         o.copy_(x.view(torch.float16))
         if not fold:
             o.mul_(256.0)
-        # each row's block row, from its own index (partial last block row included)
-        s = mult.index_select(0, torch.arange(r0, r1, device=scale.device) // bn)  # [rows, ceil(in/bk)]
+        s = srows[r0:r1]
         if full:
             o[:, :full].view(r1 - r0, full // bk, bk).mul_(s[:, : full // bk, None])
         if full < cols:  # the partial last block column
