@@ -275,11 +275,15 @@ def quantplug_linear_scheme(
     rank: a ``tensor_parallel`` decision with the reason, its bytes counted on every rank
     (option ``strict_split`` turns it into a plan Problem). A replicated column layer computes
     its full output and keeps the rank's slice; a replicated row layer all-gathers its input:
-    exact either way. Stacked layers are not asked: routed experts split by expert (each rank
-    a contiguous block, ``kind="experts"`` tensors along their leading axis, or per-expert
-    tensors whole), split MLA ``k_b`` / ``v_b`` stacks by head. A scheme that serves experts
-    itself (no tensors, e.g. an expert pack) is called with global expert indices, only for
-    the experts of its rank.
+    exact either way. In attention, one projection that cannot split replicates the layer's
+    whole attention (one head count per layer). Stacked layers are not asked: routed experts
+    split by expert (each rank a contiguous block, ``kind="experts"`` tensors along their
+    leading axis, or per-expert tensors whole), split MLA ``k_b`` / ``v_b`` stacks by head. A
+    scheme that serves experts itself (no tensors, e.g. an expert pack) is called with global
+    expert indices, only for the experts of its rank. A row-parallel layer runs
+    ``scheme.apply_row_parallel(layer, x, all_reduce)``: by default the all-reduce of
+    ``apply``; a scheme with an exact integer accumulator reduces that before scaling
+    (ModelSlim W8A8), so the sum over ranks equals one process bit for bit.
 
     .. versionadded:: 1.0
     .. versionchanged:: 1.1 ``scheme.reason`` is recorded with the decision; ``quantplug.api.refuse``;

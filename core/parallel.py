@@ -301,7 +301,7 @@ class _Sharder:
         per rank), or why it cannot split."""
         rules = scheme.split(direction, out_f, in_f)
         if rules is None:
-            return f"scheme {scheme.describe()} declares no split rule"
+            return f"scheme {scheme.name} declares no split rule"
         if isinstance(rules, str):
             return rules
         full = out_f if direction == "out" else in_f
@@ -310,7 +310,7 @@ class _Sharder:
         for pp in self.params.get(id(mod), []):
             rule: SplitRule | None = rules.get(pp.local)
             if rule is None:
-                return f"scheme {scheme.describe()} declares no split rule for {pp.local}"
+                return f"scheme {scheme.name} declares no split rule for {pp.local}"
             if rule.axis is None:
                 if rule.once and direction == "in":
                     once.append((mod, pp.local))
@@ -446,9 +446,14 @@ class _Sharder:
             self.replicated(name, f"intermediate size {inter} does not divide over {self.world} ranks")
             return
         ranges = self.even(inter)
-        self.linear(mlp.gate_proj, "out", ranges)
-        self.linear(mlp.up_proj, "out", ranges)
-        self.linear(mlp.down_proj, "in", ranges)
+        probe = [(lin, d, self.try_linear(lin, lin.scheme, d, lin.out_features, lin.in_features, ranges))
+                 for lin, d in ((mlp.gate_proj, "out"), (mlp.up_proj, "out"), (mlp.down_proj, "in"))]
+        if all(isinstance(res, str) for _, _, res in probe):
+            # nothing splits: the whole MLP stays whole here, with no collective at all
+            self.replicated(name, "; ".join(f"{lin.qp_ckpt.rsplit('.', 1)[-1]}: {res}" for lin, _, res in probe))
+            return
+        for lin, d, _ in probe:  # probed again: each call leaves its own pending once-terms
+            self.linear(lin, d, ranges)
 
     def experts(self, ex: Any) -> None:
         ranges = [block(ex.n, self.world, r) for r in range(self.world)]

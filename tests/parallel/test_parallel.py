@@ -257,7 +257,7 @@ def test_split_decisions(runs):
     fp = {d["target"]: d for d in _results(runs, 2, "fp8-block")[0]["parallel"]["decisions"]}
     assert fp["model.layers.0.self_attn"]["value"] == "replicated"
     assert "declares no split rule" in fp["model.layers.0.self_attn"]["reason"]
-    assert fp["model.layers.0.mlp.down_proj"]["value"] == "replicated"
+    assert fp["model.layers.0.mlp"]["value"] == "replicated"  # no projection splits: no collective either
     # GGUF: split K/V stacks follow the heads
     gg = {d["target"]: d["value"] for d in _results(runs, 2, "gguf-kquants")[0]["parallel"]["decisions"]}
     assert gg["model.layers.0.self_attn.k_b_proj"] == "head-parallel"
