@@ -59,6 +59,7 @@ def pack_dir(tmp_path_factory):
 BAD_VALUES = [
     ("rope_parameters.rope_theta", float("nan"), "rope_theta"),
     ("rope_parameters.rope_theta", 0, "rope_theta"),
+    ("rope_parameters.rope_theta", 1, "rope_theta"),  # yarn divides by log(theta)
     ("rope_parameters.rope_theta", -10000.0, "rope_theta"),
     ("rope_parameters.factor", 0.0, "factor"),
     ("rope_parameters.factor", "4", "factor"),

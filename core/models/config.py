@@ -99,7 +99,8 @@ def _rope(f: Fields, mpe: int) -> RopeConfig:
     else:
         src = f.get_obj("rope_scaling") or Fields({}, f.file, f"{f.path + '.' if f.path else ''}rope_scaling")
         theta_src = f
-    theta = theta_src.get_float("rope_theta", 0.0, MAX_THETA, 10000.0, open_lo=True)
+    # > 1: the frequencies base ** (-2i/d) must decrease (yarn divides by log(theta))
+    theta = theta_src.get_float("rope_theta", 1.0, MAX_THETA, 10000.0, open_lo=True)
     key = "rope_type" if src.has("rope_type") else "type"
     rtype = src.get_str(key, "default", choices=("default", "yarn")) if src.data.get(key) != "" else "default"
     if rtype == "default":
