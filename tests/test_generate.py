@@ -175,6 +175,7 @@ def test_expert_pack_cache_equals_recompute_and_cli_reports_ssd_reads(tmp_path, 
                  "-o", "expert_cache_mb=1"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert len(d["tokens"]) == 5 and d["kv_cache_bytes_per_token"] == (32 + 16) * 3 * 4
+    assert d["text"] == "".join(f"<tok{t}>" for t in d["tokens"])  # the GGUF's own vocabulary, read lazily
     from quantplug_expert_pack.pack import PACK_NAME, ExpertPack
 
     span = ExpertPack(root / PACK_NAME).expert_span(1, 0)[1]
