@@ -168,11 +168,11 @@ class PluginManager:
                            f"import of {ep.value!r} failed: {type(exc).__name__}: {exc}")
                 continue
             try:
-                why = contract_problem(obj, dist)
+                problem = contract_problem(obj, dist)
             except PluginLoadError as exc:
-                why = str(exc)
-            if why:
-                self._fail(ep.name, dist_name, version, why)
+                problem = str(exc)
+            if problem:
+                self._fail(ep.name, dist_name, version, problem)
                 continue
             try:
                 self.register(obj, ep.name, distribution=dist_name, version=version)
