@@ -1,13 +1,15 @@
 """Quantized forward speed: F32 / Q8_0 / Q4_0 GGUF of a ~136M-parameter DeepSeek-V3-shaped model,
 exact and fast kernels (``kernels`` load option), and llama.cpp when llama-cpp-python is importable.
 
-    python bench/bench_kernels.py [--reps 3] [--threads 2] [--root DIR] [--profile TYPE:KERNELS]
+    python bench/bench_kernels.py [--reps 3] [--threads 1] [--wall] [--root DIR] [--profile TYPE:KERNELS]
 
 Each contender runs in a fresh process (``python bench/bench_kernels.py --child ...``); contenders
 alternate, and the best of ``--reps`` rounds is reported. Timed per contender, after one warm-up:
-prefill of 64 tokens (one forward of [1, 64]) and a decode step (a forward of one token; quantplug
-has no KV cache yet, so a decode step is a 1-token forward here, which is what ``generate`` will
-call per new token once it exists). Ratios are taken within the same run.
+prefill of 64 tokens (one forward of [1, 64]), a 1-token forward without cache ("decode"), and
+generating 32 greedy tokens after a 64-token prompt (quantplug: ``model.generate`` with the latent
+KV cache; llama.cpp: eval of the prompt then 32 single-token evals). Ratios are taken within the
+same run. The clock is this process's CPU time (``--wall`` for wall clock): on a machine shared
+with other jobs a descheduled process would otherwise count their time.
 
 The model (``CONFIG``): 8 layers (1 dense + 7 MoE), hidden 512, 32 routed experts of 256 (top-4)
 + 1 shared, MLA q_lora 256 / kv_lora 128, vocab 32000: 136M parameters. Weights are random (std
@@ -47,6 +49,7 @@ CONFIG = {
 }
 TYPES = ("F32", "Q8_0", "Q4_0")
 PREFILL = 64
+GEN = 32
 
 
 def build(root: Path) -> dict[str, Path]:
@@ -66,17 +69,45 @@ def build(root: Path) -> dict[str, Path]:
         d.mkdir(parents=True, exist_ok=True)
         (d / "config.json").write_text(json.dumps(CONFIG))
         write_gguf(d / "model.gguf.tmp", state, mc, default_type=t, vocab=CONFIG["vocab_size"])
-        os.replace(d / "model.gguf.tmp", d / "model.gguf")
+        _with_merges(d / "model.gguf.tmp", d / "model.gguf")
+        (d / "model.gguf.tmp").unlink()
     del torch
     return dirs
+
+
+#: the clock: ``process_time`` (CPU seconds of this process) by default, as this machine is shared
+#: and a descheduled process would count others' time; ``--wall`` for wall-clock seconds. With one
+#: thread (the default) the two agree on an idle machine.
+CLOCK = time.process_time
+
+
+def _with_merges(src: Path, dst: Path) -> None:
+    """Copy of ``src`` with a one-entry ``tokenizer.ggml.merges`` (llama.cpp refuses a gpt2 vocabulary
+    without merges; token ids are fed directly here, so the tokenizer is never used)."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFWriter
+
+    r = GGUFReader(src)
+    w = GGUFWriter(str(dst), "deepseek2")
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        w.add_key_value(key, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
+    w.add_token_merges(["<tok1> <tok2>"])
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 def _time(fn, n: int) -> float:
     best = float("inf")
     for _ in range(n):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, CLOCK() - t0)
     return best
 
 
@@ -86,9 +117,9 @@ def child(path: str, kernels: str, threads: int) -> dict:
     torch.set_num_threads(threads)
     import quantplug
 
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     m = quantplug.load(path, progress=False, options={"kernels": kernels})
-    load_s = time.perf_counter() - t0
+    load_s = CLOCK() - t0
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, CONFIG["vocab_size"], (1, PREFILL), generator=g)
     one = prompt[:, :1]
@@ -97,7 +128,10 @@ def child(path: str, kernels: str, threads: int) -> dict:
         m(one)
         prefill = _time(lambda: m(prompt), 3)
         decode = _time(lambda: m(one), 10)
-    return {"load_s": round(load_s, 3), "prefill64_ms": round(prefill * 1e3, 2), "decode_ms": round(decode * 1e3, 2)}
+        # prompt + 32 greedy new tokens through the latent KV cache (quantplug.generate)
+        gen = _time(lambda: m.generate(prompt, max_new_tokens=GEN, min_new_tokens=GEN, eos_token_id=None), 2)
+    return {"load_s": round(load_s, 3), "prefill64_ms": round(prefill * 1e3, 2), "decode_ms": round(decode * 1e3, 2),
+            "gen64+32_ms": round(gen * 1e3, 1)}
 
 
 def llama_child(path: str, threads: int) -> dict:
@@ -118,15 +152,19 @@ def llama_child(path: str, threads: int) -> dict:
     def decode() -> None:
         llm.eval([prompt[0]])  # one token on top of the prompt's cache
 
+    def generate() -> None:  # prompt + 32 new tokens, greedy (llama.cpp's own sampler)
+        llm.reset()
+        llm.eval(prompt)
+        for _ in range(GEN):
+            llm.eval([llm.sample(temp=0.0)])
+
     prefill()
     p = _time(prefill, 3)
     prefill()
-    d = float("inf")
-    for _ in range(10):
-        t0 = time.perf_counter()
-        decode()
-        d = min(d, time.perf_counter() - t0)
-    return {"load_s": round(load_s, 3), "prefill64_ms": round(p * 1e3, 2), "decode_ms": round(d * 1e3, 2)}
+    d = _time(decode, 10)
+    gen = _time(generate, 2)
+    return {"load_s": round(load_s, 3), "prefill64_ms": round(p * 1e3, 2), "decode_ms": round(d * 1e3, 2),
+            "gen64+32_ms": round(gen * 1e3, 1)}
 
 
 def _old_dispatch(self, x, idx, w):  # type: ignore[no-untyped-def]
@@ -185,15 +223,21 @@ def profile(path: str, kernels: str, threads: int, old_dispatch: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--root", default=None, help="where the GGUF files are built (default: a temp dir)")
     ap.add_argument("--types", default=",".join(TYPES))
     ap.add_argument("--kernels", default="exact,fast")
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--llama-python", default=None,
+                    help="interpreter with llama-cpp-python for the llama.cpp rows (default: this one, if it has it)")
     ap.add_argument("--profile", default=None, help="TYPE:KERNELS, e.g. Q4_0:exact")
     ap.add_argument("--old-dispatch", action="store_true", help="with --profile: the pre-issue-14 MoE loop")
+    ap.add_argument("--wall", action="store_true", help="wall-clock instead of process CPU time")
     ap.add_argument("--child", nargs=3, metavar=("ENGINE", "PATH", "KERNELS"))
     a = ap.parse_args()
+    if a.wall:
+        global CLOCK
+        CLOCK = time.perf_counter
     if a.child:
         engine, path, kernels = a.child
         res = llama_child(path, a.threads) if engine == "llama" else child(path, kernels, a.threads)
@@ -206,20 +250,26 @@ def main() -> None:
         profile(str(dirs[t]), k, a.threads, a.old_dispatch)
         return
     contenders = [("quantplug", t, k) for t in a.types.split(",") for k in a.kernels.split(",")]
-    if not a.no_llama:
+    llama_py = a.llama_python
+    if not a.no_llama and llama_py is None:
         try:
             import llama_cpp  # noqa: F401
 
-            contenders += [("llama", t, "-") for t in a.types.split(",")]
+            llama_py = sys.executable
         except ImportError:
-            print("llama-cpp-python not importable: llama.cpp rows skipped", file=sys.stderr)
+            print("llama-cpp-python not importable (pip install -r bench/requirements.txt, or --llama-python): "
+                  "llama.cpp rows skipped", file=sys.stderr)
+    if not a.no_llama and llama_py:
+        contenders += [("llama", t, "-") for t in a.types.split(",")]
     best: dict[tuple[str, str, str], dict] = {}
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
     for r in range(a.reps):
         for c in contenders:
             engine, t, k = c
             path = str(dirs[t] / "model.gguf") if engine == "llama" else str(dirs[t])
-            out = subprocess.run([sys.executable, __file__, "--threads", str(a.threads), "--child", engine, path, k],
+            python = llama_py if engine == "llama" else sys.executable
+            out = subprocess.run([python, __file__, "--threads", str(a.threads), *(["--wall"] if a.wall else []),
+                                  "--child", engine, path, k],
                                  capture_output=True, text=True, env=env)
             if out.returncode:
                 print(f"{c}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
@@ -234,7 +284,7 @@ def main() -> None:
         ratio = (f" ({res['prefill64_ms'] / base['prefill64_ms']:.2f}x / {res['decode_ms'] / base['decode_ms']:.2f}x"
                  f" its F32)") if base and c[0] == "quantplug" else ""
         print(f"{c[0]:9s} {c[1]:5s} {c[2]:5s} prefill64 {res['prefill64_ms']:8.2f} ms  decode {res['decode_ms']:7.2f} ms"
-              f"  load {res['load_s']:.3f} s{ratio}")
+              f"  64+32 generate {res['gen64+32_ms']:8.1f} ms  load {res['load_s']:.3f} s{ratio}")
     print(json.dumps({"|".join(c): v for c, v in best.items()}))
 
 

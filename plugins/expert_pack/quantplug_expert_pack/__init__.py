@@ -147,10 +147,11 @@ def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Seque
     if info is None:
         return None  # the core's dense scheme answers; the plan reports the missing tensor
     # kernels="fast" repacks 4-bit-affine ggml types for torch's int4 kernel; never the embedding
-    # (looked up row by row, not multiplied)
+    # (looked up row by row, not multiplied) nor the small per-head MLA K/V stacks (one batched
+    # exact matmul per stack beats a 2-D int4 kernel call per head)
     kernels = option(options, "kernels", "exact", KERNELS)
     return GGMLScheme(info.dtype, cache=bool(options.get("dequantize", False)),
-                      kernels="exact" if layer_kind == "embedding" else kernels)
+                      kernels="exact" if layer_kind in ("embedding", "attn_k_b", "attn_v_b") else kernels)
 
 
 _META_CHECKS = (
