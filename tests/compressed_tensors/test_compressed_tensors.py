@@ -13,7 +13,7 @@ from conftest import VENDOR, load_logits, rel_err
 from quantplug.errors import ConfigError, LoadError, PlanError
 from quantplug.loader import model_bytes
 from quantplug.plan import build_plan
-from quantplug.testing import BackendConformance, random_state, tiny_config, write_checkpoint
+from quantplug.testing import random_state, tiny_config, write_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -437,12 +437,7 @@ def test_export_writes_the_fixture_layout(tmp_path):
     assert qc == json.loads((W4 / "config.json").read_text())["quantization_config"]
 
 
-class TestConformance(BackendConformance):
-    backend = "compressed_tensors"
-    plugin = ctp
-
-    def write_checkpoint(self, path, config, dense_state):
-        self.export_checkpoint(path, config, dense_state)
+# The conformance kit runs on this backend in tests/conformance/test_bundled.py.
 
 
 def test_no_runtime_import_of_compressed_tensors():

@@ -29,9 +29,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-#: output elements produced per dequantization step (4 MiB of float32): big enough that the few
-#: parallel regions per step cost little, small enough to bound the temporaries
-CHUNK = 1 << 20
+#: output elements produced per dequantization step. At most ATen's parallel grain (32768), so
+#: every op of a step runs in the calling thread: no OpenMP barrier per step, which on a loaded
+#: machine costs more than the work (measured with bench/bench_ct.py: 2**16 was 6-50x slower
+#: than 2**15 at load ~12 on 2 cores; whole-tensor ops, compressed-tensors' way, 2-3x slower)
+CHUNK = 1 << 15
 #: dense weight elements materialized at once by :func:`linear` (1 MiB of float32)
 LINEAR_CHUNK = 1 << 18
 FP8_MAX = 448.0
@@ -138,7 +140,7 @@ def dequantize(layout: Layout, q: torch.Tensor, scale: torch.Tensor, zero_point:
     ``q``: the stored weight (int32 words, int8 or float8) of the whole layer; ``scale`` as
     stored; ``zero_point`` already unpacked to float32 [out, G] (:func:`unpack_zero_point`) or
     as stored for naive formats. Works :data:`CHUNK` elements at a time, each step a few whole-
-    chunk torch ops (few parallel regions; temporaries bounded by the chunk). When the output
+    chunk torch ops run serially in this thread (temporaries bounded by the chunk). When the output
     dtype is the scale's (or float32), values and products are formed in the output itself: the
     product of an integer or fp8 value and a scale is exact in float32, so one rounding happens
     either way.
