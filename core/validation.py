@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -71,18 +72,26 @@ def contained(root: Path, name: Any, what: str) -> Path:
     relative path that, symlinks resolved, stays inside ``root``."""
     if not isinstance(name, str) or not name or "\0" in name:
         raise CheckpointError(f"{what}: file name {name!r} is not a non-empty string")
-    if len(name) > 4096 or any(len(part.encode()) > 255 for part in re.split(r"[\\/]", name)):
+    parts = re.split(r"[\\/]", name)
+    if len(name) > 4096 or any(len(part.encode()) > 255 for part in parts):
         raise CheckpointError(f"{what}: file name {name[:80]!r}... is longer than a file system allows")
     p = Path(name)
-    if p.is_absolute() or name.startswith(("/", "\\")) or ".." in re.split(r"[\\/]", name):
+    if p.is_absolute() or name.startswith(("/", "\\")) or ".." in parts:
         raise CheckpointError(f"{what}: file name {name!r} must be relative to the checkpoint directory "
                               "(no absolute path, no '..')")
+    full = root / p
+    if len(parts) == 1:  # fast path (one lstat): a plain file directly in root cannot leave it
+        try:
+            if not stat.S_ISLNK(os.lstat(full).st_mode):
+                return full
+        except OSError:
+            return full  # absent: whoever opens it reports that
     base = Path(os.path.realpath(root))
-    full = Path(os.path.realpath(root / p))
-    if full != base and base not in full.parents:
-        raise CheckpointError(f"{what}: {name!r} resolves to {full}, outside the checkpoint directory {base} "
+    real = Path(os.path.realpath(full))
+    if real != base and base not in real.parents:
+        raise CheckpointError(f"{what}: {name!r} resolves to {real}, outside the checkpoint directory {base} "
                               "(a symlink leaving the directory)")
-    return root / p
+    return full
 
 
 def check_inside(root: Path, files: Iterable[Path], what: str) -> None:
