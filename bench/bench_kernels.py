@@ -137,9 +137,9 @@ def child(path: str, kernels: str, threads: int) -> dict:
 def llama_child(path: str, threads: int) -> dict:
     from llama_cpp import Llama
 
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     llm = Llama(model_path=path, n_ctx=256, n_threads=threads, n_threads_batch=threads, verbose=False)
-    load_s = time.perf_counter() - t0
+    load_s = CLOCK() - t0
     import random
 
     rnd = random.Random(0)
@@ -183,7 +183,7 @@ def _old_dispatch(self, x, idx, w):  # type: ignore[no-untyped-def]
     return out
 
 
-def profile(path: str, kernels: str, threads: int, old_dispatch: bool) -> None:
+def profile(path: str, kernels: str, threads: int, old_dispatch: bool, tokens: int = 1) -> None:
     import cProfile
     import pstats
 
@@ -196,16 +196,16 @@ def profile(path: str, kernels: str, threads: int, old_dispatch: bool) -> None:
     if old_dispatch:
         Experts.forward = _old_dispatch  # type: ignore[method-assign]
     m = quantplug.load(path, progress=False, options={"kernels": kernels})
-    one = torch.tensor([[17]])
-    n = 20
+    one = torch.randint(0, CONFIG["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(0))
+    n = 20 if tokens == 1 else 3
     with torch.inference_mode():
         for _ in range(3):
             m(one)
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         for _ in range(n):
             m(one)
-        wall = (time.perf_counter() - t0) / n
-        pr = cProfile.Profile()
+        wall = (CLOCK() - t0) / n
+        pr = cProfile.Profile(CLOCK)
         pr.enable()
         for _ in range(n):
             m(one)
@@ -215,7 +215,7 @@ def profile(path: str, kernels: str, threads: int, old_dispatch: bool) -> None:
     code = Experts.forward.__code__
     moe = sum(v[3] for k, v in st.stats.items()  # type: ignore[attr-defined]
               if (k[0], k[1], k[2]) == (code.co_filename, code.co_firstlineno, code.co_name))
-    print(f"1-token forward: {wall * 1e3:.2f} ms unprofiled; {calls / n:.0f} Python function calls per forward; "
+    print(f"{tokens}-token forward: {wall * 1e3:.2f} ms CPU unprofiled; {calls / n:.0f} Python function calls per forward; "
           f"Experts.forward cumulative {moe / n * 1e3:.2f} ms of {st.total_tt / n * 1e3:.2f} ms profiled")  # type: ignore[attr-defined]
     st.sort_stats("tottime").print_stats(12)
 
@@ -232,6 +232,7 @@ def main() -> None:
                     help="interpreter with llama-cpp-python for the llama.cpp rows (default: this one, if it has it)")
     ap.add_argument("--profile", default=None, help="TYPE:KERNELS, e.g. Q4_0:exact")
     ap.add_argument("--old-dispatch", action="store_true", help="with --profile: the pre-issue-14 MoE loop")
+    ap.add_argument("--tokens", type=int, default=1, help="with --profile: tokens per forward")
     ap.add_argument("--wall", action="store_true", help="wall-clock instead of process CPU time")
     ap.add_argument("--child", nargs=3, metavar=("ENGINE", "PATH", "KERNELS"))
     a = ap.parse_args()
@@ -247,9 +248,11 @@ def main() -> None:
     dirs = build(root)
     if a.profile:
         t, k = a.profile.split(":")
-        profile(str(dirs[t]), k, a.threads, a.old_dispatch)
+        profile(str(dirs[t]), k, a.threads, a.old_dispatch, a.tokens)
         return
-    contenders = [("quantplug", t, k) for t in a.types.split(",") for k in a.kernels.split(",")]
+    # F32 has no fast kernel: one F32 row, the baseline of every ratio
+    contenders = [("quantplug", t, k) for t in a.types.split(",") for k in a.kernels.split(",")
+                  if t != "F32" or k == a.kernels.split(",")[0]]
     llama_py = a.llama_python
     if not a.no_llama and llama_py is None:
         try:
@@ -278,11 +281,13 @@ def main() -> None:
             prev = best.get(c)
             best[c] = res if prev is None else {key: min(prev[key], res[key]) for key in res}
             print(f"round {r}: {c} {res}", file=sys.stderr, flush=True)
-    f32 = {k: best.get(("quantplug", "F32", k)) for k in a.kernels.split(",")}
+    base = best.get(("quantplug", "F32", a.kernels.split(",")[0]))
     for c, res in best.items():
-        base = f32.get(c[2])
-        ratio = (f" ({res['prefill64_ms'] / base['prefill64_ms']:.2f}x / {res['decode_ms'] / base['decode_ms']:.2f}x"
-                 f" its F32)") if base and c[0] == "quantplug" else ""
+        ratio = (f" ({res['prefill64_ms'] / base['prefill64_ms']:.2f}x / {res['decode_ms'] / base['decode_ms']:.2f}x / "
+                 f"{res['gen64+32_ms'] / base['gen64+32_ms']:.2f}x quantplug F32)") if base else ""
+        lc = best.get(("llama", c[1], "-"))
+        if lc and c[0] == "quantplug":
+            ratio += f" (generate {res['gen64+32_ms'] / lc['gen64+32_ms']:.2f}x llama.cpp {c[1]})"
         print(f"{c[0]:9s} {c[1]:5s} {c[2]:5s} prefill64 {res['prefill64_ms']:8.2f} ms  decode {res['decode_ms']:7.2f} ms"
               f"  64+32 generate {res['gen64+32_ms']:8.1f} ms  load {res['load_s']:.3f} s{ratio}")
     print(json.dumps({"|".join(c): v for c, v in best.items()}))
