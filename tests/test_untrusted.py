@@ -62,6 +62,9 @@ BAD_VALUES = [
     ("rope_parameters.rope_theta", 1, "rope_theta"),  # yarn divides by log(theta)
     ("rope_parameters.rope_theta", -10000.0, "rope_theta"),
     ("rope_parameters.factor", 0.0, "factor"),
+    ("rope_parameters.factor", 1e-320, "factor"),  # found by the fuzz suite: non-finite logits
+    ("rope_parameters.beta_fast", 1e-320, "beta_fast"),  # found by the fuzz suite: OverflowError in yarn
+    ("rms_norm_eps", 1e-320, "rms_norm_eps"),
     ("rope_parameters.factor", "4", "factor"),
     ("rope_parameters.rope_type", "linear", "rope_type"),
     ("rms_norm_eps", 0.0, "rms_norm_eps"),

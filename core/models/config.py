@@ -107,9 +107,11 @@ def _rope(f: Fields, mpe: int) -> RopeConfig:
         return RopeConfig(theta, "default")
     orig_src = src if src.has("original_max_position_embeddings") else f
     orig = orig_src.get_int("original_max_position_embeddings", 1, MAX_POSITIONS, mpe)
-    factor = src.get_float("factor", 0.0, 1e6, mpe / orig, open_lo=True)
-    beta_fast = src.get_float("beta_fast", 0.0, 1e6, 32.0, open_lo=True) if src.data.get("beta_fast") != 0 else 32.0
-    beta_slow = src.get_float("beta_slow", 0.0, 1e6, 1.0, open_lo=True) if src.data.get("beta_slow") != 0 else 1.0
+    # yarn extends the context: factor >= 1 (transformers' own rule); betas are rotation counts
+    # (32 and 1 in every release): tiny ones overflow yarn's correction range
+    factor = src.get_float("factor", 1.0, 1e4, mpe / orig)
+    beta_fast = src.get_float("beta_fast", 1e-3, 1e4, 32.0) if src.data.get("beta_fast") != 0 else 32.0
+    beta_slow = src.get_float("beta_slow", 1e-3, 1e4, 1.0) if src.data.get("beta_slow") != 0 else 1.0
     return RopeConfig(
         theta=theta, type="yarn", factor=factor, original_max_position_embeddings=orig,
         beta_fast=beta_fast, beta_slow=beta_slow,
@@ -172,7 +174,7 @@ def parse_model_config(config: dict[str, Any], architecture: str, wrapped: bool,
         norm_topk_prob=f.get_bool("norm_topk_prob", False),
         routed_scaling_factor=f.get_float("routed_scaling_factor", 0.0, 1e6, 1.0, open_lo=True),
         first_k_dense_replace=f.get_int("first_k_dense_replace", 0, layers, 0),
-        rms_norm_eps=f.get_float("rms_norm_eps", 0.0, 1.0, 1e-6, open_lo=True),
+        rms_norm_eps=f.get_float("rms_norm_eps", 1e-12, 1.0, 1e-6),  # a subnormal eps is 0 in fp32
         rope=_rope(f, mpe),
         rope_interleave=f.get_bool("rope_interleave", True),
         max_position_embeddings=mpe,
