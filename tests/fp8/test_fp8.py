@@ -296,3 +296,14 @@ def test_bfloat16_model_dtype(ckpt):
     assert out.dtype == torch.bfloat16 and rel_err(out.float(), ref) < 5e-2
     _, dyn = load_logits(ckpt[0], IDS, dtype=torch.bfloat16)
     assert torch.isfinite(dyn).all()
+
+
+@pytest.mark.parametrize("scale", [0.37, 2.0 ** 110])  # the second is too large to fold 2**8 into
+def test_every_byte_value_decodes_as_torch_does(scale):
+    q = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).view(2, 128)  # subnormals, +-0, NaN codes
+    s = torch.tensor([[scale]])
+    ours, ref = kernels.dequantize(q, s), q.float() * s
+    assert torch.equal(torch.isnan(ours), torch.isnan(ref)) and int(torch.isnan(ref).sum()) == 2
+    assert torch.equal(ours.nan_to_num(), ref.nan_to_num())
+    real = ~torch.isnan(ref)
+    assert torch.equal(torch.signbit(ours[real]), torch.signbit(ref[real]))  # -0.0 stays -0.0
