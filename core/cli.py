@@ -179,6 +179,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
     p = build_plan(args.path, backend=args.backend, options=_options(args.option))
     decisions = p.decisions_for(args.layer)
+    if not any(d.target != "*" for d in decisions) and "." in args.layer:
+        # a tensor name (``...q_a_proj.weight_scale``, ``blk.3.attn_k_b.weight``): its module's decisions
+        decisions = p.decisions_for(args.layer.rsplit(".", 1)[0])
     if not any(d.target != "*" for d in decisions):
         raise QuantplugError(f"no decisions about {args.layer!r} in the plan of {args.path}; layer names look like "
                              f"{p.decisions[-1].target if p.decisions else 'model.layers.0.self_attn.q_a_proj'}")
@@ -236,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="sampling seed")
     g.add_argument("--chat", action="store_true", help="wrap --prompt in the checkpoint's chat template")
     g.add_argument("--json", action="store_true", help="one JSON object: tokens, text, speed, cache bytes")
-    e = ckpt_cmd("explain", "each decision for one layer: value, plugin, reason", cmd_explain)
+    e = ckpt_cmd("explain", "each decision for one layer or tensor: value, plugin, reason", cmd_explain)
     e.add_argument("layer")
     d = sub.add_parser("demo", help="export tiny checkpoints with every backend, load them, compare with dense")
     d.add_argument("--json", action="store_true")

@@ -181,6 +181,8 @@ class _Decider:
         shards = list(shards) if shards is not None else [ckpt_name]
         scheme, info = self.ask_scheme(ckpt_name, kind, shards)
         reason = f"{kind}" + (f", {len(shards)} shard(s)" if kind != "linear" else "")
+        if scheme.reason:
+            reason = f"{reason}: {scheme.reason}"
         self.decisions.append(Decision("quantplug_linear_scheme", ckpt_name, scheme.describe(), info, reason))
         return scheme
 
@@ -225,9 +227,10 @@ class _Decider:
 
 
 def _merge_packed(pm: PluginManager, backend: str | None, arch: ArchSpec, qc: Any,
-                  problems: list[Problem]) -> dict[str, list[str]]:
+                  problems: list[Problem], from_plugins: set[str] | None = None) -> dict[str, list[str]]:
     merged: dict[str, list[str]] = {k: list(v) for k, v in getattr(arch.cls, "packed_modules_mapping", {}).items()}
     source: dict[str, str] = {k: f"model class {arch.name}" for k in merged}
+    from_plugins = set() if from_plugins is None else from_plugins
     for answer, info in pm.backend_all(backend, "quantplug_packed_modules", architecture=arch.name, quant_config=qc):
         if not isinstance(answer, Mapping):
             raise QuantplugError(f"plugin {info} returned {type(answer).__name__} from quantplug_packed_modules; "
@@ -240,11 +243,18 @@ def _merge_packed(pm: PluginManager, backend: str | None, arch: ArchSpec, qc: An
                 continue
             merged[fused] = shards
             source.setdefault(fused, f"plugin {info}")
+            if info.name != "core":
+                from_plugins.add(fused)
     return merged
 
 
-def _check_packed(d: _Decider, model: nn.Module, packed: dict[str, list[str]]) -> None:
-    """A fused module's scheme is its shards' scheme; shards (and the fused answer) must agree."""
+def _check_packed(d: _Decider, model: nn.Module, packed: dict[str, list[str]],
+                  from_plugins: set[str] | None = None) -> None:
+    """A fused module's scheme is its shards' scheme; shards (and the fused answer) must agree
+    where something fuses them: the backend declared the mapping (its kernels run them fused),
+    or the checkpoint stores the fused module. The model class's own mapping alone (engines
+    that may fuse) asks nothing of a checkpoint that stores and runs the shards apart."""
+    from_plugins = from_plugins or set()
     linears = {m.qp_ckpt: m for m in model.modules() if isinstance(m, QuantLinear)}
     for fused, shards in packed.items():
         parents = {n.rsplit(".", 1)[0] for n in linears if n.rsplit(".", 1)[-1] == shards[0]}
@@ -253,6 +263,8 @@ def _check_packed(d: _Decider, model: nn.Module, packed: dict[str, list[str]]) -
             if not all(n in linears for n in names):
                 continue
             fused_name = f"{parent}.{fused}"
+            if fused not in from_plugins and not d._has_module(fused_name):
+                continue
             fused_scheme, info = d.ask_scheme(fused_name, "linear", names)
             keys = {n: linears[n].scheme.key for n in names}
             d.decisions.append(Decision("quantplug_linear_scheme", fused_name, fused_scheme.describe(), info,
@@ -401,7 +413,7 @@ def _build_plan(path: str | Path, backend: str | None, options: Mapping[str, Any
     pm = plugin_manager or get_plugin_manager()
     options = dict(options or {})
     ckpt = Checkpoint.open(path)
-    arch = get_arch(ckpt.config)
+    arch = get_arch(ckpt.config, pm.architectures())
     mcfg = parse_model_config(ckpt.config, arch.name, arch.wrapped, str(ckpt.path / "config.json"))
     check_against_tensors(mcfg, ckpt.tensors)
     claim = pm.detect(ckpt, backend)
@@ -430,10 +442,11 @@ def _build_plan(path: str | Path, backend: str | None, options: Mapping[str, Any
     prefix = prefix.rstrip(".")
     decisions.append(Decision("quantplug_resolve_prefix", "*", prefix or "(none)", pinfo,
                               "text weights named " + (f"{prefix}.model.layers..." if prefix else "model.layers...")))
-    packed = _merge_packed(pm, be, arch, qc, problems)
+    from_plugins: set[str] = set()
+    packed = _merge_packed(pm, be, arch, qc, problems, from_plugins)
     decider = _Decider(pm, be, ckpt, arch, mcfg, qc, prefix, options, dtype)
     model = arch.cls(mcfg, decider)
-    _check_packed(decider, model, packed)
+    _check_packed(decider, model, packed, from_plugins)
     decisions += decider.decisions
     problems += decider.problems
     params, used = _collect_params(model, ckpt, dtype, problems)

@@ -21,13 +21,17 @@ from torch import nn
 
 from ..generate import GenerationMixin, LatentCache, MLACache
 from ..layers.linear import FloatParams, LinearScheme, PlannedModule, QuantLinear, Source, StackedLinear
-from ..layers.norm import RMSNorm, Rotary, softmax_scale
+from ..layers.norm import RMSNorm
+from ..layers.rope import Rotary, softmax_scale
 from ..types import AttentionLayout
 from .config import ModelConfig
 
 
-class Decisions(Protocol):
-    """What the model needs to know from the plan to build itself."""
+class PlanOracle(Protocol):
+    """What the model asks the plan while it builds itself: the prefix, and every decision
+    (scheme, attention layout, expert layout), each answered through the backend's hooks and
+    recorded by the plan as a :class:`~quantplug.types.Decision`. An architecture added through
+    ``quantplug_architectures`` builds itself with this, as :class:`DeepseekV3ForCausalLM` does."""
 
     prefix: str
     model_dtype: torch.dtype
@@ -49,6 +53,10 @@ class Decisions(Protocol):
         ``"stacked"`` (one [E, out, in] tensor per projection, GGUF ``ffn_*_exps``) or ``"none"``
         (no expert tensors: the scheme serves them, e.g. from an expert pack)."""
         ...
+
+
+#: the name before contract 1.1 (it read like the :class:`Decision` record it produces)
+Decisions = PlanOracle
 
 
 def _lin(d: Decisions, rel: str, i: int, o: int) -> QuantLinear:
