@@ -23,6 +23,8 @@ large weight.
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,7 +45,7 @@ FP8_MAX = 448.0
 class Layout:
     """How one weight is stored: what :func:`dequantize` needs besides the tensors."""
 
-    kind: str  # "packed" (int32 words) | "int8" | "fp8"
+    kind: str  # "packed" (int32 words) | "int8" | "fp8" ("fp8-nan": fp8 holding NaN codes)
     bits: int
     strategy: str  # tensor | channel | group | block
     group: int | None  # group size (group strategy)
@@ -118,45 +120,99 @@ def unpack_zero_point(zp: torch.Tensor, bits: int, out_features: int) -> torch.T
     return unpack_rows(zp.t().contiguous(), bits, out_features).t().float()
 
 
+#: int64 constants of the nibble spreading in :func:`_unpack_int4` (bytes 0x0F.., 0x78.., 0x80..)
+_M16, _M8, _M4 = 0x0000FFFF0000FFFF, 0x00FF00FF00FF00FF, 0x0F0F0F0F0F0F0F0F
+_SUB8, _SIGN = 0x7878787878787878, 0x8080808080808080 - (1 << 64)
+
+
+def _unpack_int4(words: torch.Tensor) -> torch.Tensor:
+    """int32 words [r, W] -> int8 values [r, 8W]: each word's 8 nibbles spread to the 8 bytes of
+    an int64 (bit-interleave by 16, 8, 4), then u - 8 per byte without carries (SWAR:
+    (u + 0x78) ^ 0x80 == (u - 8) mod 256 for u < 16). Little-endian byte order = element order."""
+    x = words.to(torch.int64).bitwise_and_(0xFFFFFFFF)
+    x = x.bitwise_or_(x << 16).bitwise_and_(_M16)
+    x = x.bitwise_or_(x << 8).bitwise_and_(_M8)
+    x = x.bitwise_or_(x << 4).bitwise_and_(_M4)
+    return x.add_(_SUB8).bitwise_xor_(_SIGN).view(torch.int8)
+
+
+def _fp8_as_f16(q: torch.Tensor) -> torch.Tensor:
+    """float8 e4m3fn -> float16 holding value / 256, exactly, by integer ops (torch's own fp8
+    conversion is scalar on CPU): e4m3's sign / exponent / mantissa bits shifted into f16's
+    fields with no rebias (b << 7 puts the sign at bit 14; y + (y & 0x4000) carries it to bit 15),
+    so an e4m3 subnormal becomes an f16 subnormal of the same mantissa. Multiplying by 256 (folded
+    into the scale) restores the value. NaN codes (0x7F / 0xFF) are not mapped: callers check."""
+    y = q.view(torch.uint8).to(torch.int16).bitwise_left_shift_(7)
+    return y.add_(y & 0x4000).view(torch.float16)
+
+
+def has_nan_codes(q: torch.Tensor) -> bool:
+    """Whether float8 e4m3fn ``q`` holds a NaN code (S.1111.111): eight bytes per int64 lane,
+    (b & 0x7F) + 1 carries into bit 7 exactly for 0x7F."""
+    b = q.contiguous().view(torch.uint8).reshape(-1)
+    n8 = b.numel() // 8 * 8
+    if b.storage_offset() % 8:  # not 8-byte aligned: byte by byte
+        n8 = 0
+    if n8:
+        w = b[:n8].view(torch.int64)
+        if bool(((w & 0x7F7F7F7F7F7F7F7F) + 0x0101010101010101).bitwise_and_(_SIGN).any()):
+            return True
+    return bool(((b[n8:] & 0x7F) == 0x7F).any())
+
+
 def _int_values(layout: Layout, q: torch.Tensor) -> torch.Tensor:
-    """Stored rows ``q`` -> their integer values as int8 [r, in] (packed: offset removed with
-    byte ops: x = byte ^ 0x88 turns each unsigned nibble u into the 4-bit two's complement of
-    u - 8, so a sign-extending shift yields q directly)."""
-    if layout.kind != "packed":
+    """Stored rows ``q`` -> their integer values as int8 [r, in] (fp8: f16 = value / 256; int8 as stored)."""
+    if layout.kind == "fp8":
+        return _fp8_as_f16(q)
+    if layout.kind != "packed":  # int8, or fp8 with NaN codes: converted by copy_
         return q
-    b = q.view(torch.uint8)
     n = layout.in_features
     if layout.bits == 8:
-        return (b ^ 0x80).view(torch.int8)[:, :n]
-    x = (b ^ 0x88).view(torch.int8)
-    return torch.stack(((x << 4) >> 4, x >> 4), dim=-1).view(b.shape[0], -1)[:, :n]
+        return (q.view(torch.uint8) ^ 0x80).view(torch.int8)[:, :n]
+    if sys.byteorder == "little":
+        return _unpack_int4(q)[:, :n]
+    return unpack_rows(q, 4, n)  # pragma: no cover - big-endian hosts
 
 
 def dequantize(layout: Layout, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None,
                dtype: torch.dtype = torch.float32, rows: tuple[int, int] | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, nan_codes: bool | None = None) -> torch.Tensor:
     """Dense weight rows ``rows`` (default all) [r, in] in ``dtype``.
 
     ``q``: the stored weight (int32 words, int8 or float8) of the whole layer; ``scale`` as
     stored; ``zero_point`` already unpacked to float32 [out, G] (:func:`unpack_zero_point`) or
-    as stored for naive formats. Works :data:`CHUNK` elements at a time, each step a few whole-
-    chunk torch ops run serially in this thread (temporaries bounded by the chunk). When the output
-    dtype is the scale's (or float32), values and products are formed in the output itself: the
-    product of an integer or fp8 value and a scale is exact in float32, so one rounding happens
-    either way.
+    as stored for naive formats. Works :data:`CHUNK` elements at a time (int4 words: CHUNK words
+    at a time), each step a few whole-chunk torch ops run serially in this thread (temporaries
+    bounded by the chunk). When the output dtype is the scale's (or float32), values and
+    products are formed in the output itself: the product of an integer or fp8 value and a scale
+    is exact in float32, so one rounding happens either way. ``nan_codes``: whether an fp8
+    weight holds NaN codes (None: look; schemes pass what they found once per layer).
     """
     r0, r1 = rows if rows is not None else (0, layout.out_features)
     n = layout.in_features
+    if layout.kind == "fp8" and (nan_codes or (nan_codes is None and has_nan_codes(q[r0:r1]))):
+        layout = dataclasses.replace(layout, kind="fp8-nan")  # torch's conversion keeps NaN codes NaN
     if out is None:
         out = torch.empty(r1 - r0, n, dtype=dtype, device=q.device)
     cdt = out.dtype if out.dtype in (torch.float32, scale.dtype) else torch.float32
+    if layout.kind == "fp8" and cdt == torch.float16:
+        cdt = torch.float32  # the scale is multiplied by 256 below: keep float16 range out of it
     step = max(1, CHUNK // max(n, 1))
     tmp = None if cdt == out.dtype else torch.empty(min(step, r1 - r0), n, dtype=cdt, device=q.device)
     s_all = scale.reshape(1, 1) if layout.strategy == "tensor" else scale
+    if layout.kind == "fp8":  # the values come as value / 256 (exact); 256 * scale is exact too
+        s_all = s_all.to(cdt) * 256
+    # int4: the integer stage works on int64 words, 8 values each: CHUNK words per step
+    vstep = 8 * step if layout.kind == "packed" and layout.bits == 4 else step
+    values = q[:0]
+    v0 = r0
     for a in range(r0, r1, step):
         b = min(a + step, r1)
+        if a >= v0 + values.shape[0]:
+            v0 = a
+            values = _int_values(layout, q[a:min(a + vstep, r1)])
         o = out[a - r0:b - r0] if tmp is None else tmp[:b - a]
-        o.copy_(_int_values(layout, q[a:b]))
+        o.copy_(values[a - v0:b - v0])
         if layout.strategy == "block":
             assert layout.block
             bh, bw = layout.block

@@ -124,10 +124,20 @@ class CTScheme(LinearScheme):
             z = z[index] if z is not None else None
         return q, s, z
 
+    def _nan_codes(self, layer: Any) -> bool | None:
+        """fp8: whether the weight holds NaN codes, looked up once per layer (None: not fp8)."""
+        if self.kind != "fp8":
+            return None
+        found = getattr(layer, "_ct_nan_codes", None)
+        if found is None:
+            found = layer._ct_nan_codes = kernels.has_nan_codes(layer.weight)
+        return found
+
     def dequantize(self, layer: Any, index: int | None = None, rows: tuple[int, int] | None = None,
                    dtype: torch.dtype | None = None) -> torch.Tensor:
         q, s, z = self._parts(layer, index)
-        return kernels.dequantize(self._layout_of(layer), q, s, z, dtype or layer.model_dtype, rows)
+        return kernels.dequantize(self._layout_of(layer), q, s, z, dtype or layer.model_dtype, rows,
+                                  nan_codes=self._nan_codes(layer))
 
     def quantize_input(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         act = self.act
@@ -143,5 +153,6 @@ class CTScheme(LinearScheme):
         lay = self._layout_of(layer)
         q, s, z = self._parts(layer, index)
         align = lay.block[0] if lay.strategy == "block" and lay.block else 1
-        return kernels.linear(x, lambda r0, r1: kernels.dequantize(lay, q, s, z, x.dtype, (r0, r1)),
+        nan = self._nan_codes(layer)
+        return kernels.linear(x, lambda r0, r1: kernels.dequantize(lay, q, s, z, x.dtype, (r0, r1), nan_codes=nan),
                               lay.out_features, lay.in_features, align)
