@@ -308,6 +308,27 @@ def test_naive_dequant_matches_compressed_tensors(strategy, shape):
         assert torch.equal(kernels.dequantize(lay, compressed["weight"], scale, rows=(128, 300)), want[128:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_every_code_decodes_like_torch(dtype):
+    """The integer route (e4m3 bits moved into float16, 256 folded into the scale) gives torch's
+    own conversion times the scale, for all 256 codes; NaN codes are found and stay NaN."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).view(16, 16)
+    lay = Layout("fp8", 8, "channel", None, None, 16, 16)
+    scale = (torch.rand(16, 1, generator=torch.Generator().manual_seed(0)) + 0.1).to(dtype)
+    want = (codes.float() * scale.float()).to(dtype)
+    got = kernels.dequantize(lay, codes, scale, dtype=dtype)
+    assert torch.equal(got.isnan(), want.isnan()) and int(got.isnan().sum()) == 2
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+    clean = codes.view(torch.uint8).clone()
+    clean[(clean & 0x7F) == 0x7F] = 0
+    assert not kernels.has_nan_codes(clean.view(torch.float8_e4m3fn))
+    for off in range(3):  # unaligned views are checked byte by byte
+        b = torch.zeros(40, dtype=torch.uint8)
+        b[37] = 0xFF
+        assert kernels.has_nan_codes(b[off:].view(torch.float8_e4m3fn))
+        assert not kernels.has_nan_codes(b[off:37].view(torch.float8_e4m3fn))
+
+
 def test_chunk_boundaries_change_nothing(monkeypatch):
     """Chunks ending inside 128-row blocks and scale groups give the same bits as one chunk."""
     g = torch.Generator().manual_seed(5)
