@@ -75,4 +75,4 @@ def export_w4a16(model: torch.nn.Module, plan: Any, destination: Path, options: 
     if isinstance(cfg.get("text_config"), dict):  # Kimi releases repeat it inside text_config
         cfg["text_config"]["quantization_config"] = copy.deepcopy(qc)
     (dest / "config.json").write_text(json.dumps(cfg, indent=2))
-    return ExportResult(dest, "compressed-tensors W4A16 (experts int4 g32)", (file,))
+    return ExportResult(dest, "compressed-tensors W4A16 (experts g32)", (file,))
