@@ -12,6 +12,7 @@ and the Kimi-K2.5 release's exact ``"lm_head"`` means ``language_model.lm_head``
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -145,10 +146,18 @@ class CTConfig:
             return (module, module[len(p):])
         return (module,)
 
+    @functools.cached_property
+    def _compiled(self) -> tuple[list[tuple[str, re.Pattern[str] | None]], list[tuple[str, re.Pattern[str], Group]]]:
+        """Compiled ``re:`` entries (a Kimi-size plan matches ~70,000 expert modules)."""
+        ignore = [(e, re.compile(e[3:]) if e.startswith("re:") else None) for e in self.ignore]
+        regex = sorted(((t, re.compile(t[3:]), g) for g in self.groups for t in g.targets if t.startswith("re:")),
+                       key=lambda x: x[0])
+        return ignore, regex
+
     def ignored_by(self, module: str) -> str | None:
         names = self.names_of(module)
-        for entry in self.ignore:
-            if any(match_name(n, entry) for n in names) or entry in LINEAR_CLASSES:
+        for entry, rx in self._compiled[0]:
+            if entry in LINEAR_CLASSES or (rx.match(names[-1]) or rx.match(names[0]) if rx else entry in names):
                 return entry
         return None
 
@@ -158,14 +167,16 @@ class CTConfig:
         if hit is not None:
             return None, f"ignore entry {hit!r}"
         names = self.names_of(module)
-        exact = [(t, g) for g in self.groups for t in g.targets if not t.startswith("re:") and t in names]
-        regex = [(t, g) for g in self.groups for t in g.targets
-                 if t.startswith("re:") and any(match_name(n, t) for n in names)]
-        cls_ = [(t, g) for g in self.groups for t in g.targets if t in LINEAR_CLASSES]
-        for found in (exact, regex, cls_):
-            if found:
-                t, g = sorted(found, key=lambda tg: tg[0])[0]
-                return g, f"config_groups.{g.name} targets {t!r}"
+        exact = sorted((t, g.name) for g in self.groups for t in g.targets if not t.startswith("re:") and t in names)
+        if not exact:
+            for t, rx, g in self._compiled[1]:
+                if any(rx.match(n) for n in names):
+                    return g, f"config_groups.{g.name} targets {t!r}"
+        found = exact or sorted((t, g.name) for g in self.groups for t in g.targets if t in LINEAR_CLASSES)
+        if found:
+            t, name = found[0]
+            g = next(g for g in self.groups if g.name == name)
+            return g, f"config_groups.{g.name} targets {t!r}"
         return None, "no config group targets it"
 
 
