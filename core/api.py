@@ -30,7 +30,7 @@ Groups:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch import nn
@@ -80,6 +80,13 @@ from .types import (
     TensorSpec,
 )
 from .validation import check_inside, contained
+
+#: What a scheme's ``dequantize`` / ``apply`` / ``embed`` / ``process_after_loading`` receive as
+#: ``layer``: the planned module (``QuantLinear``, ``StackedLinear``, ``Embedding``) holding one
+#: parameter per spec suffix (``layer.weight``, ``layer.weight_scale``...; stacked ones with a
+#: leading slot dimension), ``layer.model_dtype`` and, for stacks, ``layer.n``. Typed ``Any``
+#: because those attributes come from the scheme's own specs.
+Layer: TypeAlias = Any
 
 #: Every hook of the contract, by scope.
 HOOKS = GLOBAL_HOOKS | BACKEND_HOOKS
@@ -185,7 +192,7 @@ def option(options: Mapping[str, Any], key: str, default: Any, choices: tuple[An
 
 
 __all__ = [
-    "CONTRACT_VERSION", "HOOKS", "LAYER_KINDS", "hookimpl",
+    "CONTRACT_VERSION", "HOOKS", "LAYER_KINDS", "Layer", "hookimpl",
     # answers and values
     "AttentionLayout", "Claim", "Decision", "ExportResult", "PluginInfo", "Problem", "SkipRule",
     "TensorInfo", "TensorSpec",

@@ -253,7 +253,7 @@ class ExpertPack:
         start, length = self.expert_span(layer, expert)
         if out is None:
             out = torch.empty(length, dtype=torch.uint8)
-        view = memoryview(out.numpy()).cast("B")[:length]
+        view = memoryview(out.numpy()).cast("B")[:length]  # type: ignore[arg-type]  # numpy arrays are buffers
         got = 0
         fd = self._fileno()
         while got < length:

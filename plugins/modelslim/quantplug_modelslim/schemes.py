@@ -13,8 +13,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from quantplug.api import LinearScheme, SplitRule, TensorSpec
-from torch import nn
+from quantplug.api import Layer, LinearScheme, SplitRule, TensorSpec
 
 ACTIVATION_MODES = ("ascend", "msmodelslim")
 
@@ -68,15 +67,15 @@ class _IntScheme(LinearScheme):
     def key(self) -> str:
         return self.desc_type
 
-    def _weight_q(self, layer: nn.Module, index: int | None) -> torch.Tensor:
+    def _weight_q(self, layer: Layer, index: int | None) -> torch.Tensor:
         w = layer.weight
         return w if index is None else w[index]
 
-    def _part(self, layer: nn.Module, name: str, index: int | None) -> torch.Tensor:
+    def _part(self, layer: Layer, name: str, index: int | None) -> torch.Tensor:
         t = getattr(layer, name)
         return t if index is None else t[index]
 
-    def dequantize(self, layer: nn.Module, index: int | None = None) -> torch.Tensor:
+    def dequantize(self, layer: Layer, index: int | None = None) -> torch.Tensor:
         wq = self._weight_q(layer, index).to(torch.float32)
         ws, wo = self._part(layer, "weight_scale", index), self._part(layer, "weight_offset", index)
         if ws.shape[-1] not in (1, wq.shape[-1]):  # per-group scales along k
@@ -119,11 +118,11 @@ class W8A8Static(_IntScheme):
         return {"weight": SplitRule(1), "weight_scale": whole, "weight_offset": whole, "input_scale": whole,
                 "input_offset": whole, "quant_bias": SplitRule(None, once=True), "deq_scale": whole}
 
-    def process_after_loading(self, layer: nn.Module) -> None:
+    def process_after_loading(self, layer: Layer) -> None:
         layer.register_buffer("_deq", deq_scale_f32(layer.deq_scale), persistent=False)
         layer._symmetric = bool((layer.weight_offset == 0).all())
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
+    def apply(self, layer: Layer, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
         s, o = layer.input_scale.to(torch.float32), layer.input_offset.to(torch.float32)
         q = torch.clamp(torch.round(x.to(torch.float32) / s + o), -128, 127)
         if not layer._symmetric:
@@ -134,7 +133,7 @@ class W8A8Static(_IntScheme):
         acc = int8_matmul(q.to(torch.int8), layer.weight) + layer.quant_bias
         return (acc.to(torch.float32) * layer._deq).to(x.dtype)
 
-    def apply_row_parallel(self, layer: nn.Module, x: torch.Tensor,
+    def apply_row_parallel(self, layer: Layer, x: torch.Tensor,
                            all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Row-parallel: the int32 partial accumulators are summed over the ranks (``quant_bias``
         on rank 0 only), then scaled once: exactly the one-process integers and result."""
@@ -177,14 +176,14 @@ class W8A8Dynamic(_IntScheme):
         return {s.suffix: SplitRule(0, 2 if s.suffix == "weight" and self.desc_type == "W4A8_DYNAMIC" else 1)
                 for s in self.tensor_specs(out_features, in_features)}
 
-    def process_after_loading(self, layer: nn.Module) -> None:
+    def process_after_loading(self, layer: Layer) -> None:
         # per-channel symmetric int8 weights (what Ascend deploys): the int8 x int8 -> int32 path
         layer._int_path = (self.desc_type == "W8A8_DYNAMIC" and not self.group_size
                            and bool((layer.weight_offset == 0).all()))
         if layer._int_path:
             layer.register_buffer("_row_sum", layer.weight.to(torch.int32).sum(-1), persistent=False)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
+    def apply(self, layer: Layer, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
         q, s, o = dynamic_quant(x, self.mode)
         if getattr(layer, "_int_path", False):
             # s * ws * sum_k (q_k - o) w_k = s * ws * (q . w - o * sum_k w_k), the dot in int32
@@ -209,10 +208,10 @@ class W4A8Dynamic(W8A8Dynamic):
                 TensorSpec("weight_offset", ("F32", "F16", "BF16"), sc, target="F32", optional=True),
                 TensorSpec("scale_bias", ("F32", "F16", "BF16"), (n, 1), target="F32", optional=True)]
 
-    def _weight_q(self, layer: nn.Module, index: int | None) -> torch.Tensor:
+    def _weight_q(self, layer: Layer, index: int | None) -> torch.Tensor:
         return unpack_int4_rows(super()._weight_q(layer, index))
 
-    def dequantize(self, layer: nn.Module, index: int | None = None) -> torch.Tensor:
+    def dequantize(self, layer: Layer, index: int | None = None) -> torch.Tensor:
         wq = self._weight_q(layer, index).to(torch.float32)
         ws = self._part(layer, "weight_scale", index)
         if ws.shape[-1] not in (1, wq.shape[-1]):

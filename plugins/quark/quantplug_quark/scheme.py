@@ -13,8 +13,7 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
-from quantplug.api import LinearScheme, Problem, SplitRule, TensorInfo, TensorSpec
-from torch import nn
+from quantplug.api import Layer, LinearScheme, Problem, SplitRule, TensorInfo, TensorSpec
 
 GROUP = 32
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
@@ -132,7 +131,7 @@ class MXFP4Scheme(LinearScheme):
                             tensor=w.name, file=w.file.name)]
         return []
 
-    def dequantize(self, layer: nn.Module, index: int | None = None) -> torch.Tensor:
+    def dequantize(self, layer: Layer, index: int | None = None) -> torch.Tensor:
         cached = getattr(layer, "_dequantized", None)
         if cached is not None:
             return cached if index is None else cached[index]
@@ -141,7 +140,7 @@ class MXFP4Scheme(LinearScheme):
             w, s = w[index], s[index]
         return dequantize_mxfp4(w, s.view(torch.uint8), layer.model_dtype)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
+    def apply(self, layer: Layer, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
         if getattr(layer, "_dequantized", None) is not None:
             return F.linear(x, self.dequantize(layer, index).to(x.dtype))
         w, s = layer.weight, layer.weight_scale
@@ -149,7 +148,7 @@ class MXFP4Scheme(LinearScheme):
             w, s = w[index], s[index]
         return mxfp4_linear(x, w, s.view(torch.uint8), layer.model_dtype)
 
-    def process_after_loading(self, layer: nn.Module) -> None:
+    def process_after_loading(self, layer: Layer) -> None:
         if self.cache:
             layer.register_buffer("_dequantized", dequantize_mxfp4(layer.weight, layer.weight_scale.view(torch.uint8),
                                                                    layer.model_dtype), persistent=False)
