@@ -36,6 +36,8 @@ class GGMLScheme(LinearScheme):
         #: "exact" (dequantize bit-exactly, float matmul) or "fast" (the int4-pack kernel for
         #: ggml.FAST_TYPES, bfloat16 activations; other types stay exact)
         self.kernels = kernels
+        #: exact kernels are dequantize then float matmul: MLA decode may absorb kv_b through them
+        self.weight_only = kernels != "fast" or ggml_type not in ggml.FAST_TYPES
 
     @property
     def key(self) -> str:

@@ -33,6 +33,8 @@ class FP8BlockScheme(LinearScheme):
         self.activation_quant = activation_quant
         self.scale_fmt = scale_fmt
         self.reason = reason
+        #: weight-only (apply = dequantize then float matmul) lets MLA decode absorb kv_b_proj
+        self.weight_only = activation_quant == "none"
 
     @property
     def key(self) -> str:

@@ -97,6 +97,9 @@ class MXFP4Scheme(LinearScheme):
     """Packed fp4 weight + e8m0 scales; forward dequantizes (or uses a cached copy when asked)."""
 
     name = "mxfp4"
+    #: activations are not quantized (the plugin refuses input_tensors specs): apply is
+    #: dequantize then a float matmul, so MLA decode may absorb kv_b_proj through dequantize
+    weight_only = True
 
     def __init__(self, source: str = "global_quant_config", cache: bool = False) -> None:
         self.source = source
