@@ -31,15 +31,16 @@ import threading
 from collections.abc import Callable
 
 import torch
-from quantplug.api import QuantplugError
+from quantplug.api import QuantplugError, ggml_types
 
 QK_K = 256
-#: name -> (elements per block, bytes per block); the same numbers as gguf's GGML_QUANT_SIZES
-BLOCKS: dict[str, tuple[int, int]] = {
-    "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
-    "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
-    "MXFP4": (32, 17),
-}
+#: the block types these kernels implement
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
+#: name -> (elements per block, bytes per block), from the one table of ggml types (gguf-py's
+#: GGML_QUANT_SIZES, through quantplug.api.ggml_types)
+BLOCKS: dict[str, tuple[int, int]] = {name: (block, size) for name, block, size in ggml_types().values()
+                                      if name in KERNEL_TYPES}
+assert set(BLOCKS) == set(KERNEL_TYPES), f"gguf-py lacks ggml types {set(KERNEL_TYPES) - set(BLOCKS)}"
 FLOAT_TYPES = ("F32", "F16", "BF16")
 SUPPORTED = FLOAT_TYPES + tuple(BLOCKS)
 

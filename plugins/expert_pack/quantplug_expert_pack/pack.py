@@ -51,7 +51,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from quantplug.api import GGUF_FLOATS, CheckpointError, LoadError, QuantplugError
+from quantplug.api import GGUF_FLOATS, CheckpointError, LoadError, QuantplugError, ggml_types
 
 from .ggml import BLOCKS, FLOAT_TYPES
 
@@ -73,9 +73,7 @@ assert ENTRY_DTYPE.itemsize == ENTRY_SIZE
 
 
 def _type_tables() -> tuple[dict[int, str], dict[str, int]]:
-    from gguf.constants import GGMLQuantizationType
-
-    by_id = {int(t): t.name for t in GGMLQuantizationType}
+    by_id = {type_id: name for type_id, (name, _, _) in ggml_types().items()}
     return by_id, {v: k for k, v in by_id.items()}
 
 
