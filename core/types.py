@@ -14,9 +14,14 @@ from typing import Any, Literal
 from ._version import __version__
 from .errors import QuantplugError
 
-#: safetensors dtype names we understand, and their torch equivalents (looked up lazily).
-SAFETENSORS_DTYPES = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL",
-                      "F8_E4M3", "F8_E5M2", "F8_E8M0")
+#: safetensors dtype names we understand -> the name of their torch dtype (the one dtype table;
+#: ``quantplug.api.TORCH_DTYPES`` resolves it to torch dtypes)
+TORCH_DTYPE_NAMES: dict[str, str] = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+}
+SAFETENSORS_DTYPES = tuple(TORCH_DTYPE_NAMES)
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 _INT = {int}
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ..types import TensorInfo
+from ..types import TORCH_DTYPE_NAMES, TensorInfo
 from ..validation import check_count, check_inside
 
 GGUF_MAGIC = b"GGUF"
@@ -315,10 +315,9 @@ def storage_shape(info: TensorInfo) -> tuple[int, ...]:
     return (*info.shape[:-1], info.nbytes // max(rows, 1))
 
 
-GGUF_FLOATS: dict[str, torch.dtype] = {
-    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-    "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
-}
+#: GGUF's unquantized types (ggml names equal the safetensors names) -> torch dtype
+GGUF_FLOATS: dict[str, torch.dtype] = {name: getattr(torch, TORCH_DTYPE_NAMES[name])
+                                       for name in ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64")}
 
 
 def gguf_view(raw: torch.Tensor, info: TensorInfo) -> torch.Tensor:
