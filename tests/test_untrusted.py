@@ -519,3 +519,16 @@ def test_pack_counts_checked_before_reading_and_payloads_may_not_overlap(tmp_pat
     (tmp_path / "o.qpack").write_bytes(bytes(bad))
     with pytest.raises(CheckpointError, match="overlap: the index is corrupt"):
         ExpertPack(tmp_path / "o.qpack")
+
+
+def test_duplicate_json_keys_are_errors(tmp_path):
+    """Python's json keeps the last of two equal keys, other parsers the first: refuse the file."""
+    from quantplug.errors import CheckpointError
+    from quantplug.testing import random_state, tiny_config, write_checkpoint
+
+    cfg = tiny_config()
+    path = write_checkpoint(tmp_path / "dup", cfg, random_state(cfg))
+    text = (path / "config.json").read_text()
+    (path / "config.json").write_text(text.replace('"hidden_size": 64,', '"hidden_size": 64, "hidden_size": 128,', 1))
+    with pytest.raises(CheckpointError, match="config.json: key 'hidden_size' appears twice"):
+        quantplug.plan(path)
