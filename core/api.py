@@ -182,6 +182,21 @@ def plan_of(model: nn.Module) -> LoadPlan:
     return plan
 
 
+def unsplit_features(layer: nn.Module) -> tuple[int, int]:
+    """``(out_features, in_features)`` of a linear before any tensor-parallel split: a split
+    layer's ``out_features`` / ``in_features`` are this rank's slice, but a stored shape record
+    (compressed-tensors ``weight_shape``) holds the whole layer's."""
+    from .parallel import Column, Row
+
+    out_f, in_f = int(layer.out_features), int(layer.in_features)  # type: ignore[arg-type]
+    par = getattr(layer, "qp_parallel", None)
+    if isinstance(par, Column) and par.sharded:
+        out_f = sum(par.sizes)
+    elif isinstance(par, Row) and par.sharded:
+        in_f = sum(par.sizes)
+    return out_f, in_f
+
+
 def option(options: Mapping[str, Any], key: str, default: Any, choices: tuple[Any, ...] | None = None) -> Any:
     """``options[key]`` (the ``-o KEY=VALUE`` / ``options=`` value) or ``default``, checked
     against ``choices``: a wrong value is a :class:`ConfigError` naming the key and the choices."""
@@ -204,7 +219,7 @@ __all__ = [
     "FLOAT_DTYPES", "GGUF_FLOATS", "GGUFHeader", "SAFETENSORS_DTYPES", "SkippedArray", "TORCH_DTYPES",
     "check_inside", "contained", "ggml_types", "read_gguf_header", "read_into", "storage_shape",
     # exporting
-    "convert_expert_layout", "dense_state", "named_linears", "option", "plan_of",
+    "convert_expert_layout", "dense_state", "named_linears", "option", "plan_of", "unsplit_features",
     # adding an architecture
     "ArchSpec", "Embedding", "FloatParams", "PlanOracle", "QuantLinear", "RMSNorm", "Rotary", "StackedLinear",
     # errors

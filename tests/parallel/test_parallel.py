@@ -2,8 +2,9 @@
 
 One spawn per world size runs every case (tiny checkpoints: dense hub / fused layouts, both
 rope spellings, Kimi-K3 wrapper with output gate, tied embeddings and no q_lora, the Quark and
-ModelSlim vendor fixtures, exported Quark / ModelSlim W4A8, GGUF with K-quants, an expert pack;
-a rank that fails; uneven heads / experts / vocabulary at 4 ranks). Every rank's logits must
+ModelSlim vendor fixtures, exported Quark / ModelSlim W4A8, GGUF with K-quants, an expert pack,
+block FP8, compressed-tensors (vendor FP8 block and int4 experts, packed int4 symmetric and
+asymmetric, W8A8 per-token); a rank that fails; uneven heads / experts / vocabulary at 4 ranks). Every rank's logits must
 equal the single-process logits (computed here) within rel 1e-5.
 """
 
@@ -83,6 +84,59 @@ def _export(dense: Path, backend: str, dest: Path, options: dict) -> list:
     return list(res) if isinstance(res, list | tuple) else [res]
 
 
+def _fp8_blocks(path: Path, cfg: dict, state: dict, block: tuple[int, int]) -> Path:
+    """A DeepSeek block-FP8 checkpoint with per-block scales of ``block`` (every linear)."""
+    from quantplug.testing.formats import _linears, _with_qc
+    from quantplug_fp8.kernels import quantize
+
+    out = dict(state)
+    for n in _linears(state):
+        out[n], out[n.removesuffix("weight") + "weight_scale_inv"] = quantize(state[n], block)
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    return write_checkpoint(path, _with_qc(cfg, qc), out)
+
+
+def _ct_written(path: Path, cfg: dict, state: dict, kind: str) -> Path:
+    """Every ``*_proj`` linear written by compressed-tensors' own compressor: ``"w4-asym"``
+    (pack-quantized int4, group 32, asymmetric: zero points packed along out) or ``"w8a8"``
+    (int8 per channel, dynamic per-token int8 activations)."""
+    from compressed_tensors.compressors.naive_quantized.base import NaiveQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    if kind == "w4-asym":
+        fmt, comp = "pack-quantized", PackedQuantizationCompressor
+        wargs = {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32,
+                 "dynamic": False}
+        aargs = None
+    else:
+        fmt, comp = "int-quantized", NaiveQuantizationCompressor
+        wargs = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
+        aargs = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**wargs),
+                                input_activations=QuantizationArgs(**aargs) if aargs else None)
+    out = {}
+    for name, t in state.items():
+        if not name.endswith(("_proj.weight", "_proj_with_mqa.weight")):
+            out[name] = t
+            continue
+        base = name.removesuffix(".weight")
+        if kind == "w4-asym":
+            g = t.view(t.shape[0], -1, 32)
+            lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+            scale = (hi - lo) / 15
+            zp = torch.clamp(torch.round(-8 - lo / scale), -8, 7).to(torch.int8)
+            sd = {"weight": t, "weight_scale": scale, "weight_zero_point": zp}
+        else:
+            sd = {"weight": t, "weight_scale": t.abs().amax(-1, keepdim=True) / 127.5}
+        out.update({f"{base}.{k}": v for k, v in comp.compress(sd, scheme).items()})
+    qc = {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": wargs, "input_activations": aargs,
+                                        "output_activations": None, "format": fmt}},
+          "ignore": ["lm_head"], "kv_cache_scheme": None}
+    return write_checkpoint(path, {**cfg, "quantization_config": qc}, out)
+
+
 def build_cases(root: Path) -> dict[str, list[dict]]:
     """Checkpoints + single-process reference logits; the case lists for 2 and 4 ranks."""
     cfg = tiny_config()
@@ -113,12 +167,19 @@ def build_cases(root: Path) -> dict[str, list[dict]]:
     shutil.copytree(gguf, pack)
     build_pack(pack, progress=False)
     paths["expert-pack"] = (pack, {"expert_cache_mb": 4})
-    # backends without split declarations (their linears replicated with the reason; experts still EP)
+    # compressed-tensors: FP8 block 128 + dynamic fp8 per-token-group-128 activations (MLP split,
+    # attention's 96-wide q_b_proj slices cut 128-blocks); int4 experts (EP) and dense rest;
+    # pack-quantized int4 group 32 on every linear (symmetric)
     paths["ct-fp8-block-vendor"] = (VENDOR / "ct_fp8_block_dsv3", {})
     paths["ct-w4a16-experts-vendor"] = (VENDOR / "ct_w4a16_experts_dsv3", {})
-    from quantplug.testing.formats import fp8
+    from quantplug.testing.formats import compressed_tensors
 
-    paths["fp8-block"] = (fp8(root / "fp8", cfg, state), {})
+    ct = tiny_config(intermediate_size=128, q_lora_rank=64)
+    paths["ct-int4-packed"] = (compressed_tensors(root / "ct-int4", ct, random_state(ct, seed=6)), {})
+    paths["ct-int4-asym"] = (_ct_written(root / "ct-asym", ct, random_state(ct, seed=8), "w4-asym"), {})
+    paths["ct-w8a8-token"] = (_ct_written(root / "ct-w8a8", ct, random_state(ct, seed=9), "w8a8"), {})
+    # DeepSeek block FP8 with 32x32 blocks (tiny dims hold whole blocks) and act_quant per 32
+    paths["fp8-block"] = (_fp8_blocks(root / "fp8", ct, random_state(ct, seed=7), (32, 32)), {})
     # 2 ranks: 3 heads (attention replicated), 5 experts (blocks 3, 2), vocab 161 (81, 80);
     # 4 ranks: 6 heads (replicated), 6 experts (2, 2, 1, 1), vocab 162 (41, 41, 40, 40)
     odd2 = tiny_config(num_attention_heads=3, num_key_value_heads=3, n_routed_experts=5, n_group=1, topk_group=1,
@@ -204,7 +265,7 @@ def _results(runs, world: int, name: str) -> list[dict]:
 
 CASES = ["dense-hub-bf16", "dense-fused-hubrope", "kimi-k3-gate-tied-qproj", "quark-vendor", "modelslim-vendor",
          "quark-export", "modelslim-w4a8-export", "gguf-kquants", "expert-pack", "ct-fp8-block-vendor",
-         "ct-w4a16-experts-vendor", "fp8-block"]
+         "ct-w4a16-experts-vendor", "ct-int4-packed", "ct-int4-asym", "ct-w8a8-token", "fp8-block"]
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -252,15 +313,68 @@ def test_split_decisions(runs):
     assert ms["model.layers.0.self_attn.o_proj"]["value"] == "row-parallel"
     assert ms["model.layers.0.mlp.down_proj"]["value"] == "replicated"
     assert "dynamic activation" in ms["model.layers.0.mlp.down_proj"]["reason"]
-    # a scheme that declares no split (FP8 block here) is replicated, never split wrongly; in
-    # attention one such projection replicates the layer's attention (one head count per layer)
-    fp = {d["target"]: d for d in _results(runs, 2, "fp8-block")[0]["parallel"]["decisions"]}
-    assert fp["model.layers.0.self_attn"]["value"] == "replicated"
-    assert "declares no split rule" in fp["model.layers.0.self_attn"]["reason"]
-    assert fp["model.layers.0.mlp"]["value"] == "replicated"  # no projection splits: no collective either
     # GGUF: split K/V stacks follow the heads
     gg = {d["target"]: d["value"] for d in _results(runs, 2, "gguf-kquants")[0]["parallel"]["decisions"]}
     assert gg["model.layers.0.self_attn.k_b_proj"] == "head-parallel"
+
+
+def _split_bytes(recs: list[dict]) -> None:
+    """Both ranks read the replicated bytes plus about half the split ones, together less than
+    two whole copies (the linears are split, not replicated)."""
+    par = recs[0]["parallel"]
+    whole = par["replicated_bytes"] + par["sharded_bytes"]
+    assert par["sharded_bytes"] > 0
+    for rank, rec in enumerate(recs):
+        assert rec["report"]["bytes_read"] == par["rank_bytes"][rank] < whole
+    assert sum(par["rank_bytes"]) <= 2 * par["replicated_bytes"] + par["sharded_bytes"] + 1024
+
+
+def test_fp8_and_compressed_tensors_linears_split(runs):
+    """Block FP8 and compressed-tensors declare their splits: whole blocks / groups / packed
+    words per rank, logits equal to one process (test_every_rank_matches_single_process)."""
+    fp = _results(runs, 2, "fp8-block")
+    dec = {d["target"]: d for d in fp[0]["parallel"]["decisions"]}
+    for name in ("self_attn.q_b_proj", "self_attn.kv_b_proj", "mlp.gate_proj", "mlp.up_proj"):
+        assert dec[f"model.layers.0.{name}"]["value"] == "column-parallel", name
+    for name in ("self_attn.o_proj", "mlp.down_proj"):  # act_quant groups of 32 stay within a rank
+        assert dec[f"model.layers.0.{name}"]["value"] == "row-parallel", name
+    # 16-wide slices of the 32-wide shared expert would cut its 32x32 blocks: that MLP is whole, with the reason
+    shared = dec["model.layers.1.mlp.shared_experts"]
+    assert shared["value"] == "replicated" and "32-feature blocks" in shared["reason"]
+    _split_bytes(fp)
+
+    packed = _results(runs, 2, "ct-int4-packed")
+    dec = {d["target"]: d for d in packed[0]["parallel"]["decisions"]}
+    assert dec["model.layers.0.self_attn.q_b_proj"]["value"] == "column-parallel"
+    assert dec["model.layers.0.self_attn.o_proj"]["value"] == "row-parallel"
+    assert dec["model.layers.0.mlp.down_proj"]["value"] == "row-parallel"  # 64 inputs a rank: 2 groups of 32
+    down = dec["model.layers.1.mlp.shared_experts.down_proj"]  # 16 inputs a rank would cut a group of 32
+    assert down["value"] == "replicated" and "32-feature blocks" in down["reason"]
+    _split_bytes(packed)
+
+    # asymmetric: zero points [out/8, groups] split by whole int32 words of 8 output rows
+    asym = _results(runs, 2, "ct-int4-asym")
+    dec = {d["target"]: d["value"] for d in asym[0]["parallel"]["decisions"]}
+    assert dec["model.layers.0.self_attn.q_b_proj"] == "column-parallel"  # 96 rows a rank: 12 words
+    assert dec["model.layers.0.mlp.down_proj"] == "row-parallel"
+    _split_bytes(asym)
+    # dynamic per-token int8 activations span the whole input row: row-parallel refused, columns split
+    w8 = _results(runs, 2, "ct-w8a8-token")
+    dec = {d["target"]: d for d in w8[0]["parallel"]["decisions"]}
+    assert dec["model.layers.0.mlp.gate_proj"]["value"] == "column-parallel"
+    down = dec["model.layers.0.mlp.down_proj"]
+    assert down["value"] == "replicated" and "per-token activation quantization" in down["reason"]
+    attn = dec["model.layers.0.self_attn"]  # o_proj cannot split: the layer's attention stays whole
+    assert attn["value"] == "replicated" and "o_proj: dynamic per-token" in attn["reason"]
+    _split_bytes(w8)
+
+    ct = _results(runs, 2, "ct-fp8-block-vendor")
+    dec = {d["target"]: d for d in ct[0]["parallel"]["decisions"]}
+    assert dec["model.layers.0.mlp.gate_proj"]["value"] == "column-parallel"
+    assert dec["model.layers.0.mlp.down_proj"]["value"] == "row-parallel"  # fp8 activations per 128: whole groups
+    attn = dec["model.layers.0.self_attn"]  # 4 heads x 48 = 192 q_b_proj rows: 96 per rank cuts 128-blocks
+    assert attn["value"] == "replicated" and "128-feature blocks" in attn["reason"]
+    _split_bytes(ct)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -315,14 +429,19 @@ def test_strict_split_makes_a_block_cutting_split_a_problem(tmp_path):
 
 
 def test_a_scheme_that_declares_nothing_is_replicated(tmp_path):
-    from quantplug.api import Claim, DenseScheme, hookimpl
+    from quantplug.api import Claim, LinearScheme, TensorSpec, hookimpl
     from quantplug.plugins import PluginManager
 
-    class Opaque(DenseScheme):
+    class Opaque(LinearScheme):
+        """A third-party scheme that declares no split (``LinearScheme.split`` default)."""
+
         name = "opaque"
 
-        def split(self, direction, out_features, in_features):
-            return None
+        def tensor_specs(self, out_features, in_features):
+            return [TensorSpec("weight", ("F32",), (out_features, in_features))]
+
+        def dequantize(self, layer, index=None):
+            return layer.weight
 
     class Plugin:
         @hookimpl
@@ -331,7 +450,7 @@ def test_a_scheme_that_declares_nothing_is_replicated(tmp_path):
 
         @hookimpl
         def quantplug_linear_scheme(self, layer_name, layer_kind):
-            return Opaque() if layer_name.endswith("o_proj") else None
+            return Opaque() if layer_name.endswith("o_proj") or ".0.mlp." in layer_name else None
 
     pm = PluginManager(entry_points=False, env={})
     pm.register(Plugin(), "opaque")
@@ -345,7 +464,11 @@ def test_a_scheme_that_declares_nothing_is_replicated(tmp_path):
         src = next(pp for pp in p.params if pp.param == f"model.layers.0.self_attn.{proj}.weight").sources[0][0]
         assert src.slices is None
     assert p.model.model.layers[0].self_attn.num_heads == 4
-    assert dec["model.layers.0.mlp.down_proj"].value == "row-parallel"
+    # no projection of layer 0's MLP splits: the whole MLP stays whole, with no collective
+    assert dec["model.layers.0.mlp"].value == "replicated"
+    assert "down_proj: scheme opaque declares no split rule" in dec["model.layers.0.mlp"].reason
+    assert p.model.model.layers[0].mlp.down_proj.qp_parallel is None
+    assert dec["model.layers.2.mlp.shared_experts.down_proj"].value == "row-parallel"
 
 
 def test_split_rules_of_the_bundled_schemes():
@@ -361,6 +484,54 @@ def test_split_rules_of_the_bundled_schemes():
     assert isinstance(W8A8Dynamic().split("in", 64, 64), str)
     st = W8A8Static().split("in", 64, 64)
     assert st["quant_bias"] == SplitRule(None, once=True) and st["weight"] == SplitRule(1)
+
+
+
+def test_split_rules_of_fp8_and_compressed_tensors():
+    from quantplug.api import SplitRule
+    from quantplug_compressed_tensors.config import QuantArgs
+    from quantplug_compressed_tensors.schemes import CTScheme
+    from quantplug_fp8.scheme import FP8BlockScheme
+
+    fp8 = FP8BlockScheme((64, 32))  # the scheme's block, not 128 literals
+    assert fp8.split("out", 256, 256) == {"weight": SplitRule(0, 64, 64), "weight_scale_inv": SplitRule(0, 64, 1)}
+    assert fp8.split("in", 256, 256) == {"weight": SplitRule(1, 32, 32), "weight_scale_inv": SplitRule(1, 32, 1)}
+
+    def ct(fmt, kind, w, act=None, mode="dynamic"):
+        return CTScheme(fmt, kind, QuantArgs.parse(w, "w"), QuantArgs.parse(act, "a"), mode, "")
+
+    w4 = {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32}
+    asym = ct("pack-quantized", "packed", w4)
+    assert asym.split("out", 64, 128) == {"weight_packed": SplitRule(0), "weight_shape": SplitRule(None),
+                                          "weight_scale": SplitRule(0), "weight_zero_point": SplitRule(0, 8, 1)}
+    assert asym.split("in", 64, 128) == {"weight_packed": SplitRule(1, 32, 4), "weight_shape": SplitRule(None),
+                                         "weight_scale": SplitRule(1, 32, 1), "weight_zero_point": SplitRule(1, 32, 1)}
+    chan = ct("pack-quantized", "packed", {"num_bits": 4, "type": "int", "strategy": "channel"})
+    assert chan.split("in", 64, 128)["weight_packed"] == SplitRule(1, 8, 1)
+    assert chan.split("in", 64, 128)["weight_scale"] == SplitRule(None)
+    token = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}
+    w8 = {"num_bits": 8, "type": "int", "strategy": "channel"}
+    assert "per-token" in ct("int-quantized", "int8", w8, token).split("in", 64, 128)
+    assert ct("int-quantized", "int8", w8, token, mode="none").split("in", 64, 128) == {
+        "weight": SplitRule(1), "weight_scale": SplitRule(None)}
+    assert ct("int-quantized", "int8", w8, token).split("out", 64, 128) == {
+        "weight": SplitRule(0), "weight_scale": SplitRule(0)}
+    static = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    tensor = ct("float-quantized", "fp8", {"num_bits": 8, "type": "float", "strategy": "tensor"}, static)
+    assert tensor.split("in", 64, 128) == {"weight": SplitRule(1), "weight_scale": SplitRule(None),
+                                           "input_scale": SplitRule(None)}
+    groups = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128, "dynamic": True}
+    block = ct("float-quantized", "fp8", {"num_bits": 8, "type": "float", "strategy": "block",
+                                          "block_structure": [128, 128]}, groups)
+    assert block.split("in", 256, 512) == {"weight": SplitRule(1, 128, 128), "weight_scale": SplitRule(1, 128, 1)}
+    # a rank's slice of packed zero points can be one word row ([1, G], 8 output rows; 4 ranks here)
+    from quantplug_compressed_tensors import kernels
+
+    zp = torch.randint(-(2 ** 31), 2 ** 31 - 1, (2, 2), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(kernels.unpack_zero_point(zp[1:], 4, 8), kernels.unpack_zero_point(zp, 4, 16)[8:])
+    # per-channel weights under fp8 activation groups of 128: the input slice holds whole groups
+    assert ct("float-quantized", "fp8", {"num_bits": 8, "type": "float", "strategy": "channel"}, groups).split(
+        "in", 256, 512) == {"weight": SplitRule(1, 128, 128), "weight_scale": SplitRule(None)}
 
 
 def test_cli_plan_tp(tmp_path, capsys):

@@ -92,7 +92,8 @@ def _groups_(o: torch.Tensor, t: torch.Tensor, group: int, op: Callable[[torch.T
 
 def unpack_rows(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """int32 words [r, W] (packed along the last dim) -> int8 values [r, n] (offset removed)."""
-    b = words.contiguous().view(torch.uint8)
+    # flattened first: a [G, 1] transpose counts as contiguous with last stride G, which view refuses
+    b = words.contiguous().view(-1).view(torch.uint8).view(*words.shape[:-1], words.shape[-1] * 4)
     if bits == 4:
         v = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)
     elif bits == 8:

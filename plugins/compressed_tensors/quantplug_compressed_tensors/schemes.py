@@ -3,11 +3,22 @@ stored in memory, activations fake-quantized as the config says (or not: ``activ
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from quantplug.api import FLOATS, TORCH_DTYPES, LinearScheme, LoadError, Problem, TensorInfo, TensorSpec
+from quantplug.api import (
+    FLOATS,
+    TORCH_DTYPES,
+    LinearScheme,
+    LoadError,
+    Problem,
+    SplitRule,
+    TensorInfo,
+    TensorSpec,
+    unsplit_features,
+)
 
 from . import kernels
 from .config import QuantArgs
@@ -73,6 +84,65 @@ class CTScheme(LinearScheme):
             specs.append(TensorSpec("input_scale", FLOATS, (1,)))
         return specs
 
+    def split(self, direction: str, out_features: int, in_features: int) -> dict[str, SplitRule] | str:
+        """Tensor-parallel rules per stored tensor (vLLM ``compressed_tensors`` schemes'
+        ``output_dim`` / ``input_dim`` / ``packed_dim`` weight attributes, checked here):
+
+        * pack-quantized ``weight_packed`` [out, in*bits/32]: rows follow out; along in,
+          32/bits values per int32 word -> (1, 32/bits, 1). Zero points are packed along *out*
+          ([out*bits/32, groups]) -> (0, 32/bits, 1) under a column split, group columns under a
+          row split. ``weight_shape`` (the whole layer's [out, in]) is whole on every rank;
+        * naive int8 / fp8 ``weight`` [out, in]: (0, 1, 1) / (1, 1, 1), in whole blocks for the
+          block strategy;
+        * scales (and unpacked zero points): per tensor [1] whole; per channel [out, 1] rows
+          under out, whole under in; per group [out, in/group] rows / (1, group, 1); per block
+          (0, bh, 1) / (1, bw, 1);
+        * ``input_scale`` (static per tensor) whole.
+
+        Row-parallel activations: static per-tensor quantization is the same on every rank;
+        dynamic per-token quantization (int8 or fp8 ``strategy: token``) takes its scale over the
+        whole input row, which one rank does not hold: refused (the layer is replicated) unless
+        activations are not emulated (``activation_quant=none``); dynamic fp8 per-token groups
+        stay exact when every rank's slice holds whole groups (the weight's in rule is widened to
+        the least common multiple of its unit and the activation group)."""
+        lay = self.layout(out_features, in_features)
+        w = self.weights
+        names = [s.suffix for s in self.tensor_specs(out_features, in_features)]
+        whole = SplitRule(None)
+        per = 32 // w.num_bits if self.kind == "packed" else 1
+        if direction == "out":
+            rows = SplitRule(0, lay.block[0], lay.block[0]) if lay.strategy == "block" and lay.block else SplitRule(0)
+            scale = (whole if lay.strategy == "tensor" else
+                     SplitRule(0, lay.block[0], 1) if lay.strategy == "block" and lay.block else SplitRule(0))
+            zp = SplitRule(0, per, 1) if self.kind == "packed" and lay.strategy in ("group", "channel") else scale
+            rules = {"weight": rows, "weight_packed": rows, "weight_shape": whole, "weight_scale": scale,
+                     "weight_zero_point": zp, "input_scale": whole}
+            return {n: rules[n] for n in names}
+        act = self.act
+        act_group = 1
+        if act is not None and self.act_mode != "none" and act.dynamic is not False:
+            if act.strategy == "group" and act.group_size:
+                act_group = act.group_size
+            else:
+                return (f"dynamic per-token activation quantization ({describe_activations(act)}) spans the whole "
+                        "input row; a row-parallel slice would quantize differently")
+        if lay.strategy == "block" and lay.block:
+            unit, scale = lay.block[1], SplitRule(1, lay.block[1], 1)
+        elif lay.strategy == "group" and lay.group:
+            unit, scale = lay.group, SplitRule(1, lay.group, 1)
+        elif lay.strategy in ("tensor", "channel"):
+            unit, scale = per, whole
+        else:
+            return f"weight strategy {lay.strategy!r}: no row-parallel rule"
+        # features per rule: whole words / groups / blocks and whole activation groups
+        f = math.lcm(unit, per, act_group)
+        weight = SplitRule(1, f, f // per)
+        if scale.axis is not None:
+            scale = SplitRule(1, f, f // scale.features)
+        rules = {"weight": weight, "weight_packed": weight, "weight_shape": whole, "weight_scale": scale,
+                 "weight_zero_point": scale, "input_scale": whole}
+        return {n: rules[n] for n in names}
+
     def target_dtype(self, spec: TensorSpec, model_dtype: torch.dtype, stored: str) -> torch.dtype:
         if spec.suffix in SCALES:
             return TORCH_DTYPES[stored]  # scales stay as stored: products are taken in float32 anyway
@@ -89,7 +159,7 @@ class CTScheme(LinearScheme):
     def process_after_loading(self, layer: Any) -> None:
         if self.kind == "packed":
             shape = layer.weight_shape.to(torch.int64).reshape(-1, 2)
-            want = torch.tensor([layer.out_features, layer.in_features])
+            want = torch.tensor(unsplit_features(layer))  # the whole layer's, split or not
             bad = (shape != want).any(-1).nonzero().flatten().tolist()
             if bad:
                 where = f"{layer.qp_ckpt}" + (f" (expert slot {bad[0]})" if shape.shape[0] > 1 else "")

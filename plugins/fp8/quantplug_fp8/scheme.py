@@ -11,8 +11,10 @@ Forward dequantizes block rows at a time (:func:`.kernels.linear`). With activat
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
-from quantplug.api import LinearScheme, TensorSpec
+from quantplug.api import LinearScheme, SplitRule, TensorSpec
 from torch import nn
 
 from . import kernels
@@ -52,6 +54,21 @@ class FP8BlockScheme(LinearScheme):
         return [TensorSpec("weight", ("F8_E4M3",), (out_features, in_features)),
                 TensorSpec("weight_scale_inv", SCALE_DTYPES,
                            kernels.scale_shape(out_features, in_features, self.block), target="F32")]
+
+    def split(self, direction: str, out_features: int, in_features: int) -> Mapping[str, SplitRule]:
+        """Whole ``block`` tiles per rank: out by block rows (``weight`` rows, one scale row per
+        ``block[0]``), in by block columns (one scale column per ``block[1]``); a slice that would
+        cut a block replicates the layer (the core checks the bounds).
+
+        Row-parallel with activation emulation stays exact: ``act_quant`` groups are
+        ``block[1]`` consecutive input features of one token, starting at feature 0; this rank's
+        input slice starts and ends on a multiple of ``block[1]`` (the rule below), so its groups
+        are exactly the single-process groups it holds, quantized with the same per-group amax.
+        Only the order of the partial-sum additions differs (the all-reduce)."""
+        bn, bk = self.block
+        if direction == "out":
+            return {"weight": SplitRule(0, bn, bn), "weight_scale_inv": SplitRule(0, bn, 1)}
+        return {"weight": SplitRule(1, bk, bk), "weight_scale_inv": SplitRule(1, bk, 1)}
 
     def _parts(self, layer: nn.Module, index: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         w: torch.Tensor = layer.weight  # type: ignore[assignment]
