@@ -25,6 +25,8 @@ from .schemes import CTScheme
 __version__ = "0.1.0"
 QUANTPLUG_CONTRACT = "1.1"
 ACTIVATION_MODES = ("emulate", "none")
+#: values of the ``kernels`` option: "exact" (default) or "fast" (see schemes.CTScheme)
+KERNELS = ("exact", "fast")
 
 
 def _quant_config(config: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str]:
@@ -73,7 +75,7 @@ def _global_refusal(layer: str, qc: CTConfig) -> Any:
     return None
 
 
-def _scheme(layer: str, group: Group, why: str, mode: str) -> Any:
+def _scheme(layer: str, group: Group, why: str, mode: str, kernels: str = "exact") -> Any:
     base = f"config_groups.{group.name}"
     w, act = group.weights, group.input_activations
     fmt = group.format
@@ -122,7 +124,7 @@ def _scheme(layer: str, group: Group, why: str, mode: str) -> Any:
             return refuse(layer, f"{base}.input_activations", f"{act.type}{act.num_bits} {act.strategy} "
                           f"{'dynamic' if dynamic else 'static'}{'' if act.symmetric else ' asymmetric'}: supported "
                           "are symmetric 8-bit dynamic per token, fp8 dynamic per token group, static per tensor")
-    return CTScheme(fmt, kind, w, act, mode, why)
+    return CTScheme(fmt, kind, w, act, mode, why, kernels)
 
 
 @hookimpl
@@ -130,6 +132,7 @@ def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Seque
                             checkpoint: Any, options: Mapping[str, Any]) -> Any:
     qc = quant_config
     mode = option(options, "activation_quant", "emulate", ACTIVATION_MODES)
+    kernels = option(options, "kernels", "exact", KERNELS)
     if layer_kind == "embedding":
         group, why = qc.group_for(layer_name)
         hit = group is not None and any(not t.startswith("re:") and t not in LINEAR_CLASSES
@@ -163,7 +166,7 @@ def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Seque
     if group.weights and group.weights.actorder is None and checkpoint.get(f"{name}.weight_g_idx") is not None:
         return refuse(layer_name, f"config_groups.{group.name}.weights.actorder",
                       f"{name}.weight_g_idx is stored: g_idx permutations are not supported")
-    return _scheme(layer_name, group, why, mode)
+    return _scheme(layer_name, group, why, mode, kernels)
 
 
 def _is_float(checkpoint: Any, module: str) -> bool:

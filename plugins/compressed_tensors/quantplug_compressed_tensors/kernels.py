@@ -284,3 +284,62 @@ def linear(x: torch.Tensor, rows_fn: Callable[[int, int], torch.Tensor], out_fea
         e = min(r + step, out_features)
         out[..., r:e] = F.linear(x, rows_fn(r, e).to(x.dtype))
     return out
+
+
+# --- fast kernels (load option ``kernels="fast"``) ---------------------------------------------
+#
+# torch's CPU weight-only int4 kernel (``aten._weight_int4pack_mm_for_cpu``, as the ExpertPack
+# backend uses for ggml Q4_0) computes ``x @ W^T`` with ``W = (u - 8) * scale + zero`` per group
+# of g in {32, 64, 128, 256} inputs, u a 4-bit code, from a layout made once by
+# ``aten._convert_weight_to_int4pack_for_cpu``. compressed-tensors int4 stores u = q + 8 and
+# means w = (q - zp) * s, so the stored codes go in unchanged with scale s and zero -zp * s
+# (0 when symmetric: exactly ggml Q4_0's mapping, w = d * (u - 8)). A group of G > 256 (or a
+# channel / tensor scale) repeats its scale over G / g kernel groups, g the largest allowed
+# divisor. Activations, scales, zeros and the output are rounded to bfloat16 (the kernel's fast
+# path); the int4 codes are kept exactly. Needs out rows in multiples of 16.
+
+INT4_KERNEL_GROUPS = (256, 128, 64, 32)
+
+
+def int4_kernel_group(layout: Layout) -> int | None:
+    """The int4 kernel's group size for ``layout`` (pack-quantized int4; None: no fast form)."""
+    if layout.kind != "packed" or layout.bits != 4 or layout.out_features % 16:
+        return None
+    span = layout.group if layout.strategy == "group" else layout.in_features
+    if layout.strategy not in ("group", "channel", "tensor") or not span or layout.in_features % span:
+        return None
+    return next((g for g in INT4_KERNEL_GROUPS if span % g == 0), None)
+
+
+def int4_repack(layout: Layout, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """The fast kernel's form of ``weight_packed`` ``[..., out, in/8]`` (stacked: one per leading
+    index) with its scales / unpacked zero points: (int4 pack uint8 [..., out, in/2], scales and
+    zeros bfloat16 [..., in/g, out, 2], g); None when the layout has no fast form."""
+    g = int4_kernel_group(layout)
+    if g is None:
+        return None
+    o, i = layout.out_features, layout.in_features
+    lead = q.shape[:-2]
+    qs = q.reshape(-1, *q.shape[-2:])
+    n = qs.shape[0]
+    ss = scale.reshape(n, 1 if layout.strategy == "tensor" else o, -1)  # [n, 1 | o, 1 | i/G]
+    zs = zero_point.reshape(n, o, -1) if zero_point is not None else None
+    packs, szs = [], []
+    for e in range(n):
+        codes = (unpack_rows(qs[e], 4, i).to(torch.int32) + 8).contiguous()  # u = q + 8 in 0..15
+        s = ss[e].float().expand(o, -1)
+        reps = i // g // s.shape[-1]
+        s = s.repeat_interleave(reps, dim=-1)
+        z = torch.zeros_like(s) if zs is None else -(zs[e].float().expand(o, -1).repeat_interleave(reps, dim=-1) * s)
+        packs.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+        szs.append(torch.stack([s.t(), z.t()], dim=-1).to(torch.bfloat16).contiguous())
+    pack, sz = torch.stack(packs), torch.stack(szs)
+    return pack.view(*lead, *pack.shape[1:]), sz.view(*lead, *sz.shape[1:]), g
+
+
+def int4_linear(x: torch.Tensor, pack: torch.Tensor, sz: torch.Tensor, group: int) -> torch.Tensor:
+    """``x @ W^T`` through the int4-pack kernel (bfloat16 activations; see the section comment)."""
+    xb = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, pack, group, sz)
+    return y.to(x.dtype).view(*x.shape[:-1], pack.shape[0])

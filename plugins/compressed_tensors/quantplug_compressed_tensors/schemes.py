@@ -47,13 +47,19 @@ class CTScheme(LinearScheme):
     name = "compressed-tensors"
 
     def __init__(self, fmt: str, kind: str, weights: QuantArgs, act: QuantArgs | None, act_mode: str,
-                 reason: str) -> None:
+                 reason: str, kernels: str = "exact") -> None:
         self.fmt, self.kind, self.weights, self.act, self.act_mode = fmt, kind, weights, act, act_mode
         self.reason = reason
-        self.weight_only = act is None or act_mode == "none"
+        #: "exact" (dequantize exactly, float matmul) or "fast": pack-quantized int4 weight-only
+        #: layers through torch's int4 kernel (kernels.int4_repack; bfloat16 activations)
+        self.fast = (kernels == "fast" and kind == "packed" and weights.num_bits == 4
+                     and weights.strategy in ("group", "channel", "tensor") and (act is None or act_mode == "none"))
+        self.kernels = kernels
+        #: exact kernels are dequantize then float matmul: MLA decode may absorb kv_b through them
+        self.weight_only = (act is None or act_mode == "none") and not self.fast
 
     def describe(self) -> str:
-        w = f"{self.fmt} {self.weights.describe()}"
+        w = f"{self.fmt} {self.weights.describe()}" + ("; fast int4 kernel" if self.fast else "")
         if self.act is None:
             return f"{w}; weight-only"
         a = describe_activations(self.act)
@@ -175,6 +181,15 @@ class CTScheme(LinearScheme):
             else:
                 z = zp.float()
             layer.register_buffer("_zero_point", z, persistent=False)
+        if self.fast:
+            # repacked once, here (counted in load time and model bytes); the packed weight stays
+            # for dequantize / export. Shapes the kernel cannot take (out % 16) stay exact.
+            fast = kernels.int4_repack(self._layout_of(layer), layer.weight_packed, layer.weight_scale,
+                                       getattr(layer, "_zero_point", None))
+            if fast is not None:
+                layer.register_buffer("_int4", fast[0], persistent=False)
+                layer.register_buffer("_int4_sz", fast[1], persistent=False)
+                layer._int4_group = fast[2]
 
     # -- compute --------------------------------------------------------------------------------
 
@@ -219,6 +234,11 @@ class CTScheme(LinearScheme):
         return kernels.int8_quant(x, static)
 
     def apply(self, layer: Any, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
+        pack = getattr(layer, "_int4", None)
+        if pack is not None:  # fast: weight-only by construction (no activation quantization)
+            sz = layer._int4_sz
+            return kernels.int4_linear(x, pack if index is None else pack[index], sz if index is None else sz[index],
+                                       layer._int4_group)
         x = self.quantize_input(layer, x)
         lay = self._layout_of(layer)
         q, s, z = self._parts(layer, index)
