@@ -63,7 +63,7 @@ from .layers.norm import RMSNorm
 from .layers.rope import Rotary
 from .memory import read_into
 from .models.config import ModelConfig, RopeConfig
-from .models.deepseek import Embedding, PlanOracle
+from .models.deepseek import MLA, Embedding, Experts, PlanOracle
 from .models.registry import ArchSpec
 from .plan import LoadPlan
 from .types import (
@@ -115,9 +115,6 @@ def dense_state(model: nn.Module, dtype: torch.dtype = torch.float32) -> dict[st
     folded back into ``kv_b_proj``. Every quantized weight goes through its scheme's
     ``dequantize``; exporters quantize these tensors into their own format.
     """
-    from .layers.linear import FloatParams, QuantLinear, StackedLinear
-    from .models.deepseek import MLA, Embedding, Experts
-
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for mod in model.modules():
@@ -158,8 +155,6 @@ def named_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ``quantplug_linear_scheme`` is asked about one by one: attention and dense-MLP projections,
     shared experts, ``lm_head``; not routed experts, MLA K/V stacks, the router or the embedding).
     ``module(x)`` runs it; forward hooks on it see its input (calibration)."""
-    from .layers.linear import QuantLinear
-
     return [(m.qp_ckpt, m) for m in model.modules() if isinstance(m, QuantLinear)]
 
 
@@ -186,15 +181,9 @@ def unsplit_features(layer: nn.Module) -> tuple[int, int]:
     """``(out_features, in_features)`` of a linear before any tensor-parallel split: a split
     layer's ``out_features`` / ``in_features`` are this rank's slice, but a stored shape record
     (compressed-tensors ``weight_shape``) holds the whole layer's."""
-    from .parallel import Column, Row
-
-    out_f, in_f = int(layer.out_features), int(layer.in_features)  # type: ignore[arg-type]
-    par = getattr(layer, "qp_parallel", None)
-    if isinstance(par, Column) and par.sharded:
-        out_f = sum(par.sizes)
-    elif isinstance(par, Row) and par.sharded:
-        in_f = sum(par.sizes)
-    return out_f, in_f
+    if not isinstance(layer, QuantLinear | StackedLinear):
+        raise QuantplugError(f"unsplit_features: {type(layer).__name__} is not a QuantLinear or StackedLinear")
+    return layer.full_features
 
 
 def option(options: Mapping[str, Any], key: str, default: Any, choices: tuple[Any, ...] | None = None) -> Any:

@@ -265,6 +265,9 @@ class QuantLinear(PlannedModule):
                  model_dtype: torch.dtype) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        #: (out, in) of the whole layer; ``out_features`` / ``in_features`` become this rank's
+        #: slice when tensor parallelism splits the layer, this never changes
+        self.full_features = (out_features, in_features)
         self.scheme = scheme
         self.qp_init(ckpt)
         self.specs = {s.suffix: s for s in scheme.tensor_specs(out_features, in_features)}
@@ -304,6 +307,7 @@ class StackedLinear(PlannedModule):
                  layout: tuple, model_dtype: torch.dtype) -> None:
         super().__init__()
         self.n, self.in_features, self.out_features = n, in_features, out_features
+        self.full_features = (out_features, in_features)  # stacks split by slot, never by features
         self.scheme = scheme
         self.model_dtype = model_dtype
         self.qp_init(ckpt)
