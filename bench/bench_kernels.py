@@ -11,7 +11,7 @@ KV cache; llama.cpp: eval of the prompt then 32 single-token evals). Ratios are 
 same run. The clock is this process's CPU time (``--wall`` for wall clock): on a machine shared
 with other jobs a descheduled process would otherwise count their time.
 
-The model (``CONFIG``): 8 layers (1 dense + 7 MoE), hidden 512, 32 routed experts of 256 (top-4)
+The model (``config()``): 8 layers (1 dense + 7 MoE), hidden 512, 32 routed experts of 256 (top-4)
 + 1 shared, MLA q_lora 256 / kv_lora 128, vocab 32000: 136M parameters. Weights are random (std
 0.02, the repo's ``random_state``), written with quantplug's gguf-py writer (split MLA K/V);
 ``token_embd`` / ``output`` are in the file's type as llama-quantize writes them for Q8_0
@@ -33,20 +33,24 @@ import tempfile
 import time
 from pathlib import Path
 
-CONFIG = {
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+#: the model: quantplug.testing.tiny_config with these changes (kept apart so the llama.cpp child,
+#: which runs in another environment without quantplug, needs only VOCAB)
+OVERRIDES = {
     "vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1408, "moe_intermediate_size": 256,
     "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
     "q_lora_rank": 256, "kv_lora_rank": 128, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32,
-    "v_head_dim": 64, "n_routed_experts": 32, "num_experts_per_tok": 4, "n_shared_experts": 1,
-    "n_group": 4, "topk_group": 2, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
-    "first_k_dense_replace": 1, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
-    "rope_interleave": True, "tie_word_embeddings": False, "attention_bias": False,
-    "hidden_act": "silu", "scoring_func": "sigmoid",
-    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                        "original_max_position_embeddings": 1024, "beta_fast": 32, "beta_slow": 1,
-                        "mscale": 1.0, "mscale_all_dim": 1.0},
+    "v_head_dim": 64, "n_routed_experts": 32, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+    "max_position_embeddings": 4096,
 }
+VOCAB = OVERRIDES["vocab_size"]
+
+
+def config() -> dict:
+    from quantplug.testing import tiny_config
+
+    cfg = tiny_config(**OVERRIDES)
+    cfg["rope_parameters"] = {**cfg["rope_parameters"], "original_max_position_embeddings": 1024}
+    return cfg
 TYPES = ("F32", "Q8_0", "Q4_0")
 PREFILL = 64
 GEN = 32
@@ -62,13 +66,14 @@ def build(root: Path) -> dict[str, Path]:
     dirs = {t: root / t for t in TYPES}
     if all((d / "model.gguf").exists() for d in dirs.values()):
         return dirs
-    mc = parse_model_config(CONFIG, "DeepseekV3ForCausalLM", False)
-    state = gguf_state(random_state(CONFIG), mc)
+    cfg = config()
+    mc = parse_model_config(cfg, "DeepseekV3ForCausalLM", False)
+    state = gguf_state(random_state(cfg), mc)
     print(f"model: {sum(t.numel() for t in state.values()) / 1e6:.1f}M parameters", file=sys.stderr)
     for t, d in dirs.items():
         d.mkdir(parents=True, exist_ok=True)
-        (d / "config.json").write_text(json.dumps(CONFIG))
-        write_gguf(d / "model.gguf.tmp", state, mc, default_type=t, vocab=CONFIG["vocab_size"])
+        (d / "config.json").write_text(json.dumps(cfg))
+        write_gguf(d / "model.gguf.tmp", state, mc, default_type=t, vocab=VOCAB)
         _with_merges(d / "model.gguf.tmp", d / "model.gguf")
         (d / "model.gguf.tmp").unlink()
     del torch
@@ -121,7 +126,7 @@ def child(path: str, kernels: str, threads: int) -> dict:
     m = quantplug.load(path, progress=False, options={"kernels": kernels})
     load_s = CLOCK() - t0
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, CONFIG["vocab_size"], (1, PREFILL), generator=g)
+    prompt = torch.randint(0, VOCAB, (1, PREFILL), generator=g)
     one = prompt[:, :1]
     with torch.inference_mode():
         m(prompt)
@@ -143,7 +148,7 @@ def llama_child(path: str, threads: int) -> dict:
     import random
 
     rnd = random.Random(0)
-    prompt = [rnd.randrange(CONFIG["vocab_size"]) for _ in range(PREFILL)]
+    prompt = [rnd.randrange(VOCAB) for _ in range(PREFILL)]
 
     def prefill() -> None:
         llm.reset()
@@ -196,7 +201,7 @@ def profile(path: str, kernels: str, threads: int, old_dispatch: bool, tokens: i
     if old_dispatch:
         Experts.forward = _old_dispatch  # type: ignore[method-assign]
     m = quantplug.load(path, progress=False, options={"kernels": kernels})
-    one = torch.randint(0, CONFIG["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(0))
+    one = torch.randint(0, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(0))
     n = 20 if tokens == 1 else 3
     with torch.inference_mode():
         for _ in range(3):

@@ -274,7 +274,10 @@ class GenerationMixin:
     """``generate`` and ``stream`` for the causal-LM classes; they provide ``text_lm()``."""
 
     def text_lm(self) -> Any:
-        raise NotImplementedError
+        """The DeepseekV3ForCausalLM that generates (itself, or a wrapper's ``language_model``):
+        every class mixing this in overrides it."""
+        raise NotImplementedError(f"{type(self).__name__} mixes in GenerationMixin but does not say which "
+                                  "module is its text model (override text_lm)")
 
     def stream(self, input_ids: torch.Tensor, max_new_tokens: int = 20, **kwargs: Any) -> Generation:
         """Iterator over new tokens, one LongTensor [B] per step (see :class:`Generation`);
