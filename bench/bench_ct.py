@@ -11,7 +11,7 @@
    this process first; then each contender runs in a fresh process (``--rounds`` alternating
    rounds, best of ``--reps`` calls inside each), and the ratio is of the best times; CPU
    seconds (user + system, all threads) are reported beside, since on a shared machine the wall
-   ratio follows the load (our steps run serially in one thread, the library's ops on all).
+   ratio follows the load (both run their ops on all of torch's threads).
    A third figure writes into a reused buffer (``out=``: no fresh pages to fault in), which the
    library's API cannot do.
 2. Import cost of the compressed-tensors library (fresh processes: ``import torch`` vs

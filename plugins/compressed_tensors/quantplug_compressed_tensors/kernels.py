@@ -31,11 +31,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-#: output elements produced per dequantization step. At most ATen's parallel grain (32768), so
-#: every op of a step runs in the calling thread: no OpenMP barrier per step, which on a loaded
-#: machine costs more than the work (measured with bench/bench_ct.py: 2**16 was 6-50x slower
-#: than 2**15 at load ~12 on 2 cores; whole-tensor ops, compressed-tensors' way, 2-3x slower)
-CHUNK = 1 << 15
+#: output elements produced per dequantization step (int4: words, 8 values each). Each op of a
+#: step runs as one ATen parallel region over torch's threads; 2**20 keeps the steps' temporaries
+#: at a few MiB and the regions few (bench/bench_ct.py's 64 MiB, 2 idle cores, wall: int4 -> bf16
+#: 0.126 s at 2**20 and 2**18, 0.259 s at 2**15, where every op ran in the calling thread, 0.29 s
+#: at 2**22; fp8 -> f32 0.072 / 0.103 / 0.218 / 0.092 s). On an oversubscribed machine every
+#: region can wait a scheduler slice for its second thread: run with one torch thread there
+CHUNK = 1 << 20
 #: dense weight elements materialized at once by :func:`linear` (1 MiB of float32)
 LINEAR_CHUNK = 1 << 18
 FP8_MAX = 448.0
@@ -183,8 +185,7 @@ def dequantize(layout: Layout, q: torch.Tensor, scale: torch.Tensor, zero_point:
     ``q``: the stored weight (int32 words, int8 or float8) of the whole layer; ``scale`` as
     stored; ``zero_point`` already unpacked to float32 [out, G] (:func:`unpack_zero_point`) or
     as stored for naive formats. Works :data:`CHUNK` elements at a time (int4 words: CHUNK words
-    at a time), each step a few whole-chunk torch ops run serially in this thread (temporaries
-    bounded by the chunk). When the output dtype is the scale's (or float32), values and
+    at a time), each step a few whole-chunk torch ops (temporaries bounded by the chunk). When the output dtype is the scale's (or float32), values and
     products are formed in the output itself: the product of an integer or fp8 value and a scale
     is exact in float32, so one rounding happens either way. ``nan_codes``: whether an fp8
     weight holds NaN codes (None: look; schemes pass what they found once per layer).
