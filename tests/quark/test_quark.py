@@ -175,3 +175,18 @@ def test_cli_explain_names_quark():
     assert r.returncode == 0, r.stderr
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("linear_scheme"))
     assert "mxfp4" in line and "quark (quantplug-quark 0.1.0)" in line
+
+
+def test_scratch_made_in_inference_mode_serves_later_plain_forwards(monkeypatch):
+    """The MXFP4 linear's per-thread buffer, first allocated inside ``torch.inference_mode``, must
+    stay writable by a later forward outside it (an inference tensor would refuse the in-place
+    writes with a RuntimeError)."""
+    from quantplug_quark import scheme
+
+    monkeypatch.setattr(scheme, "_SCRATCH", __import__("threading").local())  # no buffer yet
+    model = quantplug.load(FIX, progress=False)
+    ids = REF["input_ids"]
+    with torch.inference_mode():
+        first = model(ids)
+    with torch.no_grad():
+        assert torch.equal(model(ids), first)

@@ -50,7 +50,8 @@ def mxfp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, dty
     step = min(rows, max(1, LINEAR_CHUNK_ELEMS // k))
     buf = getattr(_SCRATCH, "w", None)
     if buf is None or buf.numel() < step * k:
-        buf = _SCRATCH.w = torch.empty(step * k, dtype=torch.float32)
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference_mode
+            buf = _SCRATCH.w = torch.empty(step * k, dtype=torch.float32)
     lut = _BYTE_LUT.to(weight.device)
     x2 = x.reshape(-1, k)
     out_t = torch.empty(rows, x2.shape[0], dtype=x.dtype, device=x.device)
