@@ -95,6 +95,10 @@ def test_repacked_matmul_equals_exact_dequant(strategy, group, symmetric):
         assert got.dtype == x.dtype and got.shape == ref.shape
         # bfloat16 activations / scales / output: ~3 significant digits
         assert float((got - ref).norm() / ref.norm()) <= 1e-2
+    # routed experts at once (the MoE path): bit for bit what one call per expert computes
+    groups = [(2, 2), (0, 3)]
+    want = torch.cat([kernels.int4_linear(x[:2], pack[2], sz[2], kg), kernels.int4_linear(x[2:], pack[0], sz[0], kg)])
+    assert torch.equal(kernels.int4_grouped(x, pack, sz, kg, groups), want)
 
 
 def test_rows_not_a_multiple_of_16_stay_exact():

@@ -128,3 +128,49 @@ def test_dispatch_with_experts_hit_by_none_one_and_many_tokens(ckpts, kernels):
         assert rel_err(got, ref) < 1e-6
         one = experts(x[:1], idx[:1], w[:1])           # a single-token step
         assert rel_err(one, ref[:1]) < 1e-6
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q8_0"])
+def test_int4_grouped_equals_one_call_per_group(ggml_type):
+    """The grouped MoE path (activations converted once, outputs gathered) computes what one
+    kernel call per expert computes, bit for bit."""
+    rng = np.random.default_rng(2)
+    w = torch.from_numpy(random_rows(ggml_type, (4, 32, 256), rng, scale=1e-2))
+    pack, sz = ggml.int4_repack(w, ggml_type)
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(3))
+    groups = [(0, 2), (2, 1), (3, 4)]
+    got = ggml.int4_grouped(x, pack, sz, ggml_type, groups)
+    want = torch.cat([ggml.int4_linear(x[0:2], pack[0], sz[0], ggml_type), ggml.int4_linear(x[2:3], pack[2], sz[2], ggml_type),
+                      ggml.int4_linear(x[3:7], pack[3], sz[3], ggml_type)])
+    assert got.dtype == x.dtype and torch.equal(got, want)
+
+
+def test_fast_mode_keeps_mla_kv_heads_dequantized_exactly(ckpts):
+    """Under kernels="fast" the per-head MLA K/V stacks (attn_k_b / attn_v_b) are dequantized once
+    at load (exact values, shown in the plan) instead of at every step; exact mode keeps them packed."""
+    fast, _ = _run(ckpts["Q4_0"], "fast")
+    exact, _ = _run(ckpts["Q4_0"])
+    for proj in ("k_b", "v_b"):
+        f, e = getattr(fast.model.layers[0].self_attn, proj), getattr(exact.model.layers[0].self_attn, proj)
+        assert "cached dense copy" in f.scheme.describe() and "cached" not in e.scheme.describe()
+        assert getattr(e, "_dequantized", None) is None
+        assert torch.equal(f._dequantized, ggml.dequantize(f.weight, "Q4_0"))
+        x = torch.randn(2, f.weight.shape[0], 3, f._dequantized.shape[-1], generator=torch.Generator().manual_seed(4))
+        with torch.inference_mode():
+            assert rel_err(f.forward_all(x), e.forward_all(x)) < 1e-6
+
+
+def test_scratch_made_in_inference_mode_serves_later_plain_work(ckpts, monkeypatch):
+    """The per-thread dequantization buffers, first allocated inside ``torch.inference_mode``, stay
+    writable outside it: a plain forward afterwards, and a load that dequantizes (fast mode's MLA
+    K/V stacks) after an inference-mode forward, both work."""
+    import threading
+
+    monkeypatch.setattr(ggml, "_LOCAL", threading.local())  # no buffers yet
+    model = quantplug.load(ckpts["Q4_0"], progress=False)
+    with torch.inference_mode():
+        first = model(IDS[:1])
+    with torch.no_grad():
+        assert torch.equal(model(IDS[:1]), first)
+    fast = quantplug.load(ckpts["Q4_0"], progress=False, options={"kernels": "fast"})
+    assert fast.model.layers[0].self_attn.k_b._dequantized.shape[0] == CFG["num_attention_heads"]

@@ -344,3 +344,18 @@ def int4_linear(x: torch.Tensor, pack: torch.Tensor, sz: torch.Tensor, group: in
     xb = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, pack, group, sz)
     return y.to(x.dtype).view(*x.shape[:-1], pack.shape[0])
+
+
+def int4_grouped(x: torch.Tensor, pack: torch.Tensor, sz: torch.Tensor, group: int,
+                 groups: list[tuple[int, int]]) -> torch.Tensor:
+    """Stacked experts: ``x`` [rows, in] in consecutive groups ``(slot, n)``, each through its slot's
+    kernel weight; activations converted once for all groups, the outputs gathered into one
+    (what one :func:`int4_linear` per group computes, with two conversions instead of 2 per group)."""
+    xb = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+    out = torch.empty(xb.shape[0], pack.shape[1], dtype=torch.bfloat16, device=x.device)
+    start = 0
+    for slot, n in groups:
+        out[start:start + n] = torch.ops.aten._weight_int4pack_mm_for_cpu(xb[start:start + n], pack[slot], group,
+                                                                          sz[slot])
+        start += n
+    return out.to(x.dtype)

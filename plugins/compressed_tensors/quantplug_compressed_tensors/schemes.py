@@ -246,3 +246,9 @@ class CTScheme(LinearScheme):
         nan = self._nan_codes(layer)
         return kernels.linear(x, lambda r0, r1: kernels.dequantize(lay, q, s, z, x.dtype, (r0, r1), nan_codes=nan),
                               lay.out_features, lay.in_features, align)
+
+    def apply_grouped(self, layer: Any, x: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
+        pack = getattr(layer, "_int4", None)
+        if pack is None or len(groups) == 1:
+            return super().apply_grouped(layer, x, groups)
+        return kernels.int4_grouped(x, pack, layer._int4_sz, layer._int4_group, groups)

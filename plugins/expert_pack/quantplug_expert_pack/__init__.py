@@ -147,11 +147,15 @@ def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Seque
     if info is None:
         return None  # the core's dense scheme answers; the plan reports the missing tensor
     # kernels="fast" repacks 4-bit-affine ggml types for torch's int4 kernel; never the embedding
-    # (looked up row by row, not multiplied) nor the small per-head MLA K/V stacks (one batched
-    # exact matmul per stack beats a 2-D int4 kernel call per head)
+    # (looked up row by row, not multiplied) nor the small per-head MLA K/V stacks: one batched
+    # matmul per stack beats a 2-D int4 kernel call per head, and under "fast" the stacks are kept
+    # dequantized (exactly) from load on, as the core keeps a quantized dense kv_b_proj per head:
+    # re-dequantizing them every decode step cost more than all the layer's int4 calls together
+    # (DeepSeek-V3: 16.8M values per layer, 0.15% of its weights)
     kernels = option(options, "kernels", "exact", KERNELS)
-    return GGMLScheme(info.dtype, cache=bool(options.get("dequantize", False)),
-                      kernels="exact" if layer_kind in ("embedding", "attn_k_b", "attn_v_b") else kernels)
+    kv_heads = layer_kind in ("attn_k_b", "attn_v_b")
+    return GGMLScheme(info.dtype, cache=bool(options.get("dequantize", False)) or (kv_heads and kernels == "fast"),
+                      kernels="exact" if layer_kind == "embedding" or kv_heads else kernels)
 
 
 _META_CHECKS = (

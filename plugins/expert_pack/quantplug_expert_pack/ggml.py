@@ -67,7 +67,10 @@ class _Scratch:
             n *= d
         buf = self._bufs.get(key)
         if buf is None or buf.numel() < n or buf.dtype != dtype:
-            buf = self._bufs[key] = torch.empty(n, dtype=dtype)
+            # a normal tensor even when first needed inside inference_mode: an inference tensor
+            # could not be written later outside it (a load's dequantization after a forward)
+            with torch.inference_mode(False):
+                buf = self._bufs[key] = torch.empty(n, dtype=dtype)
         return buf[:n].view(shape)
 
 
@@ -435,11 +438,29 @@ def int4_repack(data: torch.Tensor, ggml_type: str) -> tuple[torch.Tensor, torch
     return pack.view(*lead, *pack.shape[1:]), sz.view(*lead, *sz.shape[1:])
 
 
-def int4_linear(x: torch.Tensor, pack: torch.Tensor, sz: torch.Tensor, ggml_type: str) -> torch.Tensor:
-    """``x @ W^T`` through the int4-pack kernel (bfloat16 activations; see the section comment)."""
-    n = pack.shape[0]
+def int4_input(x: torch.Tensor, ggml_type: str) -> torch.Tensor:
+    """The kernel's activations for ``x`` [..., K]: contiguous bfloat16 [rows, K] ([rows, 2K] for Q8_0)."""
     xb = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
     if ggml_type == "Q8_0":
-        xb = torch.cat([xb, xb], dim=-1)
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), pack, INT4_GROUP, sz)
-    return y.to(x.dtype).view(*x.shape[:-1], n)
+        return torch.cat([xb, xb], dim=-1)
+    return xb.contiguous()
+
+
+def int4_linear(x: torch.Tensor, pack: torch.Tensor, sz: torch.Tensor, ggml_type: str) -> torch.Tensor:
+    """``x @ W^T`` through the int4-pack kernel (bfloat16 activations; see the section comment)."""
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(int4_input(x, ggml_type), pack, INT4_GROUP, sz)
+    return y.to(x.dtype).view(*x.shape[:-1], pack.shape[0])
+
+
+def int4_grouped(x: torch.Tensor, pack: torch.Tensor, sz: torch.Tensor, ggml_type: str,
+                 groups: list[tuple[int, int]]) -> torch.Tensor:
+    """Stacked experts: ``x`` [rows, K] in consecutive groups ``(slot, n)``, each through its slot's
+    kernel weight; activations converted once for all groups, the outputs gathered into one."""
+    xb = int4_input(x, ggml_type)
+    out = torch.empty(x.shape[0], pack.shape[1], dtype=torch.bfloat16, device=x.device)
+    start = 0
+    for slot, n in groups:
+        out[start:start + n] = torch.ops.aten._weight_int4pack_mm_for_cpu(xb[start:start + n], pack[slot],
+                                                                          INT4_GROUP, sz[slot])
+        start += n
+    return out.to(x.dtype)

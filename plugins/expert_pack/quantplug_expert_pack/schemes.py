@@ -94,6 +94,12 @@ class GGMLScheme(LinearScheme):
         w: torch.Tensor = layer.weight  # type: ignore[assignment]
         return ggml.linear(x, w if index is None else w[index], self.ggml_type, layer.model_dtype)  # type: ignore[arg-type]
 
+    def apply_grouped(self, layer: nn.Module, x: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
+        pack = getattr(layer, "_int4", None)
+        if pack is None or len(groups) == 1:
+            return super().apply_grouped(layer, x, groups)
+        return ggml.int4_grouped(x, pack, layer._int4_sz, self.ggml_type, groups)  # type: ignore[arg-type]
+
     def apply_all(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """MLA K/V per head in one batched matmul (exact: the whole stack dequantized into the
         reused buffer, as :func:`ggml.linear` does per matrix; fast: per head, the int4 kernel is 2-D)."""
