@@ -352,10 +352,8 @@ def int4_grouped(x: torch.Tensor, pack: torch.Tensor, sz: torch.Tensor, group: i
     kernel weight; activations converted once for all groups, the outputs gathered into one
     (what one :func:`int4_linear` per group computes, with two conversions instead of 2 per group)."""
     xb = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
-    out = torch.empty(xb.shape[0], pack.shape[1], dtype=torch.bfloat16, device=x.device)
-    start = 0
+    outs, start = [], 0
     for slot, n in groups:
-        out[start:start + n] = torch.ops.aten._weight_int4pack_mm_for_cpu(xb[start:start + n], pack[slot], group,
-                                                                          sz[slot])
+        outs.append(torch.ops.aten._weight_int4pack_mm_for_cpu(xb[start:start + n], pack[slot], group, sz[slot]))
         start += n
-    return out.to(x.dtype)
+    return torch.cat(outs).to(x.dtype)

@@ -457,10 +457,8 @@ def int4_grouped(x: torch.Tensor, pack: torch.Tensor, sz: torch.Tensor, ggml_typ
     """Stacked experts: ``x`` [rows, K] in consecutive groups ``(slot, n)``, each through its slot's
     kernel weight; activations converted once for all groups, the outputs gathered into one."""
     xb = int4_input(x, ggml_type)
-    out = torch.empty(x.shape[0], pack.shape[1], dtype=torch.bfloat16, device=x.device)
-    start = 0
+    outs, start = [], 0
     for slot, n in groups:
-        out[start:start + n] = torch.ops.aten._weight_int4pack_mm_for_cpu(xb[start:start + n], pack[slot],
-                                                                          INT4_GROUP, sz[slot])
+        outs.append(torch.ops.aten._weight_int4pack_mm_for_cpu(xb[start:start + n], pack[slot], INT4_GROUP, sz[slot]))
         start += n
-    return out.to(x.dtype)
+    return torch.cat(outs).to(x.dtype)
