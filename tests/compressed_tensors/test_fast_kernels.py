@@ -98,7 +98,7 @@ def test_repacked_matmul_equals_exact_dequant(strategy, group, symmetric):
     # routed experts at once (the MoE path): bit for bit what one call per expert computes
     groups = [(2, 2), (0, 3)]
     want = torch.cat([kernels.int4_linear(x[:2], pack[2], sz[2], kg), kernels.int4_linear(x[2:], pack[0], sz[0], kg)])
-    assert torch.equal(kernels.int4_grouped(x, pack, sz, kg, groups), want)
+    assert torch.equal(kernels.int4_grouped(x, list(zip(pack.unbind(0), sz.unbind(0))), kg, groups), want)
 
 
 def test_rows_not_a_multiple_of_16_stay_exact():

@@ -139,7 +139,7 @@ def test_int4_grouped_equals_one_call_per_group(ggml_type):
     pack, sz = ggml.int4_repack(w, ggml_type)
     x = torch.randn(7, 256, generator=torch.Generator().manual_seed(3))
     groups = [(0, 2), (2, 1), (3, 4)]
-    got = ggml.int4_grouped(x, pack, sz, ggml_type, groups)
+    got = ggml.int4_grouped(x, list(zip(pack.unbind(0), sz.unbind(0))), ggml_type, groups)
     want = torch.cat([ggml.int4_linear(x[0:2], pack[0], sz[0], ggml_type), ggml.int4_linear(x[2:3], pack[2], sz[2], ggml_type),
                       ggml.int4_linear(x[3:7], pack[3], sz[3], ggml_type)])
     assert got.dtype == x.dtype and torch.equal(got, want)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -346,14 +346,16 @@ def int4_linear(x: torch.Tensor, pack: torch.Tensor, sz: torch.Tensor, group: in
     return y.to(x.dtype).view(*x.shape[:-1], pack.shape[0])
 
 
-def int4_grouped(x: torch.Tensor, pack: torch.Tensor, sz: torch.Tensor, group: int,
+def int4_grouped(x: torch.Tensor, slots: Sequence[tuple[torch.Tensor, torch.Tensor]], group: int,
                  groups: list[tuple[int, int]]) -> torch.Tensor:
     """Stacked experts: ``x`` [rows, in] in consecutive groups ``(slot, n)``, each through its slot's
-    kernel weight; activations converted once for all groups, the outputs gathered into one
-    (what one :func:`int4_linear` per group computes, with two conversions instead of 2 per group)."""
+    kernel weight ``slots[slot]`` = (pack, scales-and-zeros), views made once at load; activations
+    converted once for all groups, the outputs gathered with one cat (what one
+    :func:`int4_linear` per group computes, with two conversions instead of two per group)."""
     xb = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
     outs, start = [], 0
     for slot, n in groups:
-        outs.append(torch.ops.aten._weight_int4pack_mm_for_cpu(xb[start:start + n], pack[slot], group, sz[slot]))
+        pack, sz = slots[slot]
+        outs.append(torch.ops.aten._weight_int4pack_mm_for_cpu(xb[start:start + n], pack, group, sz))
         start += n
     return torch.cat(outs).to(x.dtype)

@@ -190,6 +190,8 @@ class CTScheme(LinearScheme):
                 layer.register_buffer("_int4", fast[0], persistent=False)
                 layer.register_buffer("_int4_sz", fast[1], persistent=False)
                 layer._int4_group = fast[2]
+                if fast[0].dim() == 3:  # stacked experts: each slot's views, made once
+                    layer._int4_slots = list(zip(fast[0].unbind(0), fast[1].unbind(0)))
 
     # -- compute --------------------------------------------------------------------------------
 
@@ -236,9 +238,9 @@ class CTScheme(LinearScheme):
     def apply(self, layer: Any, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
         pack = getattr(layer, "_int4", None)
         if pack is not None:  # fast: weight-only by construction (no activation quantization)
-            sz = layer._int4_sz
-            return kernels.int4_linear(x, pack if index is None else pack[index], sz if index is None else sz[index],
-                                       layer._int4_group)
+            if index is not None:
+                return kernels.int4_linear(x, *layer._int4_slots[index], layer._int4_group)
+            return kernels.int4_linear(x, pack, layer._int4_sz, layer._int4_group)
         x = self.quantize_input(layer, x)
         lay = self._layout_of(layer)
         q, s, z = self._parts(layer, index)
@@ -251,4 +253,4 @@ class CTScheme(LinearScheme):
         pack = getattr(layer, "_int4", None)
         if pack is None or len(groups) == 1:
             return super().apply_grouped(layer, x, groups)
-        return kernels.int4_grouped(x, pack, layer._int4_sz, layer._int4_group, groups)
+        return kernels.int4_grouped(x, layer._int4_slots, layer._int4_group, groups)

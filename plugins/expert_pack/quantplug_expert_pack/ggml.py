@@ -28,7 +28,7 @@ MXFP4     32     17    e8m0 exponent, qs[16]: x = 2^(e-128) * kvalues[nibble], j
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from quantplug.api import QuantplugError, ggml_types
@@ -454,13 +454,15 @@ def int4_linear(x: torch.Tensor, pack: torch.Tensor, sz: torch.Tensor, ggml_type
     return y.to(x.dtype).view(*x.shape[:-1], pack.shape[0])
 
 
-def int4_grouped(x: torch.Tensor, pack: torch.Tensor, sz: torch.Tensor, ggml_type: str,
+def int4_grouped(x: torch.Tensor, slots: Sequence[tuple[torch.Tensor, torch.Tensor]], ggml_type: str,
                  groups: list[tuple[int, int]]) -> torch.Tensor:
     """Stacked experts: ``x`` [rows, K] in consecutive groups ``(slot, n)``, each through its slot's
-    kernel weight; activations converted once for all groups, the outputs gathered into one."""
+    kernel weight ``slots[slot]`` = (pack, scales-and-zeros), views made once at load (no per-call
+    indexing op); activations converted once for all groups, the outputs gathered with one cat."""
     xb = int4_input(x, ggml_type)
     outs, start = [], 0
     for slot, n in groups:
-        outs.append(torch.ops.aten._weight_int4pack_mm_for_cpu(xb[start:start + n], pack[slot], INT4_GROUP, sz[slot]))
+        pack, sz = slots[slot]
+        outs.append(torch.ops.aten._weight_int4pack_mm_for_cpu(xb[start:start + n], pack, INT4_GROUP, sz))
         start += n
     return torch.cat(outs).to(x.dtype)

@@ -86,9 +86,9 @@ class GGMLScheme(LinearScheme):
     def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
         pack = getattr(layer, "_int4", None)
         if pack is not None:
-            sz: torch.Tensor = layer._int4_sz  # type: ignore[assignment]
-            return ggml.int4_linear(x, pack if index is None else pack[index], sz if index is None else sz[index],
-                                    self.ggml_type)
+            if index is not None:
+                return ggml.int4_linear(x, *layer._int4_slots[index], self.ggml_type)  # type: ignore[index]
+            return ggml.int4_linear(x, pack, layer._int4_sz, self.ggml_type)  # type: ignore[arg-type]
         if getattr(layer, "_dequantized", None) is not None or self.ggml_type in ggml.FLOAT_TYPES:
             return F.linear(x, self.dequantize(layer, index).to(x.dtype))
         w: torch.Tensor = layer.weight  # type: ignore[assignment]
@@ -98,7 +98,7 @@ class GGMLScheme(LinearScheme):
         pack = getattr(layer, "_int4", None)
         if pack is None or len(groups) == 1:
             return super().apply_grouped(layer, x, groups)
-        return ggml.int4_grouped(x, pack, layer._int4_sz, self.ggml_type, groups)  # type: ignore[arg-type]
+        return ggml.int4_grouped(x, layer._int4_slots, self.ggml_type, groups)  # type: ignore[arg-type]
 
     def apply_all(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """MLA K/V per head in one batched matmul (exact: the whole stack dequantized into the
@@ -128,6 +128,8 @@ class GGMLScheme(LinearScheme):
             if fast is not None:
                 layer.register_buffer("_int4", fast[0], persistent=False)
                 layer.register_buffer("_int4_sz", fast[1], persistent=False)
+                if fast[0].dim() == 3:  # stacked experts: each slot's views, made once
+                    layer._int4_slots = list(zip(fast[0].unbind(0), fast[1].unbind(0)))
 
 
 class PackedExpertsScheme(LinearScheme):
