@@ -44,7 +44,8 @@ PROJECT = "quantplug"
 #: * 1.0: the hooks as first released (detect ... export, cli_commands).
 #: * 1.1: ``quantplug.api``; ``LinearScheme.reason``; ``quantplug_export`` receives ``plan``;
 #:   ``quantplug_architectures``; contract checking.
-CONTRACT_VERSION = "1.1"
+#: * 1.2: ``LinearScheme.fuse`` (optional): sibling projections of one input run as one call.
+CONTRACT_VERSION = "1.2"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 

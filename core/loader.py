@@ -114,6 +114,10 @@ def execute(plan: LoadPlan, *, device: str | torch.device = "cpu",
     for mod in model.modules():
         if isinstance(mod, PlannedModule):
             mod.qp_finish()
+    for mod in model.modules():  # sibling projections a scheme runs as one (LinearScheme.fuse)
+        fuse = getattr(mod, "qp_fuse", None)
+        if fuse is not None:
+            fuse()
     model.to(dev)
     pm.backend_all(plan.backend, "quantplug_process_after_loading", model=model, quant_config=plan.quant_config,
                    options=plan.options)

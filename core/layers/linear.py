@@ -9,7 +9,7 @@ interface: :class:`DenseScheme` is the core's default answer to ``quantplug_line
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -175,6 +175,22 @@ class LinearScheme(abc.ABC):
 
     def process_after_loading(self, layer: nn.Module) -> None:  # noqa: B027 (optional hook, default no-op)
         """Called once per layer after all its tensors are loaded."""
+
+    def fuse(self, layers: Sequence[nn.Module]) -> Callable[..., torch.Tensor] | None:
+        """Projections of one input, run as one: ``layers`` are sibling linears that the model
+        always applies to the same ``x`` (an MLP's gate and up, MLA's q_a and kv_a, routed
+        experts' gate and up), each answered by this scheme's class, loaded and processed, none
+        tensor-parallel. Return ``f`` with ``f(x)`` (plain linears) or ``f(x, groups)`` (stacked,
+        as :meth:`apply_grouped`) = the layers' outputs concatenated along the last dim, computed
+        as the separate applies compute them (the same kernels, so bit for bit in practice), or
+        None (the default): the model applies the layers one by one. Called once, after loading
+        (:func:`fuse_projections`); a scheme that fuses may re-point the layers' own buffers into
+        the fused ones (no extra memory), but each layer must still work on its own. Fused calls
+        do not run the sibling modules' forward hooks.
+
+        .. versionadded:: 1.2
+        """
+        return None
 
 
 class DenseScheme(LinearScheme):
@@ -359,3 +375,21 @@ class StackedLinear(PlannedModule):
         return f"n={self.n}, in={self.in_features}, out={self.out_features}, scheme={self.scheme.describe()}"
 
 
+
+
+def fuse_projections(layers: Sequence[nn.Module]) -> Callable[..., torch.Tensor] | None:
+    """``layers[0].scheme.fuse(layers)`` when every layer is an unsplit :class:`QuantLinear` or
+    :class:`StackedLinear` of one input width whose scheme is of one class that overrides
+    :meth:`LinearScheme.fuse`; otherwise None (the model applies them one by one)."""
+    if len(layers) < 2 or not isinstance(layers[0], (QuantLinear, StackedLinear)):
+        return None
+    first = layers[0]
+    scheme: LinearScheme = first.scheme
+    for layer in layers:
+        if not isinstance(layer, type(first)) or type(layer.scheme) is not type(scheme):
+            return None
+        if layer.qp_parallel is not None or layer.in_features != first.in_features:
+            return None
+    if type(scheme).fuse is LinearScheme.fuse:
+        return None
+    return scheme.fuse(layers)

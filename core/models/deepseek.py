@@ -20,7 +20,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..generate import GenerationMixin, LatentCache, MLACache
-from ..layers.linear import FloatParams, LinearScheme, PlannedModule, QuantLinear, Source, StackedLinear
+from ..layers.linear import (
+    FloatParams,
+    LinearScheme,
+    PlannedModule,
+    QuantLinear,
+    Source,
+    StackedLinear,
+    fuse_projections,
+)
 from ..layers.norm import RMSNorm
 from ..layers.rope import Rotary, softmax_scale
 from ..types import AttentionLayout
@@ -141,6 +149,12 @@ class MLA(nn.Module):
         #: latent dims the cache holds per token (not split over ranks)
         self.kv_lora_rank, self.qk_rope_head_dim = cfg.kv_lora_rank, cfg.qk_rope_head_dim
         self._kv_b_heads: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: q_a_proj and kv_a_proj_with_mqa (same input) in one call when their scheme fuses them
+        self.qkv_a: Any = None
+
+    def qp_fuse(self) -> None:
+        if self.q_lora is not None:
+            self.qkv_a = fuse_projections([self.q_a_proj, self.kv_a_proj_with_mqa])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LatentCache | None = None) -> torch.Tensor:
@@ -157,10 +171,14 @@ class MLA(nn.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         nh, nope, rope, v = self.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        q = self.q_proj(x) if self.q_lora is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        if self.qkv_a is not None:
+            q_lat, ckv = self.qkv_a(x).split([self.q_a_proj.out_features, self.kv_a_proj_with_mqa.out_features], dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q_lat))
+        else:
+            q = self.q_proj(x) if self.q_lora is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            ckv = self.kv_a_proj_with_mqa(x)
         q = q.view(b, t, nh, nope + rope).transpose(1, 2)
         q_pass, q_rot = torch.split(q, [nope, rope], dim=-1)
-        ckv = self.kv_a_proj_with_mqa(x)
         kv_nope, k_rot = torch.split(ckv, [self.kv_lora_rank, rope], dim=-1)
         kv_nope = self.kv_a_layernorm(kv_nope).view(b, 1, t, self.kv_lora_rank)
         k_rot = k_rot.reshape(b, 1, t, rope)
@@ -227,8 +245,16 @@ class MLP(nn.Module):
         self.gate_proj = _lin(d, f"{base}.gate_proj", hidden, inter)
         self.up_proj = _lin(d, f"{base}.up_proj", hidden, inter)
         self.down_proj = _lin(d, f"{base}.down_proj", inter, hidden)
+        #: gate and up in one call when their scheme fuses them (:meth:`LinearScheme.fuse`)
+        self.gate_up: Any = None
+
+    def qp_fuse(self) -> None:
+        self.gate_up = fuse_projections([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).split(self.gate_proj.out_features, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -292,6 +318,11 @@ class Experts(nn.Module):
                 src = ("fused", f"{ckb}.gate_up_proj", (0 if proj == "gate_proj" else 1, 2))
             shards = [] if layout == "none" else src[1] if src[0] == "per_index" else [src[1]]
             setattr(self, proj, StackedLinear(e, i, o, d.scheme(name, "experts", shards), name, src, d.model_dtype))
+        #: gate and up in one grouped call when their scheme fuses them (:meth:`LinearScheme.fuse`)
+        self.gate_up: Any = None
+
+    def qp_fuse(self) -> None:
+        self.gate_up = fuse_projections([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [T, H], idx / w [T, top_k]. Token-expert pairs are sorted by expert once (one
@@ -310,7 +341,11 @@ class Experts(nn.Module):
         order = order[lo:lo + sum(n for _, n in groups)]
         tok = order // k
         xs = x.index_select(0, tok)
-        hs = F.silu(self.gate_proj.forward_grouped(xs, groups)) * self.up_proj.forward_grouped(xs, groups)
+        if self.gate_up is not None:
+            gate, up = self.gate_up(xs, groups).split(self.gate_proj.out_features, dim=-1)
+            hs = F.silu(gate) * up
+        else:
+            hs = F.silu(self.gate_proj.forward_grouped(xs, groups)) * self.up_proj.forward_grouped(xs, groups)
         hs = self.down_proj.forward_grouped(hs, groups) * w.reshape(-1).index_select(0, order).unsqueeze(-1)
         out.index_add_(0, tok, hs.to(out.dtype))
         if self.qp_parallel is not None:

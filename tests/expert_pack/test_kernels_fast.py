@@ -174,3 +174,85 @@ def test_scratch_made_in_inference_mode_serves_later_plain_work(ckpts, monkeypat
         assert torch.equal(model(IDS[:1]), first)
     fast = quantplug.load(ckpts["Q4_0"], progress=False, options={"kernels": "fast"})
     assert fast.model.layers[0].self_attn.k_b._dequantized.shape[0] == CFG["num_attention_heads"]
+
+
+def _unfuse(model):
+    for mod in model.modules():
+        for attr in ("gate_up", "qkv_a"):
+            if getattr(mod, attr, None) is not None:
+                setattr(mod, attr, None)
+
+
+def test_fast_mode_fuses_sibling_projections_bit_for_bit(ckpts, monkeypatch):
+    """kernels="fast": gate+up (routed experts, shared experts, dense MLP) and q_a+kv_a run as one
+    int4 call each (LinearScheme.fuse); the logits equal the one-call-per-layer model's bit for
+    bit, each layer still works alone (its pack is a view of the fused one) and the only extra
+    memory is the fused scales-and-zeros."""
+    from quantplug.loader import model_bytes
+    from quantplug_expert_pack.schemes import GGMLScheme
+
+    model = quantplug.load(ckpts["Q4_0"], progress=False, options={"kernels": "fast"})
+    layer0, layer1 = model.model.layers[0], model.model.layers[1]
+    assert isinstance(layer1.mlp.experts.gate_up, ggml.Int4Fused)          # 64 + 64 rows
+    assert isinstance(layer1.mlp.shared_experts.gate_up, ggml.Int4Fused)
+    # 96 + 96 (dense MLP) and 48 + 48 rows (q_a, kv_a) straddle the kernel's row blocks on this
+    # CPU when the probe says so: those stay one call per layer
+    assert (layer0.mlp.gate_up is None) == (not ggml.int4_rows_separable((96, 96)))
+    assert (layer0.self_attn.qkv_a is None) == (not ggml.int4_rows_separable((48, 48)))
+    experts = layer1.mlp.experts
+    x = torch.randn(3, CFG["hidden_size"], generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        got = model(IDS)
+        both = experts.gate_up(x, [(2, 1), (7, 2)])
+        inter = experts.gate_proj.out_features
+        assert torch.equal(both[:1, :inter], experts.gate_proj(x[:1], 2))
+        assert torch.equal(both[1:, inter:], experts.up_proj(x[1:], 7))
+        shared = layer1.mlp.shared_experts
+        gu = shared.gate_up(x)
+        assert torch.equal(gu[:, shared.gate_proj.out_features:], shared.up_proj(x))
+        _unfuse(model)
+        assert torch.equal(model(IDS), got)
+    extra = sum(m._int4_fused_sz.numel() * 2 for m in model.modules() if getattr(m, "_int4_fused_sz", None) is not None)
+    monkeypatch.setattr(GGMLScheme, "fuse", lambda self, layers: None)
+    unfused = quantplug.load(ckpts["Q4_0"], progress=False, options={"kernels": "fast"})
+    assert unfused.model.layers[1].mlp.experts.gate_up is None
+    assert model_bytes(model) == model_bytes(unfused) + extra
+
+
+def test_no_fusion_in_exact_mode_or_when_the_kernel_layout_does_not_split(ckpts, monkeypatch):
+    exact = quantplug.load(ckpts["Q4_0"], progress=False)
+    assert exact.model.layers[1].mlp.experts.gate_up is None and exact.model.layers[0].self_attn.qkv_a is None
+    monkeypatch.setattr(ggml, "int4_rows_separable", lambda rows: False)
+    fast = quantplug.load(ckpts["Q4_0"], progress=False, options={"kernels": "fast"})
+    assert fast.model.layers[1].mlp.experts.gate_up is None and fast.model.layers[0].self_attn.qkv_a is None
+
+
+def test_int4_rows_separable_probe_agrees_with_the_kernel_layout():
+    """The probe's answer is what a full repack shows: stacked packs of parts that it calls
+    separable are the pack of the stacked codes."""
+    g = torch.Generator().manual_seed(6)
+    for rows in ((64, 64), (256, 160), (16, 48)):
+        parts = [torch.randint(0, 16, (n, 256), generator=g, dtype=torch.int32) for n in rows]
+        whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.cat(parts), 1)
+        each = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(p, 1) for p in parts])
+        assert ggml.int4_rows_separable(rows) == torch.equal(whole, each), rows
+
+
+def test_q_a_and_kv_a_fused_when_their_rows_split_the_kernel_layout(tmp_path):
+    cfg = tiny_config(moe_intermediate_size=64, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                      vocab_size=256, q_lora_rank=64, kv_lora_rank=48, qk_rope_head_dim=16)
+    mc = parse_model_config(cfg, "DeepseekV3ForCausalLM", False)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    write_gguf(tmp_path / "model.gguf", gguf_state(random_state(cfg), mc), mc, default_type="Q4_0", vocab=256)
+    model = quantplug.load(tmp_path, progress=False, options={"kernels": "fast"})
+    attn = model.model.layers[0].self_attn
+    if not ggml.int4_rows_separable((64, 64)):
+        pytest.skip("this CPU's int4 layout does not split at 64 rows")
+    assert isinstance(attn.qkv_a, ggml.Int4Fused)
+    x = torch.randn(2, cfg["hidden_size"], generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        qkv = attn.qkv_a(x)
+        assert torch.equal(qkv[:, :64], attn.q_a_proj(x)) and torch.equal(qkv[:, 64:], attn.kv_a_proj_with_mqa(x))
+        got = model(IDS[:2])
+        _unfuse(model)
+        assert torch.equal(model(IDS[:2]), got)

@@ -239,7 +239,8 @@ class CTScheme(LinearScheme):
         pack = getattr(layer, "_int4", None)
         if pack is not None:  # fast: weight-only by construction (no activation quantization)
             if index is not None:
-                return kernels.int4_linear(x, *layer._int4_slots[index], layer._int4_group)
+                slot_pack, slot_sz = layer._int4_slots[index]
+                return kernels.int4_linear(x, slot_pack, slot_sz, layer._int4_group)
             return kernels.int4_linear(x, pack, layer._int4_sz, layer._int4_group)
         x = self.quantize_input(layer, x)
         lay = self._layout_of(layer)

@@ -9,7 +9,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -87,12 +88,36 @@ class GGMLScheme(LinearScheme):
         pack = getattr(layer, "_int4", None)
         if pack is not None:
             if index is not None:
-                return ggml.int4_linear(x, *layer._int4_slots[index], self.ggml_type)  # type: ignore[index]
+                slot_pack, slot_sz = layer._int4_slots[index]  # type: ignore[index]
+                return ggml.int4_linear(x, slot_pack, slot_sz, self.ggml_type)
             return ggml.int4_linear(x, pack, layer._int4_sz, self.ggml_type)  # type: ignore[arg-type]
         if getattr(layer, "_dequantized", None) is not None or self.ggml_type in ggml.FLOAT_TYPES:
             return F.linear(x, self.dequantize(layer, index).to(x.dtype))
         w: torch.Tensor = layer.weight  # type: ignore[assignment]
         return ggml.linear(x, w if index is None else w[index], self.ggml_type, layer.model_dtype)  # type: ignore[arg-type]
+
+    def fuse(self, layers: Sequence[Any]) -> Callable[..., torch.Tensor] | None:
+        """Under ``kernels="fast"``: siblings repacked for the int4 kernel (one ggml type) become one
+        kernel weight, their rows side by side; each layer's own pack becomes a view of it (no
+        second copy), the fused scales-and-zeros are one more copy of theirs (1/4 of the packs,
+        a buffer ``_int4_fused_sz`` on the first layer so it is counted). Not fused when the
+        kernel's layout does not split at the layers' row counts (:func:`ggml.int4_rows_separable`)."""
+        if any(getattr(layer, "_int4", None) is None or layer.scheme.ggml_type != self.ggml_type for layer in layers):
+            return None
+        packs: list[torch.Tensor] = [layer._int4 for layer in layers]
+        rows = [p.shape[-2] for p in packs]
+        if not ggml.int4_rows_separable(rows):
+            return None
+        pack = torch.cat(packs, dim=-2)
+        sz = torch.cat([layer._int4_sz for layer in layers], dim=-2).contiguous()
+        start = 0
+        for layer, n in zip(layers, rows):
+            layer._int4 = pack[..., start:start + n, :]  # a registered buffer: re-pointed, not added
+            if pack.dim() == 3:
+                layer._int4_slots = list(zip(layer._int4.unbind(0), layer._int4_sz.unbind(0)))
+            start += n
+        layers[0].register_buffer("_int4_fused_sz", sz, persistent=False)
+        return ggml.Int4Fused(pack, sz, self.ggml_type)
 
     def apply_grouped(self, layer: nn.Module, x: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
         pack = getattr(layer, "_int4", None)
@@ -129,7 +154,7 @@ class GGMLScheme(LinearScheme):
                 layer.register_buffer("_int4", fast[0], persistent=False)
                 layer.register_buffer("_int4_sz", fast[1], persistent=False)
                 if fast[0].dim() == 3:  # stacked experts: each slot's views, made once
-                    layer._int4_slots = list(zip(fast[0].unbind(0), fast[1].unbind(0)))
+                    layer._int4_slots = list(zip(fast[0].unbind(0), fast[1].unbind(0)))  # type: ignore[assignment]
 
 
 class PackedExpertsScheme(LinearScheme):
