@@ -377,7 +377,23 @@ class StackedLinear(PlannedModule):
 
 
 
-def fuse_projections(layers: Sequence[nn.Module]) -> Callable[..., torch.Tensor] | None:
+class FusedProjections:
+    """Sibling projections run as one (what :func:`fuse_projections` returns): ``f(x)`` or, for
+    stacked layers, ``f(x, groups)`` = the ``layers``' outputs side by side, computed by ``fn``,
+    the function their scheme's :meth:`LinearScheme.fuse` returned. ``layers`` say what it stands
+    for (the conformance kit checks it against the separate applies)."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], layers: Sequence[nn.Module]) -> None:
+        self.fn, self.layers = fn, list(layers)
+
+    def __call__(self, x: torch.Tensor, groups: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        return self.fn(x) if groups is None else self.fn(x, groups)
+
+    def __repr__(self) -> str:
+        return f"<FusedProjections of {', '.join(getattr(m, 'qp_ckpt', '?') for m in self.layers)}>"
+
+
+def fuse_projections(layers: Sequence[nn.Module]) -> FusedProjections | None:
     """``layers[0].scheme.fuse(layers)`` when every layer is an unsplit :class:`QuantLinear` or
     :class:`StackedLinear` of one input width whose scheme is of one class that overrides
     :meth:`LinearScheme.fuse`; otherwise None (the model applies them one by one)."""
@@ -392,4 +408,5 @@ def fuse_projections(layers: Sequence[nn.Module]) -> Callable[..., torch.Tensor]
             return None
     if type(scheme).fuse is LinearScheme.fuse:
         return None
-    return scheme.fuse(layers)
+    fn = scheme.fuse(layers)
+    return None if fn is None else FusedProjections(fn, layers)

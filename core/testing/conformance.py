@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from ..api import LAYER_KINDS, ExportResult, LinearScheme, QuantplugError, TensorSpec, dense_state, plan_of
 from ..checkpoint import Checkpoint
-from ..layers.linear import DenseScheme, QuantLinear, StackedLinear
+from ..layers.linear import DenseScheme, FusedProjections, QuantLinear, StackedLinear
 from ..loader import load
 from ..models.deepseek import Embedding
 from ..plan import LoadPlan, build_plan
@@ -346,6 +346,22 @@ class BackendConformance:
                   f"compute something else than their own dequantized weight (rel err > {self.forward_rtol:g}):\n"
                   f"  {listing}\napply(layer, x) must equal x @ dequantize(layer).T: check scales, zero points, "
                   "packing order and the stacked index in both")
+
+    @pytest.mark.parametrize("layout", LAYOUTS)
+    def test_fused_projections_equal_separate_applies(self, quantplug_kit: _Kit, layout: str) -> None:
+        """Where the scheme fused sibling projections (``LinearScheme.fuse``, under ``options``),
+        the fused call equals the layers' own applies side by side."""
+        case = self._layout(quantplug_kit, layout)
+        model = quantplug_kit.load(case.path)
+        fused, bad = _fused_mismatches(model, self.forward_rtol)
+        if not fused:
+            pytest.skip(f"backend {self.backend!r} fuses no projections of the {layout} model under options "
+                        f"{dict(self.options)}")
+        if bad:
+            listing = "\n  ".join(bad[:8])
+            _fail(f"[fused projections] {len(bad)} fused group(s) of backend {self.backend}'s {layout} checkpoint "
+                  f"compute something else than their layers' own applies (rel err > {self.forward_rtol:g}):\n"
+                  f"  {listing}\nfuse(layers) must return the layers' outputs side by side, in the order given")
 
     @pytest.mark.parametrize("layout", LAYOUTS)
     def test_dequantized_weights_are_close_to_the_source(self, quantplug_kit: _Kit, layout: str) -> None:
@@ -739,3 +755,27 @@ def _apply_mismatches(model: torch.nn.Module, rtol: float, ids: torch.Tensor) ->
             if not err <= rtol:
                 bad.append(f"{mod.qp_ckpt} ({scheme.describe()}): {what} rel err {err:.3g}")
     return bad
+
+
+def _fused_mismatches(model: torch.nn.Module, rtol: float) -> tuple[int, list[str]]:
+    """(number of fused groups, those whose fused output differs from the layers' own applies)."""
+    g = torch.Generator().manual_seed(4)
+    n, bad = 0, []
+    for mod in model.modules():
+        for fused in [v for v in vars(mod).values() if isinstance(v, FusedProjections)]:
+            n += 1
+            layers: list[Any] = fused.layers
+            x = torch.randn(3, int(layers[0].in_features), generator=g)
+            with torch.no_grad():
+                if isinstance(layers[0], StackedLinear):
+                    groups = [(0, 1), (layers[0].n - 1, 2)]
+                    got = fused(x, groups)
+                    ref = torch.cat([m.scheme.apply_grouped(m, x, groups) for m in layers], dim=-1)
+                else:
+                    got = fused(x)
+                    ref = torch.cat([m.scheme.apply(m, x) for m in layers], dim=-1)
+            err = rel_err(got.float(), ref.float()) if got.shape == ref.shape else float("inf")
+            if not err <= rtol:
+                bad.append(f"{fused!r}: rel err {err:.3g}" + ("" if got.shape == ref.shape else
+                                                              f" (shape {list(got.shape)}, want {list(ref.shape)})"))
+    return n, bad

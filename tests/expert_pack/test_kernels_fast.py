@@ -193,8 +193,8 @@ def test_fast_mode_fuses_sibling_projections_bit_for_bit(ckpts, monkeypatch):
 
     model = quantplug.load(ckpts["Q4_0"], progress=False, options={"kernels": "fast"})
     layer0, layer1 = model.model.layers[0], model.model.layers[1]
-    assert isinstance(layer1.mlp.experts.gate_up, ggml.Int4Fused)          # 64 + 64 rows
-    assert isinstance(layer1.mlp.shared_experts.gate_up, ggml.Int4Fused)
+    assert isinstance(layer1.mlp.experts.gate_up.fn, ggml.Int4Fused)       # 64 + 64 rows
+    assert isinstance(layer1.mlp.shared_experts.gate_up.fn, ggml.Int4Fused)
     # 96 + 96 (dense MLP) and 48 + 48 rows (q_a, kv_a) straddle the kernel's row blocks on this
     # CPU when the probe says so: those stay one call per layer
     assert (layer0.mlp.gate_up is None) == (not ggml.int4_rows_separable((96, 96)))
@@ -248,7 +248,7 @@ def test_q_a_and_kv_a_fused_when_their_rows_split_the_kernel_layout(tmp_path):
     attn = model.model.layers[0].self_attn
     if not ggml.int4_rows_separable((64, 64)):
         pytest.skip("this CPU's int4 layout does not split at 64 rows")
-    assert isinstance(attn.qkv_a, ggml.Int4Fused)
+    assert isinstance(attn.qkv_a.fn, ggml.Int4Fused)
     x = torch.randn(2, cfg["hidden_size"], generator=torch.Generator().manual_seed(7))
     with torch.inference_mode():
         qkv = attn.qkv_a(x)
