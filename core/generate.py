@@ -44,7 +44,7 @@ def max_seq_len(cfg: ModelConfig) -> int:
 
 
 class LatentCache:
-    """One MLA layer's cache: latent ``[B, S, kv_lora_rank]`` and roped key ``[B, S, rope]``.
+    """One MLA layer's cache: latent ``[B, 1, S, kv_lora_rank]`` and roped key ``[B, 1, S, rope]``.
 
     Preallocated for ``capacity`` tokens; a forward that needs more grows both buffers by
     :data:`CHUNK` tokens at a time, never past ``limit``. ``append`` writes the new tokens and
@@ -56,19 +56,21 @@ class LatentCache:
         self.limit = limit
         self.length = 0
         cap = max(1, min(capacity, limit))
-        self.latent = torch.empty(batch, cap, kv_lora_rank, dtype=dtype, device=device)
-        self.k_rope = torch.empty(batch, cap, rope_dim, dtype=dtype, device=device)
+        # [B, 1, S, dim]: the one "head" axis is stored, so appends and the views handed out are
+        # one slice each (a decode step appends in every layer)
+        self.latent = torch.empty(batch, 1, cap, kv_lora_rank, dtype=dtype, device=device)
+        self.k_rope = torch.empty(batch, 1, cap, rope_dim, dtype=dtype, device=device)
 
     @property
     def capacity(self) -> int:
-        return self.latent.shape[1]
+        return self.latent.shape[2]
 
     def _grow(self, need: int) -> None:
         cap = min(self.limit, -(-need // CHUNK) * CHUNK)
         for name in ("latent", "k_rope"):
             old = getattr(self, name)
-            new = old.new_empty(old.shape[0], cap, old.shape[2])
-            new[:, :self.length] = old[:, :self.length]
+            new = old.new_empty(old.shape[0], 1, cap, old.shape[3])
+            new[:, :, :self.length] = old[:, :, :self.length]
             setattr(self, name, new)
 
     def append(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,10 +82,10 @@ class LatentCache:
                                   "(max_position_embeddings, yarn included)")
         if need > self.capacity:
             self._grow(need)
-        self.latent[:, self.length:need] = latent[:, 0]
-        self.k_rope[:, self.length:need] = k_rope[:, 0]
+        self.latent[:, :, self.length:need] = latent
+        self.k_rope[:, :, self.length:need] = k_rope
         self.length = need
-        return self.latent[:, None, :need], self.k_rope[:, None, :need]
+        return self.latent[:, :, :need], self.k_rope[:, :, :need]
 
 
 class MLACache:
@@ -98,7 +100,7 @@ class MLACache:
 
     def bytes_per_token(self) -> int:
         """Bytes the cache holds per token, all layers: (kv_lora_rank + qk_rope_head_dim) x layers x dtype bytes."""
-        return sum((c.latent.shape[2] + c.k_rope.shape[2]) * c.latent.element_size() for c in self.layers)
+        return sum((c.latent.shape[3] + c.k_rope.shape[3]) * c.latent.element_size() for c in self.layers)
 
     def nbytes(self) -> int:
         """Bytes allocated (capacity, not length)."""

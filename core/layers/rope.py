@@ -64,6 +64,7 @@ class Rotary(nn.Module):
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.interleave = interleave
+        self._rot: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
@@ -72,6 +73,10 @@ class Rotary(nn.Module):
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, H, T, d]; cos/sin [B, T, d]."""
+        if x.shape[-2] == 1 and cos.shape[-2] == 1:
+            # a decode step: one matmul with the step's rotation matrix (made once per forward and
+            # shared by every layer's q and k) instead of a dozen elementwise ops
+            return torch.matmul(x, self._rotation(cos, sin))
         if self.interleave:
             c = cos[..., : cos.shape[-1] // 2].unsqueeze(1)
             s = sin[..., : sin.shape[-1] // 2].unsqueeze(1)
@@ -81,3 +86,24 @@ class Rotary(nn.Module):
         half = x.shape[-1] // 2
         rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * c + rot * s
+
+    def _rotation(self, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The one-position rotation as a matrix R ([d, d] for one row, else [B, 1, d, d]) with
+        ``x @ R`` = :meth:`rotate`'s elementwise result: each output is its two products and
+        zeros, summed. Kept for the ``cos`` / ``sin`` it was made from (held, so identity is safe)."""
+        memo = self._rot
+        if memo is not None and memo[0] is cos and memo[1] is sin:
+            return memo[2]
+        b, _, d = cos.shape
+        h = d // 2
+        c, s = cos[:, 0, :h], sin[:, 0, :h]
+        j = torch.arange(h, device=cos.device)
+        rot = torch.zeros(b, d, d, dtype=cos.dtype, device=cos.device)
+        if self.interleave:  # out[j] = x[2j] c - x[2j+1] s; out[h+j] = x[2j+1] c + x[2j] s
+            lo, hi = 2 * j, 2 * j + 1
+        else:                # out[j] = x[j] c - x[h+j] s;   out[h+j] = x[h+j] c + x[j] s
+            lo, hi = j, h + j
+        rot[:, lo, j], rot[:, hi, j], rot[:, hi, h + j], rot[:, lo, h + j] = c, -s, c, s
+        r = rot[0] if b == 1 else rot.unsqueeze(1)
+        object.__setattr__(self, "_rot", (cos, sin, r))
+        return r

@@ -274,13 +274,15 @@ class Router(FloatParams):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         e = cfg.n_routed_experts
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
-        choice = scores + self.e_score_correction_bias
-        group_scores = choice.view(-1, cfg.n_group, e // cfg.n_group).topk(2, dim=-1)[0].sum(dim=-1)
+        xf = x if x.dtype == torch.float32 else x.float()
+        wf = self.weight if self.weight.dtype == torch.float32 else self.weight.float()
+        scores = F.linear(xf, wf).sigmoid()
+        choice = (scores + self.e_score_correction_bias).view(-1, cfg.n_group, e // cfg.n_group)
+        group_scores = choice.topk(2, dim=-1)[0].sum(dim=-1)
         group_idx = torch.topk(group_scores, k=cfg.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-        score_mask = group_mask.unsqueeze(-1).expand(-1, cfg.n_group, e // cfg.n_group).reshape(-1, e)
-        choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+        # experts of the groups not chosen are out of the running
+        dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, False)
+        choice = choice.masked_fill(dropped.unsqueeze(-1), float("-inf")).view(-1, e)
         idx = torch.topk(choice, k=cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
         w = scores.gather(1, idx)
         if cfg.norm_topk_prob:
@@ -329,6 +331,8 @@ class Experts(nn.Module):
         bincount read back: the only host sync), each projection runs over the hit experts'
         consecutive row groups (``StackedLinear.forward_grouped``), and one ``index_add_`` sums
         the weighted rows back per token, in ascending expert order as a per-expert loop would."""
+        if x.shape[0] == 1:
+            return self._one_token(x, idx, w)
         out = torch.zeros_like(x)
         k = idx.shape[-1]
         flat = idx.reshape(-1)
@@ -350,6 +354,30 @@ class Experts(nn.Module):
         out.index_add_(0, tok, hs.to(out.dtype))
         if self.qp_parallel is not None:
             out = self.qp_parallel(out)  # sum of every rank's experts: one all-reduce
+        return out
+
+    def _one_token(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` for one token (a decode step): its top-k experts read back once, in
+        ascending order as the grouped path takes them; the same projections, one group per
+        expert, with no sort, count or gather ops; rows summed in that order."""
+        ids = idx[0].tolist()
+        hit = sorted((e, j) for j, e in enumerate(ids) if self.first <= e < self.first + self.count)
+        if not hit:
+            out = torch.zeros_like(x)
+            return self.qp_parallel(out) if self.qp_parallel is not None else out
+        groups = [(e - self.slot_base, 1) for e, _ in hit]
+        xs = x.expand(len(hit), -1)
+        if self.gate_up is not None:
+            gate, up = self.gate_up(xs, groups).split(self.gate_proj.out_features, dim=-1)
+            hs = F.silu(gate) * up
+        else:
+            hs = F.silu(self.gate_proj.forward_grouped(xs, groups)) * self.up_proj.forward_grouped(xs, groups)
+        hs = (self.down_proj.forward_grouped(hs, groups) * w[0, [j for _, j in hit]].unsqueeze(-1)).to(x.dtype)
+        out = hs[:1]
+        for r in range(1, len(hit)):
+            out = out + hs[r:r + 1]
+        if self.qp_parallel is not None:
+            out = self.qp_parallel(out)
         return out
 
 

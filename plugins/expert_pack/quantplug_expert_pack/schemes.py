@@ -129,7 +129,7 @@ class GGMLScheme(LinearScheme):
         """MLA K/V per head in one batched matmul (exact: the whole stack dequantized into the
         reused buffer, as :func:`ggml.linear` does per matrix; fast: per head, the int4 kernel is 2-D)."""
         w: torch.Tensor = layer.weight  # type: ignore[assignment]
-        if getattr(layer, "_int4", None) is not None or w[0].numel() * w.shape[0] > ggml.LINEAR_CHUNK_ELEMS * 16:
+        if getattr(layer, "_int4", None) is not None or w.numel() > ggml.LINEAR_CHUNK_ELEMS * 16:
             return super().apply_all(layer, x)
         dense = self.dequantize(layer) if self.ggml_type in ggml.FLOAT_TYPES or self.cache \
             else ggml.dequantize_reused(w, self.ggml_type, layer.model_dtype)  # type: ignore[arg-type]
