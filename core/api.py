@@ -58,6 +58,7 @@ from .layers.linear import (
     RefusedScheme,
     SplitRule,
     StackedLinear,
+    int4pack_rows_separable,
 )
 from .layers.norm import RMSNorm
 from .layers.rope import Rotary
@@ -201,7 +202,7 @@ __all__ = [
     "AttentionLayout", "Claim", "Decision", "ExportResult", "PluginInfo", "Problem", "SkipRule",
     "TensorInfo", "TensorSpec",
     # schemes
-    "DenseScheme", "FLOATS", "LinearScheme", "RefusedScheme", "SplitRule", "refuse",
+    "DenseScheme", "FLOATS", "LinearScheme", "RefusedScheme", "SplitRule", "int4pack_rows_separable", "refuse",
     # what hooks receive
     "Checkpoint", "LoadPlan", "ModelConfig", "RopeConfig",
     # reading

@@ -44,7 +44,8 @@ PROJECT = "quantplug"
 #: * 1.0: the hooks as first released (detect ... export, cli_commands).
 #: * 1.1: ``quantplug.api``; ``LinearScheme.reason``; ``quantplug_export`` receives ``plan``;
 #:   ``quantplug_architectures``; contract checking.
-#: * 1.2: ``LinearScheme.fuse`` (optional): sibling projections of one input run as one call.
+#: * 1.2: ``LinearScheme.fuse`` (optional): sibling projections of one input run as one call;
+#:   ``quantplug.api.int4pack_rows_separable`` (whether torch's int4 layout splits at given rows).
 CONTRACT_VERSION = "1.2"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)

@@ -410,3 +410,25 @@ def fuse_projections(layers: Sequence[nn.Module]) -> FusedProjections | None:
         return None
     fn = scheme.fuse(layers)
     return None if fn is None else FusedProjections(fn, layers)
+
+
+_INT4_SEPARABLE: dict[tuple[int, ...], bool] = {}
+
+
+def int4pack_rows_separable(rows: Sequence[int]) -> bool:
+    """Whether torch's int4 CPU weight layout (``aten._convert_weight_to_int4pack_for_cpu``) of
+    matrices of ``rows`` rows stacked is their own layouts stacked, i.e. its row blocks do not
+    straddle the parts: then one fused kernel weight serves each part through a row view (see
+    :meth:`LinearScheme.fuse`). The layout belongs to the kernel and its CPU build, so this is
+    probed once per process and row counts with random codes, never assumed.
+
+    .. versionadded:: 1.2
+    """
+    key = tuple(rows)
+    if key not in _INT4_SEPARABLE:
+        g = torch.Generator().manual_seed(0)
+        parts = [torch.randint(0, 16, (n, 128), generator=g, dtype=torch.int32) for n in rows]
+        whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.cat(parts), 1)
+        each = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(p, 1) for p in parts])
+        _INT4_SEPARABLE[key] = torch.equal(whole, each)
+    return _INT4_SEPARABLE[key]

@@ -105,3 +105,29 @@ def test_rows_not_a_multiple_of_16_stay_exact():
     assert kernels.int4_kernel_group(Layout("packed", 4, "group", 32, None, 40, 64)) is None
     assert kernels.int4_kernel_group(Layout("packed", 8, "group", 32, None, 48, 64)) is None
     assert kernels.int4_kernel_group(Layout("packed", 4, "group", 32, None, 48, 64)) == 32
+
+
+def test_fast_routed_experts_fuse_gate_and_up_bit_for_bit(tmp_path):
+    """kernels="fast" runs the routed experts' gate and up as one int4 call (LinearScheme.fuse);
+    the logits equal the one-call-per-projection model's bit for bit."""
+    from quantplug.api import int4pack_rows_separable
+
+    cfg = {**tiny_config(moe_intermediate_size=64, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                         topk_group=2, vocab_size=256), "architectures": ["DeepseekV3ForCausalLM"]}
+    dense = write_checkpoint(tmp_path / "dense", cfg, random_state(cfg))
+    model = quantplug.load(dense, progress=False)
+    res = export_w4a16(model, model.quantplug_plan, tmp_path / "w4", {})
+    fast = quantplug.load(res.path, progress=False, options={"kernels": "fast"})
+    experts = fast.model.layers[1].mlp.experts
+    if not int4pack_rows_separable((64, 64)):
+        assert experts.gate_up is None
+        pytest.skip("this CPU's int4 layout does not split at 64 rows")
+    assert isinstance(experts.gate_up.fn, kernels.Int4Fused)
+    assert experts.gate_proj._int4.data_ptr() == experts.gate_up.fn.pack.data_ptr()  # a view, not a copy
+    ids = torch.randint(0, cfg["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        got = fast(ids)
+        experts.gate_up = None
+        for layer in fast.model.layers[1:]:
+            layer.mlp.experts.gate_up = None
+        assert torch.equal(fast(ids), got)

@@ -17,10 +17,10 @@ import pytest
 import quantplug
 import torch
 import torch.nn.functional as F
-from quantplug.api import ConfigError
+from quantplug.api import ConfigError, int4pack_rows_separable
 from quantplug.models.config import parse_model_config
 from quantplug.testing import random_state, tiny_config
-from quantplug_expert_pack import ggml
+from quantplug_expert_pack import ggml, schemes
 from quantplug_expert_pack.export import gguf_state, write_gguf
 from quantplug_expert_pack.testing import random_rows
 
@@ -197,8 +197,8 @@ def test_fast_mode_fuses_sibling_projections_bit_for_bit(ckpts, monkeypatch):
     assert isinstance(layer1.mlp.shared_experts.gate_up.fn, ggml.Int4Fused)
     # 96 + 96 (dense MLP) and 48 + 48 rows (q_a, kv_a) straddle the kernel's row blocks on this
     # CPU when the probe says so: those stay one call per layer
-    assert (layer0.mlp.gate_up is None) == (not ggml.int4_rows_separable((96, 96)))
-    assert (layer0.self_attn.qkv_a is None) == (not ggml.int4_rows_separable((48, 48)))
+    assert (layer0.mlp.gate_up is None) == (not int4pack_rows_separable((96, 96)))
+    assert (layer0.self_attn.qkv_a is None) == (not int4pack_rows_separable((48, 48)))
     experts = layer1.mlp.experts
     x = torch.randn(3, CFG["hidden_size"], generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
@@ -222,7 +222,7 @@ def test_fast_mode_fuses_sibling_projections_bit_for_bit(ckpts, monkeypatch):
 def test_no_fusion_in_exact_mode_or_when_the_kernel_layout_does_not_split(ckpts, monkeypatch):
     exact = quantplug.load(ckpts["Q4_0"], progress=False)
     assert exact.model.layers[1].mlp.experts.gate_up is None and exact.model.layers[0].self_attn.qkv_a is None
-    monkeypatch.setattr(ggml, "int4_rows_separable", lambda rows: False)
+    monkeypatch.setattr(schemes, "int4pack_rows_separable", lambda rows: False)
     fast = quantplug.load(ckpts["Q4_0"], progress=False, options={"kernels": "fast"})
     assert fast.model.layers[1].mlp.experts.gate_up is None and fast.model.layers[0].self_attn.qkv_a is None
 
@@ -235,7 +235,7 @@ def test_int4_rows_separable_probe_agrees_with_the_kernel_layout():
         parts = [torch.randint(0, 16, (n, 256), generator=g, dtype=torch.int32) for n in rows]
         whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.cat(parts), 1)
         each = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(p, 1) for p in parts])
-        assert ggml.int4_rows_separable(rows) == torch.equal(whole, each), rows
+        assert int4pack_rows_separable(rows) == torch.equal(whole, each), rows
 
 
 def test_q_a_and_kv_a_fused_when_their_rows_split_the_kernel_layout(tmp_path):
@@ -246,7 +246,7 @@ def test_q_a_and_kv_a_fused_when_their_rows_split_the_kernel_layout(tmp_path):
     write_gguf(tmp_path / "model.gguf", gguf_state(random_state(cfg), mc), mc, default_type="Q4_0", vocab=256)
     model = quantplug.load(tmp_path, progress=False, options={"kernels": "fast"})
     attn = model.model.layers[0].self_attn
-    if not ggml.int4_rows_separable((64, 64)):
+    if not int4pack_rows_separable((64, 64)):
         pytest.skip("this CPU's int4 layout does not split at 64 rows")
     assert isinstance(attn.qkv_a.fn, ggml.Int4Fused)
     x = torch.randn(2, cfg["hidden_size"], generator=torch.Generator().manual_seed(7))

@@ -359,3 +359,19 @@ def int4_grouped(x: torch.Tensor, slots: Sequence[tuple[torch.Tensor, torch.Tens
         outs.append(torch.ops.aten._weight_int4pack_mm_for_cpu(xb[start:start + n], pack, group, sz))
         start += n
     return torch.cat(outs).to(x.dtype)
+
+
+class Int4Fused:
+    """Sibling projections of one input through one int4 kernel weight (``pack`` [.., sum N, in/2],
+    ``sz`` [.., in/group, sum N, 2]; stacked: one per expert): ``f(x)`` / ``f(x, groups)`` return
+    their outputs side by side (``LinearScheme.fuse``)."""
+
+    def __init__(self, pack: torch.Tensor, sz: torch.Tensor, group: int) -> None:
+        self.pack, self.sz, self.group = pack, sz, group
+        self.slots = list(zip(pack.unbind(0), sz.unbind(0))) if pack.dim() == 3 else None
+
+    def __call__(self, x: torch.Tensor, groups: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        if groups is None:
+            return int4_linear(x, self.pack, self.sz, self.group)
+        assert self.slots is not None
+        return int4_grouped(x, self.slots, self.group, groups)

@@ -4,7 +4,7 @@ stored in memory, activations fake-quantized as the config says (or not: ``activ
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from quantplug.api import (
     SplitRule,
     TensorInfo,
     TensorSpec,
+    int4pack_rows_separable,
     unsplit_features,
 )
 
@@ -249,6 +250,31 @@ class CTScheme(LinearScheme):
         nan = self._nan_codes(layer)
         return kernels.linear(x, lambda r0, r1: kernels.dequantize(lay, q, s, z, x.dtype, (r0, r1), nan_codes=nan),
                               lay.out_features, lay.in_features, align)
+
+    def fuse(self, layers: Sequence[Any]) -> Callable[..., torch.Tensor] | None:
+        """Under ``kernels="fast"``: siblings repacked for the int4 kernel with one group size become
+        one kernel weight, rows side by side; each layer's pack becomes a view of it (no copy), the
+        fused scales-and-zeros are their own copy (a ``_int4_fused_sz`` buffer on the first layer).
+        Not fused where the kernel's layout does not split at the row counts."""
+        if any(getattr(layer, "_int4", None) is None for layer in layers):
+            return None
+        group = layers[0]._int4_group
+        if any(layer._int4_group != group for layer in layers):
+            return None
+        packs: list[torch.Tensor] = [layer._int4 for layer in layers]
+        rows = [p.shape[-2] for p in packs]
+        if not int4pack_rows_separable(rows):
+            return None
+        pack = torch.cat(packs, dim=-2)
+        sz = torch.cat([layer._int4_sz for layer in layers], dim=-2).contiguous()
+        start = 0
+        for layer, n in zip(layers, rows):
+            layer._int4 = pack[..., start:start + n, :]  # a registered buffer: re-pointed, not added
+            if pack.dim() == 3:
+                layer._int4_slots = list(zip(layer._int4.unbind(0), layer._int4_sz.unbind(0)))
+            start += n
+        layers[0].register_buffer("_int4_fused_sz", sz, persistent=False)
+        return kernels.Int4Fused(pack, sz, group)
 
     def apply_grouped(self, layer: Any, x: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
         pack = getattr(layer, "_int4", None)

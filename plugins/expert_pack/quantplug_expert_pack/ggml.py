@@ -468,24 +468,6 @@ def int4_grouped(x: torch.Tensor, slots: Sequence[tuple[torch.Tensor, torch.Tens
     return torch.cat(outs).to(x.dtype)
 
 
-_SEPARABLE: dict[tuple[int, ...], bool] = {}
-
-
-def int4_rows_separable(rows: Sequence[int]) -> bool:
-    """Whether torch's int4 CPU layout of matrices of ``rows`` rows stacked is their own layouts
-    stacked (its row blocks do not straddle the parts): then one fused weight serves each part
-    through a view. The layout is the kernel's own (it depends on the CPU build), so this is
-    probed once per process and row counts, with random codes, not assumed."""
-    key = tuple(rows)
-    if key not in _SEPARABLE:
-        g = torch.Generator().manual_seed(0)
-        parts = [torch.randint(0, 16, (n, 128), generator=g, dtype=torch.int32) for n in rows]
-        whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.cat(parts), 1)
-        each = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(p, 1) for p in parts])
-        _SEPARABLE[key] = torch.equal(whole, each)
-    return _SEPARABLE[key]
-
-
 class Int4Fused:
     """Sibling projections of one input through one int4 kernel weight: ``pack`` [.., sum N, K/2]
     and ``sz`` [.., K'/32, sum N, 2] (stacked: one per expert). ``f(x)`` / ``f(x, groups)``

@@ -14,7 +14,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from quantplug.api import GGUF_FLOATS, LinearScheme, Problem, SplitRule, TensorInfo, TensorSpec
+from quantplug.api import (
+    GGUF_FLOATS,
+    LinearScheme,
+    Problem,
+    SplitRule,
+    TensorInfo,
+    TensorSpec,
+    int4pack_rows_separable,
+)
 from torch import nn
 
 from . import ggml
@@ -101,12 +109,12 @@ class GGMLScheme(LinearScheme):
         kernel weight, their rows side by side; each layer's own pack becomes a view of it (no
         second copy), the fused scales-and-zeros are one more copy of theirs (1/4 of the packs,
         a buffer ``_int4_fused_sz`` on the first layer so it is counted). Not fused when the
-        kernel's layout does not split at the layers' row counts (:func:`ggml.int4_rows_separable`)."""
+        kernel's layout does not split at the layers' row counts (``int4pack_rows_separable``)."""
         if any(getattr(layer, "_int4", None) is None or layer.scheme.ggml_type != self.ggml_type for layer in layers):
             return None
         packs: list[torch.Tensor] = [layer._int4 for layer in layers]
         rows = [p.shape[-2] for p in packs]
-        if not ggml.int4_rows_separable(rows):
+        if not int4pack_rows_separable(rows):
             return None
         pack = torch.cat(packs, dim=-2)
         sz = torch.cat([layer._int4_sz for layer in layers], dim=-2).contiguous()
