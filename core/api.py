@@ -58,6 +58,7 @@ from .layers.linear import (
     RefusedScheme,
     SplitRule,
     StackedLinear,
+    fuse_int4_packs,
     int4pack_rows_separable,
 )
 from .layers.norm import RMSNorm
@@ -202,7 +203,7 @@ __all__ = [
     "AttentionLayout", "Claim", "Decision", "ExportResult", "PluginInfo", "Problem", "SkipRule",
     "TensorInfo", "TensorSpec",
     # schemes
-    "DenseScheme", "FLOATS", "LinearScheme", "RefusedScheme", "SplitRule", "int4pack_rows_separable", "refuse",
+    "DenseScheme", "FLOATS", "LinearScheme", "RefusedScheme", "SplitRule", "fuse_int4_packs", "int4pack_rows_separable", "refuse",
     # what hooks receive
     "Checkpoint", "LoadPlan", "ModelConfig", "RopeConfig",
     # reading

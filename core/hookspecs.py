@@ -45,7 +45,8 @@ PROJECT = "quantplug"
 #: * 1.1: ``quantplug.api``; ``LinearScheme.reason``; ``quantplug_export`` receives ``plan``;
 #:   ``quantplug_architectures``; contract checking.
 #: * 1.2: ``LinearScheme.fuse`` (optional): sibling projections of one input run as one call;
-#:   ``quantplug.api.int4pack_rows_separable`` (whether torch's int4 layout splits at given rows).
+#:   ``quantplug.api.int4pack_rows_separable`` (whether torch's int4 layout splits at given rows)
+#:   and ``fuse_int4_packs`` (the shared half of an int4 scheme's ``fuse``).
 CONTRACT_VERSION = "1.2"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)

@@ -432,3 +432,33 @@ def int4pack_rows_separable(rows: Sequence[int]) -> bool:
         each = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(p, 1) for p in parts])
         _INT4_SEPARABLE[key] = torch.equal(whole, each)
     return _INT4_SEPARABLE[key]
+
+
+def fuse_int4_packs(layers: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The shared half of an int4 scheme's :meth:`LinearScheme.fuse`, for layers that keep torch's
+    int4 CPU kernel weight as buffers ``_int4`` [.., N, K/2] and ``_int4_sz`` [.., K/g, N, 2]
+    (stacked layers also ``_int4_slots``, each slot's pair of views): one fused (pack, sz) with the
+    layers' rows side by side, or None when a layer has none or the kernel's layout does not split
+    at their row counts (:func:`int4pack_rows_separable`). Each layer's ``_int4`` is re-pointed to
+    a view of the fused pack (no second copy); the fused scales-and-zeros are a copy of theirs (a
+    view would not be contiguous, which the kernel silently misreads), registered as the buffer
+    ``_int4_fused_sz`` of the first layer so model bytes count it.
+
+    .. versionadded:: 1.2
+    """
+    if any(getattr(layer, "_int4", None) is None for layer in layers):
+        return None
+    packs: list[torch.Tensor] = [layer._int4 for layer in layers]
+    rows = [p.shape[-2] for p in packs]
+    if not int4pack_rows_separable(rows):
+        return None
+    pack = torch.cat(packs, dim=-2)
+    sz = torch.cat([layer._int4_sz for layer in layers], dim=-2).contiguous()
+    start = 0
+    for layer, n in zip(layers, rows):
+        layer._int4 = pack[..., start:start + n, :]  # a registered buffer: re-pointed, not added
+        if pack.dim() == 3:
+            layer._int4_slots = list(zip(layer._int4.unbind(0), layer._int4_sz.unbind(0)))
+        start += n
+    layers[0].register_buffer("_int4_fused_sz", sz, persistent=False)
+    return pack, sz

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from quantplug.api import ConfigError, int4pack_rows_separable
 from quantplug.models.config import parse_model_config
 from quantplug.testing import random_state, tiny_config
-from quantplug_expert_pack import ggml, schemes
+from quantplug_expert_pack import ggml
 from quantplug_expert_pack.export import gguf_state, write_gguf
 from quantplug_expert_pack.testing import random_rows
 
@@ -222,7 +222,9 @@ def test_fast_mode_fuses_sibling_projections_bit_for_bit(ckpts, monkeypatch):
 def test_no_fusion_in_exact_mode_or_when_the_kernel_layout_does_not_split(ckpts, monkeypatch):
     exact = quantplug.load(ckpts["Q4_0"], progress=False)
     assert exact.model.layers[1].mlp.experts.gate_up is None and exact.model.layers[0].self_attn.qkv_a is None
-    monkeypatch.setattr(schemes, "int4pack_rows_separable", lambda rows: False)
+    from quantplug.layers import linear
+
+    monkeypatch.setattr(linear, "int4pack_rows_separable", lambda rows: False)  # where fuse_int4_packs asks
     fast = quantplug.load(ckpts["Q4_0"], progress=False, options={"kernels": "fast"})
     assert fast.model.layers[1].mlp.experts.gate_up is None and fast.model.layers[0].self_attn.qkv_a is None
 

@@ -17,7 +17,7 @@ from quantplug.api import (
     SplitRule,
     TensorInfo,
     TensorSpec,
-    int4pack_rows_separable,
+    fuse_int4_packs,
     unsplit_features,
 )
 
@@ -253,27 +253,14 @@ class CTScheme(LinearScheme):
 
     def fuse(self, layers: Sequence[Any]) -> Callable[..., torch.Tensor] | None:
         """Under ``kernels="fast"``: siblings repacked for the int4 kernel with one group size become
-        one kernel weight, rows side by side; each layer's pack becomes a view of it (no copy), the
-        fused scales-and-zeros are their own copy (a ``_int4_fused_sz`` buffer on the first layer).
-        Not fused where the kernel's layout does not split at the row counts."""
-        if any(getattr(layer, "_int4", None) is None for layer in layers):
+        one kernel weight, rows side by side (``fuse_int4_packs``: each layer's pack becomes a view
+        of it; the fused scales-and-zeros are the one new buffer)."""
+        groups = {getattr(layer, "_int4_group", None) for layer in layers}
+        group = groups.pop() if len(groups) == 1 else None
+        fused = fuse_int4_packs(layers) if group is not None else None
+        if group is None or fused is None:
             return None
-        group = layers[0]._int4_group
-        if any(layer._int4_group != group for layer in layers):
-            return None
-        packs: list[torch.Tensor] = [layer._int4 for layer in layers]
-        rows = [p.shape[-2] for p in packs]
-        if not int4pack_rows_separable(rows):
-            return None
-        pack = torch.cat(packs, dim=-2)
-        sz = torch.cat([layer._int4_sz for layer in layers], dim=-2).contiguous()
-        start = 0
-        for layer, n in zip(layers, rows):
-            layer._int4 = pack[..., start:start + n, :]  # a registered buffer: re-pointed, not added
-            if pack.dim() == 3:
-                layer._int4_slots = list(zip(layer._int4.unbind(0), layer._int4_sz.unbind(0)))
-            start += n
-        layers[0].register_buffer("_int4_fused_sz", sz, persistent=False)
+        pack, sz = fused
         return kernels.Int4Fused(pack, sz, group)
 
     def apply_grouped(self, layer: Any, x: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:

@@ -21,7 +21,7 @@ from quantplug.api import (
     SplitRule,
     TensorInfo,
     TensorSpec,
-    int4pack_rows_separable,
+    fuse_int4_packs,
 )
 from torch import nn
 
@@ -106,25 +106,14 @@ class GGMLScheme(LinearScheme):
 
     def fuse(self, layers: Sequence[Any]) -> Callable[..., torch.Tensor] | None:
         """Under ``kernels="fast"``: siblings repacked for the int4 kernel (one ggml type) become one
-        kernel weight, their rows side by side; each layer's own pack becomes a view of it (no
-        second copy), the fused scales-and-zeros are one more copy of theirs (1/4 of the packs,
-        a buffer ``_int4_fused_sz`` on the first layer so it is counted). Not fused when the
-        kernel's layout does not split at the layers' row counts (``int4pack_rows_separable``)."""
-        if any(getattr(layer, "_int4", None) is None or layer.scheme.ggml_type != self.ggml_type for layer in layers):
+        kernel weight, their rows side by side (``fuse_int4_packs``: each layer's pack becomes a
+        view of it; the fused scales-and-zeros, 1/4 of the packs, are the one new buffer)."""
+        if any(getattr(layer.scheme, "ggml_type", None) != self.ggml_type for layer in layers):
             return None
-        packs: list[torch.Tensor] = [layer._int4 for layer in layers]
-        rows = [p.shape[-2] for p in packs]
-        if not int4pack_rows_separable(rows):
+        fused = fuse_int4_packs(layers)
+        if fused is None:
             return None
-        pack = torch.cat(packs, dim=-2)
-        sz = torch.cat([layer._int4_sz for layer in layers], dim=-2).contiguous()
-        start = 0
-        for layer, n in zip(layers, rows):
-            layer._int4 = pack[..., start:start + n, :]  # a registered buffer: re-pointed, not added
-            if pack.dim() == 3:
-                layer._int4_slots = list(zip(layer._int4.unbind(0), layer._int4_sz.unbind(0)))
-            start += n
-        layers[0].register_buffer("_int4_fused_sz", sz, persistent=False)
+        pack, sz = fused
         return ggml.Int4Fused(pack, sz, self.ggml_type)
 
     def apply_grouped(self, layer: nn.Module, x: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
