@@ -58,8 +58,11 @@ def _run(path: Path, kernels: str | None = None) -> tuple[torch.nn.Module, torch
 def test_fast_kernels_error_is_bounded(ckpts, ggml_type):
     exact_model, exact = _run(ckpts[ggml_type])
     fast_model, fast = _run(ckpts[ggml_type], "fast")
-    assert "fast int4 kernel" in fast_model.model.layers[1].mlp.experts.gate_proj.scheme.describe()
-    assert getattr(fast_model.model.layers[1].mlp.experts.gate_proj, "_int4", None) is not None
+    gate = fast_model.model.layers[1].mlp.experts.gate_proj
+    if ggml_type == "Q8_0" and ggml.native.library() is not None:   # native int8 blocks, no int4 form
+        assert "fast native kernel" in gate.scheme.describe() and getattr(gate, "_int4", None) is None
+    else:
+        assert "fast int4 kernel" in gate.scheme.describe() and getattr(gate, "_int4", None) is not None
     assert getattr(exact_model.model.layers[1].mlp.experts.gate_proj, "_int4", None) is None
     err = rel_err(fast, exact)
     agree = (fast.argmax(-1) == exact.argmax(-1)).float().mean().item()
@@ -189,27 +192,38 @@ def test_fast_mode_fuses_sibling_projections_bit_for_bit(ckpts, monkeypatch):
     bit, each layer still works alone (its pack is a view of the fused one) and the only extra
     memory is the fused scales-and-zeros."""
     from quantplug.loader import model_bytes
-    from quantplug_expert_pack.schemes import GGMLScheme
+    from quantplug_expert_pack.schemes import GGMLScheme, _GGMLFused
 
     model = quantplug.load(ckpts["Q4_0"], progress=False, options={"kernels": "fast"})
     layer0, layer1 = model.model.layers[0], model.model.layers[1]
-    assert isinstance(layer1.mlp.experts.gate_up.fn, ggml.Int4Fused)       # 64 + 64 rows
-    assert isinstance(layer1.mlp.shared_experts.gate_up.fn, ggml.Int4Fused)
-    # 96 + 96 (dense MLP) and 48 + 48 rows (q_a, kv_a) straddle the kernel's row blocks on this
-    # CPU when the probe says so: those stay one call per layer
-    assert (layer0.mlp.gate_up is None) == (not int4pack_rows_separable((96, 96)))
-    assert (layer0.self_attn.qkv_a is None) == (not int4pack_rows_separable((48, 48)))
+    native_built = ggml.native.library() is not None
+    for fused in (layer1.mlp.experts.gate_up, layer1.mlp.shared_experts.gate_up):   # 64 + 64 rows
+        assert isinstance(fused.fn, _GGMLFused) and isinstance(fused.fn.int4, ggml.Int4Fused)
+    # 96 + 96 (dense MLP) and 48 + 48 rows (q_a, kv_a) straddle the int4 kernel's row blocks on
+    # this CPU when the probe says so: there only the native kernel (few rows) runs them as one
+    for fused, rows in ((layer0.mlp.gate_up, (96, 96)), (layer0.self_attn.qkv_a, (48, 48))):
+        if int4pack_rows_separable(rows):
+            assert isinstance(fused.fn.int4, ggml.Int4Fused)
+        elif native_built:
+            assert fused.fn.int4 is None
+        else:
+            assert fused is None
     experts = layer1.mlp.experts
     x = torch.randn(3, CFG["hidden_size"], generator=torch.Generator().manual_seed(5))
+    big = torch.randn(3 * ggml.NATIVE_FAST_ROWS, CFG["hidden_size"], generator=torch.Generator().manual_seed(6))
     with torch.inference_mode():
         got = model(IDS)
-        both = experts.gate_up(x, [(2, 1), (7, 2)])
-        inter = experts.gate_proj.out_features
-        assert torch.equal(both[:1, :inter], experts.gate_proj(x[:1], 2))
-        assert torch.equal(both[1:, inter:], experts.up_proj(x[1:], 7))
-        shared = layer1.mlp.shared_experts
-        gu = shared.gate_up(x)
-        assert torch.equal(gu[:, shared.gate_proj.out_features:], shared.up_proj(x))
+        # native (few rows) and the fused int4 weight (more rows) give each layer's own result
+        # for the same groups (the kernel is chosen by the rows per group, fused or not)
+        for xs in (x, big):
+            groups = [(2, 1), (7, xs.shape[0] - 1)]
+            both = experts.gate_up(xs, groups)
+            inter = experts.gate_proj.out_features
+            assert torch.equal(both[:, :inter], experts.gate_proj.forward_grouped(xs, groups))
+            assert torch.equal(both[:, inter:], experts.up_proj.forward_grouped(xs, groups))
+            shared = layer1.mlp.shared_experts
+            gu = shared.gate_up(xs)
+            assert torch.equal(gu[:, shared.gate_proj.out_features:], shared.up_proj(xs))
         _unfuse(model)
         assert torch.equal(model(IDS), got)
     extra = sum(m._int4_fused_sz.numel() * 2 for m in model.modules() if getattr(m, "_int4_fused_sz", None) is not None)
@@ -219,14 +233,15 @@ def test_fast_mode_fuses_sibling_projections_bit_for_bit(ckpts, monkeypatch):
     assert model_bytes(model) == model_bytes(unfused) + extra
 
 
-def test_no_fusion_in_exact_mode_or_when_the_kernel_layout_does_not_split(ckpts, monkeypatch):
-    exact = quantplug.load(ckpts["Q4_0"], progress=False)
-    assert exact.model.layers[1].mlp.experts.gate_up is None and exact.model.layers[0].self_attn.qkv_a is None
+def test_no_fusion_without_native_kernels_in_exact_mode_or_when_the_int4_layout_does_not_split(ckpts, monkeypatch):
     from quantplug.layers import linear
 
-    monkeypatch.setattr(linear, "int4pack_rows_separable", lambda rows: False)  # where fuse_int4_packs asks
-    fast = quantplug.load(ckpts["Q4_0"], progress=False, options={"kernels": "fast"})
-    assert fast.model.layers[1].mlp.experts.gate_up is None and fast.model.layers[0].self_attn.qkv_a is None
+    with ggml.native.disabled():
+        exact = quantplug.load(ckpts["Q4_0"], progress=False)
+        assert exact.model.layers[1].mlp.experts.gate_up is None and exact.model.layers[0].self_attn.qkv_a is None
+        monkeypatch.setattr(linear, "int4pack_rows_separable", lambda rows: False)  # where fuse_int4_packs asks
+        fast = quantplug.load(ckpts["Q4_0"], progress=False, options={"kernels": "fast"})
+        assert fast.model.layers[1].mlp.experts.gate_up is None and fast.model.layers[0].self_attn.qkv_a is None
 
 
 def test_int4_rows_separable_probe_agrees_with_the_kernel_layout():
@@ -250,11 +265,12 @@ def test_q_a_and_kv_a_fused_when_their_rows_split_the_kernel_layout(tmp_path):
     attn = model.model.layers[0].self_attn
     if not int4pack_rows_separable((64, 64)):
         pytest.skip("this CPU's int4 layout does not split at 64 rows")
-    assert isinstance(attn.qkv_a.fn, ggml.Int4Fused)
-    x = torch.randn(2, cfg["hidden_size"], generator=torch.Generator().manual_seed(7))
+    assert isinstance(attn.qkv_a.fn.int4, ggml.Int4Fused)
     with torch.inference_mode():
-        qkv = attn.qkv_a(x)
-        assert torch.equal(qkv[:, :64], attn.q_a_proj(x)) and torch.equal(qkv[:, 64:], attn.kv_a_proj_with_mqa(x))
+        for rows in (2, 2 * ggml.NATIVE_FAST_ROWS):   # native (where built), then the fused int4 weight
+            x = torch.randn(rows, cfg["hidden_size"], generator=torch.Generator().manual_seed(7))
+            qkv = attn.qkv_a(x)
+            assert torch.equal(qkv[:, :64], attn.q_a_proj(x)) and torch.equal(qkv[:, 64:], attn.kv_a_proj_with_mqa(x))
         got = model(IDS[:2])
         _unfuse(model)
         assert torch.equal(model(IDS[:2]), got)

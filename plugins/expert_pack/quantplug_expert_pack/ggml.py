@@ -33,6 +33,8 @@ from collections.abc import Callable, Sequence
 import torch
 from quantplug.api import QuantplugError, ggml_types
 
+from . import native
+
 QK_K = 256
 #: the block types these kernels implement
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
@@ -332,6 +334,8 @@ def dequantize(data: torch.Tensor, ggml_type: str, *, chunk_blocks: int = 1 << 1
         raise QuantplugError(f"dequantize(out=...): need a contiguous float32 tensor of {blocks.shape[0] * block} "
                              f"elements, got {out.dtype} {list(out.shape)}")
     out = out.view(blocks.shape[0], block)
+    if ggml_type in native.TYPES and blocks.is_contiguous() and native.library() is not None:
+        return native.dequantize(blocks, ggml_type, out).view(*lead, data.shape[-1] // size * block)
     kernel = KERNELS[ggml_type]
     ws = _scratch("kernel")
     for s in range(0, blocks.shape[0], chunk_blocks):  # bounded, reused temporaries
@@ -357,9 +361,13 @@ def linear(x: torch.Tensor, data: torch.Tensor, ggml_type: str, dtype: torch.dty
     """``x @ W^T`` for packed ``W`` [out, row_bytes]: exact (``W`` dequantized bit-exactly, rounded to
     the model ``dtype``, then a float matmul), a block of rows at a time into this thread's reused
     buffer, so the dense copy never exceeds :data:`LINEAR_CHUNK_ELEMS` elements and no call
-    allocates a fresh weight-sized tensor."""
+    allocates a fresh weight-sized tensor. Up to :data:`NATIVE_EXACT_ROWS` float32 rows of a
+    native type go through the native exact kernel instead (the same weights, float32 sums)."""
     if ggml_type in FLOAT_TYPES:
         return torch.nn.functional.linear(x, data.to(x.dtype))
+    if (dtype == torch.float32 and x.dtype == torch.float32 and x.numel() <= NATIVE_EXACT_ROWS * x.shape[-1]
+            and native_ok(data, ggml_type)):
+        return native_linear(x, [NativeWeight(data)], ggml_type, "exact")  # few rows: blocks dequantized in registers
     block, size = BLOCKS[ggml_type]
     rows, k = data.shape[0], data.shape[-1] // size * block
     step = min(rows, max(1, LINEAR_CHUNK_ELEMS // max(k, 1)))
@@ -482,3 +490,79 @@ class Int4Fused:
             return int4_linear(x, self.pack, self.sz, self.ggml_type)
         assert self.slots is not None
         return int4_grouped(x, self.slots, self.ggml_type, groups)
+
+
+# --- native kernels (``native.py`` / ``qpk_kernels.c``) ----------------------------------------
+#
+# Q4_0 and Q8_0 matrix-vector products on the blocks as loaded, for few input rows (a decode step,
+# the routed experts' rows of one token): "exact" dequantizes each block in registers (d * q, the
+# values above) and sums in float32; "fast" is llama.cpp's path (activations as int8 blocks,
+# integer dot products). For more rows, torch's matmul on a dequantized chunk (exact) and torch's
+# int4 kernel (fast Q4_0) are faster, and those paths stay.
+
+#: most input rows per weight the native exact kernel takes (beyond, a dequantized chunk + matmul)
+NATIVE_EXACT_ROWS = 16
+#: most input rows per weight the native fast kernel takes when torch's int4 kernel holds the
+#: weight too (Q4_0); a weight without an int4 form (Q8_0 under native kernels) takes any count
+NATIVE_FAST_ROWS = 4
+
+
+class NativeWeight:
+    """Addresses of a layer's packed ``weight`` ([N, row_bytes], or [E, N, row_bytes]: one matrix
+    per slot) for the native kernels; ``check`` re-reads them if the tensor was replaced."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self._bind(weight)
+
+    def _bind(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+        self.base = weight.data_ptr()
+        self.n = weight.shape[-2] if weight.dim() == 3 else weight.shape[0]
+        step = self.n * weight.shape[-1] * weight.element_size()
+        self.ptrs = [self.base + i * step for i in range(weight.shape[0])] if weight.dim() == 3 else [self.base]
+
+    def check(self, weight: torch.Tensor) -> NativeWeight:
+        if weight.data_ptr() != self.base or weight is not self.weight:
+            self._bind(weight)
+        return self
+
+
+def native_ok(weight: torch.Tensor, ggml_type: str) -> bool:
+    """Whether the native kernels can read ``weight`` (a native type, contiguous uint8 blocks on
+    the CPU, and the library built)."""
+    return (ggml_type in native.TYPES and weight.dtype == torch.uint8 and weight.device.type == "cpu"
+            and weight.is_contiguous() and native.library() is not None)
+
+
+def _native_input(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def native_linear(x: torch.Tensor, weights: Sequence[NativeWeight], ggml_type: str, mode: str,
+                  index: int | None = None) -> torch.Tensor:
+    """``x @ W^T`` for each weight (slot ``index`` of a stacked one), outputs side by side."""
+    ptrs = [w.ptrs[0 if index is None else index] for w in weights]
+    ns = [w.n for w in weights]
+    y = native.gemm(_native_input(x), ptrs, ns, ggml_type, mode)
+    return y.to(x.dtype).view(*x.shape[:-1], sum(ns))
+
+
+def native_grouped(x: torch.Tensor, weights: Sequence[NativeWeight], ggml_type: str, mode: str,
+                   groups: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Stacked weights on consecutive row groups of ``x`` [rows, K], group ``(slot, n)`` through
+    each weight's slot ``slot``; the weights' outputs side by side. One call for every group."""
+    ptrs, ns, spec = [], [], []
+    start = 0
+    for slot, n in groups:
+        col = 0
+        for w in weights:
+            ptrs.append(w.ptrs[slot])
+            ns.append(w.n)
+            spec.append((start, n, start, col))
+            col += w.n
+        start += n
+    y = native.gemm(_native_input(x), ptrs, ns, ggml_type, mode, spec, out_rows=x.shape[0])
+    return y.to(x.dtype)

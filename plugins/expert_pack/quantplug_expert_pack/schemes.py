@@ -53,8 +53,16 @@ class GGMLScheme(LinearScheme):
         return "ggml"
 
     def describe(self) -> str:
-        fast = self.kernels == "fast" and self.ggml_type in ggml.FAST_TYPES and not self.cache
-        return f"ggml {self.ggml_type}" + ("; cached dense copy" if self.cache else "") + ("; fast int4 kernel" if fast else "")
+        """The type; under ``kernels="fast"`` which kernel computes it (the native one, ``native.py``,
+        where built; torch's int4 kernel), since fast results depend on it."""
+        if self.cache:
+            return f"ggml {self.ggml_type}; cached dense copy"
+        native = self.ggml_type in ggml.native.TYPES and ggml.native.library() is not None
+        if self.kernels == "fast" and self.ggml_type in ggml.FAST_TYPES:
+            if native and self.ggml_type == "Q8_0":
+                return f"ggml {self.ggml_type}; fast native kernel"
+            return f"ggml {self.ggml_type}; fast int4 kernel" + ("; fast native kernel for few rows" if native else "")
+        return f"ggml {self.ggml_type}"  # exact: the same numbers whichever kernel runs (native or torch)
 
     def tensor_specs(self, out_features: int, in_features: int) -> list[TensorSpec]:
         return [TensorSpec("weight", (self.ggml_type,), (out_features, in_features))]
@@ -92,7 +100,25 @@ class GGMLScheme(LinearScheme):
         w: torch.Tensor = layer.weight  # type: ignore[assignment]
         return self._dense(layer, w if index is None else w[index])
 
+    def _native(self, layer: nn.Module, x: torch.Tensor, rows: int) -> str | None:
+        """The native kernel mode (``ggml.native_*``) for ``rows`` input rows per weight, or None:
+        the torch path. Exact needs float32 throughout (a bfloat16 model's reference rounds the
+        weights first) and few rows; fast takes few rows, or any count when the weight has no
+        int4 form."""
+        handle = getattr(layer, "_qpk", None)
+        if handle is None or ggml.native.library() is None:
+            return None
+        handle.check(layer.weight)
+        if self.kernels == "fast":
+            return "fast" if rows <= ggml.NATIVE_FAST_ROWS or getattr(layer, "_int4", None) is None else None
+        if rows <= ggml.NATIVE_EXACT_ROWS and x.dtype == torch.float32 and layer.model_dtype == torch.float32:
+            return "exact"
+        return None
+
     def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
+        mode = self._native(layer, x, x.numel() // max(x.shape[-1], 1))
+        if mode is not None:
+            return ggml.native_linear(x, [layer._qpk], self.ggml_type, mode, index)  # type: ignore[list-item]
         pack = getattr(layer, "_int4", None)
         if pack is not None:
             if index is not None:
@@ -105,27 +131,40 @@ class GGMLScheme(LinearScheme):
         return ggml.linear(x, w if index is None else w[index], self.ggml_type, layer.model_dtype)  # type: ignore[arg-type]
 
     def fuse(self, layers: Sequence[Any]) -> Callable[..., torch.Tensor] | None:
-        """Under ``kernels="fast"``: siblings repacked for the int4 kernel (one ggml type) become one
-        kernel weight, their rows side by side (``fuse_int4_packs``: each layer's pack becomes a
-        view of it; the fused scales-and-zeros, 1/4 of the packs, are the one new buffer)."""
+        """Siblings in this ggml type: one native call for all of them (few rows), and under
+        ``kernels="fast"`` their int4 forms as one kernel weight (``fuse_int4_packs``: each layer's
+        pack becomes a view of it; the fused scales-and-zeros, 1/4 of the packs, are the one new
+        buffer) for more rows; the separate applies where neither holds."""
         if any(getattr(layer.scheme, "ggml_type", None) != self.ggml_type for layer in layers):
             return None
-        fused = fuse_int4_packs(layers)
-        if fused is None:
+        fused = fuse_int4_packs(layers) if self.kernels == "fast" else None
+        int4 = ggml.Int4Fused(fused[0], fused[1], self.ggml_type) if fused is not None else None
+        has_native = all(getattr(layer, "_qpk", None) is not None for layer in layers)
+        if int4 is None and not has_native:
             return None
-        pack, sz = fused
-        return ggml.Int4Fused(pack, sz, self.ggml_type)
+        return _GGMLFused(self, list(layers), int4)
 
     def apply_grouped(self, layer: nn.Module, x: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
+        mode = self._native(layer, x, max(n for _, n in groups))
+        if mode is not None:
+            return ggml.native_grouped(x, [layer._qpk], self.ggml_type, mode, groups)  # type: ignore[list-item]
         pack = getattr(layer, "_int4", None)
         if pack is None or len(groups) == 1:
             return super().apply_grouped(layer, x, groups)
         return ggml.int4_grouped(x, layer._int4_slots, self.ggml_type, groups)  # type: ignore[arg-type]
 
     def apply_all(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """MLA K/V per head in one batched matmul (exact: the whole stack dequantized into the
-        reused buffer, as :func:`ggml.linear` does per matrix; fast: per head, the int4 kernel is 2-D)."""
+        """MLA K/V per head in one call: native (few tokens, one sequence: every head's rows in
+        one kernel call), else exact as one batched matmul (the whole stack dequantized into the
+        reused buffer, as :func:`ggml.linear` does per matrix); fast: per head, the int4 kernel is 2-D."""
         w: torch.Tensor = layer.weight  # type: ignore[assignment]
+        nh, t = x.shape[-3], x.shape[-2]
+        if x.numel() == nh * t * x.shape[-1]:  # one sequence
+            mode = self._native(layer, x, t)
+            if mode is not None:
+                y = ggml.native_grouped(x.reshape(nh * t, -1), [layer._qpk], self.ggml_type, mode,  # type: ignore[list-item]
+                                        [(h, t) for h in range(nh)])
+                return y.view(*x.shape[:-1], y.shape[-1])
         if getattr(layer, "_int4", None) is not None or w.numel() > ggml.LINEAR_CHUNK_ELEMS * 16:
             return super().apply_all(layer, x)
         dense = self.dequantize(layer) if self.ggml_type in ggml.FLOAT_TYPES or self.cache \
@@ -143,15 +182,47 @@ class GGMLScheme(LinearScheme):
     def process_after_loading(self, layer: nn.Module) -> None:
         if self.cache and self.ggml_type not in ggml.FLOAT_TYPES:
             layer.register_buffer("_dequantized", self._dense(layer, layer.weight), persistent=False)  # type: ignore[arg-type]
-        elif self.kernels == "fast":
+            return
+        w: torch.Tensor = layer.weight  # type: ignore[assignment]
+        if ggml.native_ok(w, self.ggml_type):
+            layer._qpk = ggml.NativeWeight(w)  # type: ignore[assignment]
+        # Q8_0's int4 form is two int4 halves (twice the work): with native kernels it is not made
+        # and the fast model holds the packed bytes only. Q4_0 keeps its int4 form: torch's int4
+        # kernel prefills 64 tokens ~1.2x faster than the native one (the native one is as fast
+        # for a decode step; measured in the issue 14 note)
+        if self.kernels == "fast" and not (self.ggml_type == "Q8_0" and getattr(layer, "_qpk", None) is not None):
             # repacked once, here (counted in load time and model bytes); the packed weight stays
-            # for dequantize / export
-            fast = ggml.int4_repack(layer.weight, self.ggml_type)  # type: ignore[arg-type]
+            # for dequantize / export and the native kernels
+            fast = ggml.int4_repack(w, self.ggml_type)
             if fast is not None:
                 layer.register_buffer("_int4", fast[0], persistent=False)
                 layer.register_buffer("_int4_sz", fast[1], persistent=False)
                 if fast[0].dim() == 3:  # stacked experts: each slot's views, made once
                     layer._int4_slots = list(zip(fast[0].unbind(0), fast[1].unbind(0)))  # type: ignore[assignment]
+
+
+class _GGMLFused:
+    """What :meth:`GGMLScheme.fuse` returns: ``f(x)`` / ``f(x, groups)`` = the layers' outputs
+    side by side, through one native call when the rows allow it, else the fused int4 weight, else
+    each layer's own apply."""
+
+    def __init__(self, scheme: GGMLScheme, layers: list[Any], int4: ggml.Int4Fused | None) -> None:
+        self.scheme, self.layers, self.int4 = scheme, layers, int4
+
+    def __call__(self, x: torch.Tensor, groups: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        rows = max(n for _, n in groups) if groups is not None else x.numel() // max(x.shape[-1], 1)
+        modes = {self.scheme._native(layer, x, rows) for layer in self.layers}
+        if len(modes) == 1 and None not in modes:
+            mode = modes.pop()
+            handles = [layer._qpk for layer in self.layers]
+            if groups is None:
+                return ggml.native_linear(x, handles, self.scheme.ggml_type, mode)  # type: ignore[arg-type]
+            return ggml.native_grouped(x, handles, self.scheme.ggml_type, mode, groups)  # type: ignore[arg-type]
+        if self.int4 is not None:
+            return self.int4(x, groups)
+        if groups is None:
+            return torch.cat([layer.scheme.apply(layer, x) for layer in self.layers], dim=-1)
+        return torch.cat([layer.scheme.apply_grouped(layer, x, groups) for layer in self.layers], dim=-1)
 
 
 class PackedExpertsScheme(LinearScheme):

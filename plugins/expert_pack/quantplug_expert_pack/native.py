@@ -1,0 +1,185 @@
+"""Native Q4_0 / Q8_0 kernels (``qpk_kernels.c``), built on first use with the system C compiler.
+
+Why: a decode step multiplies one token by every weight once, so its cost is reading the packed
+blocks. torch has no kernel that reads GGUF blocks as they are (its int4 CPU kernel needs its own
+layout, bfloat16 activations and, for Q8_0, two int4 halves: twice the work), and the exact path
+dequantizes each block with ~10 torch ops. The C file does what llama.cpp's CPU backend does, on
+the blocks as loaded: exact mode dequantizes a block in registers and accumulates in float32;
+fast mode quantizes the activations to int8 blocks and takes integer dot products (AVX512-VNNI or
+AVX2 where the CPU has them, portable C otherwise).
+
+Build: ``$CC`` (default ``cc``) ``-O3 -march=native -fopenmp -shared -fPIC``, into
+``$QUANTPLUG_CACHE`` (default ``~/.cache/quantplug``)``/kernels/``, named by a hash of the source,
+the compiler's version and the CPU's flags, written to a temporary name and renamed (concurrent
+processes never load a half-written library). OpenMP links the ``libgomp.so.1`` torch has already
+loaded, so these loops run on torch's threads (``torch.set_num_threads`` applies).
+
+No compiler, a failed build or ``QUANTPLUG_NATIVE=0``: :func:`library` returns None and says why in
+:func:`status`; every caller then keeps its torch path. Nothing here is needed for correctness.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("qpk_kernels.c")
+#: ggml type -> the C file's type code
+TYPES = {"Q4_0": 0, "Q8_0": 1}
+BLOCK_BYTES = {"Q4_0": 18, "Q8_0": 34}
+MODES = {"exact": 0, "fast": 1}
+ISA_NAMES = {3: "AVX512-VNNI", 2: "AVX2", 0: "portable C"}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_status = "not built yet"
+_tried = False
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("QUANTPLUG_CACHE") or Path.home() / ".cache" / "quantplug") / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build() -> ctypes.CDLL:
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        raise OSError(f"no C compiler ({cc!r} not on PATH)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + version.encode() + _cpu_flags().encode() + " ".join(flags).encode()).hexdigest()[:16]
+    out = cache_dir() / f"qpk_kernels-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        try:
+            r = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300)
+            if r.returncode != 0:
+                raise OSError(f"{cc} failed: {r.stderr.strip()[-500:]}")
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(out))
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    lib.qpk_gemm.argtypes = [ctypes.c_int, ctypes.c_int, i64, i64, p, i64, ctypes.c_int, p, p, p, p, p, p, p, i64]
+    lib.qpk_gemm.restype = ctypes.c_int
+    lib.qpk_dequantize.argtypes = [ctypes.c_int, i64, p, p]
+    lib.qpk_dequantize.restype = ctypes.c_int
+    lib.qpk_isa.restype = ctypes.c_int
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, built on the first call; None when unavailable (see :func:`status`)."""
+    global _lib, _status, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if not _tried:
+            if os.environ.get("QUANTPLUG_NATIVE", "1") == "0":
+                _status = "disabled (QUANTPLUG_NATIVE=0)"
+            else:
+                try:
+                    _lib = _build()
+                    _status = f"built ({ISA_NAMES.get(_lib.qpk_isa(), '?')})"
+                except (OSError, subprocess.SubprocessError) as e:
+                    _status = f"unavailable: {e}"
+            _tried = True
+    return _lib
+
+
+def status() -> str:
+    """How the native kernels stand in this process: built (which SIMD path), disabled, or why not."""
+    library()
+    return _status
+
+
+def available(ggml_type: str) -> bool:
+    return ggml_type in TYPES and library() is not None
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"qpk_kernels {what} failed with code {rc}")
+
+
+def dequantize(data: torch.Tensor, ggml_type: str, out: torch.Tensor) -> torch.Tensor:
+    """Exact float32 values of contiguous packed ``data`` into contiguous float32 ``out`` (bit-equal
+    to gguf-py: ``d * q`` in float32)."""
+    lib = library()
+    assert lib is not None and data.is_contiguous() and out.is_contiguous() and out.dtype == torch.float32
+    nblocks = data.numel() // BLOCK_BYTES[ggml_type]
+    assert out.numel() == nblocks * 32
+    _check(lib.qpk_dequantize(TYPES[ggml_type], nblocks, data.data_ptr(), out.data_ptr()), "dequantize")
+    return out
+
+
+def gemm(x: torch.Tensor, ptrs: Sequence[int], ns: Sequence[int], ggml_type: str, mode: str,
+         groups: Sequence[tuple[int, int, int, int]] | None = None, out_rows: int | None = None) -> torch.Tensor:
+    """float32 ``x`` [M, K] (``x.stride(1) == 1``; ``stride(0)`` may be 0: one row repeated) against
+    packed weights given as the addresses ``ptrs`` of contiguous [N_g, row_bytes] blocks (the caller
+    keeps the tensors alive), ``ns`` their row counts.
+
+    Without ``groups``: every weight on all M rows, outputs side by side: [M, sum N_g]. With
+    ``groups`` (one ``(x_row, x_rows, y_row, y_col)`` per weight): weight g on x rows
+    ``[x_row, x_row + x_rows)`` into ``y[y_row:, y_col:]``; y is [``out_rows``, max(y_col + N_g)],
+    zero where no group writes."""
+    lib = library()
+    assert lib is not None and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+    m, k = x.shape
+    g = len(ptrs)
+    if groups is None:
+        cols, gl = 0, []
+        for n in ns:
+            gl.append((0, m, 0, cols))
+            cols += n
+        groups = gl
+        y = torch.empty(m, cols, dtype=torch.float32)
+    else:
+        width = max(c + n for (_, _, _, c), n in zip(groups, ns))
+        rows = out_rows if out_rows is not None else m
+        covered = sum(xm * n for (_, xm, _, _), n in zip(groups, ns))
+        y = (torch.empty if covered == rows * width else torch.zeros)(rows, width, dtype=torch.float32)
+    arr = ctypes.c_int64 * g
+    rc = lib.qpk_gemm(TYPES[ggml_type], MODES[mode], m, k, x.data_ptr(), x.stride(0), g, (ctypes.c_void_p * g)(*ptrs),
+                      arr(*ns), arr(*[t[0] for t in groups]), arr(*[t[1] for t in groups]),
+                      arr(*[t[2] for t in groups]), arr(*[t[3] for t in groups]), y.data_ptr(), y.stride(0))
+    _check(rc, "gemm")
+    return y
+
+
+class disabled:
+    """``with native.disabled():`` the torch paths only, in this process, for the block (tests
+    compare the two; a layer keeps what it made at load, e.g. no int4 form for Q8_0)."""
+
+    def __enter__(self) -> None:
+        global _lib, _tried
+        library()
+        self._saved = (_lib, _tried)
+        _lib, _tried = None, True
+
+    def __exit__(self, *exc: object) -> None:
+        global _lib, _tried
+        _lib, _tried = self._saved

@@ -1,0 +1,332 @@
+/* quantplug-expert-pack native ggml kernels: Q4_0 / Q8_0 matrix-vector products on the packed
+ * GGUF blocks, and their exact dequantization.
+ *
+ * Built on first use by native.py (the system C compiler, -O3 -march=native -fopenmp, cached per
+ * source hash, compiler and CPU); loaded with ctypes. Plain C with a C ABI: no Python or torch
+ * headers. OpenMP is the one torch itself uses: a library whose soname is libgomp.so.1 is already
+ * loaded in the process, so these loops share torch's thread pool and torch.set_num_threads.
+ *
+ * Block layouts (ggml-org/llama.cpp ggml/src/ggml-common.h):
+ *   Q4_0: 18 bytes = d (f16), qs[16]: x_j = d * ((qs[j] & 15) - 8), x_{j+16} = d * ((qs[j] >> 4) - 8)
+ *   Q8_0: 34 bytes = d (f16), qs[32] int8: x_j = d * qs[j]
+ *
+ * qpk_gemm computes, for each group g:
+ *   y[yr[g] + i, yc[g] + j] = sum_k x[xr[g] + i, k] * W_g[j, k]   (i < xm[g], j < n[g])
+ * with W_g the packed rows at w[g]. One call covers a linear (G = 1), sibling projections of one
+ * input (gate + up: G = 2, the same x rows, side by side in y), and a decode step's routed experts
+ * (one group per expert). mode 0 "exact": the weights dequantized exactly (d * q in float32, as
+ * gguf-py) and multiplied into float32 sums (order of the sum differs from a BLAS matmul; nothing
+ * else). mode 1 "fast": llama.cpp's CPU path: each x row quantized to Q8_0-style int8 blocks
+ * (scale amax / 127, float32 here, f16 in llama.cpp), integer block dot products, float32 sums.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define QK 32
+
+static inline float f16_to_f32(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) bits = sign;
+        else { /* subnormal */
+            exp = 113;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
+    else bits = sign | ((exp + 112) << 23) | (man << 13);
+    float f; memcpy(&f, &bits, 4); return f;
+#endif
+}
+
+int qpk_version(void) { return 1; }
+
+/* Which SIMD path this build took: 3 AVX512-VNNI, 2 AVX2, 0 portable C. */
+int qpk_isa(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512F__)
+    return 3;
+#elif defined(__AVX2__)
+    return 2;
+#else
+    return 0;
+#endif
+}
+
+/* ---- exact dequantization (bit-exact with gguf-py: d * q in float32, no FMA) ---------------- */
+
+static void deq_q4_0_block(const uint8_t *b, float *o) {
+    float d = f16_to_f32(b);
+    const uint8_t *qs = b + 2;
+    for (int j = 0; j < 16; j++) {
+        o[j] = d * (float)((int)(qs[j] & 15) - 8);
+        o[j + 16] = d * (float)((int)(qs[j] >> 4) - 8);
+    }
+}
+
+static void deq_q8_0_block(const uint8_t *b, float *o) {
+    float d = f16_to_f32(b);
+    const int8_t *qs = (const int8_t *)(b + 2);
+    for (int j = 0; j < 32; j++) o[j] = d * (float)qs[j];
+}
+
+/* type 0 = Q4_0, 1 = Q8_0; nblocks blocks from src into dst (32 floats each). */
+int qpk_dequantize(int type, int64_t nblocks, const uint8_t *src, float *dst) {
+    const int size = type == 0 ? 18 : 34;
+    if (type != 0 && type != 1) return -1;
+    #pragma omp parallel for schedule(static) if (nblocks >= 4096)
+    for (int64_t i = 0; i < nblocks; i++) {
+        if (type == 0) deq_q4_0_block(src + i * size, dst + i * QK);
+        else deq_q8_0_block(src + i * size, dst + i * QK);
+    }
+    return 0;
+}
+
+/* ---- activations for the fast mode ------------------------------------------------------- */
+
+/* One row of K floats -> int8 blocks q, scales d, block sums s (sum of the block's int8 values). */
+static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, int32_t *s) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.f;
+        for (int j = 0; j < QK; j++) { float a = fabsf(xb[j]); amax = a > amax ? a : amax; }
+        float db = amax / 127.f, id = db != 0.f ? 1.f / db : 0.f;
+        int32_t sum = 0;
+        for (int j = 0; j < QK; j++) {
+            int v = (int)lrintf(xb[j] * id);
+            q[b * QK + j] = (int8_t)v;
+            sum += v;
+        }
+        d[b] = db;
+        s[b] = sum;
+    }
+}
+
+/* ---- block dot products ------------------------------------------------------------------- */
+
+#if defined(__AVX2__)
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {  /* 8 int32 lane sums of u8 x s8 */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline float hsum256(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+}
+#endif
+
+#define MT 4  /* x rows per pass over the weights */
+#define RT 4  /* weight rows per pass over x */
+#ifndef PF_AHEAD
+#define PF_AHEAD 2048  /* bytes of a weight row prefetched ahead of the block in use */
+#endif
+
+#if defined(__AVX2__)
+/* one block of RT weight rows as signed int8 codes (Q4_0: q - 8) */
+static inline __m256i codes(int type, const uint8_t *blk) {
+    if (type == 0) {
+        __m128i qv = _mm_loadu_si128((const __m128i *)(blk + 2)), m = _mm_set1_epi8(15);
+        __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qv, 4), m), _mm_and_si128(qv, m));
+        return _mm256_sub_epi8(u, _mm256_set1_epi8(8));
+    }
+    return _mm256_loadu_si256((const __m256i *)(blk + 2));
+}
+#endif
+
+/* fast: rows [r0, r1) of one packed matrix against xm quantized x rows (weights signed int8
+ * codes v, x int8: dot = sum |v| * sign(x, v), llama.cpp's trick for an unsigned x signed product) */
+static void fast_rows(int type, int64_t nb, const uint8_t *w, int64_t r0, int64_t r1, int xm,
+                      const int8_t *xq, const float *xd, const int32_t *xs, float *y, int64_t ldy) {
+    const int size = type == 0 ? 18 : 34;
+    (void)xs;
+    for (int64_t r = r0; r < r1; r += RT) {
+        int rt = r1 - r < RT ? (int)(r1 - r) : RT;
+        for (int i0 = 0; i0 < xm; i0 += MT) {
+            int mt = xm - i0 < MT ? xm - i0 : MT;
+#if defined(__AVX2__)
+            __m256 acc[RT][MT];
+            for (int a = 0; a < RT; a++) for (int i = 0; i < MT; i++) acc[a][i] = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                __m256i v[RT], u[RT];
+                float dw[RT];
+                for (int a = 0; a < rt; a++) {
+                    const uint8_t *blk = w + (r + a) * nb * size + b * size;
+                    _mm_prefetch((const char *)(blk + PF_AHEAD), _MM_HINT_T0);
+                    dw[a] = f16_to_f32(blk);
+                    v[a] = codes(type, blk);
+                    u[a] = _mm256_sign_epi8(v[a], v[a]);
+                }
+                for (int i = 0; i < mt; i++) {
+                    int64_t xi = (int64_t)(i0 + i);
+                    __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + xi * nb * QK + b * QK));
+                    float xdb = xd[xi * nb + b];
+                    for (int a = 0; a < rt; a++) {
+                        __m256i d = dot_u8s8(u[a], _mm256_sign_epi8(xv, v[a]));
+                        acc[a][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(dw[a] * xdb), acc[a][i]);
+                    }
+                }
+            }
+            for (int i = 0; i < mt; i++)
+                for (int a = 0; a < rt; a++) y[(int64_t)(i0 + i) * ldy + r + a] = hsum256(acc[a][i]);
+#else
+            for (int a = 0; a < rt; a++) {
+                const uint8_t *wr = w + (r + a) * nb * size;
+                for (int i = 0; i < mt; i++) {
+                    int64_t xi = (int64_t)(i0 + i);
+                    float acc = 0.f;
+                    for (int64_t b = 0; b < nb; b++) {
+                        const uint8_t *blk = wr + b * size;
+                        const int8_t *xb = xq + xi * nb * QK + b * QK;
+                        int32_t dot = 0;
+                        if (type == 0) {
+                            for (int j = 0; j < 16; j++)
+                                dot += ((int32_t)(blk[2 + j] & 15) - 8) * xb[j] + ((int32_t)(blk[2 + j] >> 4) - 8) * xb[j + 16];
+                        } else {
+                            for (int j = 0; j < 32; j++) dot += (int32_t)((const int8_t *)(blk + 2))[j] * xb[j];
+                        }
+                        acc += f16_to_f32(blk) * xd[xi * nb + b] * (float)dot;
+                    }
+                    y[xi * ldy + r + a] = acc;
+                }
+            }
+#endif
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+/* one block's 32 exact weights (d * q, float32, no FMA) in two registers */
+static inline void deq_block512(int type, const uint8_t *blk, __m512 *lo, __m512 *hi) {
+    __m512 d = _mm512_set1_ps(f16_to_f32(blk));
+    __m128i l, h;
+    if (type == 0) {
+        __m128i qv = _mm_loadu_si128((const __m128i *)(blk + 2));
+        __m128i m = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+        l = _mm_sub_epi8(_mm_and_si128(qv, m), eight);
+        h = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(qv, 4), m), eight);
+    } else {
+        l = _mm_loadu_si128((const __m128i *)(blk + 2));
+        h = _mm_loadu_si128((const __m128i *)(blk + 18));
+    }
+    *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(l)));
+    *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(h)));
+}
+#endif
+
+/* exact: rows [r0, r1) against xm float32 x rows: each weight is d * q exactly (as gguf-py), the
+ * products summed in float32 (fused multiply-add, as BLAS does) */
+static void exact_rows(int type, int64_t nb, const uint8_t *w, int64_t r0, int64_t r1, int xm,
+                       const float *x, int64_t ldx, float *y, int64_t ldy) {
+    const int size = type == 0 ? 18 : 34;
+    for (int64_t r = r0; r < r1; r += RT) {
+        int rt = r1 - r < RT ? (int)(r1 - r) : RT;
+        for (int i0 = 0; i0 < xm; i0 += MT) {
+            int mt = xm - i0 < MT ? xm - i0 : MT;
+#if defined(__AVX512F__)
+            __m512 acc[RT][MT];
+            for (int a = 0; a < RT; a++) for (int i = 0; i < MT; i++) acc[a][i] = _mm512_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                __m512 lo[RT], hi[RT];
+                for (int a = 0; a < rt; a++) {
+                    const uint8_t *blk = w + (r + a) * nb * size + b * size;
+                    _mm_prefetch((const char *)(blk + PF_AHEAD), _MM_HINT_T0);
+                    deq_block512(type, blk, &lo[a], &hi[a]);
+                }
+                for (int i = 0; i < mt; i++) {
+                    const float *xb = x + (int64_t)(i0 + i) * ldx + b * QK;
+                    __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+                    for (int a = 0; a < rt; a++)
+                        acc[a][i] = _mm512_fmadd_ps(hi[a], x1, _mm512_fmadd_ps(lo[a], x0, acc[a][i]));
+                }
+            }
+            for (int i = 0; i < mt; i++)
+                for (int a = 0; a < rt; a++) y[(int64_t)(i0 + i) * ldy + r + a] = _mm512_reduce_add_ps(acc[a][i]);
+#else
+            float wf[QK];
+            for (int a = 0; a < rt; a++) {
+                const uint8_t *wr = w + (r + a) * nb * size;
+                for (int i = 0; i < mt; i++) {
+                    const float *xr_ = x + (int64_t)(i0 + i) * ldx;
+                    float acc[8] = {0.f};
+                    for (int64_t b = 0; b < nb; b++) {
+                        if (type == 0) deq_q4_0_block(wr + b * size, wf); else deq_q8_0_block(wr + b * size, wf);
+                        for (int j = 0; j < QK; j++) acc[j & 7] += wf[j] * xr_[b * QK + j];
+                    }
+                    float s = 0.f;
+                    for (int j = 0; j < 8; j++) s += acc[j];
+                    y[(int64_t)(i0 + i) * ldy + r + a] = s;
+                }
+            }
+#endif
+        }
+    }
+}
+
+/* Least weight bytes per parallel task: a task must outweigh its scheduling. */
+#define MIN_TASK_BYTES (8 * 1024)
+
+int qpk_gemm(int type, int mode, int64_t M, int64_t K, const float *x, int64_t ldx,
+             int G, const uint8_t *const *w, const int64_t *n, const int64_t *xr, const int64_t *xm,
+             const int64_t *yr, const int64_t *yc, float *y, int64_t ldy) {
+    if ((type != 0 && type != 1) || (mode != 0 && mode != 1) || K % QK || K <= 0 || M <= 0 || G <= 0) return -1;
+    const int64_t nb = K / QK;
+    const int size = type == 0 ? 18 : 34;
+    int8_t *xq = NULL; float *xd = NULL; int32_t *xs = NULL;
+    if (mode == 1) {
+        xq = (int8_t *)malloc((size_t)(M * K));
+        xd = (float *)malloc(sizeof(float) * (size_t)(M * nb));
+        xs = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * nb));
+        if (!xq || !xd || !xs) { free(xq); free(xd); free(xs); return -2; }
+        for (int64_t i = 0; i < M; i++) quantize_row(x + i * ldx, K, xq + i * K, xd + i * nb, xs + i * nb);
+    }
+    /* tasks: (group, block of rows); about 4 per thread, at least RT rows and 8 KiB of weights each */
+    int64_t total_bytes = 0, total = 0;
+    for (int g = 0; g < G; g++) total_bytes += n[g] * nb * size * (xm[g] < MT ? 1 : xm[g] / MT);
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    int64_t task_bytes = total_bytes / (4 * threads);
+    if (task_bytes < MIN_TASK_BYTES) task_bytes = MIN_TASK_BYTES;
+    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(G + 1)), *rows_per = (int64_t *)malloc(sizeof(int64_t) * (size_t)G);
+    if (!first || !rows_per) { free(first); free(rows_per); free(xq); free(xd); free(xs); return -2; }
+    for (int g = 0; g < G; g++) {
+        int64_t per_row = nb * size * (xm[g] < MT ? 1 : xm[g] / MT);
+        int64_t r = (task_bytes / per_row + RT - 1) / RT * RT;
+        rows_per[g] = r < RT ? RT : r;
+        first[g] = total;
+        total += (n[g] + rows_per[g] - 1) / rows_per[g];
+    }
+    first[G] = total;
+    #pragma omp parallel for schedule(dynamic, 1) if (threads > 1 && total > 1 && total_bytes >= 2 * MIN_TASK_BYTES)
+    for (int64_t t = 0; t < total; t++) {
+        int g = 0;
+        while (first[g + 1] <= t) g++;
+        int64_t r0 = (t - first[g]) * rows_per[g], r1 = r0 + rows_per[g];
+        if (r1 > n[g]) r1 = n[g];
+        float *yg = y + yr[g] * ldy + yc[g];
+        if (mode == 1)
+            fast_rows(type, nb, w[g], r0, r1, (int)xm[g], xq + xr[g] * K, xd + xr[g] * nb, xs + xr[g] * nb, yg, ldy);
+        else
+            exact_rows(type, nb, w[g], r0, r1, (int)xm[g], x + xr[g] * ldx, ldx, yg, ldy);
+    }
+    free(first); free(rows_per); free(xq); free(xd); free(xs);
+    return 0;
+}

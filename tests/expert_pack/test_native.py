@@ -1,0 +1,193 @@
+"""Native Q4_0 / Q8_0 kernels (``quantplug_expert_pack/qpk_kernels.c``, built with the system C
+compiler): dequantization bit for bit against gguf-py and the torch kernels, both matrix-vector
+modes against float64 references (exact: the exact weights; fast: llama.cpp's int8 blocks,
+reproduced here in torch), every grouping the loader uses, and the fallback when no library can
+be built. Skipped with the build's reason where this machine has no C compiler."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import quantplug
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from quantplug.generate import new_cache
+from quantplug.models.config import parse_model_config
+from quantplug.testing import random_state, tiny_config
+from quantplug_expert_pack import ggml, native
+from quantplug_expert_pack.export import gguf_state, write_gguf
+from quantplug_expert_pack.testing import random_blocks, random_rows
+
+needs_native = pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.status()}")
+TYPES = sorted(native.TYPES)
+
+
+def _rows(ggml_type: str, n: int, k: int, seed: int) -> torch.Tensor:
+    return torch.from_numpy(random_rows(ggml_type, (n, k), np.random.default_rng(seed), scale=1e-2))
+
+
+def _q8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's activation blocks as the C file makes them: d = amax / 127 (float32), q = round
+    half to even of x * (1 / d)."""
+    b = x.reshape(x.shape[0], -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    return torch.round(b * inv), d
+
+
+@needs_native
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_dequantize_bit_exact_with_gguf_py_and_the_torch_kernel(ggml_type):
+    rng = np.random.default_rng(zlib.crc32(ggml_type.encode()))
+    blocks = random_blocks(ggml_type, 4000, rng, 1.0).reshape(40, -1)
+    ref = gguf_dequantize(blocks, GGMLQuantizationType[ggml_type])
+    got = ggml.dequantize(torch.from_numpy(blocks), ggml_type)            # native path
+    np.testing.assert_array_equal(got.numpy().view(np.uint32), np.ascontiguousarray(ref).view(np.uint32))
+    # every f16 scale bit pattern (subnormals, inf, nan) agrees with the torch kernel's
+    raw = np.random.default_rng(1).integers(0, 256, (1 << 16, native.BLOCK_BYTES[ggml_type]), dtype=np.uint8)
+    raw[:, :2] = np.arange(1 << 16, dtype=np.uint16).view(np.uint8).reshape(-1, 2)
+    t = torch.from_numpy(raw)
+    fast = ggml.dequantize(t, ggml_type)
+    with native.disabled():
+        slow = ggml.dequantize(t, ggml_type)
+    torch.testing.assert_close(fast, slow, rtol=0, atol=0, equal_nan=True)
+
+
+@needs_native
+@pytest.mark.parametrize("ggml_type", TYPES)
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 9])
+def test_gemm_both_modes_against_float64_references(ggml_type, m):
+    n, k = 70, 160                                   # rows not a multiple of the 4-row tile; 5 blocks
+    w = _rows(ggml_type, n, k, m)
+    dense = ggml.dequantize(w, ggml_type).double()
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    ref = x.double() @ dense.t()
+    # float32 rounding bound: a few ulps of the sum of |products|
+    bound = lambda xs: 1e-6 * (xs.double().abs() @ dense.abs().t()) + 1e-30  # noqa: E731
+    exact = native.gemm(x, [w.data_ptr()], [n], ggml_type, "exact")
+    assert ((exact.double() - ref).abs() <= bound(x)).all()
+    q, d = _q8_blocks(x)
+    # fast: per block, the integer dot product of the codes times d_w * d_x: the same as the exact
+    # weights against the int8 blocks' values, up to float32 rounding
+    xq = (q * d).reshape(m, k)
+    fast = native.gemm(x, [w.data_ptr()], [n], ggml_type, "fast")
+    assert ((fast.double() - xq.double() @ dense.t()).abs() <= bound(xq)).all()
+    assert 0 < (fast.double() - ref).norm() / ref.norm() < 2e-2          # it is the int8 path
+
+
+@needs_native
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_gemm_groups_place_each_weights_rows_and_columns(mode):
+    k = 64
+    a, b = _rows("Q4_0", 20, k, 1), _rows("Q4_0", 12, k, 2)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(3))
+    one = lambda w, xs: native.gemm(xs, [w.data_ptr()], [w.shape[0]], "Q4_0", mode)  # noqa: E731
+    side = native.gemm(x, [a.data_ptr(), b.data_ptr()], [20, 12], "Q4_0", mode)      # gate + up
+    assert torch.equal(side[:, :20], one(a, x)) and torch.equal(side[:, 20:], one(b, x))
+    # a: rows 1..3 of x into y rows 1..3; b: row 4 into y row 0, columns 20.. (rest zero)
+    y = native.gemm(x, [a.data_ptr(), b.data_ptr()], [20, 12], "Q4_0", mode, [(1, 3, 1, 0), (4, 1, 0, 20)], out_rows=4)
+    assert y.shape == (4, 32)
+    assert torch.equal(y[1:4, :20], one(a, x[1:4])) and torch.equal(y[0:1, 20:], one(b, x[4:5]))
+    assert not y[0, :20].any() and not y[1:, 20:].any()
+    # one x row repeated (stride 0), as a decode step's experts read the token
+    rep = native.gemm(x[:1].expand(3, k), [a.data_ptr()], [20], "Q4_0", mode)
+    assert torch.equal(rep, one(a, x[:1]).expand(3, -1))
+
+
+@needs_native
+def test_gemm_rejects_what_the_c_code_cannot_do():
+    w = _rows("Q8_0", 4, 64, 0)
+    with pytest.raises(RuntimeError, match="qpk_kernels gemm failed"):
+        native.gemm(torch.randn(1, 48), [w.data_ptr()], [4], "Q8_0", "exact")   # K not whole blocks
+
+
+@needs_native
+def test_threads_split_big_weights_without_changing_results():
+    w = _rows("Q4_0", 4096, 512, 4)                                     # 1.2 MB: many parallel tasks
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(0))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [native.gemm(x, [w.data_ptr()], [4096], "Q4_0", m) for m in ("exact", "fast")]
+        torch.set_num_threads(2)
+        two = [native.gemm(x, [w.data_ptr()], [4096], "Q4_0", m) for m in ("exact", "fast")]
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))   # each output row is one task's work
+
+
+def test_no_compiler_means_torch_paths_and_a_reason(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("QUANTPLUG_CACHE", str(tmp_path))
+    assert native.library() is None and "no C compiler" in native.status()
+    assert not native.available("Q4_0")
+    w = _rows("Q4_0", 8, 64, 0)
+    assert not ggml.native_ok(w, "Q4_0")
+    x = torch.randn(1, 64)
+    torch.testing.assert_close(ggml.linear(x, w, "Q4_0", torch.float32), x @ ggml.dequantize(w, "Q4_0").t())
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setenv("QUANTPLUG_NATIVE", "0")
+    assert native.library() is None and "disabled" in native.status()
+
+
+def test_a_failed_build_is_reported_not_raised(monkeypatch, tmp_path):
+    if native.library() is None:
+        pytest.skip(f"native kernels: {native.status()}")
+    bad = tmp_path / "bad.c"
+    bad.write_text("this is not C\n")
+    monkeypatch.setattr(native, "SOURCE", bad)
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setenv("QUANTPLUG_CACHE", str(tmp_path / "cache"))
+    assert native.library() is None and "failed" in native.status()
+    assert not list((tmp_path / "cache" / "kernels").glob("*.so"))   # no half-written library left
+
+
+CFG = tiny_config(moe_intermediate_size=64, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                  vocab_size=256)
+
+
+@pytest.fixture(scope="module")
+def gguf_dirs(tmp_path_factory):
+    mc = parse_model_config(CFG, "DeepseekV3ForCausalLM", False)
+    out = {}
+    for t in TYPES:
+        root = tmp_path_factory.mktemp(t)
+        (root / "config.json").write_text(json.dumps(CFG))
+        write_gguf(root / "model.gguf", gguf_state(random_state(CFG), mc), mc, default_type=t, vocab=256)
+        out[t] = root
+    return out
+
+
+def _decode_logits(path: Path, kernels: str) -> torch.Tensor:
+    model = quantplug.load(path, progress=False, options={"kernels": kernels})
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(2))
+    steps = []
+    with torch.inference_mode():
+        cache = new_cache(model, 1, 32)
+        steps.append(model.next_logits(ids, cache))            # 12 rows: the torch paths
+        for t in range(6):                                      # 1 row: native where built
+            steps.append(model.next_logits(ids[:, t:t + 1], cache))
+    return torch.stack(steps)
+
+
+@needs_native
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_decode_with_native_kernels_matches_the_torch_paths(gguf_dirs, ggml_type):
+    """Exact: the same numbers as the torch path up to float32 summation order. Fast: the
+    native int8-block path stays within the bounds fast mode promises against exact."""
+    exact_native = _decode_logits(gguf_dirs[ggml_type], "exact")
+    fast_native = _decode_logits(gguf_dirs[ggml_type], "fast")
+    with native.disabled():
+        exact_torch = _decode_logits(gguf_dirs[ggml_type], "exact")
+    torch.testing.assert_close(exact_native, exact_torch, rtol=1e-4, atol=1e-5)
+    err = ((fast_native - exact_torch).norm() / exact_torch.norm()).item()
+    assert 0 < err <= 3e-2, err
+    assert (fast_native.argmax(-1) == exact_torch.argmax(-1)).float().mean() >= 0.95
