@@ -58,7 +58,9 @@ from .layers.linear import (
     RefusedScheme,
     SplitRule,
     StackedLinear,
+    fuse_attention,
     fuse_int4_packs,
+    fuse_mlp,
     int4pack_rows_separable,
 )
 from .layers.norm import RMSNorm
@@ -203,7 +205,8 @@ __all__ = [
     "AttentionLayout", "Claim", "Decision", "ExportResult", "PluginInfo", "Problem", "SkipRule",
     "TensorInfo", "TensorSpec",
     # schemes
-    "DenseScheme", "FLOATS", "LinearScheme", "RefusedScheme", "SplitRule", "fuse_int4_packs", "int4pack_rows_separable", "refuse",
+    "DenseScheme", "FLOATS", "LinearScheme", "RefusedScheme", "SplitRule", "fuse_attention", "fuse_int4_packs", "fuse_mlp", "int4pack_rows_separable",
+    "refuse",
     # what hooks receive
     "Checkpoint", "LoadPlan", "ModelConfig", "RopeConfig",
     # reading

@@ -47,7 +47,13 @@ PROJECT = "quantplug"
 #: * 1.2: ``LinearScheme.fuse`` (optional): sibling projections of one input run as one call;
 #:   ``quantplug.api.int4pack_rows_separable`` (whether torch's int4 layout splits at given rows)
 #:   and ``fuse_int4_packs`` (the shared half of an int4 scheme's ``fuse``).
-CONTRACT_VERSION = "1.2"
+#: * 1.3: ``LinearScheme.fuse_mlp`` and ``fuse_attention`` (optional): a gated MLP (dense, shared
+#:   or a decode step's routed experts) and an MLA decode step for one token in one call;
+#:   ``quantplug.api.fuse_mlp`` / ``fuse_attention``.
+#:   Design note: DESIGN.md's hooks decide *what* is loaded; since 1.2 a scheme may also offer how
+#:   a group of its layers runs (``fuse``, ``fuse_mlp``), asked by the model after loading and
+#:   recorded nowhere in the plan because it never changes what is read or computed, only how.
+CONTRACT_VERSION = "1.3"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 

@@ -192,6 +192,40 @@ class LinearScheme(abc.ABC):
         """
         return None
 
+    def fuse_mlp(self, gate: nn.Module, up: nn.Module, down: nn.Module) -> Callable[..., torch.Tensor] | None:
+        """A gated MLP for one token, run as one: ``down(silu(gate(x)) * up(x))`` where ``gate`` and
+        ``up`` map hidden -> intermediate and ``down`` maps back, all three answered by this
+        scheme's class, loaded, processed and fused (:meth:`fuse`) already, none tensor-parallel.
+        Plain linears (a dense MLP, the shared experts): return ``f`` with ``f(x)`` for x [1, hidden]
+        -> [1, hidden]. Stacked (routed experts): ``f(x, slots, weights)`` = the sum over i, in the
+        given order, of ``weights[i] * mlp_{slots[i]}(x)`` (a decode step's top-k experts, weights
+        as Python floats). The result must equal the model's own composition of the separate
+        applies up to float rounding (the conformance kit checks it). None (the default): the
+        model composes the applies. Called once, after :meth:`fuse`, by :func:`fuse_mlp`; the model
+        calls ``f`` for single tokens only. This is vLLM's fused-MoE idea (the quantization method
+        computes the whole expert block) at one-token scale, where per-op overhead, not
+        arithmetic, is the cost.
+
+        .. versionadded:: 1.3
+        """
+        return None
+
+    def fuse_attention(self, attn: nn.Module) -> Callable[..., torch.Tensor | None] | None:
+        """A decode step of an MLA layer (``quantplug.models.deepseek.MLA``) run as one, asked of
+        its ``o_proj``'s scheme after loading and :meth:`fuse`: return ``f`` with
+        ``f(x, rotation, cache)`` for x [1, 1, hidden] (one token of one sequence), ``rotation``
+        the step's rope matrix [rope, rope] (``roped = x @ rotation``) and ``cache`` the layer's
+        ``LatentCache``: f must append the token's normed latent and roped key with
+        ``cache.append`` (shapes [1, 1, 1, dim]) and return the attention output after
+        ``o_proj`` [1, 1, hidden], equal to the model's absorbed form up to float rounding (the
+        conformance kit checks it); or return None to decline that call (the model runs its own
+        step). None (the default): no fused step. The layer's modules are all loaded, unsplit
+        (tensor parallelism declines) and their schemes processed.
+
+        .. versionadded:: 1.3
+        """
+        return None
+
 
 class DenseScheme(LinearScheme):
     """Unquantized weight [out, in]; F32 / F16 / BF16 on disk, model dtype in memory."""
@@ -410,6 +444,59 @@ def fuse_projections(layers: Sequence[nn.Module]) -> FusedProjections | None:
         return None
     fn = scheme.fuse(layers)
     return None if fn is None else FusedProjections(fn, layers)
+
+
+class FusedMLP:
+    """A gated MLP for one token run as one (what :func:`fuse_mlp` returns): ``f(x)`` or, for
+    stacked layers, ``f(x, slots, weights)``; see :meth:`LinearScheme.fuse_mlp`. ``layers`` are
+    (gate, up, down)."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], layers: Sequence[nn.Module]) -> None:
+        self.fn, self.layers = fn, list(layers)
+
+    def __call__(self, x: torch.Tensor, slots: Sequence[int] | None = None,
+                 weights: Sequence[float] | None = None) -> torch.Tensor:
+        return self.fn(x) if slots is None else self.fn(x, slots, weights)
+
+    def __repr__(self) -> str:
+        return f"<FusedMLP of {', '.join(getattr(m, 'qp_ckpt', '?') for m in self.layers)}>"
+
+
+def fuse_mlp(gate: nn.Module, up: nn.Module, down: nn.Module) -> FusedMLP | None:
+    """``gate.scheme.fuse_mlp(gate, up, down)`` when the three are unsplit :class:`QuantLinear` or
+    :class:`StackedLinear` (all one kind) of matching widths whose schemes are of one class that
+    overrides :meth:`LinearScheme.fuse_mlp`; otherwise None (the model composes the applies).
+
+    .. versionadded:: 1.3
+    """
+    layers = (gate, up, down)
+    if not isinstance(gate, (QuantLinear, StackedLinear)):
+        return None
+    scheme: LinearScheme = gate.scheme
+    for layer in layers:
+        if not isinstance(layer, type(gate)) or type(layer.scheme) is not type(scheme) or layer.qp_parallel is not None:
+            return None
+    if not (gate.in_features == up.in_features == down.out_features
+            and gate.out_features == up.out_features == down.in_features):
+        return None
+    if type(scheme).fuse_mlp is LinearScheme.fuse_mlp:
+        return None
+    fn = scheme.fuse_mlp(gate, up, down)
+    return None if fn is None else FusedMLP(fn, layers)
+
+
+def fuse_attention(attn: nn.Module) -> Callable[..., torch.Tensor | None] | None:
+    """``attn.o_proj.scheme.fuse_attention(attn)`` when that scheme's class overrides
+    :meth:`LinearScheme.fuse_attention` and no linear of the layer is tensor-parallel; else None.
+
+    .. versionadded:: 1.3
+    """
+    o_proj = getattr(attn, "o_proj", None)
+    if not isinstance(o_proj, QuantLinear) or type(o_proj.scheme).fuse_attention is LinearScheme.fuse_attention:
+        return None
+    if any(getattr(m, "qp_parallel", None) is not None for m in attn.modules()):
+        return None
+    return o_proj.scheme.fuse_attention(attn)
 
 
 _INT4_SEPARABLE: dict[tuple[int, ...], bool] = {}

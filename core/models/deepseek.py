@@ -27,6 +27,8 @@ from ..layers.linear import (
     QuantLinear,
     Source,
     StackedLinear,
+    fuse_attention,
+    fuse_mlp,
     fuse_projections,
 )
 from ..layers.norm import RMSNorm
@@ -151,10 +153,13 @@ class MLA(nn.Module):
         self._kv_b_heads: tuple[torch.Tensor, torch.Tensor] | None = None
         #: q_a_proj and kv_a_proj_with_mqa (same input) in one call when their scheme fuses them
         self.qkv_a: Any = None
+        #: a decode step in one call when o_proj's scheme offers it (:meth:`LinearScheme.fuse_attention`)
+        self.one: Any = None
 
     def qp_fuse(self) -> None:
         if self.q_lora is not None:
             self.qkv_a = fuse_projections([self.q_a_proj, self.kv_a_proj_with_mqa])
+        self.one = fuse_attention(self)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LatentCache | None = None) -> torch.Tensor:
@@ -170,6 +175,9 @@ class MLA(nn.Module):
         """
         cfg = self.cfg
         b, t, _ = x.shape
+        if b == 1 and t == 1 and cache is not None and cos.shape[0] == 1 and (
+                self.layout.kind != "dense" or (cache.length > 0 and self.kv_b_proj.scheme.weight_only)):
+            return self._decode_one(x, cos, sin, cache)
         nh, nope, rope, v = self.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         if self.qkv_a is not None:
             q_lat, ckv = self.qkv_a(x).split([self.q_a_proj.out_features, self.kv_a_proj_with_mqa.out_features], dim=-1)
@@ -214,6 +222,45 @@ class MLA(nn.Module):
             out = out * torch.sigmoid(self.g_proj(x))
         return self.o_proj(out)
 
+    def _decode_one(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache) -> torch.Tensor:
+        """:meth:`forward` for one token of one sequence with a cache (a decode step) in the
+        absorbed form, on 2-D tensors: every head reads the same latent, so the scores of all
+        heads are one [heads, latent + rope] x [latent + rope, tokens] product and the output
+        one [heads, tokens] x [tokens, latent] product (half the tensor ops of the general form;
+        float rounding differs from it in the last bits: the scale is applied to both score terms
+        separately)."""
+        r = self.rotary[0]._rotation(cos, sin)                             # [rope, rope]
+        if self.one is not None:
+            fused = self.one(x, r, cache)
+            if fused is not None:
+                return fused
+        cfg = self.cfg
+        nh, nope, rope = self.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        x2 = x.view(1, -1)
+        if self.qkv_a is not None:
+            q_lat_a, ckv = self.qkv_a(x2).split([self.q_a_proj.out_features, self.kv_a_proj_with_mqa.out_features], dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q_lat_a))
+        else:
+            q = self.q_proj(x2) if self.q_lora is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x2)))
+            ckv = self.kv_a_proj_with_mqa(x2)
+        q_pass, q_rot = q.view(nh, nope + rope).split([nope, rope], dim=-1)
+        kv_nope, k_rot = ckv.split([self.kv_lora_rank, rope], dim=-1)
+        latent, k_all = cache.append(self.kv_a_layernorm(kv_nope).view(1, 1, 1, -1), (k_rot @ r).view(1, 1, 1, -1))
+        lat, kr = latent[0, 0], k_all[0, 0]                                # [n, kv_lora], [n, rope]
+        if self.layout.kind != "dense":
+            q_lat = self.k_b.forward_all(q_pass.unsqueeze(1))[:, 0]        # [nh, kv_lora]
+        else:
+            w_uk, w_uv_t = self._kv_b_per_head()
+            q_lat = torch.bmm(q_pass.unsqueeze(1), w_uk)[:, 0]
+        scores = torch.addmm(torch.mm(q_rot @ r, kr.t()), q_lat, lat.t(), beta=self.scale, alpha=self.scale)
+        p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_lat.dtype)
+        o_lat = torch.mm(p, lat).unsqueeze(1)                               # [nh, 1, kv_lora]
+        out = self.v_b.forward_all(o_lat) if self.layout.kind != "dense" else torch.bmm(o_lat, w_uv_t)
+        out = out.reshape(1, 1, -1)
+        if cfg.mla_use_output_gate:
+            out = out * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(out)
+
     def _latent_attention(self, q_lat: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor,
                           k_rot: torch.Tensor, past: int) -> torch.Tensor:
         """Attention on the latent: q_lat [b, nh, t, kv_lora], q_rot [b, nh, t, rope] against the
@@ -247,11 +294,16 @@ class MLP(nn.Module):
         self.down_proj = _lin(d, f"{base}.down_proj", inter, hidden)
         #: gate and up in one call when their scheme fuses them (:meth:`LinearScheme.fuse`)
         self.gate_up: Any = None
+        #: the whole MLP in one call for one token, when the scheme offers it (:meth:`LinearScheme.fuse_mlp`)
+        self.one: Any = None
 
     def qp_fuse(self) -> None:
         self.gate_up = fuse_projections([self.gate_proj, self.up_proj])
+        self.one = fuse_mlp(self.gate_proj, self.up_proj, self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.one is not None and x.numel() == x.shape[-1]:
+            return self.one(x.reshape(1, -1)).view(x.shape)
         if self.gate_up is not None:
             gate, up = self.gate_up(x).split(self.gate_proj.out_features, dim=-1)
             return self.down_proj(F.silu(gate) * up)
@@ -289,6 +341,32 @@ class Router(FloatParams):
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         return idx, w * cfg.routed_scaling_factor
 
+    def route_one(self, x: torch.Tensor) -> tuple[list[int], list[float]]:
+        """:meth:`forward` for one token [1, hidden], the choice made on Python floats: the token's
+        top-k expert ids and weights (for a decode step a dozen list operations cost less than
+        the tensor ops' dispatch). The scores are :meth:`forward`'s float32 sigmoids; sums and the
+        normalization run in double precision (the weights may differ from :meth:`forward`'s in
+        the last float32 bit, and an exact tie between two experts' biased scores is broken
+        toward the lower id, where ``torch.topk`` leaves it unspecified)."""
+        cfg = self.cfg
+        xf = x if x.dtype == torch.float32 else x.float()
+        wf = self.weight if self.weight.dtype == torch.float32 else self.weight.float()
+        scores = F.linear(xf, wf).sigmoid_()[0].tolist()
+        bias = self.e_score_correction_bias
+        if getattr(self, "_bias_list", (None,))[0] is not bias:  # the parameter's values, read once
+            self._bias_list = (bias, bias.tolist())
+        choice = [s + b for s, b in zip(scores, self._bias_list[1])]
+        per = cfg.n_routed_experts // cfg.n_group
+        group_scores = [sum(sorted(choice[g * per:(g + 1) * per], reverse=True)[:2]) for g in range(cfg.n_group)]
+        groups = sorted(range(cfg.n_group), key=lambda g: (-group_scores[g], g))[:cfg.topk_group]
+        cand = [e for g in groups for e in range(g * per, (g + 1) * per)]
+        idx = sorted(cand, key=lambda e: (-choice[e], e))[:cfg.num_experts_per_tok]
+        w = [scores[e] for e in idx]
+        if cfg.norm_topk_prob:
+            total = sum(w) + 1e-20
+            w = [v / total for v in w]
+        return idx, [v * cfg.routed_scaling_factor for v in w]
+
 
 class Experts(nn.Module):
     """Routed experts as three stacked linears (gate, up: [E, I, H]; down: [E, H, I])."""
@@ -322,9 +400,12 @@ class Experts(nn.Module):
             setattr(self, proj, StackedLinear(e, i, o, d.scheme(name, "experts", shards), name, src, d.model_dtype))
         #: gate and up in one grouped call when their scheme fuses them (:meth:`LinearScheme.fuse`)
         self.gate_up: Any = None
+        #: a token's experts in one call, when the scheme offers it (:meth:`LinearScheme.fuse_mlp`)
+        self.one: Any = None
 
     def qp_fuse(self) -> None:
         self.gate_up = fuse_projections([self.gate_proj, self.up_proj])
+        self.one = fuse_mlp(self.gate_proj, self.up_proj, self.down_proj)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [T, H], idx / w [T, top_k]. Token-expert pairs are sorted by expert once (one
@@ -365,6 +446,9 @@ class Experts(nn.Module):
         if not hit:
             out = torch.zeros_like(x)
             return self.qp_parallel(out) if self.qp_parallel is not None else out
+        if self.one is not None:
+            ws = w[0].tolist()
+            return self.forward_one(x, ids, ws)
         groups = [(e - self.slot_base, 1) for e, _ in hit]
         xs = x.expand(len(hit), -1)
         if self.gate_up is not None:
@@ -381,6 +465,18 @@ class Experts(nn.Module):
         return out
 
 
+    def forward_one(self, x: torch.Tensor, ids: Sequence[int], weights: Sequence[float]) -> torch.Tensor:
+        """One token [1, hidden] through its experts ``ids`` (weights as floats) in one call of the
+        scheme's fused MLP (``self.one``, :meth:`LinearScheme.fuse_mlp`), this rank's experts only,
+        in ascending id order as the other paths sum them."""
+        hit = sorted((e, w) for e, w in zip(ids, weights) if self.first <= e < self.first + self.count)
+        if not hit:
+            out = torch.zeros_like(x)
+        else:
+            out = self.one(x, [e - self.slot_base for e, _ in hit], [w for _, w in hit])
+        return self.qp_parallel(out) if self.qp_parallel is not None else out
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, d: Decisions, base: str) -> None:
         super().__init__()
@@ -393,8 +489,11 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        idx, w = self.gate(flat)
-        out = self.experts(flat, idx, w).view(shape)
+        if flat.shape[0] == 1 and self.experts.one is not None:   # a decode step: no routing tensors
+            out = self.experts.forward_one(flat, *self.gate.route_one(flat)).view(shape)
+        else:
+            idx, w = self.gate(flat)
+            out = self.experts(flat, idx, w).view(shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

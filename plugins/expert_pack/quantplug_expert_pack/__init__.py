@@ -41,7 +41,7 @@ from .pack import KV_FILE, KV_INDEX_SHA, PACK_NAME, ExpertCache, ExpertPack
 from .schemes import GGMLScheme, PackedExpertsScheme
 
 #: the hook-contract version this plugin is written for (quantplug.api.CONTRACT_VERSION)
-QUANTPLUG_CONTRACT = "1.1"
+QUANTPLUG_CONTRACT = "1.3"
 
 __version__ = "0.1.0"
 DEFAULT_CACHE_MB = 1024

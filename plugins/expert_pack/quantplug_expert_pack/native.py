@@ -30,6 +30,7 @@ import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -85,6 +86,13 @@ def _build() -> ctypes.CDLL:
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.qpk_gemm.argtypes = [ctypes.c_int, ctypes.c_int, i64, i64, p, i64, ctypes.c_int, p, p, p, p, p, p, p, i64]
     lib.qpk_gemm.restype = ctypes.c_int
+    lib.qpk_mlp_one.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, i64, i64, p, ctypes.c_int,
+                                p, p, p, p, p]
+    lib.qpk_mlp_one.restype = ctypes.c_int
+    lib.qpk_mla_pre.argtypes = [p, p, p, p]
+    lib.qpk_mla_pre.restype = ctypes.c_int
+    lib.qpk_mla_post.argtypes = [p, p, p, i64, p, i64, i64, p]
+    lib.qpk_mla_post.restype = ctypes.c_int
     lib.qpk_dequantize.argtypes = [ctypes.c_int, i64, p, p]
     lib.qpk_dequantize.restype = ctypes.c_int
     lib.qpk_isa.restype = ctypes.c_int
@@ -168,6 +176,60 @@ def gemm(x: torch.Tensor, ptrs: Sequence[int], ns: Sequence[int], ggml_type: str
                       arr(*[t[2] for t in groups]), arr(*[t[3] for t in groups]), y.data_ptr(), y.stride(0))
     _check(rc, "gemm")
     return y
+
+
+def mlp_one(x: torch.Tensor, types: tuple[str, str, str], gate: Sequence[int], up: Sequence[int],
+            down: Sequence[int], inter: int, mode: str, weights: Sequence[float] | None = None) -> torch.Tensor:
+    """One token through gated MLPs: float32 ``x`` [1, H] -> [1, H] = the sum, in the order given,
+    of ``weights[e] * down_e(silu(gate_e x) * up_e x)`` (weight 1 without ``weights``). ``gate`` /
+    ``up`` / ``down``: addresses of each MLP's packed [I, H/32 blocks] / [I, ...] / [H, I/32 blocks]
+    matrices in ggml ``types`` (gate, up, down), ``inter`` = I. One call, one parallel region."""
+    lib = library()
+    assert lib is not None and x.dtype == torch.float32 and x.is_contiguous() and x.numel() == x.shape[-1]
+    h, e = x.shape[-1], len(gate)
+    out = torch.empty(1, h, dtype=torch.float32)
+    arr = ctypes.c_void_p * e
+    wt = None if weights is None else (ctypes.c_float * e)(*weights)
+    rc = lib.qpk_mlp_one(TYPES[types[0]], TYPES[types[1]], TYPES[types[2]], MODES[mode], h, inter, x.data_ptr(), e,
+                         arr(*gate), arr(*up), arr(*down), wt, out.data_ptr())
+    _check(rc, "mlp_one")
+    return out
+
+
+#: matrix type codes of the MLA step: the packed types, and float32 rows
+MAT_TYPES = {**TYPES, "F32": 2}
+
+
+class MLAStep(ctypes.Structure):
+    """``qpk_mla`` in ``qpk_kernels.c``: one MLA layer's dimensions and weight addresses."""
+
+    _fields_ = [  # noqa: RUF012 (ctypes reads the class attribute)
+        ("mode", ctypes.c_int), ("H", ctypes.c_int64), ("q_lora", ctypes.c_int64), ("kv_lora", ctypes.c_int64),
+        ("rope", ctypes.c_int64), ("nope", ctypes.c_int64), ("v", ctypes.c_int64), ("nh", ctypes.c_int64),
+        ("eps_q", ctypes.c_float), ("eps_kv", ctypes.c_float), ("scale", ctypes.c_float),
+        ("q_a", ctypes.c_void_p), ("t_q_a", ctypes.c_int), ("kv_a", ctypes.c_void_p), ("t_kv_a", ctypes.c_int),
+        ("q_a_norm", ctypes.c_void_p), ("kv_a_norm", ctypes.c_void_p), ("q_b", ctypes.c_void_p), ("t_q_b", ctypes.c_int),
+        ("k_b", ctypes.c_void_p), ("t_k_b", ctypes.c_int), ("s_k_b", ctypes.c_int64),
+        ("v_b", ctypes.c_void_p), ("t_v_b", ctypes.c_int), ("s_v_b", ctypes.c_int64),
+        ("o", ctypes.c_void_p), ("t_o", ctypes.c_int), ("rot", ctypes.c_void_p)]
+
+
+def mla_step(step: MLAStep, x: torch.Tensor, append: Any) -> torch.Tensor:
+    """One decode step of one MLA layer: float32 ``x`` [H] -> [H]. ``append(latent, key)`` stores
+    the token's normed latent [kv_lora] and roped key [rope] in the cache and returns every cached
+    token's (latent [n, kv_lora], keys [n, rope]) as row-strided float32 views."""
+    lib = library()
+    assert lib is not None and x.dtype == torch.float32 and x.is_contiguous()
+    kl, rp = step.kv_lora, step.rope
+    qcat = torch.empty(step.nh, kl + rp)
+    kvrow = torch.empty(kl + rp)
+    ref = ctypes.byref(step)
+    _check(lib.qpk_mla_pre(ref, x.data_ptr(), qcat.data_ptr(), kvrow.data_ptr()), "mla_pre")
+    lat, kr = append(kvrow[:kl], kvrow[kl:])
+    out = torch.empty(step.H)
+    _check(lib.qpk_mla_post(ref, qcat.data_ptr(), lat.data_ptr(), lat.stride(0), kr.data_ptr(), kr.stride(0),
+                            lat.shape[0], out.data_ptr()), "mla_post")
+    return out
 
 
 class disabled:

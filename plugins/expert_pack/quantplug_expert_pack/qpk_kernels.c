@@ -330,3 +330,238 @@ int qpk_gemm(int type, int mode, int64_t M, int64_t K, const float *x, int64_t l
     free(first); free(rows_per); free(xq); free(xd); free(xs);
     return 0;
 }
+
+/* ---- a gated MLP for one token (a decode step's routed experts, or one plain MLP) ----------- */
+
+static inline float silu(float v) { return v / (1.f + expf(-v)); }
+
+/* out[H] = sum over e (in order) of wt[e] * down_e(silu(gate_e x) * up_e x); wt NULL: weight 1.
+ * gate_e / up_e: I rows of H / 32 blocks (types tg, tu); down_e: H rows of I / 32 blocks (td).
+ * One parallel region: gate and up rows of every expert, then each expert's product (quantized
+ * to int8 blocks in fast mode), then the down rows, then the weighted sum. */
+int qpk_mlp_one(int tg, int tu, int td, int mode, int64_t H, int64_t I, const float *x, int E,
+                const uint8_t *const *gate, const uint8_t *const *up, const uint8_t *const *down,
+                const float *wt, float *out) {
+    if (tg < 0 || tg > 1 || tu < 0 || tu > 1 || td < 0 || td > 1 || (mode != 0 && mode != 1)) return -1;
+    if (H <= 0 || I <= 0 || H % QK || I % QK || E <= 0) return -1;
+    const int64_t nbh = H / QK, nbi = I / QK;
+    const int sg = tg == 0 ? 18 : 34, su = tu == 0 ? 18 : 34, sd = td == 0 ? 18 : 34;
+    float *hg = (float *)malloc(sizeof(float) * (size_t)(2 * E * I + E * H));
+    int8_t *q = (int8_t *)malloc((size_t)(H + E * I));
+    float *qd = (float *)malloc(sizeof(float) * (size_t)(nbh + E * nbi));
+    int32_t *qs = (int32_t *)malloc(sizeof(int32_t) * (size_t)(nbh + E * nbi));
+    if (!hg || !q || !qd || !qs) { free(hg); free(q); free(qd); free(qs); return -2; }
+    float *hu = hg + E * I, *yd = hu + E * I;
+    int8_t *hq = q + H;
+    float *hd = qd + nbh;
+    int32_t *hs = qs + nbh;
+    if (mode == 1) quantize_row(x, H, q, qd, qs);
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    /* rows per task: about 4 tasks per thread over each stage, a multiple of RT */
+    int64_t rg = (2 * E * I) / (4 * threads), rd = (E * H) / (4 * threads);
+    rg = rg < RT ? RT : (rg + RT - 1) / RT * RT;
+    rd = rd < RT ? RT : (rd + RT - 1) / RT * RT;
+    const int64_t per_i = (I + rg - 1) / rg, per_h = (H + rd - 1) / rd;
+    const int64_t bytes = E * (I * nbh * (sg + su) + H * nbi * sd);
+    #pragma omp parallel if (threads > 1 && bytes >= 4 * MIN_TASK_BYTES)
+    {
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < 2 * E * per_i; t++) {
+            int64_t e = t / (2 * per_i), rest = t % (2 * per_i);
+            int is_up = rest >= per_i;
+            int64_t r0 = (rest % per_i) * rg, r1 = r0 + rg > I ? I : r0 + rg;
+            const uint8_t *w = is_up ? up[e] : gate[e];
+            int ty = is_up ? tu : tg;
+            float *y = (is_up ? hu : hg) + e * I;
+            if (mode == 1) fast_rows(ty, nbh, w, r0, r1, 1, q, qd, qs, y, 0);
+            else exact_rows(ty, nbh, w, r0, r1, 1, x, 0, y, 0);
+        }
+        #pragma omp for schedule(static)
+        for (int64_t e = 0; e < E; e++) {
+            float *g = hg + e * I, *u = hu + e * I;
+            for (int64_t i = 0; i < I; i++) g[i] = silu(g[i]) * u[i];
+            if (mode == 1) quantize_row(g, I, hq + e * I, hd + e * nbi, hs + e * nbi);
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < E * per_h; t++) {
+            int64_t e = t / per_h, r0 = (t % per_h) * rd, r1 = r0 + rd > H ? H : r0 + rd;
+            if (mode == 1) fast_rows(td, nbi, down[e], r0, r1, 1, hq + e * I, hd + e * nbi, hs + e * nbi, yd + e * H, 0);
+            else exact_rows(td, nbi, down[e], r0, r1, 1, hg + e * I, 0, yd + e * H, 0);
+        }
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < H; r++) {
+            float acc = (wt ? wt[0] : 1.f) * yd[r];
+            for (int e = 1; e < E; e++) acc += (wt ? wt[e] : 1.f) * yd[e * H + r];
+            out[r] = acc;
+        }
+    }
+    free(hg); free(q); free(qd); free(qs);
+    return 0;
+}
+
+/* ---- one MLA decode step (absorbed form), for one token of one sequence -------------------- */
+
+/* Matrices: type 0 Q4_0, 1 Q8_0 (packed rows), 2 float32 rows. Per-head stacks (k_b, v_b) are
+ * `heads` matrices `stride` bytes apart. */
+typedef struct {
+    int mode;                                 /* 0 exact, 1 fast */
+    int64_t H, q_lora, kv_lora, rope, nope, v, nh;
+    float eps_q, eps_kv, scale;
+    const uint8_t *q_a; int t_q_a;            /* [q_lora, H] */
+    const uint8_t *kv_a; int t_kv_a;          /* [kv_lora + rope, H] */
+    const float *q_a_norm, *kv_a_norm;        /* [q_lora], [kv_lora] */
+    const uint8_t *q_b; int t_q_b;            /* [nh * (nope + rope), q_lora] */
+    const uint8_t *k_b; int t_k_b; int64_t s_k_b;   /* per head [kv_lora, nope] */
+    const uint8_t *v_b; int t_v_b; int64_t s_v_b;   /* per head [v, kv_lora] */
+    const uint8_t *o; int t_o;                /* [H, nh * v] */
+    const float *rot;                         /* [rope, rope]: roped = x @ rot */
+} qpk_mla;
+
+/* a row-major matrix's rows [r0, r1) times x (K values): packed types through the block kernels
+ * (fast: x given as int8 blocks too), float32 rows as plain dots */
+static void mat_rows(int type, int mode, const uint8_t *w, int64_t K, int64_t r0, int64_t r1, const float *x,
+                     const int8_t *xq, const float *xd, const int32_t *xs, float *y) {
+    if (type == 2) {
+        const float *wf = (const float *)w;
+        for (int64_t r = r0; r < r1; r++) {
+            const float *row = wf + r * K;
+            float acc = 0.f;
+            for (int64_t k = 0; k < K; k++) acc += row[k] * x[k];
+            y[r] = acc;
+        }
+    } else if (mode == 1) fast_rows(type, K / QK, w, r0, r1, 1, xq, xd, xs, y, 0);
+    else exact_rows(type, K / QK, w, r0, r1, 1, x, 0, y, 0);
+}
+
+static void rms_norm_row(float *x, int64_t n, const float *w, float eps) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    float r = 1.f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) x[i] = x[i] * r * w[i];
+}
+
+static void rope_row(const float *x, const float *rot, int64_t d, float *out) {
+    for (int64_t j = 0; j < d; j++) {
+        float acc = 0.f;
+        for (int64_t i = 0; i < d; i++) acc += x[i] * rot[i * d + j];
+        out[j] = acc;
+    }
+}
+
+/* a parallel-for over [0, n) rows of one matrix in RT-row tasks (inside a parallel region) */
+#define ROWS_FOR(n, body)                                                   \
+    _Pragma("omp for schedule(dynamic, 1)")                                 \
+    for (int64_t t_ = 0; t_ < ((n) + 4 * RT - 1) / (4 * RT); t_++) {        \
+        int64_t r0 = t_ * 4 * RT, r1 = r0 + 4 * RT > (n) ? (n) : r0 + 4 * RT; \
+        body;                                                               \
+    }
+
+static int threads_for(int64_t bytes) {
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    return bytes >= 4 * MIN_TASK_BYTES ? threads : 1;
+}
+
+static int64_t mat_bytes(int type, int64_t rows, int64_t K) {
+    return rows * (type == 2 ? K * 4 : K / QK * (type == 0 ? 18 : 34));
+}
+
+/* q_a / kv_a, the norms, q_b, rope and the absorption of each head's q_nope through k_b:
+ * qcat [nh, kv_lora + rope] = (q_nope k_b ‖ roped q_rope); kvrow [kv_lora + rope] = (normed latent ‖ roped key) */
+int qpk_mla_pre(const qpk_mla *m, const float *x, float *qcat, float *kvrow) {
+    const int64_t H = m->H, ql = m->q_lora, kl = m->kv_lora, rp = m->rope, np_ = m->nope, nh = m->nh;
+    const int64_t qh = np_ + rp, qrows = nh * qh;
+    float *qa = (float *)malloc(sizeof(float) * (size_t)(ql + kl + rp + qrows));
+    int8_t *q8 = (int8_t *)malloc((size_t)(H + ql + nh * np_));
+    float *d8 = (float *)malloc(sizeof(float) * (size_t)((H + ql + nh * np_) / QK + 1));
+    int32_t *s8 = (int32_t *)malloc(sizeof(int32_t) * (size_t)((H + ql + nh * np_) / QK + 1));
+    if (!qa || !q8 || !d8 || !s8) { free(qa); free(q8); free(d8); free(s8); return -2; }
+    float *kva = qa + ql, *qb = kva + kl + rp;
+    int8_t *xq = q8, *qq = q8 + H, *pq = qq + ql;
+    float *xd = d8, *qd = d8 + H / QK, *pd = qd + ql / QK;
+    int32_t *xs = s8, *qs_ = s8 + H / QK, *ps = qs_ + ql / QK;
+    const int fast = m->mode == 1;
+    if (fast) quantize_row(x, H, xq, xd, xs);
+    int64_t bytes = mat_bytes(m->t_q_a, ql, H) + mat_bytes(m->t_kv_a, kl + rp, H) + mat_bytes(m->t_q_b, qrows, ql);
+    #pragma omp parallel num_threads(threads_for(bytes))
+    {
+        ROWS_FOR(ql + kl + rp, {
+            if (r0 < ql) mat_rows(m->t_q_a, m->mode, m->q_a, H, r0, r1 < ql ? r1 : ql, x, xq, xd, xs, qa);
+            if (r1 > ql) mat_rows(m->t_kv_a, m->mode, m->kv_a, H, (r0 > ql ? r0 : ql) - ql, r1 - ql, x, xq, xd, xs, kva);
+        })
+        #pragma omp single
+        {
+            rms_norm_row(qa, ql, m->q_a_norm, m->eps_q);
+            if (fast) quantize_row(qa, ql, qq, qd, qs_);
+            for (int64_t i = 0; i < kl; i++) kvrow[i] = kva[i];
+            rms_norm_row(kvrow, kl, m->kv_a_norm, m->eps_kv);
+            rope_row(kva + kl, m->rot, rp, kvrow + kl);
+        }
+        ROWS_FOR(qrows, mat_rows(m->t_q_b, m->mode, m->q_b, ql, r0, r1, qa, qq, qd, qs_, qb))
+        #pragma omp for schedule(static)
+        for (int64_t h = 0; h < nh; h++) {
+            const float *qp = qb + h * qh;
+            float *dst = qcat + h * (kl + rp);
+            const uint8_t *kb = m->k_b + h * m->s_k_b;
+            if (fast && m->t_k_b != 2) quantize_row(qp, np_, pq + h * np_, pd + h * (np_ / QK), ps + h * (np_ / QK));
+            mat_rows(m->t_k_b, m->mode, kb, np_, 0, kl, qp, pq + h * np_, pd + h * (np_ / QK), ps + h * (np_ / QK), dst);
+            rope_row(qp + np_, m->rot, rp, dst + kl);
+        }
+    }
+    free(qa); free(q8); free(d8); free(s8);
+    return 0;
+}
+
+/* attention of every head on the n cached tokens (latent rows lat, ld_lat apart; roped keys kr,
+ * ld_kr apart), each head's output through v_b, then o_proj: out [H] */
+int qpk_mla_post(const qpk_mla *m, const float *qcat, const float *lat, int64_t ld_lat, const float *kr, int64_t ld_kr,
+                 int64_t n, float *out) {
+    const int64_t H = m->H, kl = m->kv_lora, rp = m->rope, nh = m->nh, vd = m->v;
+    float *sc = (float *)malloc(sizeof(float) * (size_t)(nh * n + nh * kl + nh * vd));
+    int8_t *q8 = (int8_t *)malloc((size_t)(nh * kl + nh * vd));
+    float *d8 = (float *)malloc(sizeof(float) * (size_t)((nh * kl + nh * vd) / QK + 1));
+    int32_t *s8 = (int32_t *)malloc(sizeof(int32_t) * (size_t)((nh * kl + nh * vd) / QK + 1));
+    if (!sc || !q8 || !d8 || !s8) { free(sc); free(q8); free(d8); free(s8); return -2; }
+    float *ol = sc + nh * n, *ov = ol + nh * kl;
+    int8_t *lq = q8, *vq = q8 + nh * kl;
+    float *ld = d8, *vdd = d8 + nh * kl / QK;
+    int32_t *ls = s8, *vs = s8 + nh * kl / QK;
+    const int fast = m->mode == 1;
+    int64_t bytes = mat_bytes(m->t_o, H, nh * vd) + n * (kl + rp) * 4 * nh / 4;
+    #pragma omp parallel num_threads(threads_for(bytes))
+    {
+        #pragma omp for schedule(static)
+        for (int64_t h = 0; h < nh; h++) {
+            const float *q = qcat + h * (kl + rp);
+            float *s = sc + h * n, mx = -INFINITY, sum = 0.f;
+            for (int64_t j = 0; j < n; j++) {
+                const float *lj = lat + j * ld_lat, *kj = kr + j * ld_kr;
+                float a = 0.f, b = 0.f;
+                for (int64_t i = 0; i < kl; i++) a += q[i] * lj[i];
+                for (int64_t i = 0; i < rp; i++) b += q[kl + i] * kj[i];
+                s[j] = a * m->scale + b * m->scale;
+                mx = s[j] > mx ? s[j] : mx;
+            }
+            for (int64_t j = 0; j < n; j++) { s[j] = expf(s[j] - mx); sum += s[j]; }
+            float inv = 1.f / sum, *o = ol + h * kl;
+            for (int64_t i = 0; i < kl; i++) o[i] = 0.f;
+            for (int64_t j = 0; j < n; j++) {
+                const float p = s[j] * inv, *lj = lat + j * ld_lat;
+                for (int64_t i = 0; i < kl; i++) o[i] += p * lj[i];
+            }
+            if (fast && m->t_v_b != 2) quantize_row(o, kl, lq + h * kl, ld + h * (kl / QK), ls + h * (kl / QK));
+            mat_rows(m->t_v_b, m->mode, m->v_b + h * m->s_v_b, kl, 0, vd, o, lq + h * kl, ld + h * (kl / QK),
+                     ls + h * (kl / QK), ov + h * vd);
+        }
+        #pragma omp single
+        if (fast) quantize_row(ov, nh * vd, vq, vdd, vs);
+        ROWS_FOR(H, mat_rows(m->t_o, m->mode, m->o, nh * vd, r0, r1, ov, vq, vdd, vs, out))
+    }
+    free(sc); free(q8); free(d8); free(s8);
+    return 0;
+}

@@ -144,6 +144,19 @@ class GGMLScheme(LinearScheme):
             return None
         return _GGMLFused(self, list(layers), int4)
 
+    def fuse_mlp(self, gate: nn.Module, up: nn.Module, down: nn.Module) -> Callable[..., torch.Tensor] | None:
+        """One token through the MLP (or a step's routed experts) in one native call when all
+        three weights are native-kernel types (``native.mlp_one``)."""
+        if any(getattr(layer, "_qpk", None) is None for layer in (gate, up, down)):
+            return None
+        return _GGMLMLP(gate, up, down)
+
+    def fuse_attention(self, attn: nn.Module) -> Callable[..., torch.Tensor | None] | None:
+        """A decode step of the MLA layer in two native calls (``native.mla_step``) when its
+        projections are native-kernel types, its K/V stacks native types or cached float32, the
+        model float32, and the layer has q_lora, split K/V and no output gate."""
+        return _GGMLMLA.build(attn)
+
     def apply_grouped(self, layer: nn.Module, x: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
         mode = self._native(layer, x, max(n for _, n in groups))
         if mode is not None:
@@ -199,6 +212,117 @@ class GGMLScheme(LinearScheme):
                 layer.register_buffer("_int4_sz", fast[1], persistent=False)
                 if fast[0].dim() == 3:  # stacked experts: each slot's views, made once
                     layer._int4_slots = list(zip(fast[0].unbind(0), fast[1].unbind(0)))  # type: ignore[assignment]
+
+
+class _GGMLMLP:
+    """What :meth:`GGMLScheme.fuse_mlp` returns: ``f(x)`` / ``f(x, slots, weights)`` for one token
+    through ``native.mlp_one`` (exact: float32 model and input; else fast under ``kernels="fast"``),
+    or, when the native kernels are off, the composition of the layers' own applies."""
+
+    def __init__(self, gate: Any, up: Any, down: Any) -> None:
+        self.gate, self.up, self.down = gate, up, down
+        self.types = (gate.scheme.ggml_type, up.scheme.ggml_type, down.scheme.ggml_type)
+        self.fast = {layer.scheme.kernels for layer in (gate, up, down)} == {"fast"}
+        self.exact = {layer.scheme.kernels for layer in (gate, up, down)} == {"exact"} and \
+            {layer.model_dtype for layer in (gate, up, down)} == {torch.float32}
+
+    def _mode(self, x: torch.Tensor) -> str | None:
+        """As ``GGMLScheme._native`` for one row, once for the three layers."""
+        if ggml.native.library() is None:
+            return None
+        for layer in (self.gate, self.up, self.down):
+            layer._qpk.check(layer.weight)
+        return "fast" if self.fast else "exact" if self.exact and x.dtype == torch.float32 else None
+
+    def __call__(self, x: torch.Tensor, slots: Sequence[int] | None = None,
+                 weights: Sequence[float] | None = None) -> torch.Tensor:
+        mode = self._mode(x)
+        if mode is None:
+            return self._composed(x, slots, weights)
+        ix = [0] if slots is None else list(slots)
+        xf = x.reshape(1, -1)
+        xf = xf if xf.dtype == torch.float32 and xf.is_contiguous() else xf.float().contiguous()
+        g, u, d = (layer._qpk for layer in (self.gate, self.up, self.down))
+        out = ggml.native.mlp_one(xf, self.types, [g.ptrs[i] for i in ix], [u.ptrs[i] for i in ix],
+                                  [d.ptrs[i] for i in ix], g.n, mode, weights)
+        return out.to(x.dtype).view(x.shape)
+
+    def _composed(self, x: torch.Tensor, slots: Sequence[int] | None, weights: Sequence[float] | None) -> torch.Tensor:
+        gate, up, down = self.gate, self.up, self.down
+        if slots is None:
+            return down(F.silu(gate(x)) * up(x))
+        out = None
+        for s, w in zip(slots, weights if weights is not None else [1.0] * len(slots)):
+            y = (down(F.silu(gate(x, s)) * up(x, s), s) * w).to(x.dtype)
+            out = y if out is None else out + y
+        assert out is not None
+        return out
+
+
+class _GGMLMLA:
+    """What :meth:`GGMLScheme.fuse_attention` returns (see there and ``LinearScheme.fuse_attention``)."""
+
+    def __init__(self, attn: Any, step: Any, keep: list[torch.Tensor], layers: list[Any]) -> None:
+        self.attn, self.step, self.keep, self.layers = attn, step, keep, layers
+        self.ptrs = [t.data_ptr() for t in keep]
+
+    @staticmethod
+    def build(attn: Any) -> _GGMLMLA | None:
+        native = ggml.native
+        cfg = attn.cfg
+        if (native.library() is None or attn.q_lora is None or attn.layout.kind == "dense" or cfg.mla_use_output_gate
+                or attn.num_heads != cfg.num_attention_heads):
+            return None
+        mats = {"q_a": attn.q_a_proj, "kv_a": attn.kv_a_proj_with_mqa, "q_b": attn.q_b_proj, "o": attn.o_proj}
+        stacks = {"k_b": attn.k_b, "v_b": attn.v_b}
+        layers = [*mats.values(), *stacks.values()]
+        if any(not isinstance(m.scheme, GGMLScheme) or m.model_dtype != torch.float32 for m in layers):
+            return None
+        # the kernel mode of every packed matrix (a cached float32 stack has none)
+        kernels = {m.scheme.kernels for m in layers if getattr(m, "_dequantized", None) is None}
+        if len(kernels) != 1:
+            return None
+        keep: list[torch.Tensor] = []
+        fields: dict[str, Any] = {}
+        for name, m in mats.items():
+            if getattr(m, "_qpk", None) is None:
+                return None
+            keep.append(m.weight)
+            fields[name], fields[f"t_{name}"] = m.weight.data_ptr(), native.MAT_TYPES[m.scheme.ggml_type]
+        for name, m in stacks.items():
+            dense = getattr(m, "_dequantized", None)
+            w = dense if dense is not None else m.weight if getattr(m, "_qpk", None) is not None else None
+            if w is None or not w.is_contiguous():
+                return None
+            keep.append(w)
+            fields[name], fields[f"t_{name}"] = w.data_ptr(), 2 if dense is not None else native.MAT_TYPES[m.scheme.ggml_type]
+            fields[f"s_{name}"] = w[0].numel() * w.element_size()
+        norms = [attn.q_a_layernorm.weight, attn.kv_a_layernorm.weight]
+        if any(n.dtype != torch.float32 or not n.is_contiguous() for n in norms):
+            return None
+        keep += norms
+        dims = {"H": cfg.hidden_size, "q_lora": cfg.q_lora_rank, "kv_lora": attn.kv_lora_rank, "rope": attn.qk_rope_head_dim,
+                "nope": cfg.qk_nope_head_dim, "v": cfg.v_head_dim, "nh": attn.num_heads}
+        if fields["t_k_b"] != 2 and dims["nope"] % 32 or fields["t_v_b"] != 2 and dims["kv_lora"] % 32:
+            return None
+        step = native.MLAStep(mode=native.MODES[kernels.pop()], eps_q=attn.q_a_layernorm.eps,
+                              eps_kv=attn.kv_a_layernorm.eps, scale=attn.scale, q_a_norm=norms[0].data_ptr(),
+                              kv_a_norm=norms[1].data_ptr(), rot=None, **dims, **fields)
+        return _GGMLMLA(attn, step, keep, layers)
+
+    def __call__(self, x: torch.Tensor, rotation: torch.Tensor, cache: Any) -> torch.Tensor | None:
+        if (ggml.native.library() is None or x.dtype != torch.float32 or rotation.dtype != torch.float32
+                or not rotation.is_contiguous() or any(t.data_ptr() != p for t, p in zip(self.keep, self.ptrs))):
+            return None
+        self.step.rot = rotation.data_ptr()
+
+        def append(latent: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            lat, kr = cache.append(latent.view(1, 1, 1, -1), key.view(1, 1, 1, -1))
+            return lat[0, 0], kr[0, 0]
+
+        xf = x.reshape(-1)
+        out = ggml.native.mla_step(self.step, xf if xf.is_contiguous() else xf.contiguous(), append)
+        return out.view(1, 1, -1)
 
 
 class _GGMLFused:
