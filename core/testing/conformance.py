@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from ..api import LAYER_KINDS, ExportResult, LinearScheme, QuantplugError, TensorSpec, dense_state, plan_of
 from ..checkpoint import Checkpoint
-from ..layers.linear import DenseScheme, FusedProjections, QuantLinear, StackedLinear
+from ..layers.linear import DenseScheme, FusedMLP, FusedProjections, QuantLinear, StackedLinear
 from ..loader import load
 from ..models.deepseek import Embedding
 from ..plan import LoadPlan, build_plan
@@ -362,6 +362,23 @@ class BackendConformance:
             _fail(f"[fused projections] {len(bad)} fused group(s) of backend {self.backend}'s {layout} checkpoint "
                   f"compute something else than their layers' own applies (rel err > {self.forward_rtol:g}):\n"
                   f"  {listing}\nfuse(layers) must return the layers' outputs side by side, in the order given")
+
+    @pytest.mark.parametrize("layout", LAYOUTS)
+    def test_one_token_fusions_equal_the_model_path(self, quantplug_kit: _Kit, layout: str) -> None:
+        """Where the scheme runs a one-token MLP or MLA step as one (``LinearScheme.fuse_mlp`` /
+        ``fuse_attention``, under ``options``), it equals the model's own composition of the
+        layers' applies, and the attention step appends the same latent and key to the cache."""
+        case = self._layout(quantplug_kit, layout)
+        model = quantplug_kit.load(case.path)
+        fused, bad = _one_token_mismatches(model, self.forward_rtol)
+        if not fused:
+            pytest.skip(f"backend {self.backend!r} fuses no one-token MLP or attention step of the {layout} model "
+                        f"under options {dict(self.options)}")
+        if bad:
+            listing = "\n  ".join(bad[:8])
+            _fail(f"[one-token fusions] {len(bad)} fused step(s) of backend {self.backend}'s {layout} checkpoint "
+                  f"compute something else than the model's own path (rel err > {self.forward_rtol:g}):\n"
+                  f"  {listing}\nfuse_mlp / fuse_attention must compute what the separate applies compute")
 
     @pytest.mark.parametrize("layout", LAYOUTS)
     def test_dequantized_weights_are_close_to_the_source(self, quantplug_kit: _Kit, layout: str) -> None:
@@ -755,6 +772,57 @@ def _apply_mismatches(model: torch.nn.Module, rtol: float, ids: torch.Tensor) ->
             if not err <= rtol:
                 bad.append(f"{mod.qp_ckpt} ({scheme.describe()}): {what} rel err {err:.3g}")
     return bad
+
+
+def _one_token_mismatches(model: torch.nn.Module, rtol: float) -> tuple[int, list[str]]:
+    """(number of one-token fusions, those that differ from the model's own path)."""
+    from ..generate import LatentCache
+    from ..models.deepseek import MLA
+
+    g = torch.Generator().manual_seed(5)
+    n, bad = 0, []
+
+    def check(what: str, got: torch.Tensor, ref: torch.Tensor) -> None:
+        err = rel_err(got.float(), ref.float()) if got.shape == ref.shape else float("inf")
+        if not err <= rtol:
+            bad.append(f"{what}: rel err {err:.3g}" + ("" if got.shape == ref.shape else
+                                                       f" (shape {list(got.shape)}, want {list(ref.shape)})"))
+
+    with torch.no_grad():
+        for mod in model.modules():
+            one = getattr(mod, "one", None)
+            if isinstance(one, FusedMLP):
+                n += 1
+                gate, up, down = one.layers
+                x = torch.randn(1, int(gate.in_features), generator=g).to(gate.model_dtype)  # type: ignore[arg-type]
+                if isinstance(gate, StackedLinear):
+                    slots, weights = [0, gate.n - 1], [0.25, 0.75]
+                    got = one(x, slots, weights)
+                    ref = sum((down(F.silu(gate(x, s)) * up(x, s), s) * w).to(x.dtype) for s, w in zip(slots, weights))
+                else:
+                    got, ref = one(x), down(F.silu(gate(x)) * up(x))
+                check(f"{one!r}", got, ref)
+            elif isinstance(mod, MLA) and one is not None:
+                n += 1
+                cfg, dtype = mod.cfg, mod.o_proj.model_dtype
+                caches = [LatentCache(1, mod.kv_lora_rank, mod.qk_rope_head_dim, dtype=dtype, device=torch.device("cpu"),
+                                      capacity=8, limit=64) for _ in range(2)]
+                past = (torch.randn(1, 1, 3, mod.kv_lora_rank, generator=g), torch.randn(1, 1, 3, mod.qk_rope_head_dim, generator=g))
+                for c in caches:
+                    c.append(past[0].to(dtype), past[1].to(dtype))
+                x = torch.randn(1, 1, cfg.hidden_size, generator=g).to(dtype)
+                cos, sin = mod.rotary[0].cos_sin(torch.tensor([[3]]), dtype)
+                got = mod(x, cos, sin, caches[0])
+                mod.one = None
+                try:
+                    ref = mod(x, cos, sin, caches[1])
+                finally:
+                    mod.one = one
+                check(f"{type(mod).__name__} step of {mod.o_proj.qp_ckpt.rsplit('.', 1)[0]}", got, ref)
+                if got.shape == ref.shape:
+                    check("its cached latent", caches[0].latent[:, :, :4], caches[1].latent[:, :, :4])
+                    check("its cached key", caches[0].k_rope[:, :, :4], caches[1].k_rope[:, :, :4])
+    return n, bad
 
 
 def _fused_mismatches(model: torch.nn.Module, rtol: float) -> tuple[int, list[str]]:

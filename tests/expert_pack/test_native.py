@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import quantplug
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from quantplug.generate import new_cache
@@ -191,3 +192,79 @@ def test_decode_with_native_kernels_matches_the_torch_paths(gguf_dirs, ggml_type
     err = ((fast_native - exact_torch).norm() / exact_torch.norm()).item()
     assert 0 < err <= 3e-2, err
     assert (fast_native.argmax(-1) == exact_torch.argmax(-1)).float().mean() >= 0.95
+
+
+# widths in whole 32-blocks everywhere, so that every projection, K/V stack included, is packed
+# and the one-token MLP and MLA steps run natively in both kernel modes
+CFG32 = tiny_config(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, n_routed_experts=16,
+                    num_experts_per_tok=4, n_group=4, topk_group=2, vocab_size=256, num_attention_heads=4,
+                    num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32,
+                    v_head_dim=32)
+
+
+@pytest.fixture(scope="module")
+def gguf32(tmp_path_factory):
+    mc = parse_model_config(CFG32, "DeepseekV3ForCausalLM", False)
+    out = {}
+    for t in TYPES:
+        root = tmp_path_factory.mktemp(f"w32-{t}")
+        (root / "config.json").write_text(json.dumps(CFG32))
+        write_gguf(root / "model.gguf", gguf_state(random_state(CFG32), mc), mc, default_type=t, vocab=256)
+        out[t] = root
+    return out
+
+
+def _steps(model: torch.nn.Module, n: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        cache = new_cache(model, 1, 32)
+        logits = [model.next_logits(ids, cache)]
+        for t in range(n):
+            logits.append(model.next_logits(ids[:, t:t + 1], cache))
+    return torch.stack(logits), torch.cat([c.latent[:, :, :cache.length] for c in cache.layers])
+
+
+def _unfuse_one_token(model: torch.nn.Module) -> None:
+    for mod in model.modules():
+        if getattr(mod, "one", None) is not None:
+            mod.one = None
+
+
+@needs_native
+@pytest.mark.parametrize("ggml_type", TYPES)
+@pytest.mark.parametrize("kernels", ["exact", "fast"])
+def test_one_token_native_steps_equal_the_composed_path(gguf32, ggml_type, kernels):
+    """Every MLA layer, dense MLP, shared and routed expert block of a decode step in one native
+    call (fuse_attention / fuse_mlp) computes what the model's own path computes on the same
+    native linears: the same logits and cached latents up to float32 summation order."""
+    model = quantplug.load(gguf32[ggml_type], progress=False, options={"kernels": kernels})
+    layers = model.model.layers
+    assert all(layer.self_attn.one is not None for layer in layers)
+    assert layers[0].mlp.one is not None and layers[1].mlp.experts.one is not None
+    assert layers[1].mlp.shared_experts.one is not None
+    fused_logits, fused_latent = _steps(model)
+    _unfuse_one_token(model)
+    logits, latent = _steps(model)
+    torch.testing.assert_close(fused_latent, latent, rtol=1e-4, atol=1e-5)
+    tol = 1e-4 if kernels == "exact" else 5e-3   # fast: an activation's int8 rounding can flip at a tie
+    assert ((fused_logits - logits).norm() / logits.norm()).item() < tol
+
+
+@needs_native
+def test_one_token_steps_decline_what_they_cannot_run(gguf32, gguf_dirs):
+    # widths not in whole blocks (the tiny default model): no native MLA step, the model's own runs
+    model = quantplug.load(gguf_dirs["Q4_0"], progress=False)
+    assert all(layer.self_attn.one is None for layer in model.model.layers)
+    # a bfloat16 model: exact native kernels decline (the reference rounds weights to bfloat16)
+    bf16 = quantplug.load(gguf32["Q8_0"], progress=False, dtype=torch.bfloat16)
+    assert all(layer.self_attn.one is None for layer in bf16.model.layers)
+    x = torch.randn(1, CFG32["hidden_size"], dtype=torch.bfloat16)
+    mlp = bf16.model.layers[0].mlp
+    if mlp.one is not None:                       # declines per call: the composed path runs
+        torch.testing.assert_close(mlp.one(x), mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)))
+    # the library switched off after loading: every fused step falls back, same logits
+    f32 = quantplug.load(gguf32["Q8_0"], progress=False)
+    want, _ = _steps(f32)
+    with native.disabled():
+        got, _ = _steps(f32)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
