@@ -314,14 +314,15 @@ class _GGMLMLA:
         if (ggml.native.library() is None or x.dtype != torch.float32 or rotation.dtype != torch.float32
                 or not rotation.is_contiguous() or any(t.data_ptr() != p for t, p in zip(self.keep, self.ptrs))):
             return None
-        self.step.rot = rotation.data_ptr()
+        step = ggml.native.MLAStep.from_buffer_copy(self.step)  # per call: concurrent forwards differ in rotation
+        step.rot = rotation.data_ptr()
 
         def append(latent: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             lat, kr = cache.append(latent.view(1, 1, 1, -1), key.view(1, 1, 1, -1))
             return lat[0, 0], kr[0, 0]
 
         xf = x.reshape(-1)
-        out = ggml.native.mla_step(self.step, xf if xf.is_contiguous() else xf.contiguous(), append)
+        out = ggml.native.mla_step(step, xf if xf.is_contiguous() else xf.contiguous(), append)
         return out.view(1, 1, -1)
 
 
