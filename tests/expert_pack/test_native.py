@@ -125,6 +125,7 @@ def test_threads_split_big_weights_without_changing_results():
 def test_no_compiler_means_torch_paths_and_a_reason(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_tried", False)
     monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.delenv("QUANTPLUG_NATIVE", raising=False)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("QUANTPLUG_CACHE", str(tmp_path))
     assert native.library() is None and "no C compiler" in native.status()
