@@ -269,6 +269,10 @@ def main() -> None:
                   "llama.cpp rows skipped", file=sys.stderr)
     if not a.no_llama and llama_py:
         contenders += [("llama", t, "-") for t in a.types.split(",")]
+    from quantplug_expert_pack import native
+
+    # built here once, before any timed child (each child then loads the cached library)
+    print(f"quantplug native kernels: {native.status()}", file=sys.stderr)
     best: dict[tuple[str, str, str], dict] = {}
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
     for r in range(a.reps):

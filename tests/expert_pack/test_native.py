@@ -269,3 +269,14 @@ def test_one_token_steps_decline_what_they_cannot_run(gguf32, gguf_dirs):
     with native.disabled():
         got, _ = _steps(f32)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_non_finite_activations_give_nan_not_finite_garbage(mode):
+    w = _rows("Q4_0", 8, 64, 0)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
+    x[0, 5] = float("nan")
+    x[1, 40] = float("inf")
+    y = native.gemm(x, [w.data_ptr()], [8], "Q4_0", mode)
+    assert not torch.isfinite(y).any()          # the torch path: NaN (and inf * 0 = NaN) in every row

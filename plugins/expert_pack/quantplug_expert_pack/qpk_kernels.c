@@ -95,13 +95,20 @@ int qpk_dequantize(int type, int64_t nblocks, const uint8_t *src, float *dst) {
 
 /* ---- activations for the fast mode ------------------------------------------------------- */
 
-/* One row of K floats -> int8 blocks q, scales d, block sums s (sum of the block's int8 values). */
+/* One row of K floats -> int8 blocks q, scales d, block sums s (sum of the block's int8 values).
+ * A block holding a NaN or an infinity gets scale NaN, so every output it touches is NaN, as a
+ * float matmul would give (never a finite number made from garbage codes). */
 static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, int32_t *s) {
     for (int64_t b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
         float amax = 0.f;
-        for (int j = 0; j < QK; j++) { float a = fabsf(xb[j]); amax = a > amax ? a : amax; }
-        float db = amax / 127.f, id = db != 0.f ? 1.f / db : 0.f;
+        int finite = 1;
+        for (int j = 0; j < QK; j++) {
+            float a = fabsf(xb[j]);
+            if (!isfinite(a)) finite = 0;
+            else if (a > amax) amax = a;
+        }
+        float db = finite ? amax / 127.f : NAN, id = finite && db != 0.f ? 1.f / db : 0.f;
         int32_t sum = 0;
         for (int j = 0; j < QK; j++) {
             int v = (int)lrintf(xb[j] * id);
