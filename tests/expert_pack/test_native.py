@@ -7,6 +7,7 @@ be built. Skipped with the build's reason where this machine has no C compiler."
 from __future__ import annotations
 
 import json
+import platform
 import zlib
 from pathlib import Path
 
@@ -280,3 +281,26 @@ def test_non_finite_activations_give_nan_not_finite_garbage(mode):
     x[1, 40] = float("inf")
     y = native.gemm(x, [w.data_ptr()], [8], "Q4_0", mode)
     assert not torch.isfinite(y).any()          # the torch path: NaN (and inf * 0 = NaN) in every row
+
+
+@needs_native
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 -march levels")
+@pytest.mark.parametrize(("march", "isa"), [("x86-64-v3", 2), ("x86-64", 0)])
+def test_avx2_and_portable_builds_compute_the_same(monkeypatch, tmp_path, gguf32, march, isa):
+    """The C file's other SIMD paths (AVX2 without VNNI, portable C), built for older x86 levels
+    and run here: each agrees with the float64 references, and the one-token steps with the
+    model's own path."""
+    monkeypatch.setenv("QUANTPLUG_NATIVE_MARCH", march)
+    monkeypatch.setenv("QUANTPLUG_CACHE", str(tmp_path))
+    lib = native._build()
+    assert lib.qpk_isa() == isa
+    monkeypatch.setattr(native, "_lib", lib)
+    monkeypatch.setattr(native, "_tried", True)
+    for ggml_type in TYPES:
+        for m in (1, 5):
+            test_gemm_both_modes_against_float64_references(ggml_type, m)
+    for mode in ("exact", "fast"):
+        test_gemm_groups_place_each_weights_rows_and_columns(mode)
+    test_dequantize_bit_exact_with_gguf_py_and_the_torch_kernel("Q4_0")
+    for kernels in ("exact", "fast"):
+        test_one_token_native_steps_equal_the_composed_path(gguf32, "Q4_0", kernels)

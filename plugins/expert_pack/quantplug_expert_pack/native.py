@@ -14,6 +14,9 @@ the compiler's version and the CPU's flags, written to a temporary name and rena
 processes never load a half-written library). OpenMP links the ``libgomp.so.1`` torch has already
 loaded, so these loops run on torch's threads (``torch.set_num_threads`` applies).
 
+``QUANTPLUG_NATIVE_MARCH`` replaces ``native`` in ``-march`` (the tests build ``x86-64-v3`` and
+``x86-64`` too, so the AVX2 and portable paths are checked on any x86 machine).
+
 No compiler, a failed build or ``QUANTPLUG_NATIVE=0``: :func:`library` returns None and says why in
 :func:`status`; every caller then keeps its torch path. Nothing here is needed for correctness.
 """
@@ -66,7 +69,8 @@ def _build() -> ctypes.CDLL:
     if shutil.which(cc) is None:
         raise OSError(f"no C compiler ({cc!r} not on PATH)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+    flags = ["-O3", f"-march={os.environ.get('QUANTPLUG_NATIVE_MARCH', 'native')}", "-fopenmp", "-shared", "-fPIC",
+             "-std=c11"]
     src = SOURCE.read_bytes()
     key = hashlib.sha256(src + version.encode() + _cpu_flags().encode() + " ".join(flags).encode()).hexdigest()[:16]
     out = cache_dir() / f"qpk_kernels-{key}.so"
