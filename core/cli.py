@@ -1,6 +1,7 @@
 """The ``quantplug`` command.
 
-Exit codes: 0 ok; 1 a QuantplugError (one line on stderr, traceback only with --debug); 2 usage.
+Exit codes: 0 ok; 1 a QuantplugError (one line on stderr, traceback only with --debug); 2 usage;
+3 anything else (a bug in quantplug, a plugin or a library: one line, traceback only with --debug).
 """
 
 from __future__ import annotations
@@ -281,6 +282,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 (a bug, or a library's panic: one line, not a traceback)
+        if args.debug:
+            raise
+        print(f"error: unexpected {type(exc).__name__}: {exc}. This is a bug in quantplug, a plugin or a library; "
+              "--debug shows the traceback", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -319,7 +319,13 @@ def cli_generate(args: Any, model: Any) -> int:
 
     from .tokenizer import load_tokenizer
 
-    tok = load_tokenizer(args.path)
+    try:
+        tok = load_tokenizer(args.path)
+    except QuantplugError as exc:
+        if args.tokens is None:
+            raise
+        tok = None  # ids given: the text is only for display, so generate and print ids instead
+        print(f"quantplug: tokenizer not usable, printing token ids ({exc})", file=sys.stderr)
     if args.tokens is not None:
         try:
             ids = [int(t) for t in args.tokens.split(",") if t.strip()]

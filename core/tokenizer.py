@@ -116,8 +116,19 @@ class Tokenizer:
             raise CheckpointError(f"{file}: tokenizer.ggml.tokens is missing or empty")
         self = cls("gguf", file, config, meta.get("tokenizer.chat_template"))
         vocab = {t: i for i, t in enumerate(tokens)}
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
-        self._tk = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=False))
+        pairs = []
+        for i, m in enumerate(merges):
+            a, sep, b = str(m).partition(" ")
+            # checked here: the tokenizers library panics (a BaseException) on a merge whose
+            # result is not in the vocabulary
+            if not sep or a not in vocab or b not in vocab or a + b not in vocab:
+                raise CheckpointError(f"{file}: tokenizer.ggml.merges[{i}] = {str(m)[:80]!r} does not merge two "
+                                      "vocabulary tokens into a third: the GGUF's BPE vocabulary is inconsistent")
+            pairs.append((a, b))
+        try:
+            self._tk = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=False))
+        except Exception as exc:  # the library's own checks, as a message naming the file
+            raise CheckpointError(f"{file}: the GGUF's BPE vocabulary is not usable: {exc}") from None
         pre = str(meta.get("tokenizer.ggml.pre", ""))
         splits = [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in GGUF_PRE_PATTERNS.get(pre, ())]
         self._tk.pre_tokenizer = pre_tokenizers.Sequence(

@@ -355,3 +355,57 @@ def test_every_exporting_backend_cache_equals_recompute(tmp_path):
                 check_cached_equals_recompute(model, IDS, steps=3, tol=tol)
             done.append(rec.name)
     assert {"quark", "modelslim", "expert_pack"} <= set(done)
+
+
+def test_cli_generate_with_an_unusable_gguf_vocabulary(tmp_path, capsys):
+    """--tokens: the vocabulary only prints text, so a broken one is reported and ids are printed;
+    --prompt needs it: a one-line error naming the file and the merge, no traceback."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFWriter
+    from quantplug_expert_pack.export import gguf_state, write_gguf
+
+    cfg = tiny_config()
+    mc = parse_model_config(cfg, "DeepseekV3ForCausalLM", False)
+    (tmp_path / "src").mkdir()
+    write_gguf(tmp_path / "src" / "model.gguf", gguf_state(random_state(cfg), mc), mc, default_type="Q8_0", vocab=cfg["vocab_size"])
+    root = tmp_path / "bad"
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps(cfg))
+    r = GGUFReader(tmp_path / "src" / "model.gguf")
+    w = GGUFWriter(str(root / "model.gguf"), "deepseek2")
+    for key, f in r.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            w.add_key_value(key, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
+    w.add_token_merges(["<tok1> <tok2>"])              # "<tok1><tok2>" is no token
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert main(["generate", str(root), "--tokens", "5,6,7", "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr()
+    assert len(out.out.split()) == 3 and "tokenizer not usable" in out.err and "merges[0]" in out.err
+    assert main(["generate", str(root), "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert "model.gguf: tokenizer.ggml.merges[0]" in err and "Traceback" not in err
+
+
+def test_cli_turns_an_unexpected_exception_into_one_line(tmp_path, capsys, monkeypatch):
+    import quantplug.generate as gen
+
+    cfg = tiny_config()
+    path = write_checkpoint(tmp_path / "d", cfg, random_state(cfg))
+
+    class Panic(BaseException):  # what a Rust library's panic looks like from Python
+        pass
+
+    def boom(*a, **k):
+        raise Panic("range end index 12 out of range")
+
+    monkeypatch.setattr(gen, "max_seq_len", boom)
+    assert main(["generate", str(path), "--tokens", "5,6", "--max-new-tokens", "2"]) == 3
+    err = capsys.readouterr().err
+    assert "unexpected Panic: range end index 12" in err and "--debug" in err and "Traceback" not in err
+    with pytest.raises(Panic):
+        main(["--debug", "generate", str(path), "--tokens", "5,6", "--max-new-tokens", "2"])

@@ -162,3 +162,21 @@ def test_gguf_without_bpe_vocabulary_is_refused_by_name(tmp_path):
     w.close()
     with pytest.raises(CheckpointError, match=r"m.gguf: tokenizer.ggml.model = 'llama'"):
         load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("merge", ["<a> <b>", "<a><b>", "<a> <zz>"])
+def test_gguf_merges_outside_the_vocabulary_are_named_not_a_panic(tmp_path, merge):
+    """A merge whose parts or result are not vocabulary tokens made the tokenizers library panic
+    (a BaseException no handler caught, a raw traceback from the CLI): now a CheckpointError."""
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(tmp_path / "m.gguf"), "deepseek2")
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(["<a>", "<b>", "c"])
+    w.add_token_merges([merge])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match=r"m.gguf: tokenizer.ggml.merges\[0\]"):
+        load_tokenizer(tmp_path)
