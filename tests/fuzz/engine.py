@@ -45,6 +45,7 @@ from quantplug.checkpoint.safetensors_index import read_header
 from quantplug.errors import QuantplugError
 from quantplug.loader import execute
 from quantplug.plan import build_plan
+from quantplug.tokenizer import load_tokenizer
 
 from . import kit
 
@@ -415,8 +416,10 @@ class Fuzzer:
         except MemoryError:
             outcome = "FAIL"
             rep.failures.append(f"{label}: MemoryError")
-        except Exception as exc:  # noqa: BLE001 (the point: anything but QuantplugError is a finding)
-            outcome = "FAIL"
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001 (the point: anything but QuantplugError is a finding; a
+            outcome = "FAIL"          # Rust library's panic is a BaseException)
             tb = traceback.format_exception(type(exc), exc, exc.__traceback__)[-3:]
             rep.failures.append(f"{label}: {type(exc).__name__}: {exc} | {''.join(tb).strip()[-400:]}")
         if isinstance(outcome, tuple):
@@ -438,6 +441,7 @@ class Fuzzer:
                 read_header(path)
             elif target.endswith(".gguf"):
                 read_gguf_header(path)
+                load_tokenizer(root)  # the vocabulary arrays the header reader skips, decoded in full
             else:
                 from quantplug_expert_pack.pack import ExpertPack
 

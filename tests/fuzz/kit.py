@@ -28,7 +28,7 @@ def gguf(root: Path, **overrides) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(cfg))
     write_gguf(root / "model.gguf", gguf_state(random_state(cfg), mc), mc, default_type="Q8_0",
-               types={"attn_k_b": "Q4_0"})
+               types={"attn_k_b": "Q4_0"}, vocab=cfg["vocab_size"])  # a vocabulary: the read level decodes it
     return root
 
 
