@@ -27,6 +27,7 @@ from quantplug_expert_pack.testing import random_blocks, random_rows
 
 needs_native = pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.status()}")
 TYPES = sorted(native.TYPES)
+BLOCK32 = ["Q4_0", "Q8_0"]          # what gguf-py can quantize a model to; K-quants come as raw blocks
 
 
 def _rows(ggml_type: str, n: int, k: int, seed: int) -> torch.Tensor:
@@ -64,7 +65,8 @@ def test_dequantize_bit_exact_with_gguf_py_and_the_torch_kernel(ggml_type):
 @pytest.mark.parametrize("ggml_type", TYPES)
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 9])
 def test_gemm_both_modes_against_float64_references(ggml_type, m):
-    n, k = 70, 160                                   # rows not a multiple of the 4-row tile; 5 blocks
+    n = 70                                           # rows not a multiple of the 4-row tile
+    k = 160 if native.BLOCK_ELEMS[ggml_type] == 32 else 512   # 5 blocks / 2 super-blocks
     w = _rows(ggml_type, n, k, m)
     dense = ggml.dequantize(w, ggml_type).double()
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
@@ -73,11 +75,14 @@ def test_gemm_both_modes_against_float64_references(ggml_type, m):
     bound = lambda xs: 1e-6 * (xs.double().abs() @ dense.abs().t()) + 1e-30  # noqa: E731
     exact = native.gemm(x, [w.data_ptr()], [n], ggml_type, "exact")
     assert ((exact.double() - ref).abs() <= bound(x)).all()
+    fast = native.gemm(x, [w.data_ptr()], [n], ggml_type, "fast")
+    if ggml_type in native.EXACT_ONLY:               # K-quants: the exact path in both modes
+        assert torch.equal(fast, exact)
+        return
     q, d = _q8_blocks(x)
     # fast: per block, the integer dot product of the codes times d_w * d_x: the same as the exact
     # weights against the int8 blocks' values, up to float32 rounding
     xq = (q * d).reshape(m, k)
-    fast = native.gemm(x, [w.data_ptr()], [n], ggml_type, "fast")
     assert ((fast.double() - xq.double() @ dense.t()).abs() <= bound(xq)).all()
     assert 0 < (fast.double() - ref).norm() / ref.norm() < 2e-2          # it is the int8 path
 
@@ -161,7 +166,7 @@ CFG = tiny_config(moe_intermediate_size=64, n_routed_experts=16, num_experts_per
 def gguf_dirs(tmp_path_factory):
     mc = parse_model_config(CFG, "DeepseekV3ForCausalLM", False)
     out = {}
-    for t in TYPES:
+    for t in BLOCK32:
         root = tmp_path_factory.mktemp(t)
         (root / "config.json").write_text(json.dumps(CFG))
         write_gguf(root / "model.gguf", gguf_state(random_state(CFG), mc), mc, default_type=t, vocab=256)
@@ -182,7 +187,7 @@ def _decode_logits(path: Path, kernels: str) -> torch.Tensor:
 
 
 @needs_native
-@pytest.mark.parametrize("ggml_type", TYPES)
+@pytest.mark.parametrize("ggml_type", BLOCK32)
 def test_decode_with_native_kernels_matches_the_torch_paths(gguf_dirs, ggml_type):
     """Exact: the same numbers as the torch path up to float32 summation order. Fast: the
     native int8-block path stays within the bounds fast mode promises against exact."""
@@ -204,15 +209,46 @@ CFG32 = tiny_config(hidden_size=128, intermediate_size=256, moe_intermediate_siz
                     v_head_dim=32)
 
 
+# K-quant rows need inputs in whole super-blocks of 256
+CFGK = tiny_config(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, n_routed_experts=8,
+                   num_experts_per_tok=2, n_group=2, topk_group=1, vocab_size=256, num_attention_heads=4,
+                   num_key_value_heads=4, q_lora_rank=256, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32,
+                   v_head_dim=64)
+#: a llama-quantize Q4_K_M-like mix: most projections Q4_K, ffn_down Q6_K, attention output Q5_K
+K_MIX = {"ffn_down": "Q6_K", "ffn_down_exps": "Q6_K", "ffn_down_shexp": "Q6_K", "attn_output": "Q5_K"}
+
+
+def write_k_mix(root: Path) -> Path:
+    """A GGUF whose linears with 256-multiple rows are K-quant blocks (random valid ones: gguf-py
+    cannot quantize to K-quants), the rest Q8_0."""
+    mc = parse_model_config(CFGK, "DeepseekV3ForCausalLM", False)
+    state = gguf_state(random_state(CFGK), mc)
+    rng = np.random.default_rng(7)
+    raw = {}
+    for name in list(state):
+        t = state[name]
+        base = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
+        if t.dim() >= 2 and t.shape[-1] % 256 == 0 and base not in ("token_embd", "output", "ffn_gate_inp"):
+            ggml_type = K_MIX.get(base, "Q4_K")
+            # scales: Q4_K / Q5_K d * 6-bit scale * q up to ~1e3 * d; Q6_K d * int8 scale * q ~ 4e3 * d
+            raw[name] = (random_rows(ggml_type, tuple(t.shape), rng, scale=2e-5 if ggml_type != "Q6_K" else 5e-6), ggml_type)
+            del state[name]
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(CFGK))
+    write_gguf(root / "model.gguf", state, mc, default_type="Q8_0", vocab=256, raw=raw)
+    return root
+
+
 @pytest.fixture(scope="module")
 def gguf32(tmp_path_factory):
     mc = parse_model_config(CFG32, "DeepseekV3ForCausalLM", False)
     out = {}
-    for t in TYPES:
+    for t in BLOCK32:
         root = tmp_path_factory.mktemp(f"w32-{t}")
         (root / "config.json").write_text(json.dumps(CFG32))
         write_gguf(root / "model.gguf", gguf_state(random_state(CFG32), mc), mc, default_type=t, vocab=256)
         out[t] = root
+    out["K-mix"] = write_k_mix(tmp_path_factory.mktemp("k-mix"))
     return out
 
 
@@ -233,7 +269,7 @@ def _unfuse_one_token(model: torch.nn.Module) -> None:
 
 
 @needs_native
-@pytest.mark.parametrize("ggml_type", TYPES)
+@pytest.mark.parametrize("ggml_type", [*BLOCK32, "K-mix"])
 @pytest.mark.parametrize("kernels", ["exact", "fast"])
 def test_one_token_native_steps_equal_the_composed_path(gguf32, ggml_type, kernels):
     """Every MLA layer, dense MLP, shared and routed expert block of a decode step in one native
@@ -304,3 +340,17 @@ def test_avx2_and_portable_builds_compute_the_same(monkeypatch, tmp_path, gguf32
     test_dequantize_bit_exact_with_gguf_py_and_the_torch_kernel("Q4_0")
     for kernels in ("exact", "fast"):
         test_one_token_native_steps_equal_the_composed_path(gguf32, "Q4_0", kernels)
+
+
+@needs_native
+def test_k_quant_model_decodes_as_the_torch_path(gguf32):
+    """A Q4_K / Q5_K / Q6_K mix (as llama-quantize's Q4_K_M writes): the native K-quant kernels
+    (exact in both modes) give the torch dequantize-then-matmul logits up to summation order."""
+    path = gguf32["K-mix"]
+    schemes = quantplug.plan(path).to_dict()["schemes"].values()
+    assert {"ggml Q4_K", "ggml Q5_K", "ggml Q6_K"} <= set(schemes)
+    native_exact = _decode_logits(path, "exact")
+    with native.disabled():
+        torch_exact = _decode_logits(path, "exact")
+    assert torch.isfinite(torch_exact).all()
+    torch.testing.assert_close(native_exact, torch_exact, rtol=1e-4, atol=1e-5)

@@ -494,11 +494,13 @@ class Int4Fused:
 
 # --- native kernels (``native.py`` / ``qpk_kernels.c``) ----------------------------------------
 #
-# Q4_0 and Q8_0 matrix-vector products on the blocks as loaded, for few input rows (a decode step,
-# the routed experts' rows of one token): "exact" dequantizes each block in registers (d * q, the
-# values above) and sums in float32; "fast" is llama.cpp's path (activations as int8 blocks,
-# integer dot products). For more rows, torch's matmul on a dequantized chunk (exact) and torch's
-# int4 kernel (fast Q4_0) are faster, and those paths stay.
+# Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K matrix-vector products on the blocks as loaded, for few input
+# rows (a decode step, the routed experts' rows of one token): "exact" dequantizes each block as
+# gguf-py does (in registers for Q4_0 / Q8_0, 256 floats on the stack for K-quants) and sums in
+# float32; "fast" is llama.cpp's path for Q4_0 / Q8_0 (activations as int8 blocks, integer dot
+# products), and the exact path for K-quants. For more rows, torch's matmul on a dequantized chunk
+# (exact; the chunk dequantized natively) and torch's int4 kernel (fast Q4_0 / Q4_K) are faster,
+# and those paths stay.
 
 #: most input rows per weight the native exact kernel takes (beyond, a dequantized chunk + matmul)
 NATIVE_EXACT_ROWS = 16

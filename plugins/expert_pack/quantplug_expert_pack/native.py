@@ -1,4 +1,5 @@
-"""Native Q4_0 / Q8_0 kernels (``qpk_kernels.c``), built on first use with the system C compiler.
+"""Native Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K kernels (``qpk_kernels.c``), built on first use with the
+system C compiler.
 
 Why: a decode step multiplies one token by every weight once, so its cost is reading the packed
 blocks. torch has no kernel that reads GGUF blocks as they are (its int4 CPU kernel needs its own
@@ -39,8 +40,11 @@ import torch
 
 SOURCE = Path(__file__).with_name("qpk_kernels.c")
 #: ggml type -> the C file's type code
-TYPES = {"Q4_0": 0, "Q8_0": 1}
-BLOCK_BYTES = {"Q4_0": 18, "Q8_0": 34}
+TYPES = {"Q4_0": 0, "Q8_0": 1, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
+BLOCK_BYTES = {"Q4_0": 18, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+BLOCK_ELEMS = {"Q4_0": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+#: types whose products always take the exact path (no int8-block form of their scales)
+EXACT_ONLY = frozenset({"Q4_K", "Q5_K", "Q6_K"})
 MODES = {"exact": 0, "fast": 1}
 ISA_NAMES = {3: "AVX512-VNNI", 2: "AVX2", 0: "portable C"}
 
@@ -69,8 +73,10 @@ def _build() -> ctypes.CDLL:
     if shutil.which(cc) is None:
         raise OSError(f"no C compiler ({cc!r} not on PATH)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    # -ffp-contract=off: "d * q - m" stays two roundings (gguf-py's values); the kernels' fused
+    # multiply-adds are explicit intrinsics, which the flag does not touch
     flags = ["-O3", f"-march={os.environ.get('QUANTPLUG_NATIVE_MARCH', 'native')}", "-fopenmp", "-shared", "-fPIC",
-             "-std=c11"]
+             "-std=c11", "-ffp-contract=off"]
     src = SOURCE.read_bytes()
     key = hashlib.sha256(src + version.encode() + _cpu_flags().encode() + " ".join(flags).encode()).hexdigest()[:16]
     out = cache_dir() / f"qpk_kernels-{key}.so"
@@ -143,7 +149,7 @@ def dequantize(data: torch.Tensor, ggml_type: str, out: torch.Tensor) -> torch.T
     lib = library()
     assert lib is not None and data.is_contiguous() and out.is_contiguous() and out.dtype == torch.float32
     nblocks = data.numel() // BLOCK_BYTES[ggml_type]
-    assert out.numel() == nblocks * 32
+    assert out.numel() == nblocks * BLOCK_ELEMS[ggml_type]
     _check(lib.qpk_dequantize(TYPES[ggml_type], nblocks, data.data_ptr(), out.data_ptr()), "dequantize")
     return out
 

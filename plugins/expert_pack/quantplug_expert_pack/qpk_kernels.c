@@ -9,6 +9,11 @@
  * Block layouts (ggml-org/llama.cpp ggml/src/ggml-common.h):
  *   Q4_0: 18 bytes = d (f16), qs[16]: x_j = d * ((qs[j] & 15) - 8), x_{j+16} = d * ((qs[j] >> 4) - 8)
  *   Q8_0: 34 bytes = d (f16), qs[32] int8: x_j = d * qs[j]
+ *   Q4_K / Q5_K / Q6_K: super-blocks of 256 (144 / 176 / 210 bytes), dequantized as gguf-py does
+ *   (deq_q4_k_sb etc.; the build passes -ffp-contract=off so "d * q - m" is never fused); matrix
+ *   products on them always take the exact path (there is no int8-block form of their scales).
+ *
+ * Type codes: 0 Q4_0, 1 Q8_0, 2 float32 rows (MLA K/V copies only), 3 Q4_K, 4 Q5_K, 5 Q6_K.
  *
  * qpk_gemm computes, for each group g:
  *   y[yr[g] + i, yc[g] + j] = sum_k x[xr[g] + i, k] * W_g[j, k]   (i < xm[g], j < n[g])
@@ -31,6 +36,14 @@
 #endif
 
 #define QK 32
+#define QKK 256
+
+static inline int is_k(int t) { return t >= 3 && t <= 5; }
+static inline int known(int t) { return t == 0 || t == 1 || is_k(t); }
+static inline int64_t blk_elems(int t) { return is_k(t) ? QKK : t == 2 ? 1 : QK; }
+static inline int64_t blk_bytes(int t) {
+    switch (t) { case 0: return 18; case 1: return 34; case 2: return 4; case 3: return 144; case 4: return 176; default: return 210; }
+}
 
 static inline float f16_to_f32(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
@@ -81,15 +94,90 @@ static void deq_q8_0_block(const uint8_t *b, float *o) {
     for (int j = 0; j < 32; j++) o[j] = d * (float)qs[j];
 }
 
-/* type 0 = Q4_0, 1 = Q8_0; nblocks blocks from src into dst (32 floats each). */
-int qpk_dequantize(int type, int64_t nblocks, const uint8_t *src, float *dst) {
-    const int size = type == 0 ? 18 : 34;
-    if (type != 0 && type != 1) return -1;
-    #pragma omp parallel for schedule(static) if (nblocks >= 4096)
-    for (int64_t i = 0; i < nblocks; i++) {
-        if (type == 0) deq_q4_0_block(src + i * size, dst + i * QK);
-        else deq_q8_0_block(src + i * size, dst + i * QK);
+/* Q4_K / Q5_K: 8 six-bit scales and mins from 12 bytes (gguf-py's get_scale_min) */
+static void scale_min_k4(const uint8_t *q, uint8_t *sc, uint8_t *mn) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = q[j] & 63;
+        mn[j] = q[j + 4] & 63;
+        sc[j + 4] = (uint8_t)((q[j + 8] & 15) | ((q[j] >> 2) & 0x30));
+        mn[j + 4] = (uint8_t)((q[j + 8] >> 4) | ((q[j + 4] >> 2) & 0x30));
     }
+}
+
+/* Q4_K: d, dmin (f16), scales[12], qs[128]; sub-block s of 32: dl * q - ml with dl = d * sc[s],
+ * ml = dmin * mn[s]; bytes 32j..32j+31 hold sub-blocks 2j (low nibbles) and 2j + 1 (high) */
+static void deq_q4_k_sb(const uint8_t *b, float *o) {
+    const float d = f16_to_f32(b), dmin = f16_to_f32(b + 2);
+    uint8_t sc[8], mn[8];
+    scale_min_k4(b + 4, sc, mn);
+    const uint8_t *qs = b + 16;
+    for (int j = 0; j < 4; j++) {
+        const float dl0 = d * (float)sc[2 * j], ml0 = dmin * (float)mn[2 * j];
+        const float dl1 = d * (float)sc[2 * j + 1], ml1 = dmin * (float)mn[2 * j + 1];
+        for (int l = 0; l < 32; l++) {
+            o[64 * j + l] = dl0 * (float)(qs[32 * j + l] & 15) - ml0;
+            o[64 * j + 32 + l] = dl1 * (float)(qs[32 * j + l] >> 4) - ml1;
+        }
+    }
+}
+
+/* Q5_K: d, dmin, scales[12], qh[32], qs[128]: as Q4_K with bit s of qh[l] as the 5th bit */
+static void deq_q5_k_sb(const uint8_t *b, float *o) {
+    const float d = f16_to_f32(b), dmin = f16_to_f32(b + 2);
+    uint8_t sc[8], mn[8];
+    scale_min_k4(b + 4, sc, mn);
+    const uint8_t *qh = b + 16, *qs = b + 48;
+    for (int j = 0; j < 4; j++) {
+        const int s0 = 2 * j, s1 = 2 * j + 1;
+        const float dl0 = d * (float)sc[s0], ml0 = dmin * (float)mn[s0];
+        const float dl1 = d * (float)sc[s1], ml1 = dmin * (float)mn[s1];
+        for (int l = 0; l < 32; l++) {
+            int q0 = (qs[32 * j + l] & 15) | (((qh[l] >> s0) & 1) << 4);
+            int q1 = (qs[32 * j + l] >> 4) | (((qh[l] >> s1) & 1) << 4);
+            o[64 * j + l] = dl0 * (float)q0 - ml0;
+            o[64 * j + 32 + l] = dl1 * (float)q1 - ml1;
+        }
+    }
+}
+
+/* Q6_K: ql[128], qh[64], scales int8[16], d: value 128h + t of half h: low 4 bits from
+ * ql[64h + t % 64] (nibble t / 64), high 2 from qh[32h + t % 32] (bits 2 * (t / 32)), minus 32;
+ * times d * scales[v / 16] (that product first, as gguf-py) */
+static void deq_q6_k_sb(const uint8_t *b, float *o) {
+    const float d = f16_to_f32(b + 208);
+    const int8_t *scales = (const int8_t *)(b + 192);
+    float dl[16];
+    for (int i = 0; i < 16; i++) dl[i] = d * (float)scales[i];
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+        const float *sc = dl + 8 * h;
+        float *y = o + 128 * h;
+        for (int l = 0; l < 32; l++) {
+            const int is = l / 16;
+            y[l] = (float)((int)((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32) * sc[is];
+            y[l + 32] = (float)((int)((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32) * sc[is + 2];
+            y[l + 64] = (float)((int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32) * sc[is + 4];
+            y[l + 96] = (float)((int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32) * sc[is + 6];
+        }
+    }
+}
+
+static void deq_block(int type, const uint8_t *b, float *o) {
+    switch (type) {
+        case 0: deq_q4_0_block(b, o); break;
+        case 1: deq_q8_0_block(b, o); break;
+        case 3: deq_q4_k_sb(b, o); break;
+        case 4: deq_q5_k_sb(b, o); break;
+        default: deq_q6_k_sb(b, o); break;
+    }
+}
+
+/* nblocks blocks of type (0 Q4_0, 1 Q8_0, 3 Q4_K, 4 Q5_K, 5 Q6_K) from src into dst */
+int qpk_dequantize(int type, int64_t nblocks, const uint8_t *src, float *dst) {
+    if (!known(type)) return -1;
+    const int64_t size = blk_bytes(type), n = blk_elems(type);
+    #pragma omp parallel for schedule(static) if (nblocks * n >= 4096 * QK)
+    for (int64_t i = 0; i < nblocks; i++) deq_block(type, src + i * size, dst + i * n);
     return 0;
 }
 
@@ -286,22 +374,77 @@ static void exact_rows(int type, int64_t nb, const uint8_t *w, int64_t r0, int64
     }
 }
 
+/* exact, K-quants: rows [r0, r1) against xm float32 x rows, each super-block dequantized once
+ * per row (into 256 floats on the stack) and multiplied into float32 sums */
+static void exact_rows_k(int type, int64_t nsb, const uint8_t *w, int64_t r0, int64_t r1, int xm,
+                         const float *x, int64_t ldx, float *y, int64_t ldy) {
+    const int64_t size = blk_bytes(type);
+    float wf[QKK];
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *wr = w + r * nsb * size;
+        for (int i0 = 0; i0 < xm; i0 += MT) {
+            int mt = xm - i0 < MT ? xm - i0 : MT;
+#if defined(__AVX512F__)
+            __m512 acc[MT];
+            for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
+            for (int64_t b = 0; b < nsb; b++) {
+                _mm_prefetch((const char *)(wr + b * size + PF_AHEAD), _MM_HINT_T0);
+                deq_block(type, wr + b * size, wf);
+                for (int i = 0; i < mt; i++) {
+                    const float *xb = x + (int64_t)(i0 + i) * ldx + b * QKK;
+                    for (int j = 0; j < QKK; j += 16)
+                        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(wf + j), _mm512_loadu_ps(xb + j), acc[i]);
+                }
+            }
+            for (int i = 0; i < mt; i++) y[(int64_t)(i0 + i) * ldy + r] = _mm512_reduce_add_ps(acc[i]);
+#else
+            float acc[MT][8];
+            memset(acc, 0, sizeof acc);
+            for (int64_t b = 0; b < nsb; b++) {
+                deq_block(type, wr + b * size, wf);
+                for (int i = 0; i < mt; i++) {
+                    const float *xb = x + (int64_t)(i0 + i) * ldx + b * QKK;
+                    for (int j = 0; j < QKK; j++) acc[i][j & 7] += wf[j] * xb[j];
+                }
+            }
+            for (int i = 0; i < mt; i++) {
+                float sum = 0.f;
+                for (int j = 0; j < 8; j++) sum += acc[i][j];
+                y[(int64_t)(i0 + i) * ldy + r] = sum;
+            }
+#endif
+        }
+    }
+}
+
+/* rows [r0, r1) of a packed matrix of any native type with K inputs: K-quants exact always; the
+ * 32-blocks fast (x as int8 blocks) or exact by mode */
+static void rows_any(int type, int mode, int64_t K, const uint8_t *w, int64_t r0, int64_t r1, int xm,
+                     const float *x, int64_t ldx, const int8_t *xq, const float *xd, const int32_t *xs,
+                     float *y, int64_t ldy) {
+    if (is_k(type)) exact_rows_k(type, K / QKK, w, r0, r1, xm, x, ldx, y, ldy);
+    else if (mode == 1) fast_rows(type, K / QK, w, r0, r1, xm, xq, xd, xs, y, ldy);
+    else exact_rows(type, K / QK, w, r0, r1, xm, x, ldx, y, ldy);
+}
+
 /* Least weight bytes per parallel task: a task must outweigh its scheduling. */
 #define MIN_TASK_BYTES (8 * 1024)
 
 int qpk_gemm(int type, int mode, int64_t M, int64_t K, const float *x, int64_t ldx,
              int G, const uint8_t *const *w, const int64_t *n, const int64_t *xr, const int64_t *xm,
              const int64_t *yr, const int64_t *yc, float *y, int64_t ldy) {
-    if ((type != 0 && type != 1) || (mode != 0 && mode != 1) || K % QK || K <= 0 || M <= 0 || G <= 0) return -1;
-    const int64_t nb = K / QK;
-    const int size = type == 0 ? 18 : 34;
+    if (!known(type) || (mode != 0 && mode != 1) || K <= 0 || K % blk_elems(type) || M <= 0 || G <= 0) return -1;
+    const int64_t nb = K / blk_elems(type);
+    const int64_t size = blk_bytes(type);
     int8_t *xq = NULL; float *xd = NULL; int32_t *xs = NULL;
+    const int64_t nbq = K / QK;  /* activation blocks (fast mode) */
+    if (is_k(type)) mode = 0;    /* no int8-block form: the exact path */
     if (mode == 1) {
         xq = (int8_t *)malloc((size_t)(M * K));
-        xd = (float *)malloc(sizeof(float) * (size_t)(M * nb));
-        xs = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * nb));
+        xd = (float *)malloc(sizeof(float) * (size_t)(M * nbq));
+        xs = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * nbq));
         if (!xq || !xd || !xs) { free(xq); free(xd); free(xs); return -2; }
-        for (int64_t i = 0; i < M; i++) quantize_row(x + i * ldx, K, xq + i * K, xd + i * nb, xs + i * nb);
+        for (int64_t i = 0; i < M; i++) quantize_row(x + i * ldx, K, xq + i * K, xd + i * nbq, xs + i * nbq);
     }
     /* tasks: (group, block of rows); about 4 per thread, at least RT rows and 8 KiB of weights each */
     int64_t total_bytes = 0, total = 0;
@@ -329,10 +472,9 @@ int qpk_gemm(int type, int mode, int64_t M, int64_t K, const float *x, int64_t l
         int64_t r0 = (t - first[g]) * rows_per[g], r1 = r0 + rows_per[g];
         if (r1 > n[g]) r1 = n[g];
         float *yg = y + yr[g] * ldy + yc[g];
-        if (mode == 1)
-            fast_rows(type, nb, w[g], r0, r1, (int)xm[g], xq + xr[g] * K, xd + xr[g] * nb, xs + xr[g] * nb, yg, ldy);
-        else
-            exact_rows(type, nb, w[g], r0, r1, (int)xm[g], x + xr[g] * ldx, ldx, yg, ldy);
+        rows_any(type, mode, K, w[g], r0, r1, (int)xm[g], x + xr[g] * ldx, ldx,
+                 mode == 1 ? xq + xr[g] * K : NULL, mode == 1 ? xd + xr[g] * nbq : NULL,
+                 mode == 1 ? xs + xr[g] * nbq : NULL, yg, ldy);
     }
     free(first); free(rows_per); free(xq); free(xd); free(xs);
     return 0;
@@ -349,10 +491,12 @@ static inline float silu(float v) { return v / (1.f + expf(-v)); }
 int qpk_mlp_one(int tg, int tu, int td, int mode, int64_t H, int64_t I, const float *x, int E,
                 const uint8_t *const *gate, const uint8_t *const *up, const uint8_t *const *down,
                 const float *wt, float *out) {
-    if (tg < 0 || tg > 1 || tu < 0 || tu > 1 || td < 0 || td > 1 || (mode != 0 && mode != 1)) return -1;
-    if (H <= 0 || I <= 0 || H % QK || I % QK || E <= 0) return -1;
+    if (!known(tg) || !known(tu) || !known(td) || (mode != 0 && mode != 1)) return -1;
+    if (H <= 0 || I <= 0 || H % QK || I % QK || H % blk_elems(tg) || H % blk_elems(tu) || I % blk_elems(td) || E <= 0)
+        return -1;
     const int64_t nbh = H / QK, nbi = I / QK;
-    const int sg = tg == 0 ? 18 : 34, su = tu == 0 ? 18 : 34, sd = td == 0 ? 18 : 34;
+    const int64_t sg = blk_bytes(tg) * QK / blk_elems(tg), su = blk_bytes(tu) * QK / blk_elems(tu),
+                  sd = blk_bytes(td) * QK / blk_elems(td);  /* bytes per 32 weights */
     float *hg = (float *)malloc(sizeof(float) * (size_t)(2 * E * I + E * H));
     int8_t *q = (int8_t *)malloc((size_t)(H + E * I));
     float *qd = (float *)malloc(sizeof(float) * (size_t)(nbh + E * nbi));
@@ -383,8 +527,7 @@ int qpk_mlp_one(int tg, int tu, int td, int mode, int64_t H, int64_t I, const fl
             const uint8_t *w = is_up ? up[e] : gate[e];
             int ty = is_up ? tu : tg;
             float *y = (is_up ? hu : hg) + e * I;
-            if (mode == 1) fast_rows(ty, nbh, w, r0, r1, 1, q, qd, qs, y, 0);
-            else exact_rows(ty, nbh, w, r0, r1, 1, x, 0, y, 0);
+            rows_any(ty, mode, H, w, r0, r1, 1, x, 0, q, qd, qs, y, 0);
         }
         #pragma omp for schedule(static)
         for (int64_t e = 0; e < E; e++) {
@@ -395,8 +538,7 @@ int qpk_mlp_one(int tg, int tu, int td, int mode, int64_t H, int64_t I, const fl
         #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < E * per_h; t++) {
             int64_t e = t / per_h, r0 = (t % per_h) * rd, r1 = r0 + rd > H ? H : r0 + rd;
-            if (mode == 1) fast_rows(td, nbi, down[e], r0, r1, 1, hq + e * I, hd + e * nbi, hs + e * nbi, yd + e * H, 0);
-            else exact_rows(td, nbi, down[e], r0, r1, 1, hg + e * I, 0, yd + e * H, 0);
+            rows_any(td, mode, I, down[e], r0, r1, 1, hg + e * I, 0, hq + e * I, hd + e * nbi, hs + e * nbi, yd + e * H, 0);
         }
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < H; r++) {
@@ -439,8 +581,7 @@ static void mat_rows(int type, int mode, const uint8_t *w, int64_t K, int64_t r0
             for (int64_t k = 0; k < K; k++) acc += row[k] * x[k];
             y[r] = acc;
         }
-    } else if (mode == 1) fast_rows(type, K / QK, w, r0, r1, 1, xq, xd, xs, y, 0);
-    else exact_rows(type, K / QK, w, r0, r1, 1, x, 0, y, 0);
+    } else rows_any(type, mode, K, w, r0, r1, 1, x, 0, xq, xd, xs, y, 0);
 }
 
 static void rms_norm_row(float *x, int64_t n, const float *w, float eps) {
@@ -475,7 +616,7 @@ static int threads_for(int64_t bytes) {
 }
 
 static int64_t mat_bytes(int type, int64_t rows, int64_t K) {
-    return rows * (type == 2 ? K * 4 : K / QK * (type == 0 ? 18 : 34));
+    return rows * (K / blk_elems(type) * blk_bytes(type));
 }
 
 /* q_a / kv_a, the norms, q_b, rope and the absorption of each head's q_nope through k_b:

@@ -109,7 +109,12 @@ class GGMLScheme(LinearScheme):
         if handle is None or ggml.native.library() is None:
             return None
         handle.check(layer.weight)
-        if self.kernels == "fast":
+        if self.ggml_type in ggml.native.EXACT_ONLY:  # K-quants: the exact kernel in either mode, few rows
+            if rows > ggml.NATIVE_EXACT_ROWS:
+                return None
+            if self.kernels == "fast":
+                return "fast"
+        elif self.kernels == "fast":
             return "fast" if rows <= ggml.NATIVE_FAST_ROWS or getattr(layer, "_int4", None) is None else None
         if rows <= ggml.NATIVE_EXACT_ROWS and x.dtype == torch.float32 and layer.model_dtype == torch.float32:
             return "exact"
