@@ -354,3 +354,14 @@ def test_k_quant_model_decodes_as_the_torch_path(gguf32):
         torch_exact = _decode_logits(path, "exact")
     assert torch.isfinite(torch_exact).all()
     torch.testing.assert_close(native_exact, torch_exact, rtol=1e-4, atol=1e-5)
+
+
+@needs_native
+def test_gemm_refuses_groups_outside_x_or_y():
+    w = _rows("Q8_0", 4, 64, 0)
+    x = torch.randn(3, 64)
+    for bad in ([(2, 2, 0, 0)], [(0, 1, 3, 0)], [(-1, 1, 0, 0)], [(0, 0, 0, 0)]):
+        with pytest.raises(ValueError, match="do not fit"):
+            native.gemm(x, [w.data_ptr()], [4], "Q8_0", "exact", bad, out_rows=3)
+    with pytest.raises(ValueError, match="row counts"):
+        native.gemm(x, [w.data_ptr()], [4, 4], "Q8_0", "exact")

@@ -168,6 +168,8 @@ def gemm(x: torch.Tensor, ptrs: Sequence[int], ns: Sequence[int], ggml_type: str
     assert lib is not None and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
     m, k = x.shape
     g = len(ptrs)
+    if len(ns) != g or g == 0:
+        raise ValueError(f"native.gemm: {g} weight addresses, {len(ns)} row counts")
     if groups is None:
         cols, gl = 0, []
         for n in ns:
@@ -178,6 +180,10 @@ def gemm(x: torch.Tensor, ptrs: Sequence[int], ns: Sequence[int], ggml_type: str
     else:
         width = max(c + n for (_, _, _, c), n in zip(groups, ns))
         rows = out_rows if out_rows is not None else m
+        # the C code trusts these: a group outside x or y would read or write out of bounds
+        if len(groups) != g or any(xr < 0 or xm < 1 or xr + xm > m or yr < 0 or yr + xm > rows or yc < 0
+                                   for xr, xm, yr, yc in groups):
+            raise ValueError(f"native.gemm: groups {list(groups)} do not fit x [{m}, {k}] / y [{rows}, {width}]")
         covered = sum(xm * n for (_, xm, _, _), n in zip(groups, ns))
         y = (torch.empty if covered == rows * width else torch.zeros)(rows, width, dtype=torch.float32)
     arr = ctypes.c_int64 * g
