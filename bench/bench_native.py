@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("Q4_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 def child(ggml_type: str, rows: int, threads: int) -> dict:

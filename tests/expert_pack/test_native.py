@@ -214,8 +214,12 @@ CFGK = tiny_config(hidden_size=256, intermediate_size=256, moe_intermediate_size
                    num_experts_per_tok=2, n_group=2, topk_group=1, vocab_size=256, num_attention_heads=4,
                    num_key_value_heads=4, q_lora_rank=256, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32,
                    v_head_dim=64)
-#: a llama-quantize Q4_K_M-like mix: most projections Q4_K, ffn_down Q6_K, attention output Q5_K
-K_MIX = {"ffn_down": "Q6_K", "ffn_down_exps": "Q6_K", "ffn_down_shexp": "Q6_K", "attn_output": "Q5_K"}
+#: a llama-quantize Q4_K_M-like mix (most projections Q4_K, ffn_down Q6_K, attention output Q5_K),
+#: with the routed experts' gate / up in Q2_K / Q3_K as the small "dynamic" DeepSeek quants store them
+K_MIX = {"ffn_down": "Q6_K", "ffn_down_exps": "Q6_K", "ffn_down_shexp": "Q6_K", "attn_output": "Q5_K",
+         "ffn_gate_exps": "Q2_K", "ffn_up_exps": "Q3_K"}
+#: random_rows' scale per type, for weights of ~1e-2 (its d times the type's largest scale x code)
+K_SCALE = {"Q4_K": 2e-5, "Q5_K": 2e-5, "Q6_K": 5e-6, "Q2_K": 4e-4, "Q3_K": 1e-4}
 
 
 def write_k_mix(root: Path) -> Path:
@@ -230,8 +234,7 @@ def write_k_mix(root: Path) -> Path:
         base = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
         if t.dim() >= 2 and t.shape[-1] % 256 == 0 and base not in ("token_embd", "output", "ffn_gate_inp"):
             ggml_type = K_MIX.get(base, "Q4_K")
-            # scales: Q4_K / Q5_K d * 6-bit scale * q up to ~1e3 * d; Q6_K d * int8 scale * q ~ 4e3 * d
-            raw[name] = (random_rows(ggml_type, tuple(t.shape), rng, scale=2e-5 if ggml_type != "Q6_K" else 5e-6), ggml_type)
+            raw[name] = (random_rows(ggml_type, tuple(t.shape), rng, scale=K_SCALE[ggml_type]), ggml_type)
             del state[name]
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(CFGK))
@@ -344,11 +347,11 @@ def test_avx2_and_portable_builds_compute_the_same(monkeypatch, tmp_path, gguf32
 
 @needs_native
 def test_k_quant_model_decodes_as_the_torch_path(gguf32):
-    """A Q4_K / Q5_K / Q6_K mix (as llama-quantize's Q4_K_M writes): the native K-quant kernels
+    """A Q2_K..Q6_K mix (as llama-quantize's Q4_K_M and the dynamic quants write): the native K-quant kernels
     (exact in both modes) give the torch dequantize-then-matmul logits up to summation order."""
     path = gguf32["K-mix"]
     schemes = quantplug.plan(path).to_dict()["schemes"].values()
-    assert {"ggml Q4_K", "ggml Q5_K", "ggml Q6_K"} <= set(schemes)
+    assert {f"ggml {t}" for t in K_SCALE} <= set(schemes)
     native_exact = _decode_logits(path, "exact")
     with native.disabled():
         torch_exact = _decode_logits(path, "exact")

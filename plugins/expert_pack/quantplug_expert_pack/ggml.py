@@ -494,7 +494,7 @@ class Int4Fused:
 
 # --- native kernels (``native.py`` / ``qpk_kernels.c``) ----------------------------------------
 #
-# Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K matrix-vector products on the blocks as loaded, for few input
+# Q4_0 / Q8_0 / Q2_K..Q6_K matrix-vector products on the blocks as loaded, for few input
 # rows (a decode step, the routed experts' rows of one token): "exact" dequantizes each block as
 # gguf-py does (in registers for Q4_0 / Q8_0, 256 floats on the stack for K-quants) and sums in
 # float32; "fast" is llama.cpp's path for Q4_0 / Q8_0 (activations as int8 blocks, integer dot

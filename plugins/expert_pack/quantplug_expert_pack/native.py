@@ -1,5 +1,5 @@
-"""Native Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K kernels (``qpk_kernels.c``), built on first use with the
-system C compiler.
+"""Native Q4_0 / Q8_0 / Q2_K..Q6_K kernels (``qpk_kernels.c``), built on first use with the system
+C compiler.
 
 Why: a decode step multiplies one token by every weight once, so its cost is reading the packed
 blocks. torch has no kernel that reads GGUF blocks as they are (its int4 CPU kernel needs its own
@@ -40,11 +40,11 @@ import torch
 
 SOURCE = Path(__file__).with_name("qpk_kernels.c")
 #: ggml type -> the C file's type code
-TYPES = {"Q4_0": 0, "Q8_0": 1, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
-BLOCK_BYTES = {"Q4_0": 18, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-BLOCK_ELEMS = {"Q4_0": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+TYPES = {"Q4_0": 0, "Q8_0": 1, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5, "Q2_K": 6, "Q3_K": 7}
+BLOCK_BYTES = {"Q4_0": 18, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q2_K": 84, "Q3_K": 110}
+BLOCK_ELEMS = {t: 32 if t in ("Q4_0", "Q8_0") else 256 for t in TYPES}
 #: types whose products always take the exact path (no int8-block form of their scales)
-EXACT_ONLY = frozenset({"Q4_K", "Q5_K", "Q6_K"})
+EXACT_ONLY = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K"})
 MODES = {"exact": 0, "fast": 1}
 ISA_NAMES = {3: "AVX512-VNNI", 2: "AVX2", 0: "portable C"}
 

@@ -9,11 +9,12 @@
  * Block layouts (ggml-org/llama.cpp ggml/src/ggml-common.h):
  *   Q4_0: 18 bytes = d (f16), qs[16]: x_j = d * ((qs[j] & 15) - 8), x_{j+16} = d * ((qs[j] >> 4) - 8)
  *   Q8_0: 34 bytes = d (f16), qs[32] int8: x_j = d * qs[j]
- *   Q4_K / Q5_K / Q6_K: super-blocks of 256 (144 / 176 / 210 bytes), dequantized as gguf-py does
+ *   Q2_K / Q3_K / Q4_K / Q5_K / Q6_K: super-blocks of 256 (84 / 110 / 144 / 176 / 210 bytes), dequantized as gguf-py does
  *   (deq_q4_k_sb etc.; the build passes -ffp-contract=off so "d * q - m" is never fused); matrix
  *   products on them always take the exact path (there is no int8-block form of their scales).
  *
- * Type codes: 0 Q4_0, 1 Q8_0, 2 float32 rows (MLA K/V copies only), 3 Q4_K, 4 Q5_K, 5 Q6_K.
+ * Type codes: 0 Q4_0, 1 Q8_0, 2 float32 rows (MLA K/V copies only), 3 Q4_K, 4 Q5_K, 5 Q6_K,
+ * 6 Q2_K, 7 Q3_K.
  *
  * qpk_gemm computes, for each group g:
  *   y[yr[g] + i, yc[g] + j] = sum_k x[xr[g] + i, k] * W_g[j, k]   (i < xm[g], j < n[g])
@@ -38,11 +39,14 @@
 #define QK 32
 #define QKK 256
 
-static inline int is_k(int t) { return t >= 3 && t <= 5; }
+static inline int is_k(int t) { return t >= 3 && t <= 7; }
 static inline int known(int t) { return t == 0 || t == 1 || is_k(t); }
 static inline int64_t blk_elems(int t) { return is_k(t) ? QKK : t == 2 ? 1 : QK; }
 static inline int64_t blk_bytes(int t) {
-    switch (t) { case 0: return 18; case 1: return 34; case 2: return 4; case 3: return 144; case 4: return 176; default: return 210; }
+    switch (t) {
+        case 0: return 18; case 1: return 34; case 2: return 4; case 3: return 144; case 4: return 176;
+        case 5: return 210; case 6: return 84; default: return 110;
+    }
 }
 
 static inline float f16_to_f32(const uint8_t *p) {
@@ -162,17 +166,63 @@ static void deq_q6_k_sb(const uint8_t *b, float *o) {
     }
 }
 
+/* Q2_K: scales[16] (low 4 bits scale, high 4 min), qs[64], d, dmin: value v = 128h + 32k + l is
+ * 2 bits of qs[32h + l] at shift 2k; sub-block v / 16: d * sc * q - dmin * m */
+static void deq_q2_k_sb(const uint8_t *b, float *o) {
+    const float d = f16_to_f32(b + 80), dmin = f16_to_f32(b + 82);
+    float dl[16], ml[16];
+    for (int i = 0; i < 16; i++) {
+        dl[i] = d * (float)(b[i] & 15);
+        ml[i] = dmin * (float)(b[i] >> 4);
+    }
+    const uint8_t *qs = b + 16;
+    for (int h = 0; h < 2; h++)
+        for (int k = 0; k < 4; k++)
+            for (int half = 0; half < 2; half++) {  /* 16 values of one sub-block: one scale, one shift */
+                const int s = 8 * h + 2 * k + half, sh = 2 * k;
+                const float a = dl[s], m = ml[s];
+                const uint8_t *q = qs + 32 * h + 16 * half;
+                float *y = o + 16 * s;
+                for (int l = 0; l < 16; l++) y[l] = a * (float)((q[l] >> sh) & 3) - m;
+            }
+}
+
+/* Q3_K: hmask[32], qs[64], scales[12] (16 six-bit scales, offset 32), d: value v = 128h + 32k + l
+ * is 2 bits of qs[32h + l] at shift 2k, minus 4 when bit v / 32 of hmask[l] is 0; times
+ * d * (scale[v / 16] - 32) */
+static void deq_q3_k_sb(const uint8_t *b, float *o) {
+    const uint8_t *hm = b, *qs = b + 32, *sc = b + 96;
+    const float d = f16_to_f32(b + 108);
+    float dl[16];
+    for (int s = 0; s < 16; s++) {
+        int lo = (sc[s % 8] >> (4 * (s / 8))) & 15, hi = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
+        dl[s] = d * (float)((int8_t)(uint8_t)(lo | (hi << 4)) - 32);
+    }
+    for (int h = 0; h < 2; h++)
+        for (int k = 0; k < 4; k++)
+            for (int half = 0; half < 2; half++) {  /* 16 values of one sub-block */
+                const int s = 8 * h + 2 * k + half, sh = 2 * k, bit = 4 * h + k;
+                const float a = dl[s];
+                const uint8_t *q = qs + 32 * h + 16 * half, *m = hm + 16 * half;
+                float *y = o + 16 * s;
+                for (int l = 0; l < 16; l++)
+                    y[l] = (float)(((q[l] >> sh) & 3) - (((m[l] >> bit) & 1) ? 0 : 4)) * a;
+            }
+}
+
 static void deq_block(int type, const uint8_t *b, float *o) {
     switch (type) {
         case 0: deq_q4_0_block(b, o); break;
         case 1: deq_q8_0_block(b, o); break;
         case 3: deq_q4_k_sb(b, o); break;
         case 4: deq_q5_k_sb(b, o); break;
-        default: deq_q6_k_sb(b, o); break;
+        case 5: deq_q6_k_sb(b, o); break;
+        case 6: deq_q2_k_sb(b, o); break;
+        default: deq_q3_k_sb(b, o); break;
     }
 }
 
-/* nblocks blocks of type (0 Q4_0, 1 Q8_0, 3 Q4_K, 4 Q5_K, 5 Q6_K) from src into dst */
+/* nblocks blocks of type (0 Q4_0, 1 Q8_0, 3 Q4_K, 4 Q5_K, 5 Q6_K, 6 Q2_K, 7 Q3_K) from src into dst */
 int qpk_dequantize(int type, int64_t nblocks, const uint8_t *src, float *dst) {
     if (!known(type)) return -1;
     const int64_t size = blk_bytes(type), n = blk_elems(type);
