@@ -343,6 +343,7 @@ def test_avx2_and_portable_builds_compute_the_same(monkeypatch, tmp_path, gguf32
     test_dequantize_bit_exact_with_gguf_py_and_the_torch_kernel("Q4_0")
     for kernels in ("exact", "fast"):
         test_one_token_native_steps_equal_the_composed_path(gguf32, "Q4_0", kernels)
+    test_one_token_native_steps_equal_the_composed_path(gguf32, "K-mix", "exact")
 
 
 @needs_native
