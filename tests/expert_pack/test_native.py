@@ -369,3 +369,21 @@ def test_gemm_refuses_groups_outside_x_or_y():
             native.gemm(x, [w.data_ptr()], [4], "Q8_0", "exact", bad, out_rows=3)
     with pytest.raises(ValueError, match="row counts"):
         native.gemm(x, [w.data_ptr()], [4, 4], "Q8_0", "exact")
+
+
+@needs_native
+def test_inputs_that_do_not_fit_the_weights_are_refused_before_the_c_code(gguf32):
+    from quantplug.errors import QuantplugError
+
+    w = _rows("Q4_K", 8, 512, 0)
+    x = torch.randn(1, 256)
+    handle = ggml.NativeWeight(w, "Q4_K")
+    assert handle.k == 512
+    with pytest.raises(QuantplugError, match="256 values per row"):
+        ggml.native_linear(x, [handle], "Q4_K", "exact")
+    with pytest.raises(QuantplugError, match="outside the stack"):
+        ggml.native_grouped(torch.randn(1, 512), [handle], "Q4_K", "exact", [(3, 1)])
+    model = quantplug.load(gguf32["Q8_0"], progress=False)
+    one = model.model.layers[1].mlp.experts.one
+    with pytest.raises(QuantplugError, match="do not fit"):
+        one(torch.randn(1, CFG32["hidden_size"]), [99], [1.0])

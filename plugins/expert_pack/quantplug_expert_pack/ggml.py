@@ -367,7 +367,7 @@ def linear(x: torch.Tensor, data: torch.Tensor, ggml_type: str, dtype: torch.dty
         return torch.nn.functional.linear(x, data.to(x.dtype))
     if (dtype == torch.float32 and x.dtype == torch.float32 and x.numel() <= NATIVE_EXACT_ROWS * x.shape[-1]
             and native_ok(data, ggml_type)):
-        return native_linear(x, [NativeWeight(data)], ggml_type, "exact")  # few rows: blocks dequantized in registers
+        return native_linear(x, [NativeWeight(data, ggml_type)], ggml_type, "exact")  # few rows: blocks dequantized in registers
     block, size = BLOCKS[ggml_type]
     rows, k = data.shape[0], data.shape[-1] // size * block
     step = min(rows, max(1, LINEAR_CHUNK_ELEMS // max(k, 1)))
@@ -511,14 +511,19 @@ NATIVE_FAST_ROWS = 4
 
 class NativeWeight:
     """Addresses of a layer's packed ``weight`` ([N, row_bytes], or [E, N, row_bytes]: one matrix
-    per slot) for the native kernels; ``check`` re-reads them if the tensor was replaced."""
+    per slot) for the native kernels; ``check`` re-reads them if the tensor was replaced. ``k``:
+    the values per row, which every input must match (the C code trusts it)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, ggml_type: str) -> None:
+        self.ggml_type = ggml_type
         self._bind(weight)
 
     def _bind(self, weight: torch.Tensor) -> None:
+        if weight.shape[-1] % native.BLOCK_BYTES[self.ggml_type]:
+            raise QuantplugError(f"{self.ggml_type} rows of {weight.shape[-1]} bytes are not whole blocks")
         self.weight = weight
         self.base = weight.data_ptr()
+        self.k = weight.shape[-1] // native.BLOCK_BYTES[self.ggml_type] * native.BLOCK_ELEMS[self.ggml_type]
         self.n = weight.shape[-2] if weight.dim() == 3 else weight.shape[0]
         step = self.n * weight.shape[-1] * weight.element_size()
         self.ptrs = [self.base + i * step for i in range(weight.shape[0])] if weight.dim() == 3 else [self.base]
@@ -543,9 +548,16 @@ def _native_input(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+def _check_width(x: torch.Tensor, weights: Sequence[NativeWeight]) -> None:
+    if any(w.k != x.shape[-1] for w in weights):
+        raise QuantplugError(f"native kernels: input of {x.shape[-1]} values per row for weights of "
+                             f"{sorted({w.k for w in weights})} values per row")
+
+
 def native_linear(x: torch.Tensor, weights: Sequence[NativeWeight], ggml_type: str, mode: str,
                   index: int | None = None) -> torch.Tensor:
     """``x @ W^T`` for each weight (slot ``index`` of a stacked one), outputs side by side."""
+    _check_width(x, weights)
     ptrs = [w.ptrs[0 if index is None else index] for w in weights]
     ns = [w.n for w in weights]
     y = native.gemm(_native_input(x), ptrs, ns, ggml_type, mode)
@@ -556,6 +568,9 @@ def native_grouped(x: torch.Tensor, weights: Sequence[NativeWeight], ggml_type: 
                    groups: Sequence[tuple[int, int]]) -> torch.Tensor:
     """Stacked weights on consecutive row groups of ``x`` [rows, K], group ``(slot, n)`` through
     each weight's slot ``slot``; the weights' outputs side by side. One call for every group."""
+    _check_width(x, weights)
+    if any(not 0 <= slot < len(w.ptrs) for slot, _ in groups for w in weights):
+        raise QuantplugError(f"native kernels: slots {[s for s, _ in groups]} outside the stack")
     ptrs, ns, spec = [], [], []
     start = 0
     for slot, n in groups:

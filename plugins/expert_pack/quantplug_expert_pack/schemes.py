@@ -18,6 +18,7 @@ from quantplug.api import (
     GGUF_FLOATS,
     LinearScheme,
     Problem,
+    QuantplugError,
     SplitRule,
     TensorInfo,
     TensorSpec,
@@ -203,7 +204,7 @@ class GGMLScheme(LinearScheme):
             return
         w: torch.Tensor = layer.weight  # type: ignore[assignment]
         if ggml.native_ok(w, self.ggml_type):
-            layer._qpk = ggml.NativeWeight(w)  # type: ignore[assignment]
+            layer._qpk = ggml.NativeWeight(w, self.ggml_type)  # type: ignore[assignment]
         # Q8_0's int4 form is two int4 halves (twice the work): with native kernels it is not made
         # and the fast model holds the packed bytes only. Q4_0 keeps its int4 form: torch's int4
         # kernel prefills 64 tokens ~1.2x faster than the native one (the native one is as fast
@@ -245,9 +246,12 @@ class _GGMLMLP:
         if mode is None:
             return self._composed(x, slots, weights)
         ix = [0] if slots is None else list(slots)
+        g, u, d = (layer._qpk for layer in (self.gate, self.up, self.down))
+        if not (g.k == u.k == x.shape[-1] == d.n and d.k == g.n == u.n) or any(not 0 <= i < len(g.ptrs) for i in ix):
+            raise QuantplugError(f"native MLP: input {list(x.shape)} / slots {ix} do not fit gate {g.n}x{g.k}, "
+                                 f"up {u.n}x{u.k}, down {d.n}x{d.k} ({len(g.ptrs)} slots)")
         xf = x.reshape(1, -1)
         xf = xf if xf.dtype == torch.float32 and xf.is_contiguous() else xf.float().contiguous()
-        g, u, d = (layer._qpk for layer in (self.gate, self.up, self.down))
         out = ggml.native.mlp_one(xf, self.types, [g.ptrs[i] for i in ix], [u.ptrs[i] for i in ix],
                                   [d.ptrs[i] for i in ix], g.n, mode, weights)
         return out.to(x.dtype).view(x.shape)
