@@ -314,6 +314,19 @@ class _GGMLMLA:
                 "nope": cfg.qk_nope_head_dim, "v": cfg.v_head_dim, "nh": attn.num_heads}
         if fields["t_k_b"] != 2 and dims["nope"] % 32 or fields["t_v_b"] != 2 and dims["kv_lora"] % 32:
             return None
+        # the C code trusts these shapes: every matrix must be what the dimensions say
+        H, nh = dims["H"], dims["nh"]
+        want = {"q_a": (dims["q_lora"], H), "kv_a": (dims["kv_lora"] + dims["rope"], H),
+                "q_b": (nh * (dims["nope"] + dims["rope"]), dims["q_lora"]), "o": (H, nh * dims["v"])}
+        if any((m._qpk.n, m._qpk.k) != want[name] for name, m in mats.items()):
+            return None
+        for name, (rows, k) in (("k_b", (dims["kv_lora"], dims["nope"])), ("v_b", (dims["v"], dims["kv_lora"]))):
+            m = stacks[name]
+            dense = getattr(m, "_dequantized", None)
+            got = (tuple(dense.shape) == (nh, rows, k)) if dense is not None else \
+                (m._qpk.n, m._qpk.k, len(m._qpk.ptrs)) == (rows, k, nh)
+            if not got:
+                return None
         step = native.MLAStep(mode=native.MODES[kernels.pop()], eps_q=attn.q_a_layernorm.eps,
                               eps_kv=attn.kv_a_layernorm.eps, scale=attn.scale, q_a_norm=norms[0].data_ptr(),
                               kv_a_norm=norms[1].data_ptr(), rot=None, **dims, **fields)
