@@ -34,6 +34,7 @@ from typing import Any
 
 from quantplug.api import AttentionLayout, CheckpointError, Claim, Problem, contained, hookimpl, option
 
+from . import native
 from .build import build_pack
 from .export import export_gguf
 from .names import model_to_gguf
@@ -148,13 +149,17 @@ def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Seque
         return None  # the core's dense scheme answers; the plan reports the missing tensor
     # kernels="fast" repacks 4-bit-affine ggml types for torch's int4 kernel; never the embedding
     # (looked up row by row, not multiplied) nor the small per-head MLA K/V stacks: one batched
-    # matmul per stack beats a 2-D int4 kernel call per head, and under "fast" the stacks are kept
-    # dequantized (exactly) from load on, as the core keeps a quantized dense kv_b_proj per head:
-    # re-dequantizing them every decode step cost more than all the layer's int4 calls together
-    # (DeepSeek-V3: 16.8M values per layer, 0.15% of its weights)
+    # matmul per stack beats a 2-D int4 kernel call per head. Without the native kernels, "fast"
+    # keeps the stacks dequantized (exactly) from load on, as the core keeps a quantized dense
+    # kv_b_proj per head: re-dequantizing them every decode step cost more than all the layer's
+    # int4 calls together (DeepSeek-V3: 16.8M values per layer, 0.15% of its weights, but 4 GiB
+    # in float32). With them the stacks stay packed: the native step reads a head's blocks faster
+    # than its float32 copy (DeepSeek-V3's attention dims, Q8_0: 3 decode steps of one layer in
+    # 37 ms packed vs 49 ms with the float32 copy)
     kernels = option(options, "kernels", "exact", KERNELS)
     kv_heads = layer_kind in ("attn_k_b", "attn_v_b")
-    return GGMLScheme(info.dtype, cache=bool(options.get("dequantize", False)) or (kv_heads and kernels == "fast"),
+    cache_kv = kv_heads and kernels == "fast" and not (info.dtype in native.TYPES and native.library() is not None)
+    return GGMLScheme(info.dtype, cache=bool(options.get("dequantize", False)) or cache_kv,
                       kernels="exact" if layer_kind == "embedding" or kv_heads else kernels)
 
 

@@ -227,7 +227,7 @@ class MLAStep(ctypes.Structure):
         ("q_a_norm", ctypes.c_void_p), ("kv_a_norm", ctypes.c_void_p), ("q_b", ctypes.c_void_p), ("t_q_b", ctypes.c_int),
         ("k_b", ctypes.c_void_p), ("t_k_b", ctypes.c_int), ("s_k_b", ctypes.c_int64),
         ("v_b", ctypes.c_void_p), ("t_v_b", ctypes.c_int), ("s_v_b", ctypes.c_int64),
-        ("o", ctypes.c_void_p), ("t_o", ctypes.c_int), ("rot", ctypes.c_void_p)]
+        ("o", ctypes.c_void_p), ("t_o", ctypes.c_int), ("rot", ctypes.c_void_p), ("kv_mode", ctypes.c_int)]
 
 
 def mla_step(step: MLAStep, x: torch.Tensor, append: Any) -> torch.Tensor:

@@ -617,6 +617,7 @@ typedef struct {
     const uint8_t *v_b; int t_v_b; int64_t s_v_b;   /* per head [v, kv_lora] */
     const uint8_t *o; int t_o;                /* [H, nh * v] */
     const float *rot;                         /* [rope, rope]: roped = x @ rot */
+    int kv_mode;                              /* the K/V stacks' own mode (their scheme's kernels) */
 } qpk_mla;
 
 /* a row-major matrix's rows [r0, r1) times x (K values): packed types through the block kernels
@@ -706,8 +707,8 @@ int qpk_mla_pre(const qpk_mla *m, const float *x, float *qcat, float *kvrow) {
             const float *qp = qb + h * qh;
             float *dst = qcat + h * (kl + rp);
             const uint8_t *kb = m->k_b + h * m->s_k_b;
-            if (fast && m->t_k_b != 2) quantize_row(qp, np_, pq + h * np_, pd + h * (np_ / QK), ps + h * (np_ / QK));
-            mat_rows(m->t_k_b, m->mode, kb, np_, 0, kl, qp, pq + h * np_, pd + h * (np_ / QK), ps + h * (np_ / QK), dst);
+            if (m->kv_mode == 1 && m->t_k_b != 2) quantize_row(qp, np_, pq + h * np_, pd + h * (np_ / QK), ps + h * (np_ / QK));
+            mat_rows(m->t_k_b, m->kv_mode, kb, np_, 0, kl, qp, pq + h * np_, pd + h * (np_ / QK), ps + h * (np_ / QK), dst);
             rope_row(qp + np_, m->rot, rp, dst + kl);
         }
     }
@@ -752,8 +753,8 @@ int qpk_mla_post(const qpk_mla *m, const float *qcat, const float *lat, int64_t 
                 const float p = s[j] * inv, *lj = lat + j * ld_lat;
                 for (int64_t i = 0; i < kl; i++) o[i] += p * lj[i];
             }
-            if (fast && m->t_v_b != 2) quantize_row(o, kl, lq + h * kl, ld + h * (kl / QK), ls + h * (kl / QK));
-            mat_rows(m->t_v_b, m->mode, m->v_b + h * m->s_v_b, kl, 0, vd, o, lq + h * kl, ld + h * (kl / QK),
+            if (m->kv_mode == 1 && m->t_v_b != 2) quantize_row(o, kl, lq + h * kl, ld + h * (kl / QK), ls + h * (kl / QK));
+            mat_rows(m->t_v_b, m->kv_mode, m->v_b + h * m->s_v_b, kl, 0, vd, o, lq + h * kl, ld + h * (kl / QK),
                      ls + h * (kl / QK), ov + h * vd);
         }
         #pragma omp single

@@ -287,8 +287,9 @@ class _GGMLMLA:
         layers = [*mats.values(), *stacks.values()]
         if any(not isinstance(m.scheme, GGMLScheme) or m.model_dtype != torch.float32 for m in layers):
             return None
-        # the kernel mode of every packed matrix (a cached float32 stack has none)
-        kernels = {m.scheme.kernels for m in layers if getattr(m, "_dequantized", None) is None}
+        # the kernel mode: the projections' (the K/V stacks' schemes are always "exact"; their
+        # blocks or float32 copy then run in the step's mode)
+        kernels = {m.scheme.kernels for m in mats.values()}
         if len(kernels) != 1:
             return None
         keep: list[torch.Tensor] = []
@@ -327,7 +328,11 @@ class _GGMLMLA:
                 (m._qpk.n, m._qpk.k, len(m._qpk.ptrs)) == (rows, k, nh)
             if not got:
                 return None
-        step = native.MLAStep(mode=native.MODES[kernels.pop()], eps_q=attn.q_a_layernorm.eps,
+        kv_kernels = {m.scheme.kernels for m in stacks.values()}  # the composed path's mode for them
+        if len(kv_kernels) != 1:
+            return None
+        step = native.MLAStep(mode=native.MODES[kernels.pop()], kv_mode=native.MODES[kv_kernels.pop()],
+                              eps_q=attn.q_a_layernorm.eps,
                               eps_kv=attn.kv_a_layernorm.eps, scale=attn.scale, q_a_norm=norms[0].data_ptr(),
                               kv_a_norm=norms[1].data_ptr(), rot=None, **dims, **fields)
         return _GGMLMLA(attn, step, keep, layers)
