@@ -489,7 +489,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        if flat.shape[0] == 1 and self.experts.one is not None:   # a decode step: no routing tensors
+        if flat.shape[0] == 1 and self.experts.one is not None:
+            # a decode step through the scheme's fused MLP: no routing tensors, and (as for every
+            # fused call) no forward hooks of the router or the expert linears
             out = self.experts.forward_one(flat, *self.gate.route_one(flat)).view(shape)
         else:
             idx, w = self.gate(flat)
