@@ -233,10 +233,10 @@ int qpk_dequantize(int type, int64_t nblocks, const uint8_t *src, float *dst) {
 
 /* ---- activations for the fast mode ------------------------------------------------------- */
 
-/* One row of K floats -> int8 blocks q, scales d, block sums s (sum of the block's int8 values).
+/* One row of K floats -> int8 blocks q and their scales d.
  * A block holding a NaN or an infinity gets scale NaN, so every output it touches is NaN, as a
  * float matmul would give (never a finite number made from garbage codes). */
-static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, int32_t *s) {
+static void quantize_row(const float *x, int64_t K, int8_t *q, float *d) {
     for (int64_t b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
         float amax = 0.f;
@@ -247,14 +247,8 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, int32_t
             else if (a > amax) amax = a;
         }
         float db = finite ? amax / 127.f : NAN, id = finite && db != 0.f ? 1.f / db : 0.f;
-        int32_t sum = 0;
-        for (int j = 0; j < QK; j++) {
-            int v = (int)lrintf(xb[j] * id);
-            q[b * QK + j] = (int8_t)v;
-            sum += v;
-        }
+        for (int j = 0; j < QK; j++) q[b * QK + j] = (int8_t)lrintf(xb[j] * id);
         d[b] = db;
-        s[b] = sum;
     }
 }
 
@@ -298,9 +292,8 @@ static inline __m256i codes(int type, const uint8_t *blk) {
 /* fast: rows [r0, r1) of one packed matrix against xm quantized x rows (weights signed int8
  * codes v, x int8: dot = sum |v| * sign(x, v), llama.cpp's trick for an unsigned x signed product) */
 static void fast_rows(int type, int64_t nb, const uint8_t *w, int64_t r0, int64_t r1, int xm,
-                      const int8_t *xq, const float *xd, const int32_t *xs, float *y, int64_t ldy) {
+                      const int8_t *xq, const float *xd, float *y, int64_t ldy) {
     const int size = type == 0 ? 18 : 34;
-    (void)xs;
     for (int64_t r = r0; r < r1; r += RT) {
         int rt = r1 - r < RT ? (int)(r1 - r) : RT;
         for (int i0 = 0; i0 < xm; i0 += MT) {
@@ -470,10 +463,9 @@ static void exact_rows_k(int type, int64_t nsb, const uint8_t *w, int64_t r0, in
 /* rows [r0, r1) of a packed matrix of any native type with K inputs: K-quants exact always; the
  * 32-blocks fast (x as int8 blocks) or exact by mode */
 static void rows_any(int type, int mode, int64_t K, const uint8_t *w, int64_t r0, int64_t r1, int xm,
-                     const float *x, int64_t ldx, const int8_t *xq, const float *xd, const int32_t *xs,
-                     float *y, int64_t ldy) {
+                     const float *x, int64_t ldx, const int8_t *xq, const float *xd, float *y, int64_t ldy) {
     if (is_k(type)) exact_rows_k(type, K / QKK, w, r0, r1, xm, x, ldx, y, ldy);
-    else if (mode == 1) fast_rows(type, K / QK, w, r0, r1, xm, xq, xd, xs, y, ldy);
+    else if (mode == 1) fast_rows(type, K / QK, w, r0, r1, xm, xq, xd, y, ldy);
     else exact_rows(type, K / QK, w, r0, r1, xm, x, ldx, y, ldy);
 }
 
@@ -486,15 +478,14 @@ int qpk_gemm(int type, int mode, int64_t M, int64_t K, const float *x, int64_t l
     if (!known(type) || (mode != 0 && mode != 1) || K <= 0 || K % blk_elems(type) || M <= 0 || G <= 0) return -1;
     const int64_t nb = K / blk_elems(type);
     const int64_t size = blk_bytes(type);
-    int8_t *xq = NULL; float *xd = NULL; int32_t *xs = NULL;
+    int8_t *xq = NULL; float *xd = NULL;
     const int64_t nbq = K / QK;  /* activation blocks (fast mode) */
     if (is_k(type)) mode = 0;    /* no int8-block form: the exact path */
     if (mode == 1) {
         xq = (int8_t *)malloc((size_t)(M * K));
         xd = (float *)malloc(sizeof(float) * (size_t)(M * nbq));
-        xs = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * nbq));
-        if (!xq || !xd || !xs) { free(xq); free(xd); free(xs); return -2; }
-        for (int64_t i = 0; i < M; i++) quantize_row(x + i * ldx, K, xq + i * K, xd + i * nbq, xs + i * nbq);
+        if (!xq || !xd) { free(xq); free(xd); return -2; }
+        for (int64_t i = 0; i < M; i++) quantize_row(x + i * ldx, K, xq + i * K, xd + i * nbq);
     }
     /* tasks: (group, block of rows); about 4 per thread, at least RT rows and 8 KiB of weights each */
     int64_t total_bytes = 0, total = 0;
@@ -506,7 +497,7 @@ int qpk_gemm(int type, int mode, int64_t M, int64_t K, const float *x, int64_t l
     int64_t task_bytes = total_bytes / (4 * threads);
     if (task_bytes < MIN_TASK_BYTES) task_bytes = MIN_TASK_BYTES;
     int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(G + 1)), *rows_per = (int64_t *)malloc(sizeof(int64_t) * (size_t)G);
-    if (!first || !rows_per) { free(first); free(rows_per); free(xq); free(xd); free(xs); return -2; }
+    if (!first || !rows_per) { free(first); free(rows_per); free(xq); free(xd); return -2; }
     for (int g = 0; g < G; g++) {
         int64_t per_row = nb * size * (xm[g] < MT ? 1 : xm[g] / MT);
         int64_t r = (task_bytes / per_row + RT - 1) / RT * RT;
@@ -523,10 +514,9 @@ int qpk_gemm(int type, int mode, int64_t M, int64_t K, const float *x, int64_t l
         if (r1 > n[g]) r1 = n[g];
         float *yg = y + yr[g] * ldy + yc[g];
         rows_any(type, mode, K, w[g], r0, r1, (int)xm[g], x + xr[g] * ldx, ldx,
-                 mode == 1 ? xq + xr[g] * K : NULL, mode == 1 ? xd + xr[g] * nbq : NULL,
-                 mode == 1 ? xs + xr[g] * nbq : NULL, yg, ldy);
+                 mode == 1 ? xq + xr[g] * K : NULL, mode == 1 ? xd + xr[g] * nbq : NULL, yg, ldy);
     }
-    free(first); free(rows_per); free(xq); free(xd); free(xs);
+    free(first); free(rows_per); free(xq); free(xd);
     return 0;
 }
 
@@ -550,13 +540,11 @@ int qpk_mlp_one(int tg, int tu, int td, int mode, int64_t H, int64_t I, const fl
     float *hg = (float *)malloc(sizeof(float) * (size_t)(2 * E * I + E * H));
     int8_t *q = (int8_t *)malloc((size_t)(H + E * I));
     float *qd = (float *)malloc(sizeof(float) * (size_t)(nbh + E * nbi));
-    int32_t *qs = (int32_t *)malloc(sizeof(int32_t) * (size_t)(nbh + E * nbi));
-    if (!hg || !q || !qd || !qs) { free(hg); free(q); free(qd); free(qs); return -2; }
+    if (!hg || !q || !qd) { free(hg); free(q); free(qd); return -2; }
     float *hu = hg + E * I, *yd = hu + E * I;
     int8_t *hq = q + H;
     float *hd = qd + nbh;
-    int32_t *hs = qs + nbh;
-    if (mode == 1) quantize_row(x, H, q, qd, qs);
+    if (mode == 1) quantize_row(x, H, q, qd);
     int threads = 1;
 #ifdef _OPENMP
     threads = omp_get_max_threads();
@@ -577,18 +565,18 @@ int qpk_mlp_one(int tg, int tu, int td, int mode, int64_t H, int64_t I, const fl
             const uint8_t *w = is_up ? up[e] : gate[e];
             int ty = is_up ? tu : tg;
             float *y = (is_up ? hu : hg) + e * I;
-            rows_any(ty, mode, H, w, r0, r1, 1, x, 0, q, qd, qs, y, 0);
+            rows_any(ty, mode, H, w, r0, r1, 1, x, 0, q, qd, y, 0);
         }
         #pragma omp for schedule(static)
         for (int64_t e = 0; e < E; e++) {
             float *g = hg + e * I, *u = hu + e * I;
             for (int64_t i = 0; i < I; i++) g[i] = silu(g[i]) * u[i];
-            if (mode == 1) quantize_row(g, I, hq + e * I, hd + e * nbi, hs + e * nbi);
+            if (mode == 1) quantize_row(g, I, hq + e * I, hd + e * nbi);
         }
         #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < E * per_h; t++) {
             int64_t e = t / per_h, r0 = (t % per_h) * rd, r1 = r0 + rd > H ? H : r0 + rd;
-            rows_any(td, mode, I, down[e], r0, r1, 1, hg + e * I, 0, hq + e * I, hd + e * nbi, hs + e * nbi, yd + e * H, 0);
+            rows_any(td, mode, I, down[e], r0, r1, 1, hg + e * I, 0, hq + e * I, hd + e * nbi, yd + e * H, 0);
         }
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < H; r++) {
@@ -597,7 +585,7 @@ int qpk_mlp_one(int tg, int tu, int td, int mode, int64_t H, int64_t I, const fl
             out[r] = acc;
         }
     }
-    free(hg); free(q); free(qd); free(qs);
+    free(hg); free(q); free(qd);
     return 0;
 }
 
@@ -623,7 +611,7 @@ typedef struct {
 /* a row-major matrix's rows [r0, r1) times x (K values): packed types through the block kernels
  * (fast: x given as int8 blocks too), float32 rows as plain dots */
 static void mat_rows(int type, int mode, const uint8_t *w, int64_t K, int64_t r0, int64_t r1, const float *x,
-                     const int8_t *xq, const float *xd, const int32_t *xs, float *y) {
+                     const int8_t *xq, const float *xd, float *y) {
     if (type == 2) {
         const float *wf = (const float *)w;
         for (int64_t r = r0; r < r1; r++) {
@@ -632,7 +620,7 @@ static void mat_rows(int type, int mode, const uint8_t *w, int64_t K, int64_t r0
             for (int64_t k = 0; k < K; k++) acc += row[k] * x[k];
             y[r] = acc;
         }
-    } else rows_any(type, mode, K, w, r0, r1, 1, x, 0, xq, xd, xs, y, 0);
+    } else rows_any(type, mode, K, w, r0, r1, 1, x, 0, xq, xd, y, 0);
 }
 
 static void rms_norm_row(float *x, int64_t n, const float *w, float eps) {
@@ -678,41 +666,39 @@ int qpk_mla_pre(const qpk_mla *m, const float *x, float *qcat, float *kvrow) {
     float *qa = (float *)malloc(sizeof(float) * (size_t)(ql + kl + rp + qrows));
     int8_t *q8 = (int8_t *)malloc((size_t)(H + ql + nh * np_));
     float *d8 = (float *)malloc(sizeof(float) * (size_t)((H + ql + nh * np_) / QK + 1));
-    int32_t *s8 = (int32_t *)malloc(sizeof(int32_t) * (size_t)((H + ql + nh * np_) / QK + 1));
-    if (!qa || !q8 || !d8 || !s8) { free(qa); free(q8); free(d8); free(s8); return -2; }
+    if (!qa || !q8 || !d8) { free(qa); free(q8); free(d8); return -2; }
     float *kva = qa + ql, *qb = kva + kl + rp;
     int8_t *xq = q8, *qq = q8 + H, *pq = qq + ql;
     float *xd = d8, *qd = d8 + H / QK, *pd = qd + ql / QK;
-    int32_t *xs = s8, *qs_ = s8 + H / QK, *ps = qs_ + ql / QK;
     const int fast = m->mode == 1;
-    if (fast) quantize_row(x, H, xq, xd, xs);
+    if (fast) quantize_row(x, H, xq, xd);
     int64_t bytes = mat_bytes(m->t_q_a, ql, H) + mat_bytes(m->t_kv_a, kl + rp, H) + mat_bytes(m->t_q_b, qrows, ql);
     #pragma omp parallel num_threads(threads_for(bytes))
     {
         ROWS_FOR(ql + kl + rp, {
-            if (r0 < ql) mat_rows(m->t_q_a, m->mode, m->q_a, H, r0, r1 < ql ? r1 : ql, x, xq, xd, xs, qa);
-            if (r1 > ql) mat_rows(m->t_kv_a, m->mode, m->kv_a, H, (r0 > ql ? r0 : ql) - ql, r1 - ql, x, xq, xd, xs, kva);
+            if (r0 < ql) mat_rows(m->t_q_a, m->mode, m->q_a, H, r0, r1 < ql ? r1 : ql, x, xq, xd, qa);
+            if (r1 > ql) mat_rows(m->t_kv_a, m->mode, m->kv_a, H, (r0 > ql ? r0 : ql) - ql, r1 - ql, x, xq, xd, kva);
         })
         #pragma omp single
         {
             rms_norm_row(qa, ql, m->q_a_norm, m->eps_q);
-            if (fast) quantize_row(qa, ql, qq, qd, qs_);
+            if (fast) quantize_row(qa, ql, qq, qd);
             for (int64_t i = 0; i < kl; i++) kvrow[i] = kva[i];
             rms_norm_row(kvrow, kl, m->kv_a_norm, m->eps_kv);
             rope_row(kva + kl, m->rot, rp, kvrow + kl);
         }
-        ROWS_FOR(qrows, mat_rows(m->t_q_b, m->mode, m->q_b, ql, r0, r1, qa, qq, qd, qs_, qb))
+        ROWS_FOR(qrows, mat_rows(m->t_q_b, m->mode, m->q_b, ql, r0, r1, qa, qq, qd, qb))
         #pragma omp for schedule(static)
         for (int64_t h = 0; h < nh; h++) {
             const float *qp = qb + h * qh;
             float *dst = qcat + h * (kl + rp);
             const uint8_t *kb = m->k_b + h * m->s_k_b;
-            if (m->kv_mode == 1 && m->t_k_b != 2) quantize_row(qp, np_, pq + h * np_, pd + h * (np_ / QK), ps + h * (np_ / QK));
-            mat_rows(m->t_k_b, m->kv_mode, kb, np_, 0, kl, qp, pq + h * np_, pd + h * (np_ / QK), ps + h * (np_ / QK), dst);
+            if (m->kv_mode == 1 && m->t_k_b != 2) quantize_row(qp, np_, pq + h * np_, pd + h * (np_ / QK));
+            mat_rows(m->t_k_b, m->kv_mode, kb, np_, 0, kl, qp, pq + h * np_, pd + h * (np_ / QK), dst);
             rope_row(qp + np_, m->rot, rp, dst + kl);
         }
     }
-    free(qa); free(q8); free(d8); free(s8);
+    free(qa); free(q8); free(d8);
     return 0;
 }
 
@@ -724,12 +710,10 @@ int qpk_mla_post(const qpk_mla *m, const float *qcat, const float *lat, int64_t 
     float *sc = (float *)malloc(sizeof(float) * (size_t)(nh * n + nh * kl + nh * vd));
     int8_t *q8 = (int8_t *)malloc((size_t)(nh * kl + nh * vd));
     float *d8 = (float *)malloc(sizeof(float) * (size_t)((nh * kl + nh * vd) / QK + 1));
-    int32_t *s8 = (int32_t *)malloc(sizeof(int32_t) * (size_t)((nh * kl + nh * vd) / QK + 1));
-    if (!sc || !q8 || !d8 || !s8) { free(sc); free(q8); free(d8); free(s8); return -2; }
+    if (!sc || !q8 || !d8) { free(sc); free(q8); free(d8); return -2; }
     float *ol = sc + nh * n, *ov = ol + nh * kl;
     int8_t *lq = q8, *vq = q8 + nh * kl;
     float *ld = d8, *vdd = d8 + nh * kl / QK;
-    int32_t *ls = s8, *vs = s8 + nh * kl / QK;
     const int fast = m->mode == 1;
     int64_t bytes = mat_bytes(m->t_o, H, nh * vd) + n * (kl + rp) * 4 * nh / 4;
     #pragma omp parallel num_threads(threads_for(bytes))
@@ -753,14 +737,14 @@ int qpk_mla_post(const qpk_mla *m, const float *qcat, const float *lat, int64_t 
                 const float p = s[j] * inv, *lj = lat + j * ld_lat;
                 for (int64_t i = 0; i < kl; i++) o[i] += p * lj[i];
             }
-            if (m->kv_mode == 1 && m->t_v_b != 2) quantize_row(o, kl, lq + h * kl, ld + h * (kl / QK), ls + h * (kl / QK));
+            if (m->kv_mode == 1 && m->t_v_b != 2) quantize_row(o, kl, lq + h * kl, ld + h * (kl / QK));
             mat_rows(m->t_v_b, m->kv_mode, m->v_b + h * m->s_v_b, kl, 0, vd, o, lq + h * kl, ld + h * (kl / QK),
-                     ls + h * (kl / QK), ov + h * vd);
+                     ov + h * vd);
         }
         #pragma omp single
-        if (fast) quantize_row(ov, nh * vd, vq, vdd, vs);
-        ROWS_FOR(H, mat_rows(m->t_o, m->mode, m->o, nh * vd, r0, r1, ov, vq, vdd, vs, out))
+        if (fast) quantize_row(ov, nh * vd, vq, vdd);
+        ROWS_FOR(H, mat_rows(m->t_o, m->mode, m->o, nh * vd, r0, r1, ov, vq, vdd, out))
     }
-    free(sc); free(q8); free(d8); free(s8);
+    free(sc); free(q8); free(d8);
     return 0;
 }
