@@ -179,12 +179,7 @@ class MLA(nn.Module):
                 self.layout.kind != "dense" or (cache.length > 0 and self.kv_b_proj.scheme.weight_only)):
             return self._decode_one(x, cos, sin, cache)
         nh, nope, rope, v = self.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        if self.qkv_a is not None:
-            q_lat, ckv = self.qkv_a(x).split([self.q_a_proj.out_features, self.kv_a_proj_with_mqa.out_features], dim=-1)
-            q = self.q_b_proj(self.q_a_layernorm(q_lat))
-        else:
-            q = self.q_proj(x) if self.q_lora is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-            ckv = self.kv_a_proj_with_mqa(x)
+        q, ckv = self._q_and_latent(x)
         q = q.view(b, t, nh, nope + rope).transpose(1, 2)
         q_pass, q_rot = torch.split(q, [nope, rope], dim=-1)
         kv_nope, k_rot = torch.split(ckv, [self.kv_lora_rank, rope], dim=-1)
@@ -222,6 +217,15 @@ class MLA(nn.Module):
             out = out * torch.sigmoid(self.g_proj(x))
         return self.o_proj(out)
 
+    def _q_and_latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The queries (all heads, nope + rope each) and the compressed KV (latent + rope key,
+        before its norm) of ``x``; q_a and kv_a in one call when their scheme fused them."""
+        if self.qkv_a is not None:
+            q_lat, ckv = self.qkv_a(x).split([self.q_a_proj.out_features, self.kv_a_proj_with_mqa.out_features], dim=-1)
+            return self.q_b_proj(self.q_a_layernorm(q_lat)), ckv
+        q = self.q_proj(x) if self.q_lora is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q, self.kv_a_proj_with_mqa(x)
+
     def _decode_one(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache) -> torch.Tensor:
         """:meth:`forward` for one token of one sequence with a cache (a decode step) in the
         absorbed form, on 2-D tensors: every head reads the same latent, so the scores of all
@@ -236,13 +240,7 @@ class MLA(nn.Module):
                 return fused
         cfg = self.cfg
         nh, nope, rope = self.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-        x2 = x.view(1, -1)
-        if self.qkv_a is not None:
-            q_lat_a, ckv = self.qkv_a(x2).split([self.q_a_proj.out_features, self.kv_a_proj_with_mqa.out_features], dim=-1)
-            q = self.q_b_proj(self.q_a_layernorm(q_lat_a))
-        else:
-            q = self.q_proj(x2) if self.q_lora is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x2)))
-            ckv = self.kv_a_proj_with_mqa(x2)
+        q, ckv = self._q_and_latent(x.view(1, -1))
         q_pass, q_rot = q.view(nh, nope + rope).split([nope, rope], dim=-1)
         kv_nope, k_rot = ckv.split([self.kv_lora_rank, rope], dim=-1)
         latent, k_all = cache.append(self.kv_a_layernorm(kv_nope).view(1, 1, 1, -1), (k_rot @ r).view(1, 1, 1, -1))
