@@ -351,34 +351,33 @@ class BackendConformance:
     def test_fused_projections_equal_separate_applies(self, quantplug_kit: _Kit, layout: str) -> None:
         """Where the scheme fused sibling projections (``LinearScheme.fuse``, under ``options``),
         the fused call equals the layers' own applies side by side."""
-        case = self._layout(quantplug_kit, layout)
-        model = quantplug_kit.load(case.path)
-        fused, bad = _fused_mismatches(model, self.forward_rtol)
-        if not fused:
-            pytest.skip(f"backend {self.backend!r} fuses no projections of the {layout} model under options "
-                        f"{dict(self.options)}")
-        if bad:
-            listing = "\n  ".join(bad[:8])
-            _fail(f"[fused projections] {len(bad)} fused group(s) of backend {self.backend}'s {layout} checkpoint "
-                  f"compute something else than their layers' own applies (rel err > {self.forward_rtol:g}):\n"
-                  f"  {listing}\nfuse(layers) must return the layers' outputs side by side, in the order given")
+        self._check_fusions(quantplug_kit, layout, _fused_mismatches, "projections", "fused projections",
+                            "fused group(s)", "their layers' own applies",
+                            "fuse(layers) must return the layers' outputs side by side, in the order given")
 
     @pytest.mark.parametrize("layout", LAYOUTS)
     def test_one_token_fusions_equal_the_model_path(self, quantplug_kit: _Kit, layout: str) -> None:
         """Where the scheme runs a one-token MLP or MLA step as one (``LinearScheme.fuse_mlp`` /
         ``fuse_attention``, under ``options``), it equals the model's own composition of the
         layers' applies, and the attention step appends the same latent and key to the cache."""
-        case = self._layout(quantplug_kit, layout)
-        model = quantplug_kit.load(case.path)
-        fused, bad = _one_token_mismatches(model, self.forward_rtol)
+        self._check_fusions(quantplug_kit, layout, _one_token_mismatches, "one-token MLP or attention step",
+                            "one-token fusions", "fused step(s)", "the model's own path",
+                            "fuse_mlp / fuse_attention must compute what the separate applies compute")
+
+    def _check_fusions(self, kit: _Kit, layout: str, mismatches: Any, none: str, tag: str, unit: str, ref: str,
+                       hint: str) -> None:
+        """Load the layout's checkpoint, skip if ``mismatches`` finds no fusion of this kind, fail
+        listing those whose output differs from ``ref`` by more than ``forward_rtol``."""
+        case = self._layout(kit, layout)
+        fused, bad = mismatches(kit.load(case.path), self.forward_rtol)
         if not fused:
-            pytest.skip(f"backend {self.backend!r} fuses no one-token MLP or attention step of the {layout} model "
-                        f"under options {dict(self.options)}")
+            pytest.skip(f"backend {self.backend!r} fuses no {none} of the {layout} model under options "
+                        f"{dict(self.options)}")
         if bad:
             listing = "\n  ".join(bad[:8])
-            _fail(f"[one-token fusions] {len(bad)} fused step(s) of backend {self.backend}'s {layout} checkpoint "
-                  f"compute something else than the model's own path (rel err > {self.forward_rtol:g}):\n"
-                  f"  {listing}\nfuse_mlp / fuse_attention must compute what the separate applies compute")
+            _fail(f"[{tag}] {len(bad)} {unit} of backend {self.backend}'s {layout} checkpoint "
+                  f"compute something else than {ref} (rel err > {self.forward_rtol:g}):\n"
+                  f"  {listing}\n{hint}")
 
     @pytest.mark.parametrize("layout", LAYOUTS)
     def test_dequantized_weights_are_close_to_the_source(self, quantplug_kit: _Kit, layout: str) -> None:
