@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import quantplug
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 from quantplug.models.config import parse_model_config
 from quantplug.plan import build_plan
@@ -37,7 +37,7 @@ from quantplug.testing import random_state, tiny_config
 from quantplug_expert_pack import ggml
 from quantplug_expert_pack.build import build_pack
 from quantplug_expert_pack.export import gguf_state, write_gguf
-from quantplug_expert_pack.testing import random_blocks
+from quantplug_expert_pack.testing import random_blocks, rewrite_gguf
 
 
 def _best(fn, n=3):
@@ -79,23 +79,14 @@ def bench_plan_vocab(root: Path, vocab: int = 160_000) -> dict:
     tmp = d / "plain.gguf.tmp"
     write_gguf(tmp, gguf_state(random_state(cfg), mc), mc, default_type="Q8_0")
     # re-write with a real-sized tokenizer: tokens, scores, types, merges
-    r = GGUFReader(tmp)
-    w = GGUFWriter(str(d / "model.gguf"), "deepseek2")
-    for key, f in r.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        w.add_key_value(key, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"tok{i:06d}" for i in range(vocab)])
-    w.add_token_scores([0.0] * vocab)
-    w.add_token_types([1] * vocab)
-    w.add_token_merges([f"t{i} o{i}" for i in range(vocab)])
-    for t in r.tensors:
-        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    def tokenizer(w) -> None:
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list([f"tok{i:06d}" for i in range(vocab)])
+        w.add_token_scores([0.0] * vocab)
+        w.add_token_types([1] * vocab)
+        w.add_token_merges([f"t{i} o{i}" for i in range(vocab)])
+
+    rewrite_gguf(tmp, d / "model.gguf", tokenizer)
     tmp.unlink()
     plan_s, p = _best(lambda: build_plan(d))
     assert not p.errors, p.errors

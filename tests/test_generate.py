@@ -360,9 +360,8 @@ def test_every_exporting_backend_cache_equals_recompute(tmp_path):
 def test_cli_generate_with_an_unusable_gguf_vocabulary(tmp_path, capsys):
     """--tokens: the vocabulary only prints text, so a broken one is reported and ids are printed;
     --prompt needs it: a one-line error naming the file and the merge, no traceback."""
-    import numpy as np
-    from gguf import GGUFReader, GGUFWriter
     from quantplug_expert_pack.export import gguf_state, write_gguf
+    from quantplug_expert_pack.testing import rewrite_gguf
 
     cfg = tiny_config()
     mc = parse_model_config(cfg, "DeepseekV3ForCausalLM", False)
@@ -371,18 +370,8 @@ def test_cli_generate_with_an_unusable_gguf_vocabulary(tmp_path, capsys):
     root = tmp_path / "bad"
     root.mkdir()
     (root / "config.json").write_text(json.dumps(cfg))
-    r = GGUFReader(tmp_path / "src" / "model.gguf")
-    w = GGUFWriter(str(root / "model.gguf"), "deepseek2")
-    for key, f in r.fields.items():
-        if not key.startswith("GGUF.") and key != "general.architecture":
-            w.add_key_value(key, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
-    w.add_token_merges(["<tok1> <tok2>"])              # "<tok1><tok2>" is no token
-    for t in r.tensors:
-        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    # "<tok1><tok2>" is no token
+    rewrite_gguf(tmp_path / "src" / "model.gguf", root / "model.gguf", lambda w: w.add_token_merges(["<tok1> <tok2>"]))
     assert main(["generate", str(root), "--tokens", "5,6,7", "--max-new-tokens", "3"]) == 0
     out = capsys.readouterr()
     assert len(out.out.split()) == 3 and "tokenizer not usable" in out.err and "merges[0]" in out.err

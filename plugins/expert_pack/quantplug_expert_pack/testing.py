@@ -8,6 +8,7 @@ with gguf-py alone (no quantplug code), giving transformers-ready weights.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,3 +69,23 @@ def reference_state(directory: str | Path, model_config: Any) -> dict[str, torch
         for e in range(t.shape[0]):
             state[f"{base}.{e}.{proj}.weight"] = t[e]
     return state
+
+
+def rewrite_gguf(src: str | Path, dst: str | Path, add: Callable[[Any], None]) -> None:
+    """A copy of the GGUF ``src`` at ``dst`` with more metadata: every key of ``src`` (gguf-py's
+    own ``GGUF.*`` / architecture keys excepted: the writer makes them), then ``add(writer)``
+    (a ``gguf.GGUFWriter``) adds its own, then every tensor as stored."""
+    from gguf import GGUFReader, GGUFWriter
+
+    r = GGUFReader(src)
+    w = GGUFWriter(str(dst), "deepseek2")
+    for key, f in r.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            w.add_key_value(key, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
+    add(w)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
