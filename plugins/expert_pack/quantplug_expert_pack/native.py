@@ -134,10 +134,6 @@ def status() -> str:
     return _status
 
 
-def available(ggml_type: str) -> bool:
-    return ggml_type in TYPES and library() is not None
-
-
 def _check(rc: int, what: str) -> None:
     if rc != 0:
         raise RuntimeError(f"qpk_kernels {what} failed with code {rc}")

@@ -58,8 +58,9 @@ class GGMLScheme(LinearScheme):
         where built; torch's int4 kernel), since fast results depend on it."""
         if self.cache:
             return f"ggml {self.ggml_type}; cached dense copy"
-        native = self.ggml_type in ggml.native.TYPES and ggml.native.library() is not None
         if self.kernels == "fast" and self.ggml_type in ggml.FAST_TYPES:
+            # asked only here: an exact plan never builds the native library for its description
+            native = self.ggml_type in ggml.native.TYPES and ggml.native.library() is not None
             if native and self.ggml_type == "Q8_0":
                 return f"ggml {self.ggml_type}; fast native kernel"
             return f"ggml {self.ggml_type}; fast int4 kernel" + ("; fast native kernel for few rows" if native else "")
