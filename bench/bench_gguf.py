@@ -34,7 +34,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from quantplug.models.config import parse_model_config
 from quantplug.plan import build_plan
 from quantplug.testing import random_state, tiny_config
-from quantplug_expert_pack import ggml
+from quantplug.kernels import ggml
 from quantplug_expert_pack.build import build_pack
 from quantplug_expert_pack.export import gguf_state, write_gguf
 from quantplug_expert_pack.testing import random_blocks, rewrite_gguf

@@ -256,7 +256,7 @@ def main() -> None:
                   "llama.cpp rows skipped", file=sys.stderr)
     if not a.no_llama and llama_py:
         contenders += [("llama", t, "-") for t in a.types.split(",")]
-    from quantplug_expert_pack import native
+    from quantplug.kernels import native
 
     # built here once, before any timed child (each child then loads the cached library)
     print(f"quantplug native kernels: {native.status()}", file=sys.stderr)

@@ -24,7 +24,7 @@ TYPES = ("Q4_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 def child(ggml_type: str, rows: int, threads: int) -> dict:
     import numpy as np
     import torch
-    from quantplug_expert_pack import ggml, native
+    from quantplug.kernels import ggml, native
     from quantplug_expert_pack.testing import random_rows
 
     torch.set_num_threads(threads)
@@ -56,7 +56,7 @@ def main() -> None:
     if a.child:
         print(json.dumps(child(a.child[0], int(a.child[1]), int(a.child[2]))))
         return
-    from quantplug_expert_pack import native
+    from quantplug.kernels import native
 
     print(f"native kernels: {native.status()}", file=sys.stderr)  # built once, before the timed children
     cases = [(t, int(r), k) for t in TYPES for r in a.rows.split(",") for k in ("native", "torch")]

@@ -49,6 +49,7 @@ from .errors import (
     UnknownArchitectureError,
 )
 from .hookspecs import BACKEND_HOOKS, CONTRACT_VERSION, GLOBAL_HOOKS, hookimpl
+from .kernels import ggml, native
 from .layers.linear import (
     FLOATS,
     DenseScheme,
@@ -201,6 +202,8 @@ def option(options: Mapping[str, Any], key: str, default: Any, choices: tuple[An
 
 __all__ = [
     "CONTRACT_VERSION", "HOOKS", "LAYER_KINDS", "Layer", "hookimpl",
+    # the compute layer (weight forms and their kernels)
+    "ggml", "native",
     # answers and values
     "AttentionLayout", "Claim", "Decision", "ExportResult", "PluginInfo", "Problem", "SkipRule",
     "TensorInfo", "TensorSpec",

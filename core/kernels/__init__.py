@@ -3,3 +3,7 @@
 Backends describe how their stored tensors encode a weight (a *form*); the kernels here compute
 with those forms. See the package modules for each form's layout and arithmetic.
 """
+
+from . import ggml, native
+
+__all__ = ["ggml", "native"]

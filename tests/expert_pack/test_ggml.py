@@ -15,7 +15,7 @@ from quantplug.checkpoint.gguf_index import SkippedArray, read_gguf_header
 from quantplug.errors import CheckpointError, QuantplugError
 from quantplug.models.config import parse_model_config
 from quantplug.testing import random_state, tiny_config
-from quantplug_expert_pack import ggml
+from quantplug.kernels import ggml
 from quantplug_expert_pack.export import gguf_state, write_gguf
 from quantplug_expert_pack.testing import random_blocks
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from quantplug.api import ConfigError, int4pack_rows_separable
 from quantplug.models.config import parse_model_config
 from quantplug.testing import random_state, tiny_config
-from quantplug_expert_pack import ggml
+from quantplug.kernels import ggml
 from quantplug_expert_pack.export import gguf_state, write_gguf
 from quantplug_expert_pack.testing import random_rows
 

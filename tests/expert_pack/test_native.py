@@ -21,7 +21,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from quantplug.generate import new_cache
 from quantplug.models.config import parse_model_config
 from quantplug.testing import random_state, tiny_config
-from quantplug_expert_pack import ggml, native
+from quantplug.kernels import ggml, native
 from quantplug_expert_pack.export import gguf_state, write_gguf
 from quantplug_expert_pack.testing import random_blocks, random_rows
 

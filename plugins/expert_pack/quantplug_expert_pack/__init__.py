@@ -32,9 +32,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quantplug.api import AttentionLayout, CheckpointError, Claim, Problem, contained, hookimpl, option
+from quantplug.api import (
+    AttentionLayout,
+    CheckpointError,
+    Claim,
+    Problem,
+    contained,
+    hookimpl,
+    native,
+    option,
+)
 
-from . import native
 from .build import build_pack
 from .export import export_gguf
 from .names import model_to_gguf

@@ -19,9 +19,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from quantplug.api import ExportResult, LoadPlan, ModelConfig, QuantplugError, dense_state
+from quantplug.api import ExportResult, LoadPlan, ModelConfig, QuantplugError, dense_state, ggml
 
-from . import ggml
 from .names import model_to_gguf
 
 #: types gguf-py can quantize to (the K-quants are dequantize-only in Python)

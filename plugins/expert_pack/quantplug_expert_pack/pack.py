@@ -51,9 +51,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from quantplug.api import GGUF_FLOATS, CheckpointError, LoadError, QuantplugError, ggml_types
+from quantplug.api import GGUF_FLOATS, CheckpointError, LoadError, QuantplugError, ggml, ggml_types
 
-from .ggml import BLOCKS, FLOAT_TYPES
+BLOCKS, FLOAT_TYPES = ggml.BLOCKS, ggml.FLOAT_TYPES
 
 MAGIC = b"QPXPACK\x00"
 VERSION = 1

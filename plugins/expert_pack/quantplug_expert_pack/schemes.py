@@ -23,10 +23,10 @@ from quantplug.api import (
     TensorInfo,
     TensorSpec,
     fuse_int4_packs,
+    ggml,
 )
 from torch import nn
 
-from . import ggml
 from .pack import ROLES, ExpertCache, ExpertPack
 
 
@@ -93,7 +93,7 @@ class GGMLScheme(LinearScheme):
     def _dense(self, layer: nn.Module, w: torch.Tensor) -> torch.Tensor:
         if self.ggml_type in ggml.FLOAT_TYPES:
             return w
-        return ggml.dequantize(w, self.ggml_type).to(layer.model_dtype)  # type: ignore[arg-type]
+        return ggml.dequantize(w, self.ggml_type).to(layer.model_dtype)
 
     def dequantize(self, layer: nn.Module, index: int | None = None) -> torch.Tensor:
         cached = getattr(layer, "_dequantized", None)
@@ -125,17 +125,17 @@ class GGMLScheme(LinearScheme):
     def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
         mode = self._native(layer, x, x.numel() // max(x.shape[-1], 1))
         if mode is not None:
-            return ggml.native_linear(x, [layer._qpk], self.ggml_type, mode, index)  # type: ignore[list-item]
+            return ggml.native_linear(x, [layer._qpk], self.ggml_type, mode, index)
         pack = getattr(layer, "_int4", None)
         if pack is not None:
             if index is not None:
                 slot_pack, slot_sz = layer._int4_slots[index]  # type: ignore[index]
                 return ggml.int4_linear(x, slot_pack, slot_sz, self.ggml_type)
-            return ggml.int4_linear(x, pack, layer._int4_sz, self.ggml_type)  # type: ignore[arg-type]
+            return ggml.int4_linear(x, pack, layer._int4_sz, self.ggml_type)
         if getattr(layer, "_dequantized", None) is not None or self.ggml_type in ggml.FLOAT_TYPES:
             return F.linear(x, self.dequantize(layer, index).to(x.dtype))
         w: torch.Tensor = layer.weight  # type: ignore[assignment]
-        return ggml.linear(x, w if index is None else w[index], self.ggml_type, layer.model_dtype)  # type: ignore[arg-type]
+        return ggml.linear(x, w if index is None else w[index], self.ggml_type, layer.model_dtype)
 
     def fuse(self, layers: Sequence[Any]) -> Callable[..., torch.Tensor] | None:
         """Siblings in this ggml type: one native call for all of them (few rows), and under
@@ -167,11 +167,11 @@ class GGMLScheme(LinearScheme):
     def apply_grouped(self, layer: nn.Module, x: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
         mode = self._native(layer, x, max(n for _, n in groups))
         if mode is not None:
-            return ggml.native_grouped(x, [layer._qpk], self.ggml_type, mode, groups)  # type: ignore[list-item]
+            return ggml.native_grouped(x, [layer._qpk], self.ggml_type, mode, groups)
         pack = getattr(layer, "_int4", None)
         if pack is None or len(groups) == 1:
             return super().apply_grouped(layer, x, groups)
-        return ggml.int4_grouped(x, layer._int4_slots, self.ggml_type, groups)  # type: ignore[arg-type]
+        return ggml.int4_grouped(x, layer._int4_slots, self.ggml_type, groups)
 
     def apply_all(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """MLA K/V per head in one call: native (few tokens, one sequence: every head's rows in
@@ -182,13 +182,13 @@ class GGMLScheme(LinearScheme):
         if x.numel() == nh * t * x.shape[-1]:  # one sequence
             mode = self._native(layer, x, t)
             if mode is not None:
-                y = ggml.native_grouped(x.reshape(nh * t, -1), [layer._qpk], self.ggml_type, mode,  # type: ignore[list-item]
+                y = ggml.native_grouped(x.reshape(nh * t, -1), [layer._qpk], self.ggml_type, mode,
                                         [(h, t) for h in range(nh)])
                 return y.view(*x.shape[:-1], y.shape[-1])
         if getattr(layer, "_int4", None) is not None or w.numel() > ggml.LINEAR_CHUNK_ELEMS * 16:
             return super().apply_all(layer, x)
         dense = self.dequantize(layer) if self.ggml_type in ggml.FLOAT_TYPES or self.cache \
-            else ggml.dequantize_reused(w, self.ggml_type, layer.model_dtype)  # type: ignore[arg-type]
+            else ggml.dequantize_reused(w, self.ggml_type, layer.model_dtype)
         return torch.matmul(x, dense.to(x.dtype).transpose(-1, -2))
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -197,7 +197,7 @@ class GGMLScheme(LinearScheme):
             return F.embedding(ids, self.dequantize(layer))
         w: torch.Tensor = layer.weight  # type: ignore[assignment]
         rows = ggml.dequantize(w.index_select(0, ids.reshape(-1)), self.ggml_type)
-        return rows.to(layer.model_dtype).view(*ids.shape, -1)  # type: ignore[arg-type]
+        return rows.to(layer.model_dtype).view(*ids.shape, -1)
 
     def process_after_loading(self, layer: nn.Module) -> None:
         if self.cache and self.ggml_type not in ggml.FLOAT_TYPES:
@@ -205,7 +205,7 @@ class GGMLScheme(LinearScheme):
             return
         w: torch.Tensor = layer.weight  # type: ignore[assignment]
         if ggml.native_ok(w, self.ggml_type):
-            layer._qpk = ggml.NativeWeight(w, self.ggml_type)  # type: ignore[assignment]
+            layer._qpk = ggml.NativeWeight(w, self.ggml_type)
         # Q8_0's int4 form is two int4 halves (twice the work): with native kernels it is not made
         # and the fast model holds the packed bytes only. Q4_0 keeps its int4 form: torch's int4
         # kernel prefills 64 tokens ~1.2x faster than the native one (the native one is as fast
@@ -369,8 +369,8 @@ class _GGMLFused:
             mode = modes.pop()
             handles = [layer._qpk for layer in self.layers]
             if groups is None:
-                return ggml.native_linear(x, handles, self.scheme.ggml_type, mode)  # type: ignore[arg-type]
-            return ggml.native_grouped(x, handles, self.scheme.ggml_type, mode, groups)  # type: ignore[arg-type]
+                return ggml.native_linear(x, handles, self.scheme.ggml_type, mode)
+            return ggml.native_grouped(x, handles, self.scheme.ggml_type, mode, groups)
         if self.int4 is not None:
             return self.int4(x, groups)
         if groups is None:
@@ -429,7 +429,7 @@ class PackedExpertsScheme(LinearScheme):
         if index is None:
             return torch.stack([self.dequantize(layer, e) for e in range(self.pack.n_experts)])
         raw, entry_type = self._raw(index)
-        w = ggml.dequantize(raw, entry_type).to(layer.model_dtype)  # type: ignore[arg-type]
+        w = ggml.dequantize(raw, entry_type).to(layer.model_dtype)
         # a float payload may come back as the slot itself: copy, the caller may keep it
         return w.clone() if w.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr() else w
 
@@ -446,4 +446,4 @@ class PackedExpertsScheme(LinearScheme):
         if index is None:
             return F.linear(x, self.dequantize(layer).to(x.dtype))
         raw, entry_type = self._raw(index)
-        return ggml.linear(x, raw, entry_type, layer.model_dtype)  # type: ignore[arg-type]
+        return ggml.linear(x, raw, entry_type, layer.model_dtype)

@@ -14,8 +14,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from quantplug.api import ggml
 
-from .ggml import BLOCKS
+BLOCKS = ggml.BLOCKS
 
 #: byte offsets of the f16 fields of each block type
 F16_FIELDS: dict[str, tuple[int, ...]] = {

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-SOURCE = Path(__file__).with_name("qpk_kernels.c")
+SOURCE = Path(__file__).with_name("qp_kernels.c")
 #: ggml type -> the C file's type code
 TYPES = {"Q4_0": 0, "Q8_0": 1, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5, "Q2_K": 6, "Q3_K": 7}
 BLOCK_BYTES = {"Q4_0": 18, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q2_K": 84, "Q3_K": 110}

@@ -31,8 +31,9 @@ import threading
 from collections.abc import Callable, Sequence
 
 import torch
-from quantplug.api import QuantplugError, ggml_types
 
+from ..checkpoint.gguf_index import ggml_types
+from ..errors import QuantplugError
 from . import native
 
 QK_K = 256
