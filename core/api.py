@@ -50,6 +50,7 @@ from .errors import (
 )
 from .hookspecs import BACKEND_HOOKS, CONTRACT_VERSION, GLOBAL_HOOKS, hookimpl
 from .kernels import ggml, native
+from .kernels.forms import ActQuant, Form, Weights
 from .layers.linear import (
     FLOATS,
     DenseScheme,
@@ -203,7 +204,7 @@ def option(options: Mapping[str, Any], key: str, default: Any, choices: tuple[An
 __all__ = [
     "CONTRACT_VERSION", "HOOKS", "LAYER_KINDS", "Layer", "hookimpl",
     # the compute layer (weight forms and their kernels)
-    "ggml", "native",
+    "ActQuant", "Form", "Weights", "ggml", "native",
     # answers and values
     "AttentionLayout", "Claim", "Decision", "ExportResult", "PluginInfo", "Problem", "SkipRule",
     "TensorInfo", "TensorSpec",

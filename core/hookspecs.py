@@ -53,7 +53,17 @@ PROJECT = "quantplug"
 #:   Design note: DESIGN.md's hooks decide *what* is loaded; since 1.2 a scheme may also offer how
 #:   a group of its layers runs (``fuse``, ``fuse_mlp``), asked by the model after loading and
 #:   recorded nowhere in the plan because it never changes what is read or computed, only how.
-CONTRACT_VERSION = "1.3"
+#: * 1.4: ``LinearScheme.form`` (optional): a scheme describes its loaded tensors as one of the
+#:   core's weight forms (``quantplug.api.Form`` / ``Weights`` / ``ActQuant``: ggml blocks, int4 /
+#:   int8 with scales and zero points, FP8 with block / channel / tensor scales, FP4 with E8M0 or
+#:   E4M3 + global scales, floats; activation quantization as a property of the form) and the
+#:   core computes every product, the one-token MLP / routed-expert steps and the absorbed MLA
+#:   decode step natively. ``fuse_mlp`` / ``fuse_attention`` are deprecated (still honoured where
+#:   the core has no step for the layers; removed at 2.0).
+#:   Design note (storage vs compute): backends know storage, the core knows compute; the form is
+#:   the whole interface between them, so a third-party backend that declares an existing form
+#:   runs natively with no C of its own.
+CONTRACT_VERSION = "1.4"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 

@@ -54,7 +54,7 @@ from torch import nn
 from .checkpoint import TORCH_DTYPES, storage_shape
 from .checkpoint.gguf_index import GGUF_FLOATS
 from .errors import LoadError, QuantplugError
-from .layers.linear import PlannedModule, QuantLinear, Source, SplitRule, StackedLinear
+from .layers.linear import LinearScheme, PlannedModule, QuantLinear, Source, SplitRule, StackedLinear
 from .memory import read_into
 from .types import CORE, Decision, Problem, TensorInfo
 
@@ -138,13 +138,15 @@ class Column:
     ``sharded`` False: the weight is whole here (a split would cut a block), the full output is
     computed and sliced. ``gather``: concatenate every rank's slice (lm_head)."""
 
+    kind = "column"
+
     def __init__(self, comm: Comm, start: int, length: int, sizes: Sequence[int], sharded: bool,
                  gather: bool = False) -> None:
         self.comm, self.start, self.length, self.sizes = comm, start, length, list(sizes)
         self.sharded, self.gather = sharded, gather
 
     def __call__(self, mod: Any, x: torch.Tensor) -> torch.Tensor:
-        y = mod.scheme.apply(mod, x)
+        y = mod.product(x)
         if self.sharded:
             return self.comm.all_gather(y, self.sizes) if self.gather else y
         return y if self.gather else y[..., self.start:self.start + self.length].contiguous()
@@ -154,13 +156,17 @@ class Row:
     """Row-parallel linear: input is this rank's slice of features; partial outputs all-reduced.
     ``sharded`` False: the weight is whole here; the input slices are all-gathered first."""
 
+    kind = "row"
+
     def __init__(self, comm: Comm, sizes: Sequence[int], sharded: bool) -> None:
         self.comm, self.sizes, self.sharded = comm, list(sizes), sharded
 
     def __call__(self, mod: Any, x: torch.Tensor) -> torch.Tensor:
-        if self.sharded:
-            return mod.scheme.apply_row_parallel(mod, x, self.comm.all_reduce)
-        return mod.scheme.apply(mod, self.comm.all_gather(x, self.sizes))
+        if not self.sharded:
+            return mod.product(self.comm.all_gather(x, self.sizes))
+        if type(mod.scheme).apply_row_parallel is not LinearScheme.apply_row_parallel:
+            return mod.scheme.apply_row_parallel(mod, x, self.comm.all_reduce)  # the scheme reduces its own accumulators
+        return self.comm.all_reduce(mod.product(x))
 
 
 class VocabEmbedding:

@@ -335,4 +335,6 @@ def test_tensor_spec_shape_none_works_for_stacked_experts(tmp_path, layout):
     model = quantplug.load(path, plugin_manager=pm, progress=False)
     assert "open-shape" in model.quantplug_plan.schemes().values()
     with torch.no_grad():
-        assert torch.equal(model(ids), ref(ids))
+        # the open-shape experts run the scheme's torch path, the reference's the core's native
+        # one: equal up to the order of float32 sums
+        torch.testing.assert_close(model(ids), ref(ids), rtol=1e-5, atol=1e-6)

@@ -21,7 +21,9 @@ def test_demo_rows_cover_every_exporting_backend(tmp_path):
         assert r.plan_ms > 0 and r.load_ms > 0 and r.bytes > 0
     if "expert_pack" in exporters:  # the pack row holds no experts in memory
         plain, packed = [r for r in rows if r.backend == "expert_pack"]
-        assert packed.model_bytes < plain.model_bytes and packed.max_rel_err == plain.max_rel_err
+        # the same weights: equal up to float32 summation order (the pack's experts come through
+        # its cache, the plain file's through the native kernels)
+        assert packed.model_bytes < plain.model_bytes and math.isclose(packed.max_rel_err, plain.max_rel_err, rel_tol=1e-5)
 
 
 def test_demo_cli_prints_table(capsys):

@@ -362,7 +362,7 @@ def test_build_to_new_directory_leaves_source_and_matches(tmp_path, gguf_dir, pa
     assert main(["expert-pack", "build", str(src), "-o", str(dst)]) == 0
     assert _tree_digest(src) == before
     assert (dst / "experts.qpack").is_file() and (dst / "config.json").read_bytes() == (src / "config.json").read_bytes()
-    assert torch.equal(_logits(dst), _logits(src))
+    torch.testing.assert_close(_logits(dst), _logits(src), rtol=1e-5, atol=1e-6)  # pack: cache path, src: native
     assert main(["expert-pack", "build", str(src), "-o", str(dst)]) == 1  # exists: refused, one line
     assert main(["expert-pack", "build", str(src)]) == 2  # neither -o nor --in-place: usage error
 

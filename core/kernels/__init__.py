@@ -4,6 +4,7 @@ Backends describe how their stored tensors encode a weight (a *form*); the kerne
 with those forms. See the package modules for each form's layout and arithmetic.
 """
 
-from . import ggml, native
+from . import compute, forms, ggml, native
+from .forms import ActQuant, Form, Weights
 
-__all__ = ["ggml", "native"]
+__all__ = ["ActQuant", "Form", "Weights", "compute", "forms", "ggml", "native"]

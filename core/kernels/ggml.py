@@ -35,6 +35,7 @@ import torch
 from ..checkpoint.gguf_index import ggml_types
 from ..errors import QuantplugError
 from . import native
+from .forms import FORMS, Form
 
 QK_K = 256
 #: the block types these kernels implement
@@ -335,8 +336,10 @@ def dequantize(data: torch.Tensor, ggml_type: str, *, chunk_blocks: int = 1 << 1
         raise QuantplugError(f"dequantize(out=...): need a contiguous float32 tensor of {blocks.shape[0] * block} "
                              f"elements, got {out.dtype} {list(out.shape)}")
     out = out.view(blocks.shape[0], block)
-    if ggml_type in native.TYPES and blocks.is_contiguous() and native.library() is not None:
-        return native.dequantize(blocks, ggml_type, out).view(*lead, data.shape[-1] // size * block)
+    if ggml_type in NATIVE_TYPES and blocks.is_contiguous() and native.library() is not None:
+        mat = _mat(blocks, ggml_type, blocks.shape[0], block)
+        native.dequant(mat, 0, blocks.shape[0], out.view(blocks.shape[0], block))
+        return out.view(*lead, data.shape[-1] // size * block)
     kernel = KERNELS[ggml_type]
     ws = _scratch("kernel")
     for s in range(0, blocks.shape[0], chunk_blocks):  # bounded, reused temporaries
@@ -366,10 +369,13 @@ def linear(x: torch.Tensor, data: torch.Tensor, ggml_type: str, dtype: torch.dty
     native type go through the native exact kernel instead (the same weights, float32 sums)."""
     if ggml_type in FLOAT_TYPES:
         return torch.nn.functional.linear(x, data.to(x.dtype))
-    if (dtype == torch.float32 and x.dtype == torch.float32 and x.numel() <= NATIVE_EXACT_ROWS * x.shape[-1]
-            and native_ok(data, ggml_type)):
-        return native_linear(x, [NativeWeight(data, ggml_type)], ggml_type, "exact")  # few rows: blocks dequantized in registers
     block, size = BLOCKS[ggml_type]
+    if (dtype == torch.float32 and x.dtype == torch.float32 and x.numel() <= NATIVE_EXACT_ROWS * x.shape[-1]
+            and ggml_type in NATIVE_TYPES and data.is_contiguous() and data.device.type == "cpu"
+            and native.library() is not None):  # few rows: blocks decoded in registers
+        k = data.shape[-1] // size * block
+        y = native.gemm(native._as_f32_rows(x, k), [_mat(data, ggml_type, data.shape[0], k)])
+        return y.view(*x.shape[:-1], data.shape[0])
     rows, k = data.shape[0], data.shape[-1] // size * block
     step = min(rows, max(1, LINEAR_CHUNK_ELEMS // max(k, 1)))
     wbuf = _scratch("weights").get("w", (step, k), torch.float32)
@@ -493,94 +499,27 @@ class Int4Fused:
         return int4_grouped(x, self.slots, self.ggml_type, groups)
 
 
-# --- native kernels (``native.py`` / ``qpk_kernels.c``) ----------------------------------------
+# --- native kernels (``native.py`` / ``qp_kernels.c``) -------------------------------------------
 #
-# Q4_0 / Q8_0 / Q2_K..Q6_K matrix-vector products on the blocks as loaded, for few input
-# rows (a decode step, the routed experts' rows of one token): "exact" dequantizes each block as
-# gguf-py does (in registers for Q4_0 / Q8_0, 256 floats on the stack for K-quants) and sums in
-# float32; "fast" is llama.cpp's path for Q4_0 / Q8_0 (activations as int8 blocks, integer dot
-# products), and the exact path for K-quants. For more rows, torch's matmul on a dequantized chunk
-# (exact; the chunk dequantized natively) and torch's int4 kernel (fast Q4_0 / Q4_K) are faster,
-# and those paths stay.
+# Packed ggml tensors that are not bound to a layer (an expert pack's cached payloads, one-off
+# dequantizations) reach the native kernels through a transient matrix built here.
 
-#: most input rows per weight the native exact kernel takes (beyond, a dequantized chunk + matmul)
+#: ggml types the native kernels decode
+NATIVE_TYPES = frozenset(t for t in KERNEL_TYPES if t in FORMS)
+#: most input rows the native exact kernel takes for a transient matrix in :func:`linear`
 NATIVE_EXACT_ROWS = 16
-#: most input rows per weight the native fast kernel takes when torch's int4 kernel holds the
-#: weight too (Q4_0); a weight without an int4 form (Q8_0 under native kernels) takes any count
-NATIVE_FAST_ROWS = 4
 
 
-class NativeWeight:
-    """Addresses of a layer's packed ``weight`` ([N, row_bytes], or [E, N, row_bytes]: one matrix
-    per slot) for the native kernels; ``check`` re-reads them if the tensor was replaced. ``k``:
-    the values per row, which every input must match (the C code trusts it)."""
+def _mat(data: torch.Tensor, ggml_type: str, n: int, k: int) -> object:
+    """A transient native matrix over contiguous packed rows ``data`` (the caller keeps it alive)."""
+    if data.dtype != torch.uint8 or not data.is_contiguous() or data.device.type != "cpu":
+        raise QuantplugError(f"{ggml_type}: native kernels read contiguous uint8 blocks on the CPU")
+    m = native.Mat()
+    m.type, m.n, m.k = FORMS[ggml_type][0], n, k
+    m.w, m.ldw = data.data_ptr(), Form(ggml_type).row_bytes(k)
+    lib = native.library()
+    import ctypes
 
-    def __init__(self, weight: torch.Tensor, ggml_type: str) -> None:
-        self.ggml_type = ggml_type
-        self._bind(weight)
-
-    def _bind(self, weight: torch.Tensor) -> None:
-        if weight.shape[-1] % native.BLOCK_BYTES[self.ggml_type]:
-            raise QuantplugError(f"{self.ggml_type} rows of {weight.shape[-1]} bytes are not whole blocks")
-        self.weight = weight
-        self.base = weight.data_ptr()
-        self.k = weight.shape[-1] // native.BLOCK_BYTES[self.ggml_type] * native.BLOCK_ELEMS[self.ggml_type]
-        self.n = weight.shape[-2] if weight.dim() == 3 else weight.shape[0]
-        step = self.n * weight.shape[-1] * weight.element_size()
-        self.ptrs = [self.base + i * step for i in range(weight.shape[0])] if weight.dim() == 3 else [self.base]
-
-    def check(self, weight: torch.Tensor) -> NativeWeight:
-        if weight.data_ptr() != self.base or weight is not self.weight:
-            self._bind(weight)
-        return self
-
-
-def native_ok(weight: torch.Tensor, ggml_type: str) -> bool:
-    """Whether the native kernels can read ``weight`` (a native type, contiguous uint8 blocks on
-    the CPU, and the library built)."""
-    return (ggml_type in native.TYPES and weight.dtype == torch.uint8 and weight.device.type == "cpu"
-            and weight.is_contiguous() and native.library() is not None)
-
-
-def _native_input(x: torch.Tensor) -> torch.Tensor:
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.dtype != torch.float32:
-        x2 = x2.float()
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
-def _check_width(x: torch.Tensor, weights: Sequence[NativeWeight]) -> None:
-    if any(w.k != x.shape[-1] for w in weights):
-        raise QuantplugError(f"native kernels: input of {x.shape[-1]} values per row for weights of "
-                             f"{sorted({w.k for w in weights})} values per row")
-
-
-def native_linear(x: torch.Tensor, weights: Sequence[NativeWeight], ggml_type: str, mode: str,
-                  index: int | None = None) -> torch.Tensor:
-    """``x @ W^T`` for each weight (slot ``index`` of a stacked one), outputs side by side."""
-    _check_width(x, weights)
-    ptrs = [w.ptrs[0 if index is None else index] for w in weights]
-    ns = [w.n for w in weights]
-    y = native.gemm(_native_input(x), ptrs, ns, ggml_type, mode)
-    return y.to(x.dtype).view(*x.shape[:-1], sum(ns))
-
-
-def native_grouped(x: torch.Tensor, weights: Sequence[NativeWeight], ggml_type: str, mode: str,
-                   groups: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """Stacked weights on consecutive row groups of ``x`` [rows, K], group ``(slot, n)`` through
-    each weight's slot ``slot``; the weights' outputs side by side. One call for every group."""
-    _check_width(x, weights)
-    if any(not 0 <= slot < len(w.ptrs) for slot, _ in groups for w in weights):
-        raise QuantplugError(f"native kernels: slots {[s for s, _ in groups]} outside the stack")
-    ptrs, ns, spec = [], [], []
-    start = 0
-    for slot, n in groups:
-        col = 0
-        for w in weights:
-            ptrs.append(w.ptrs[slot])
-            ns.append(w.n)
-            spec.append((start, n, start, col))
-            col += w.n
-        start += n
-    y = native.gemm(_native_input(x), ptrs, ns, ggml_type, mode, spec, out_rows=x.shape[0])
-    return y.to(x.dtype)
+    if lib is None or lib.qp_check(ctypes.byref(m)) != 0:
+        raise QuantplugError(f"{ggml_type}: {n} rows of {k} values are not a native matrix")
+    return ctypes.pointer(m)

@@ -1,34 +1,38 @@
-"""Native Q4_0 / Q8_0 / Q2_K..Q6_K kernels (``qpk_kernels.c``), built on first use with the system
-C compiler.
+"""The native kernels (``qp_kernels.c``): built on first use with the system C compiler, loaded
+with ctypes, and the weights bound to them.
 
-Why: a decode step multiplies one token by every weight once, so its cost is reading the packed
-blocks. torch has no kernel that reads GGUF blocks as they are (its int4 CPU kernel needs its own
-layout, bfloat16 activations and, for Q8_0, two int4 halves: twice the work), and the exact path
-dequantizes each block with ~10 torch ops. The C file does what llama.cpp's CPU backend does, on
-the blocks as loaded: exact mode dequantizes a block in registers and accumulates in float32;
-fast mode quantizes the activations to int8 blocks and takes integer dot products (AVX512-VNNI or
-AVX2 where the CPU has them, portable C otherwise).
+Why: a decode step multiplies a token by every weight once, so its cost is reading the packed
+weights. torch has no kernel that reads most stored forms as they are (GGUF blocks, FP8 with
+block scales, int4 with group scales), and a torch dequantize-then-matmul costs a dozen ops and a
+dense copy per matrix. The C file decodes each block in registers and accumulates in float32
+(exact mode), or, for Q4_0 / Q8_0, takes llama.cpp's integer dot products (fast mode); it also
+runs the core model's few-token steps (gated MLP / routed experts, absorbed MLA) in one call each.
 
-Build: ``$CC`` (default ``cc``) ``-O3 -march=native -fopenmp -shared -fPIC``, into
-``$QUANTPLUG_CACHE`` (default ``~/.cache/quantplug``)``/kernels/``, named by a hash of the source,
-the compiler's version and the CPU's flags, written to a temporary name and renamed (concurrent
-processes never load a half-written library). OpenMP links the ``libgomp.so.1`` torch has already
-loaded, so these loops run on torch's threads (``torch.set_num_threads`` applies).
+Build: ``$CC`` (default ``cc``) ``-O3 -march=native -fopenmp -shared -fPIC -ffp-contract=off``
+into ``$QUANTPLUG_CACHE`` (default ``~/.cache/quantplug``)``/kernels/``, named by a hash of the
+source, the compiler's version, the CPU's flags and the flags. The cache is this user's own:
+the directory is created mode 0700 and used only if this user owns it and nobody else can write
+it; a cached library is loaded only if it is a regular file (not a symlink) owned by this user,
+not writable by others, and not empty; a broken one (empty, truncated, missing a symbol) is
+rebuilt once. Builds hold a file lock, so concurrent first uses compile once. OpenMP links the
+``libgomp.so.1`` torch has loaded: these loops run on torch's threads.
 
 ``QUANTPLUG_NATIVE_MARCH`` replaces ``native`` in ``-march`` (the tests build ``x86-64-v3`` and
 ``x86-64`` too, so the AVX2 and portable paths are checked on any x86 machine).
 
-No compiler, a failed build or ``QUANTPLUG_NATIVE=0``: :func:`library` returns None and says why in
-:func:`status`; every caller then keeps its torch path. Nothing here is needed for correctness.
+No compiler, a failed build or load, or ``QUANTPLUG_NATIVE=0``: :func:`library` returns None and
+:func:`status` says why; every caller then keeps its torch path, with the same exact-mode results.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -38,15 +42,17 @@ from typing import Any
 
 import torch
 
+from ..errors import QuantplugError
+from .forms import ACT_KINDS, FORMS, INTEGER, SCALE_ENCODINGS, Weights
+
 SOURCE = Path(__file__).with_name("qp_kernels.c")
-#: ggml type -> the C file's type code
-TYPES = {"Q4_0": 0, "Q8_0": 1, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5, "Q2_K": 6, "Q3_K": 7}
-BLOCK_BYTES = {"Q4_0": 18, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q2_K": 84, "Q3_K": 110}
-BLOCK_ELEMS = {t: 32 if t in ("Q4_0", "Q8_0") else 256 for t in TYPES}
-#: types whose products always take the exact path (no int8-block form of their scales)
-EXACT_ONLY = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K"})
+ISA_NAMES = {3: "AVX512 + VNNI", 4: "AVX512", 2: "AVX2", 0: "portable C"}
 MODES = {"exact": 0, "fast": 1}
-ISA_NAMES = {3: "AVX512-VNNI", 2: "AVX2", 0: "portable C"}
+#: forms with a fast (integer dot product) mode
+FAST_FORMS = frozenset({"Q4_0", "Q8_0"})
+#: the symbols this module calls; a library missing one is rebuilt, then refused
+SYMBOLS = ("qp_form_info", "qp_isa", "qp_check", "qp_dequant", "qp_act_rows", "qp_gemm", "qp_mlp",
+           "qp_mla_pre", "qp_mla_post")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -68,6 +74,56 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+def _private_dir(path: Path) -> Path:
+    """``path`` created mode 0700, or checked: owned by this user, writable by nobody else."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise OSError(f"kernel cache {path} is not a directory (a symlink?)")
+    if st.st_uid != os.getuid():
+        raise OSError(f"kernel cache {path} belongs to uid {st.st_uid}, not this user ({os.getuid()})")
+    if st.st_mode & 0o022:
+        raise OSError(f"kernel cache {path} is writable by group or others (mode {oct(st.st_mode & 0o777)})")
+    return path
+
+
+def _trusted(path: Path) -> bool:
+    """A cached library we may load: a non-empty regular file (not a symlink) of this user's that
+    nobody else can write."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
+        raise OSError(f"cached kernel library {path} is not a regular file (a symlink?); refusing to load it")
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise OSError(f"cached kernel library {path} is not this user's own private file; refusing to load it")
+    return st.st_size > 0
+
+
+def _compile(cc: str, flags: list[str], out: Path) -> None:
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise OSError(f"{cc} failed: {r.stderr.strip()[-500:]}")
+        os.chmod(tmp, 0o700)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    missing = [s for s in SYMBOLS if not hasattr(lib, s)]
+    if missing:
+        raise OSError(f"{path.name} lacks {', '.join(missing)}")
+    _declare(lib)
+    return lib
+
+
 def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
@@ -79,34 +135,79 @@ def _build() -> ctypes.CDLL:
              "-std=c11", "-ffp-contract=off"]
     src = SOURCE.read_bytes()
     key = hashlib.sha256(src + version.encode() + _cpu_flags().encode() + " ".join(flags).encode()).hexdigest()[:16]
-    out = cache_dir() / f"qpk_kernels-{key}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
+    d = _private_dir(cache_dir())
+    out = d / f"qp_kernels-{key}.so"
+    with open(d / ".build.lock", "a+") as lock:
+        os.chmod(lock.name, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent first uses: one compiles, the others wait
         try:
-            r = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300)
-            if r.returncode != 0:
-                raise OSError(f"{cc} failed: {r.stderr.strip()[-500:]}")
-            os.replace(tmp, out)
+            if not _trusted(out):
+                _compile(cc, flags, out)
+            try:
+                return _open(out)
+            except OSError:
+                _compile(cc, flags, out)  # broken (truncated, stale): rebuilt once
+                # loaded under a name of its own: the dynamic loader hands back the broken library
+                # already loaded under the first name
+                fresh = out.with_name(f"{out.stem}.{os.getpid()}.so")
+                os.link(out, fresh)
+                try:
+                    return _open(fresh)
+                finally:
+                    fresh.unlink()
         finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(str(out))
-    i64, p = ctypes.c_int64, ctypes.c_void_p
-    lib.qpk_gemm.argtypes = [ctypes.c_int, ctypes.c_int, i64, i64, p, i64, ctypes.c_int, p, p, p, p, p, p, p, i64]
-    lib.qpk_gemm.restype = ctypes.c_int
-    lib.qpk_mlp_one.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, i64, i64, p, ctypes.c_int,
-                                p, p, p, p, p]
-    lib.qpk_mlp_one.restype = ctypes.c_int
-    lib.qpk_mla_pre.argtypes = [p, p, p, p]
-    lib.qpk_mla_pre.restype = ctypes.c_int
-    lib.qpk_mla_post.argtypes = [p, p, p, i64, p, i64, i64, p]
-    lib.qpk_mla_post.restype = ctypes.c_int
-    lib.qpk_dequantize.argtypes = [ctypes.c_int, i64, p, p]
-    lib.qpk_dequantize.restype = ctypes.c_int
-    lib.qpk_isa.restype = ctypes.c_int
-    return lib
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+class Act(ctypes.Structure):
+    _fields_ = [  # noqa: RUF012 (ctypes reads the class attribute)
+        ("kind", ctypes.c_int32), ("group", ctypes.c_int32), ("ue8m0", ctypes.c_int32), ("epi", ctypes.c_int32),
+        ("scale", ctypes.c_float), ("offset", ctypes.c_float), ("floor", ctypes.c_float), ("pad", ctypes.c_int32)]
+
+
+class Mat(ctypes.Structure):
+    """``qp_mat`` in ``qp_kernels.c``: one weight matrix of one form."""
+
+    _fields_ = [  # noqa: RUF012
+        ("type", ctypes.c_int32), ("sdt", ctypes.c_int32), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+        ("w", ctypes.c_void_p), ("ldw", ctypes.c_int64), ("s", ctypes.c_void_p), ("lds", ctypes.c_int64),
+        ("gk", ctypes.c_int64), ("gn", ctypes.c_int64), ("z", ctypes.c_void_p), ("gs", ctypes.c_float),
+        ("mode", ctypes.c_int32), ("nan", ctypes.c_int32), ("pad", ctypes.c_int32),
+        ("rowsum", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("os", ctypes.c_void_p), ("act", Act)]
+
+
+class MLA(ctypes.Structure):
+    """``qp_mla``: one MLA layer's dimensions and matrices."""
+
+    _fields_ = [  # noqa: RUF012
+        ("H", ctypes.c_int64), ("q_lora", ctypes.c_int64), ("kv_lora", ctypes.c_int64), ("rope", ctypes.c_int64),
+        ("nope", ctypes.c_int64), ("v", ctypes.c_int64), ("nh", ctypes.c_int64),
+        ("eps_q", ctypes.c_float), ("eps_kv", ctypes.c_float), ("scale", ctypes.c_float),
+        ("q_a", ctypes.POINTER(Mat)), ("kv_a", ctypes.POINTER(Mat)), ("q_b", ctypes.POINTER(Mat)),
+        ("q_a_norm", ctypes.c_void_p), ("kv_a_norm", ctypes.c_void_p), ("norm_bf16", ctypes.c_int32),
+        ("kv_dense", ctypes.c_int32), ("kv_b", ctypes.POINTER(Mat)),
+        ("k_b", ctypes.POINTER(ctypes.POINTER(Mat))), ("v_b", ctypes.POINTER(ctypes.POINTER(Mat))),
+        ("o", ctypes.POINTER(Mat)), ("g", ctypes.POINTER(Mat))]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, p, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    mp = ctypes.POINTER(Mat)
+    mpp = ctypes.POINTER(mp)
+    sig = {
+        "qp_form_info": ([i32, ctypes.POINTER(i64), ctypes.POINTER(i64)], i32),
+        "qp_isa": ([], i32),
+        "qp_check": ([mp], i32),
+        "qp_dequant": ([mp, i64, i64, p, i64, i32], i32),
+        "qp_act_rows": ([mp, i64, p, i64, p], i32),
+        "qp_gemm": ([mpp, i32, i64, i64, p, i64, p, p, p, p, p, i64, i32], i32),
+        "qp_mlp": ([mpp, mpp, mpp, i32, i64, p, i64, i32, p, p, p, p, i64, i32], i32),
+        "qp_mla_pre": ([ctypes.POINTER(MLA), i64, p, p, p, p, p, i32], i32),
+        "qp_mla_post": ([ctypes.POINTER(MLA), i64, p, p, i64, i64, p, i64, i64, i64, i32, p, p, i32], i32),
+    }
+    for name, (args, res) in sig.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
 
 
 def library() -> ctypes.CDLL | None:
@@ -121,9 +222,10 @@ def library() -> ctypes.CDLL | None:
             else:
                 try:
                     _lib = _build()
-                    _status = f"built ({ISA_NAMES.get(_lib.qpk_isa(), '?')})"
-                except (OSError, subprocess.SubprocessError) as e:
-                    _status = f"unavailable: {e}"
+                    _status = f"built ({ISA_NAMES.get(_lib.qp_isa(), '?')})"
+                except (OSError, subprocess.SubprocessError, AttributeError) as e:
+                    _lib = None
+                    _status = f"unavailable, torch paths used: {e}"
             _tried = True
     return _lib
 
@@ -134,119 +236,14 @@ def status() -> str:
     return _status
 
 
-def _check(rc: int, what: str) -> None:
+def check(rc: int, what: str) -> None:
     if rc != 0:
-        raise RuntimeError(f"qpk_kernels {what} failed with code {rc}")
-
-
-def dequantize(data: torch.Tensor, ggml_type: str, out: torch.Tensor) -> torch.Tensor:
-    """Exact float32 values of contiguous packed ``data`` into contiguous float32 ``out`` (bit-equal
-    to gguf-py: ``d * q`` in float32)."""
-    lib = library()
-    assert lib is not None and data.is_contiguous() and out.is_contiguous() and out.dtype == torch.float32
-    nblocks = data.numel() // BLOCK_BYTES[ggml_type]
-    assert out.numel() == nblocks * BLOCK_ELEMS[ggml_type]
-    _check(lib.qpk_dequantize(TYPES[ggml_type], nblocks, data.data_ptr(), out.data_ptr()), "dequantize")
-    return out
-
-
-def gemm(x: torch.Tensor, ptrs: Sequence[int], ns: Sequence[int], ggml_type: str, mode: str,
-         groups: Sequence[tuple[int, int, int, int]] | None = None, out_rows: int | None = None) -> torch.Tensor:
-    """float32 ``x`` [M, K] (``x.stride(1) == 1``; ``stride(0)`` may be 0: one row repeated) against
-    packed weights given as the addresses ``ptrs`` of contiguous [N_g, row_bytes] blocks (the caller
-    keeps the tensors alive), ``ns`` their row counts.
-
-    Without ``groups``: every weight on all M rows, outputs side by side: [M, sum N_g]. With
-    ``groups`` (one ``(x_row, x_rows, y_row, y_col)`` per weight): weight g on x rows
-    ``[x_row, x_row + x_rows)`` into ``y[y_row:, y_col:]``; y is [``out_rows``, max(y_col + N_g)],
-    zero where no group writes."""
-    lib = library()
-    assert lib is not None and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
-    m, k = x.shape
-    g = len(ptrs)
-    if len(ns) != g or g == 0:
-        raise ValueError(f"native.gemm: {g} weight addresses, {len(ns)} row counts")
-    if groups is None:
-        cols, gl = 0, []
-        for n in ns:
-            gl.append((0, m, 0, cols))
-            cols += n
-        groups = gl
-        y = torch.empty(m, cols, dtype=torch.float32)
-    else:
-        width = max(c + n for (_, _, _, c), n in zip(groups, ns))
-        rows = out_rows if out_rows is not None else m
-        # the C code trusts these: a group outside x or y would read or write out of bounds
-        if len(groups) != g or any(xr < 0 or xm < 1 or xr + xm > m or yr < 0 or yr + xm > rows or yc < 0
-                                   for xr, xm, yr, yc in groups):
-            raise ValueError(f"native.gemm: groups {list(groups)} do not fit x [{m}, {k}] / y [{rows}, {width}]")
-        covered = sum(xm * n for (_, xm, _, _), n in zip(groups, ns))
-        y = (torch.empty if covered == rows * width else torch.zeros)(rows, width, dtype=torch.float32)
-    arr = ctypes.c_int64 * g
-    rc = lib.qpk_gemm(TYPES[ggml_type], MODES[mode], m, k, x.data_ptr(), x.stride(0), g, (ctypes.c_void_p * g)(*ptrs),
-                      arr(*ns), arr(*[t[0] for t in groups]), arr(*[t[1] for t in groups]),
-                      arr(*[t[2] for t in groups]), arr(*[t[3] for t in groups]), y.data_ptr(), y.stride(0))
-    _check(rc, "gemm")
-    return y
-
-
-def mlp_one(x: torch.Tensor, types: tuple[str, str, str], gate: Sequence[int], up: Sequence[int],
-            down: Sequence[int], inter: int, mode: str, weights: Sequence[float] | None = None) -> torch.Tensor:
-    """One token through gated MLPs: float32 ``x`` [1, H] -> [1, H] = the sum, in the order given,
-    of ``weights[e] * down_e(silu(gate_e x) * up_e x)`` (weight 1 without ``weights``). ``gate`` /
-    ``up`` / ``down``: addresses of each MLP's packed [I, H/32 blocks] / [I, ...] / [H, I/32 blocks]
-    matrices in ggml ``types`` (gate, up, down), ``inter`` = I. One call, one parallel region."""
-    lib = library()
-    assert lib is not None and x.dtype == torch.float32 and x.is_contiguous() and x.numel() == x.shape[-1]
-    h, e = x.shape[-1], len(gate)
-    out = torch.empty(1, h, dtype=torch.float32)
-    arr = ctypes.c_void_p * e
-    wt = None if weights is None else (ctypes.c_float * e)(*weights)
-    rc = lib.qpk_mlp_one(TYPES[types[0]], TYPES[types[1]], TYPES[types[2]], MODES[mode], h, inter, x.data_ptr(), e,
-                         arr(*gate), arr(*up), arr(*down), wt, out.data_ptr())
-    _check(rc, "mlp_one")
-    return out
-
-
-#: matrix type codes of the MLA step: the packed types, and float32 rows
-MAT_TYPES = {**TYPES, "F32": 2}
-
-
-class MLAStep(ctypes.Structure):
-    """``qpk_mla`` in ``qpk_kernels.c``: one MLA layer's dimensions and weight addresses."""
-
-    _fields_ = [  # noqa: RUF012 (ctypes reads the class attribute)
-        ("mode", ctypes.c_int), ("H", ctypes.c_int64), ("q_lora", ctypes.c_int64), ("kv_lora", ctypes.c_int64),
-        ("rope", ctypes.c_int64), ("nope", ctypes.c_int64), ("v", ctypes.c_int64), ("nh", ctypes.c_int64),
-        ("eps_q", ctypes.c_float), ("eps_kv", ctypes.c_float), ("scale", ctypes.c_float),
-        ("q_a", ctypes.c_void_p), ("t_q_a", ctypes.c_int), ("kv_a", ctypes.c_void_p), ("t_kv_a", ctypes.c_int),
-        ("q_a_norm", ctypes.c_void_p), ("kv_a_norm", ctypes.c_void_p), ("q_b", ctypes.c_void_p), ("t_q_b", ctypes.c_int),
-        ("k_b", ctypes.c_void_p), ("t_k_b", ctypes.c_int), ("s_k_b", ctypes.c_int64),
-        ("v_b", ctypes.c_void_p), ("t_v_b", ctypes.c_int), ("s_v_b", ctypes.c_int64),
-        ("o", ctypes.c_void_p), ("t_o", ctypes.c_int), ("rot", ctypes.c_void_p), ("kv_mode", ctypes.c_int)]
-
-
-def mla_step(step: MLAStep, x: torch.Tensor, append: Any) -> torch.Tensor:
-    """One decode step of one MLA layer: float32 ``x`` [H] -> [H]. ``append(latent, key)`` stores
-    the token's normed latent [kv_lora] and roped key [rope] in the cache and returns every cached
-    token's (latent [n, kv_lora], keys [n, rope]) as row-strided float32 views."""
-    lib = library()
-    assert lib is not None and x.dtype == torch.float32 and x.is_contiguous()
-    kl, rp = step.kv_lora, step.rope
-    qcat = torch.empty(step.nh, kl + rp)
-    kvrow = torch.empty(kl + rp)
-    ref = ctypes.byref(step)
-    _check(lib.qpk_mla_pre(ref, x.data_ptr(), qcat.data_ptr(), kvrow.data_ptr()), "mla_pre")
-    lat, kr = append(kvrow[:kl], kvrow[kl:])
-    out = torch.empty(step.H)
-    _check(lib.qpk_mla_post(ref, qcat.data_ptr(), lat.data_ptr(), lat.stride(0), kr.data_ptr(), kr.stride(0),
-                            lat.shape[0], out.data_ptr()), "mla_post")
-    return out
+        raise QuantplugError(f"native kernel {what} refused its arguments (code {rc})")
 
 
 class disabled:
     """``with native.disabled():`` the torch paths only, in this process, for the block (tests
-    compare the two; a layer keeps what it made at load, e.g. no int4 form for Q8_0)."""
+    compare the two)."""
 
     def __enter__(self) -> None:
         global _lib, _tried
@@ -257,3 +254,191 @@ class disabled:
     def __exit__(self, *exc: object) -> None:
         global _lib, _tried
         _lib, _tried = self._saved
+
+
+# -- binding a layer's weights ------------------------------------------------------------------
+
+WROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class Bound:
+    """A layer's :class:`~quantplug.kernels.forms.Weights` as native matrices: one ``qp_mat`` per
+    slot (one for a plain linear, E for stacked experts or per-head K/V), validated once here and
+    again by the C code. Holds every tensor it points into."""
+
+    def __init__(self, weights: Weights, out_features: int, in_features: int, slots: int | None,
+                 model_dtype: torch.dtype, mode: str, where: str) -> None:
+        weights.check(out_features, in_features, slots, where)
+        f = weights.form
+        if model_dtype not in WROUND:
+            raise QuantplugError(f"{where}: model dtype {model_dtype} has no native kernels")
+        self.weights, self.form, self.where = weights, f, where
+        self.n, self.k, self.slots = out_features, in_features, slots
+        self.model_dtype, self.wround = model_dtype, WROUND[model_dtype]
+        self.mode = mode if f.dtype in FAST_FORMS else "exact"
+        self.device_ok = all(t.device.type == "cpu" for t in self._tensors())
+        count = slots or 1
+        self._keep: list[torch.Tensor] = [weights.weight, *weights.keep]
+        rb = f.row_bytes(in_features)
+        slot_w = weights.weight.stride(0) * weights.weight.element_size() if slots is not None else 0
+        rowsum = bias = oscale = None
+        act = f.act
+        if act is not None and act.integer != "float":
+            codes = weights.weight.view(torch.int8)
+            rowsum = codes.to(torch.int32).sum(-1, dtype=torch.int32).contiguous()
+            self._keep.append(rowsum)
+            if act.integer == "static":
+                assert weights.bias is not None and weights.output_scale is not None
+                bias = weights.bias.to(torch.int32).contiguous()
+                oscale = weights.output_scale.to(torch.float32).contiguous()
+                self._keep += [bias, oscale]
+        scale = weights.scale
+        if scale is not None:
+            scale = scale.contiguous()
+            if f.scale in ("E8M0", "E4M3"):
+                scale = scale.view(torch.uint8)
+            self._keep.append(scale)
+        zero = weights.zero
+        if zero is not None:
+            self._keep.append(zero)
+        srows, scols = weights.scale_shape(out_features, in_features)
+        slot_s = srows * scols if scale is not None and scale.numel() > 1 else 0
+        gs = (weights.global_scale.to(torch.float32).reshape(-1).tolist()
+              if f.global_scale and weights.global_scale is not None else [1.0] * count)
+        ins = (weights.input_scale.to(torch.float32).reshape(-1).tolist()
+               if weights.input_scale is not None else [0.0] * count)
+        ino = (weights.input_offset.to(torch.float32).reshape(-1).tolist()
+               if weights.input_offset is not None else [0.0] * count)
+        nan = int(f.dtype == "FP8" and _has_nan_codes(weights.weight))
+        self.mats = (Mat * count)()
+        base = weights.weight.data_ptr()
+        for i in range(count):
+            m = self.mats[i]
+            m.type, m.n, m.k = FORMS[f.dtype][0], out_features, in_features
+            m.w, m.ldw = base + i * slot_w, rb
+            m.mode, m.nan = MODES[self.mode], nan
+            if f.scaled:
+                assert scale is not None
+                m.sdt = SCALE_ENCODINGS[f.scale]
+                m.s = scale.data_ptr() + i * slot_s * scale.element_size()
+                m.lds = 0 if scale.numel() == 1 or (f.rows == 0 and f.group == 0) else scols
+                m.gk = f.group if f.group else in_features
+                m.gn = f.rows if f.rows else out_features
+                if zero is not None:
+                    m.z = zero.data_ptr() + i * slot_s * 4
+                m.gs = gs[i]
+            if rowsum is not None:
+                m.rowsum = rowsum.data_ptr() + i * out_features * 4
+            if bias is not None and oscale is not None:
+                m.bias = bias.data_ptr() + i * out_features * 4
+                m.os = oscale.data_ptr() + i * out_features * 4
+            if act is not None:
+                m.act.kind, m.act.group, m.act.ue8m0 = ACT_KINDS[act.kind], act.group, int(act.ue8m0)
+                m.act.epi, m.act.floor = INTEGER[act.integer], act.floor
+                m.act.scale, m.act.offset = ins[i], ino[i]
+        self.ptrs = [ctypes.pointer(self.mats[i]) for i in range(count)]
+
+    def native_shapes(self) -> bool:
+        """The C code's shape rules (``mat_ok``), decided here whether or not the library is loaded,
+        so a binding never depends on when it was made: inputs in whole blocks and a multiple of
+        32, scale groups a multiple of 16 (or the whole row)."""
+        e, _ = self.form.block
+        if self.k % max(e, 32) or (self.form.scaled and self.form.group and self.form.group % 16):
+            return False
+        lib = library()
+        return lib is None or all(lib.qp_check(ctypes.byref(m)) == 0 for m in self.mats)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        w = self.weights
+        return [t for t in (w.weight, w.scale, w.zero) if t is not None]
+
+    def valid(self) -> bool:
+        """Library loaded and every tensor on the CPU (a model moved to another device is not read)."""
+        return self.device_ok and library() is not None
+
+    def verify(self) -> None:
+        """The C code's own validation of every slot (raises QuantplugError)."""
+        lib = library()
+        if lib is None:
+            return
+        for i in range(len(self.mats)):
+            if lib.qp_check(ctypes.byref(self.mats[i])) != 0:
+                raise QuantplugError(f"{self.where}: the native kernels refuse form {self.form.describe()} "
+                                     f"for [{self.n}, {self.k}]")
+
+    def ptr(self, slot: int | None = None) -> Any:
+        return self.ptrs[slot or 0]
+
+
+def _has_nan_codes(q: torch.Tensor) -> bool:
+    b = q.contiguous().view(torch.uint8)
+    return bool(((b & 0x7F) == 0x7F).any())
+
+
+def native_ok(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in WROUND
+
+
+def _as_f32_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    x2 = x.reshape(-1, k)
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    return x2 if x2.stride(-1) == 1 and (x2.shape[0] <= 1 or x2.stride(0) >= k) else x2.contiguous()
+
+
+def gemm(x: torch.Tensor, mats: Sequence[Any], groups: Sequence[tuple[int, int, int, int]] | None = None,
+         out_rows: int | None = None, wround: int = 0) -> torch.Tensor:
+    """float32 ``x`` [M, K] (``x.stride(1) == 1``) through native matrices ``mats`` (``Mat``
+    pointers, each of K inputs). Without ``groups``: every matrix on all M rows, outputs side by
+    side: [M, sum N]. With ``groups`` (one ``(x_row, x_rows, y_row, y_col)`` per matrix): matrix g
+    on x rows ``[x_row, x_row + x_rows)`` into ``y[y_row:, y_col:]``; y is [``out_rows``,
+    max(y_col + N_g)], zero where no group writes."""
+    lib = library()
+    assert lib is not None and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+    m, k = x.shape
+    g = len(mats)
+    ns = [mp.contents.n for mp in mats]
+    if g == 0:
+        raise QuantplugError("native gemm: no matrices")
+    if groups is None:
+        cols, gl = 0, []
+        for n in ns:
+            gl.append((0, m, 0, cols))
+            cols += n
+        groups = gl
+        y = torch.empty(m, cols, dtype=torch.float32)
+    else:
+        width = max(c + n for (_, _, _, c), n in zip(groups, ns))
+        rows = out_rows if out_rows is not None else m
+        if len(groups) != g or any(xr < 0 or xm < 1 or xr + xm > m or yr < 0 or yr + xm > rows or yc < 0
+                                   for xr, xm, yr, yc in groups):
+            raise QuantplugError(f"native gemm: groups {list(groups)} do not fit x [{m}, {k}] / y [{rows}, {width}]")
+        covered = sum(xm * n for (_, xm, _, _), n in zip(groups, ns))
+        y = (torch.empty if covered == rows * width else torch.zeros)(rows, width, dtype=torch.float32)
+    arr = ctypes.c_int64 * g
+    rc = lib.qp_gemm((ctypes.POINTER(Mat) * g)(*mats), g, m, k, x.data_ptr(), x.stride(0),
+                     arr(*[t[0] for t in groups]), arr(*[t[1] for t in groups]),
+                     arr(*[t[2] for t in groups]), arr(*[t[3] for t in groups]), y.data_ptr(), y.stride(0), wround)
+    check(rc, "gemm")
+    return y
+
+
+def dequant(mat: Any, r0: int, r1: int, out: torch.Tensor, wround: int = 0) -> torch.Tensor:
+    """Rows [r0, r1) of one native matrix, exactly decoded, into float32 ``out`` [r1 - r0, K]."""
+    lib = library()
+    assert lib is not None and out.dtype == torch.float32 and out.stride(1) == 1
+    check(lib.qp_dequant(mat, r0, r1, out.data_ptr(), out.stride(0), wround), "dequant")
+    return out
+
+
+def act_rows(mat: Any, x: torch.Tensor) -> torch.Tensor:
+    """float32 rows ``x`` [M, K] as ``mat``'s exact product sees them (activation quantization applied)."""
+    lib = library()
+    assert lib is not None and x.dtype == torch.float32 and x.stride(1) == 1
+    out = torch.empty(x.shape, dtype=torch.float32)
+    check(lib.qp_act_rows(mat, x.shape[0], x.data_ptr(), x.stride(0), out.data_ptr()), "act_rows")
+    return out

@@ -1,29 +1,32 @@
-/* quantplug-expert-pack native ggml kernels: Q4_0 / Q8_0 matrix-vector products on the packed
- * GGUF blocks, and their exact dequantization.
+/* quantplug's native kernels: matrix products on the weight forms of quantplug.kernels.forms, and
+ * the few-token steps of the core model (gated MLP / routed experts, absorbed MLA decode).
  *
- * Built on first use by native.py (the system C compiler, -O3 -march=native -fopenmp, cached per
- * source hash, compiler and CPU); loaded with ctypes. Plain C with a C ABI: no Python or torch
- * headers. OpenMP is the one torch itself uses: a library whose soname is libgomp.so.1 is already
- * loaded in the process, so these loops share torch's thread pool and torch.set_num_threads.
+ * Built on first use by native.py (the system C compiler, -O3 -march=native -fopenmp
+ * -ffp-contract=off, cached per source hash, compiler and CPU); loaded with ctypes. Plain C11
+ * with a C ABI, no Python or torch headers. OpenMP is the one torch already loaded
+ * (libgomp.so.1), so these loops run on torch's threads and obey torch.set_num_threads.
  *
- * Block layouts (ggml-org/llama.cpp ggml/src/ggml-common.h):
+ * A weight is one qp_mat: a form id (ggml types keep gguf-py's GGMLQuantizationType numbers;
+ * quantplug's own forms are >= 100), the packed rows, the scales and zero points, and how the
+ * layer's activations are quantized before the product (qp_act). Every form has an exact mode:
+ * each weight is decoded to the float32 value the form's torch reference gives (gguf-py for ggml
+ * blocks; fp8 * scale; (q - zero) * scale; e2m1 * scale [* global]), rounded to the model dtype
+ * when that is bfloat16 / float16 (as `dequantize(...).to(dtype)` does), and multiplied into
+ * float32 sums. Only the order of the sums differs from a dequantize-then-matmul. The fast mode
+ * exists for Q4_0 / Q8_0 (llama.cpp's CPU path: activations as int8 blocks, integer dots).
+ *
+ * Block layouts of the ggml types (ggml-org/llama.cpp ggml/src/ggml-common.h):
  *   Q4_0: 18 bytes = d (f16), qs[16]: x_j = d * ((qs[j] & 15) - 8), x_{j+16} = d * ((qs[j] >> 4) - 8)
  *   Q8_0: 34 bytes = d (f16), qs[32] int8: x_j = d * qs[j]
- *   Q2_K / Q3_K / Q4_K / Q5_K / Q6_K: super-blocks of 256 (84 / 110 / 144 / 176 / 210 bytes), dequantized as gguf-py does
- *   (deq_q4_k_sb etc.; the build passes -ffp-contract=off so "d * q - m" is never fused); matrix
- *   products on them always take the exact path (there is no int8-block form of their scales).
- *
- * Type codes: 0 Q4_0, 1 Q8_0, 2 float32 rows (MLA K/V copies only), 3 Q4_K, 4 Q5_K, 5 Q6_K,
- * 6 Q2_K, 7 Q3_K.
- *
- * qpk_gemm computes, for each group g:
- *   y[yr[g] + i, yc[g] + j] = sum_k x[xr[g] + i, k] * W_g[j, k]   (i < xm[g], j < n[g])
- * with W_g the packed rows at w[g]. One call covers a linear (G = 1), sibling projections of one
- * input (gate + up: G = 2, the same x rows, side by side in y), and a decode step's routed experts
- * (one group per expert). mode 0 "exact": the weights dequantized exactly (d * q in float32, as
- * gguf-py) and multiplied into float32 sums (order of the sum differs from a BLAS matmul; nothing
- * else). mode 1 "fast": llama.cpp's CPU path: each x row quantized to Q8_0-style int8 blocks
- * (scale amax / 127, float32 here, f16 in llama.cpp), integer block dot products, float32 sums.
+ *   Q4_1 / Q5_0 / Q5_1 / MXFP4 and the K-quants: as gguf-py dequantizes them (deq_* below).
+ * quantplug forms (rows of k inputs):
+ *   INT4: k/2 bytes, byte j = element 2j (low nibble) | element 2j+1 (high nibble), q = nibble - 8
+ *         (compressed-tensors pack-quantized words read as bytes are exactly this)
+ *   INT8: k int8 values q
+ *   FP8:  k e4m3fn bytes, q = their value (NaN codes 0x7F / 0xFF decode to NaN)
+ *   FP4:  k/2 bytes as INT4, q = E2M1 value of the nibble (sign bit 3)
+ *   weight = (q - zero) * scale [* global], zero and scale per (row block of gn rows, group of gk
+ *   inputs): s[(r / gn) * lds + c / gk]; lds 0 = one scale for the whole matrix.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -36,18 +39,92 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define QP_AVX512 1
+#endif
+
 #define QK 32
 #define QKK 256
 
-static inline int is_k(int t) { return t >= 3 && t <= 7; }
-static inline int known(int t) { return t == 0 || t == 1 || is_k(t); }
-static inline int64_t blk_elems(int t) { return is_k(t) ? QKK : t == 2 ? 1 : QK; }
-static inline int64_t blk_bytes(int t) {
-    switch (t) {
-        case 0: return 18; case 1: return 34; case 2: return 4; case 3: return 144; case 4: return 176;
-        case 5: return 210; case 6: return 84; default: return 110;
+/* ---- the facts shared with Python (forms.py: FORM_IDS; tests compare them with qp_form_info) -- */
+enum {
+    QP_F32 = 0, QP_F16 = 1, QP_Q4_0 = 2, QP_Q4_1 = 3, QP_Q5_0 = 6, QP_Q5_1 = 7, QP_Q8_0 = 8,
+    QP_Q2_K = 10, QP_Q3_K = 11, QP_Q4_K = 12, QP_Q5_K = 13, QP_Q6_K = 14, QP_BF16 = 30, QP_MXFP4 = 39,
+    QP_INT4 = 100, QP_INT8 = 101, QP_FP8 = 102, QP_FP4 = 103,
+};
+enum { QS_F32 = 0, QS_BF16 = 1, QS_F16 = 2, QS_E8M0 = 3, QS_E4M3 = 4 };
+enum { QA_NONE = 0, QA_FP8 = 1, QA_FP8_STATIC = 2, QA_INT8_SYM = 3, QA_INT8_ASYM = 4, QA_INT8_STATIC = 5 };
+enum { QE_FLOAT = 0, QE_STATIC = 1, QE_DYNAMIC = 2 };
+enum { QR_NONE = 0, QR_BF16 = 1, QR_F16 = 2 };
+
+/* elements and bytes of one block of a form (0: unknown form) */
+int qp_form_info(int type, int64_t *elems, int64_t *bytes) {
+    int64_t e, b;
+    switch (type) {
+        case QP_F32: e = 1; b = 4; break;
+        case QP_F16: case QP_BF16: e = 1; b = 2; break;
+        case QP_Q4_0: e = 32; b = 18; break;
+        case QP_Q4_1: e = 32; b = 20; break;
+        case QP_Q5_0: e = 32; b = 22; break;
+        case QP_Q5_1: e = 32; b = 24; break;
+        case QP_Q8_0: e = 32; b = 34; break;
+        case QP_MXFP4: e = 32; b = 17; break;
+        case QP_Q2_K: e = 256; b = 84; break;
+        case QP_Q3_K: e = 256; b = 110; break;
+        case QP_Q4_K: e = 256; b = 144; break;
+        case QP_Q5_K: e = 256; b = 176; break;
+        case QP_Q6_K: e = 256; b = 210; break;
+        case QP_INT4: case QP_FP4: e = 2; b = 1; break;
+        case QP_INT8: case QP_FP8: e = 1; b = 1; break;
+        default: return 0;
     }
+    if (elems) *elems = e;
+    if (bytes) *bytes = b;
+    return 1;
 }
+
+/* Which SIMD path this build took: 3 AVX512 (with VNNI), 4 AVX512 without VNNI, 2 AVX2, 0 portable C. */
+int qp_isa(void) {
+#if defined(QP_AVX512) && defined(__AVX512VNNI__)
+    return 3;
+#elif defined(QP_AVX512)
+    return 4;
+#elif defined(__AVX2__)
+    return 2;
+#else
+    return 0;
+#endif
+}
+
+typedef struct {
+    int32_t kind;      /* QA_* */
+    int32_t group;     /* QA_FP8: inputs per group (0: the whole row) */
+    int32_t ue8m0;     /* QA_FP8: scales rounded up to powers of two */
+    int32_t epi;       /* QE_*: INT8 weights with int8 activations computed on integers */
+    float scale, offset;   /* static activation scale / offset */
+    float floor;       /* QA_FP8: least group amax (DeepSeek 1e-4); 0: a zero scale becomes 1 */
+    int32_t pad;
+} qp_act;
+
+typedef struct {
+    int32_t type, sdt;             /* form id, scale encoding */
+    int64_t n, k;                  /* rows (outputs), inputs */
+    const uint8_t *w;              /* row r at w + r * ldw */
+    int64_t ldw;
+    const void *s;                 /* scale of (r, c): s[(r / gn) * lds + c / gk] */
+    int64_t lds, gk, gn;
+    const float *z;                /* zero points (float), indexed as s; NULL: none */
+    float gs;                      /* global multiplier after the scale (1: none) */
+    int32_t mode;                  /* 0 exact, 1 fast (Q4_0 / Q8_0) */
+    int32_t nan;                   /* FP8: may hold NaN codes */
+    int32_t pad;
+    const int32_t *rowsum;         /* INT8 integer path: sum of each row's codes */
+    const int32_t *bias;           /* QE_STATIC: integer bias per row */
+    const float *os;               /* QE_STATIC: output scale per row */
+    qp_act act;
+} qp_mat;
+
+/* ---- scalar conversions ------------------------------------------------------------------- */
 
 static inline float f16_to_f32(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
@@ -68,20 +145,56 @@ static inline float f16_to_f32(const uint8_t *p) {
 #endif
 }
 
-int qpk_version(void) { return 1; }
+static inline float bits_f32(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
+static inline uint32_t f32_bits(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
 
-/* Which SIMD path this build took: 3 AVX512-VNNI, 2 AVX2, 0 portable C. */
-int qpk_isa(void) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512F__)
-    return 3;
-#elif defined(__AVX2__)
-    return 2;
+static inline float e4m3_to_f32(uint8_t b) {
+    if ((b & 0x7F) == 0x7F) return NAN;
+    uint32_t sign = (uint32_t)(b & 0x80) << 24, e = (b >> 3) & 15, m = b & 7;
+    float v = e ? bits_f32(((e + 120) << 23) | (m << 20)) : (float)m * 0x1p-9f;
+    return sign ? -v : v;
+}
+
+static inline float e8m0_to_f32(uint8_t e) {
+    if (e == 255) return NAN;
+    return e ? bits_f32((uint32_t)e << 23) : 0x1p-127f;
+}
+
+static const float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+static inline float round_bf16(float f) {
+    uint32_t b = f32_bits(f);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return bits_f32(b | 0x00400000u);  /* NaN stays NaN */
+    b = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+    return bits_f32(b);
+}
+
+static inline float round_f16(float f) {
+#if defined(__F16C__)
+    return _cvtsh_ss(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #else
-    return 0;
+    /* portable: through the nearest representable half by scaling (finite values) */
+    if (!isfinite(f)) return f;
+    float a = fabsf(f);
+    if (a >= 65520.f) return copysignf(INFINITY, f);
+    if (a < 0x1p-14f) return copysignf(rintf(a * 0x1p24f) * 0x1p-24f, f);
+    uint32_t b = f32_bits(f);
+    b = (b + 0xfffu + ((b >> 13) & 1u)) & 0xffffe000u;
+    return bits_f32(b);
 #endif
 }
 
-/* ---- exact dequantization (bit-exact with gguf-py: d * q in float32, no FMA) ---------------- */
+static inline float scale_at(const qp_mat *m, int64_t idx) {
+    switch (m->sdt) {
+        case QS_F32: return ((const float *)m->s)[idx];
+        case QS_BF16: return bits_f32((uint32_t)((const uint16_t *)m->s)[idx] << 16);
+        case QS_F16: return f16_to_f32((const uint8_t *)m->s + 2 * idx);
+        case QS_E8M0: return e8m0_to_f32(((const uint8_t *)m->s)[idx]);
+        default: return e4m3_to_f32(((const uint8_t *)m->s)[idx]);
+    }
+}
+
+/* ---- ggml block dequantization (bit-exact with gguf-py: no fused multiply-add) ------------ */
 
 static void deq_q4_0_block(const uint8_t *b, float *o) {
     float d = f16_to_f32(b);
@@ -96,6 +209,53 @@ static void deq_q8_0_block(const uint8_t *b, float *o) {
     float d = f16_to_f32(b);
     const int8_t *qs = (const int8_t *)(b + 2);
     for (int j = 0; j < 32; j++) o[j] = d * (float)qs[j];
+}
+
+/* Q4_1: d, m (f16), qs[16]: x = d * q + m (gguf-py: d * q + m, two roundings) */
+static void deq_q4_1_block(const uint8_t *b, float *o) {
+    float d = f16_to_f32(b), m = f16_to_f32(b + 2);
+    const uint8_t *qs = b + 4;
+    for (int j = 0; j < 16; j++) {
+        o[j] = d * (float)(qs[j] & 15) + m;
+        o[j + 16] = d * (float)(qs[j] >> 4) + m;
+    }
+}
+
+/* Q5_0: d, qh (u32: bit j = 5th bit of x_j), qs[16]: x = d * (q - 16) */
+static void deq_q5_0_block(const uint8_t *b, float *o) {
+    float d = f16_to_f32(b);
+    uint32_t qh = (uint32_t)b[2] | ((uint32_t)b[3] << 8) | ((uint32_t)b[4] << 16) | ((uint32_t)b[5] << 24);
+    const uint8_t *qs = b + 6;
+    for (int j = 0; j < 16; j++) {
+        int lo = (qs[j] & 15) | (int)(((qh >> j) & 1) << 4), hi = (qs[j] >> 4) | (int)(((qh >> (j + 16)) & 1) << 4);
+        o[j] = d * (float)(lo - 16);
+        o[j + 16] = d * (float)(hi - 16);
+    }
+}
+
+/* Q5_1: d, m, qh, qs[16]: x = d * q + m */
+static void deq_q5_1_block(const uint8_t *b, float *o) {
+    float d = f16_to_f32(b), m = f16_to_f32(b + 2);
+    uint32_t qh = (uint32_t)b[4] | ((uint32_t)b[5] << 8) | ((uint32_t)b[6] << 16) | ((uint32_t)b[7] << 24);
+    const uint8_t *qs = b + 8;
+    for (int j = 0; j < 16; j++) {
+        int lo = (qs[j] & 15) | (int)(((qh >> j) & 1) << 4), hi = (qs[j] >> 4) | (int)(((qh >> (j + 16)) & 1) << 4);
+        o[j] = d * (float)lo + m;
+        o[j + 16] = d * (float)hi + m;
+    }
+}
+
+/* ggml MXFP4: e (e8m0), qs[16]: x_j = 2^(e-128) * kvalues[lo_j], x_{j+16} = ... [hi_j]
+ * (ggml_e8m0_to_fp32_half; kvalues are twice the E2M1 values) */
+static void deq_mxfp4_block(const uint8_t *b, float *o) {
+    static const float kv[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+    uint32_t e = b[0];
+    float d = e < 2 ? bits_f32(0x00200000u << e) : bits_f32((e - 1) << 23);
+    const uint8_t *qs = b + 1;
+    for (int j = 0; j < 16; j++) {
+        o[j] = kv[qs[j] & 15] * d;
+        o[j + 16] = kv[qs[j] >> 4] * d;
+    }
 }
 
 /* Q4_K / Q5_K: 8 six-bit scales and mins from 12 bytes (gguf-py's get_scale_min) */
@@ -178,7 +338,7 @@ static void deq_q2_k_sb(const uint8_t *b, float *o) {
     const uint8_t *qs = b + 16;
     for (int h = 0; h < 2; h++)
         for (int k = 0; k < 4; k++)
-            for (int half = 0; half < 2; half++) {  /* 16 values of one sub-block: one scale, one shift */
+            for (int half = 0; half < 2; half++) {
                 const int s = 8 * h + 2 * k + half, sh = 2 * k;
                 const float a = dl[s], m = ml[s];
                 const uint8_t *q = qs + 32 * h + 16 * half;
@@ -200,7 +360,7 @@ static void deq_q3_k_sb(const uint8_t *b, float *o) {
     }
     for (int h = 0; h < 2; h++)
         for (int k = 0; k < 4; k++)
-            for (int half = 0; half < 2; half++) {  /* 16 values of one sub-block */
+            for (int half = 0; half < 2; half++) {
                 const int s = 8 * h + 2 * k + half, sh = 2 * k, bit = 4 * h + k;
                 const float a = dl[s];
                 const uint8_t *q = qs + 32 * h + 16 * half, *m = hm + 16 * half;
@@ -210,32 +370,231 @@ static void deq_q3_k_sb(const uint8_t *b, float *o) {
             }
 }
 
-static void deq_block(int type, const uint8_t *b, float *o) {
-    switch (type) {
-        case 0: deq_q4_0_block(b, o); break;
-        case 1: deq_q8_0_block(b, o); break;
-        case 3: deq_q4_k_sb(b, o); break;
-        case 4: deq_q5_k_sb(b, o); break;
-        case 5: deq_q6_k_sb(b, o); break;
-        case 6: deq_q2_k_sb(b, o); break;
-        default: deq_q3_k_sb(b, o); break;
+static int is_ggml_block(int t) {
+    switch (t) {
+        case QP_Q4_0: case QP_Q4_1: case QP_Q5_0: case QP_Q5_1: case QP_Q8_0: case QP_MXFP4:
+        case QP_Q2_K: case QP_Q3_K: case QP_Q4_K: case QP_Q5_K: case QP_Q6_K: return 1;
+        default: return 0;
     }
 }
 
-/* nblocks blocks of type (0 Q4_0, 1 Q8_0, 3 Q4_K, 4 Q5_K, 5 Q6_K, 6 Q2_K, 7 Q3_K) from src into dst */
-int qpk_dequantize(int type, int64_t nblocks, const uint8_t *src, float *dst) {
-    if (!known(type)) return -1;
-    const int64_t size = blk_bytes(type), n = blk_elems(type);
-    #pragma omp parallel for schedule(static) if (nblocks * n >= 4096 * QK)
-    for (int64_t i = 0; i < nblocks; i++) deq_block(type, src + i * size, dst + i * n);
-    return 0;
+static void deq_block(int type, const uint8_t *b, float *o) {
+    switch (type) {
+        case QP_Q4_0: deq_q4_0_block(b, o); break;
+        case QP_Q4_1: deq_q4_1_block(b, o); break;
+        case QP_Q5_0: deq_q5_0_block(b, o); break;
+        case QP_Q5_1: deq_q5_1_block(b, o); break;
+        case QP_Q8_0: deq_q8_0_block(b, o); break;
+        case QP_MXFP4: deq_mxfp4_block(b, o); break;
+        case QP_Q2_K: deq_q2_k_sb(b, o); break;
+        case QP_Q3_K: deq_q3_k_sb(b, o); break;
+        case QP_Q4_K: deq_q4_k_sb(b, o); break;
+        case QP_Q5_K: deq_q5_k_sb(b, o); break;
+        default: deq_q6_k_sb(b, o); break;
+    }
 }
 
-/* ---- activations for the fast mode ------------------------------------------------------- */
+/* ---- one segment of a row, decoded exactly ------------------------------------------------ */
 
-/* One row of K floats -> int8 blocks q and their scales d.
- * A block holding a NaN or an infinity gets scale NaN, so every output it touches is NaN, as a
- * float matmul would give (never a finite number made from garbage codes). */
+#ifdef QP_AVX512
+static inline __m512 cvt_u8x16(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
+static inline __m512 fp8x16(const uint8_t *p, int nan) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m256i y = _mm256_cvtepi8_epi16(b);                        /* sign extended */
+    y = _mm256_and_si256(_mm256_slli_epi16(y, 7), _mm256_set1_epi16((short)0xBFFF));
+    __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(y), _mm512_set1_ps(256.f));  /* exact: a power of two */
+    if (nan) {
+        __mmask16 k = _mm_cmpeq_epi8_mask(_mm_and_si128(b, _mm_set1_epi8(0x7F)), _mm_set1_epi8(0x7F));
+        v = _mm512_mask_blend_ps(k, v, _mm512_set1_ps(NAN));
+    }
+    return v;
+}
+static inline __m512 round_vec(__m512 v, int wround) {
+    if (wround == QR_BF16) {
+        __m512i b = _mm512_castps_si512(v);
+        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_and_si512(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
+                                     _mm512_set1_epi32((int)0xffff0000u));
+        __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        return _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(r), v);
+    }
+    if (wround == QR_F16)
+        return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    return v;
+}
+#endif
+
+static inline void round_buf(float *o, int64_t len, int wround) {
+    if (wround == QR_NONE) return;
+    int64_t i = 0;
+#ifdef QP_AVX512
+    for (; i + 16 <= len; i += 16) _mm512_storeu_ps(o + i, round_vec(_mm512_loadu_ps(o + i), wround));
+#endif
+    for (; i < len; i++) o[i] = wround == QR_BF16 ? round_bf16(o[i]) : round_f16(o[i]);
+}
+
+/* elements [c0, c0 + len) of row r of an INT4 / INT8 / FP8 / FP4 matrix (c0, len multiples of 32;
+ * gk a multiple of 16 or >= k), exactly: ((q - z) * s) * gs as float32 ops */
+static void deq_seg_scaled(const qp_mat *m, int64_t r, int64_t c0, int64_t len, float *o) {
+    const uint8_t *row = m->w + r * m->ldw;
+    const int64_t srow = (r / m->gn) * m->lds;
+    const int t = m->type;
+    int64_t c = c0;
+    while (c < c0 + len) {
+        const int64_t j = c / m->gk, end0 = (j + 1) * m->gk, end = end0 < c0 + len ? end0 : c0 + len;
+        const float s = scale_at(m, srow + j), z = m->z ? m->z[srow + j] : 0.f, gs = m->gs;
+        int64_t i = c;
+#ifdef QP_AVX512
+        const __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z), vg = _mm512_set1_ps(gs);
+        const int has_z = m->z != NULL, has_g = gs != 1.f;
+        for (; i + 16 <= end; i += 16) {
+            __m512 v;
+            if (t == QP_INT8) v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + i))));
+            else if (t == QP_FP8) v = fp8x16(row + i, m->nan);
+            else {  /* 16 nibbles from 8 bytes, in element order */
+                __m128i b = _mm_loadl_epi64((const __m128i *)(row + i / 2)), f = _mm_set1_epi8(15);
+                __m128i e = _mm_unpacklo_epi8(_mm_and_si128(b, f), _mm_and_si128(_mm_srli_epi16(b, 4), f));
+                __m512i q = _mm512_cvtepu8_epi32(e);
+                if (t == QP_INT4) v = _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(8)));
+                else v = _mm512_permutexvar_ps(q, _mm512_loadu_ps(E2M1));
+            }
+            if (has_z) v = _mm512_sub_ps(v, vz);
+            v = _mm512_mul_ps(v, vs);
+            if (has_g) v = _mm512_mul_ps(v, vg);
+            _mm512_storeu_ps(o + (i - c0), v);
+        }
+#endif
+        for (; i < end; i++) {
+            float q;
+            if (t == QP_INT8) q = (float)(int8_t)row[i];
+            else if (t == QP_FP8) q = e4m3_to_f32(row[i]);
+            else {
+                int nib = (row[i / 2] >> (4 * (i & 1))) & 15;
+                q = t == QP_INT4 ? (float)(nib - 8) : E2M1[nib];
+            }
+            float v = m->z ? (q - z) * s : q * s;
+            o[i - c0] = gs != 1.f ? v * gs : v;
+        }
+        c = end;
+    }
+}
+
+/* elements [c0, c0 + len) of row r, exactly, rounded to the model dtype (c0 / len multiples of the
+ * form's block, 32 for the scaled forms) */
+static void deq_seg(const qp_mat *m, int64_t r, int64_t c0, int64_t len, float *o, int wround) {
+    const uint8_t *row = m->w + r * m->ldw;
+    switch (m->type) {
+        case QP_F32: memcpy(o, row + 4 * c0, (size_t)len * 4); return;   /* float weights are in the model dtype */
+        case QP_BF16: {
+            const uint16_t *p = (const uint16_t *)row + c0;
+            for (int64_t i = 0; i < len; i++) o[i] = bits_f32((uint32_t)p[i] << 16);
+            return;
+        }
+        case QP_F16:
+            for (int64_t i = 0; i < len; i++) o[i] = f16_to_f32(row + 2 * (c0 + i));
+            return;
+        case QP_INT4: case QP_INT8: case QP_FP8: case QP_FP4:
+            deq_seg_scaled(m, r, c0, len, o);
+            break;
+        default: {
+            int64_t e, b;
+            qp_form_info(m->type, &e, &b);
+            for (int64_t i = 0; i < len; i += e) deq_block(m->type, row + (c0 + i) / e * b, o + i);
+        }
+    }
+    round_buf(o, len, wround);
+}
+
+/* ---- activations -------------------------------------------------------------------------- */
+
+/* float -> e4m3fn -> float, round to nearest even, for |v| <= 448 (callers clamp) */
+static inline float e4m3_round(float v) {
+    float a = fabsf(v), r;
+    if (!(a == a)) return v;
+    if (a < 0x1p-6f) r = rintf(a * 512.f) * (1.f / 512.f);
+    else {
+        uint32_t b = f32_bits(a);
+        b = (b + 0x7FFFFu + ((b >> 20) & 1u)) & 0xFFF00000u;
+        r = bits_f32(b);
+    }
+    return copysignf(r, v);
+}
+
+static inline float clampf(float v, float lo, float hi) { return v < lo ? lo : v > hi ? hi : v; }
+
+/* What a row of activations becomes for one weight: the float row the product uses (act emulated:
+ * fp8 or int8 quantized and dequantized), or for the integer path the int8 codes (+128, unsigned)
+ * with the row's scale and offset. */
+typedef struct {
+    const float *x; int64_t ldx;        /* float rows */
+    const uint8_t *u8; const float *xs, *xo;   /* integer path: codes + 128, scale, offset per row */
+    const int8_t *q8; const float *d8;  /* fast mode: int8 blocks of 32 and their scales */
+} qp_in;
+
+/* DeepSeek / compressed-tensors fp8 activation quantization of one row in groups (group 0: the
+ * whole row): s = max(amax, floor) / 448 (floor 0: s = amax / 448, 0 -> 1), x' = e4m3(x / s) * s */
+static void act_fp8_row(const qp_act *a, const float *x, int64_t k, float *o) {
+    int64_t g = a->group > 0 && a->group < k ? a->group : k;
+    for (int64_t c0 = 0; c0 < k; c0 += g) {
+        int64_t c1 = c0 + g < k ? c0 + g : k;
+        float s;
+        if (a->kind == QA_FP8_STATIC) s = a->scale;
+        else {
+            float amax = 0.f;
+            int nan = 0;
+            for (int64_t i = c0; i < c1; i++) {
+                float v = fabsf(x[i]);
+                if (v != v) nan = 1;
+                else if (v > amax) amax = v;
+            }
+            if (nan) { for (int64_t i = c0; i < c1; i++) o[i] = NAN; continue; }
+            if (a->floor > 0.f) {
+                s = (amax > a->floor ? amax : a->floor) / 448.f;
+                if (a->ue8m0) s = exp2f(ceilf(log2f(s)));
+            } else {
+                s = amax / 448.f;
+                if (s == 0.f) s = 1.f;
+            }
+        }
+        for (int64_t i = c0; i < c1; i++) o[i] = e4m3_round(clampf(x[i] / s, -448.f, 448.f)) * s;
+    }
+}
+
+/* int8 quantization of one row: codes q (as float), scale s and offset o with x' = (q - o) * s.
+ * QA_INT8_SYM: s = amax / 127 (0 -> 1), o = 0 (vLLM / Ascend dynamic per token); QA_INT8_ASYM
+ * (msmodelslim): lo = min(min x, 0), hi = max(max x, 0), s = (hi - lo) / 255, o = round(-128 - lo / s);
+ * QA_INT8_STATIC: the given s and o. q = clamp(round(x / s + o), -128, 127). */
+static void act_int8_row(const qp_act *a, const float *x, int64_t k, float *q, float *s_out, float *o_out) {
+    float s, o = 0.f;
+    int nan = 0;
+    if (a->kind == QA_INT8_STATIC) { s = a->scale; o = a->offset; }
+    else if (a->kind == QA_INT8_SYM) {
+        float amax = 0.f;
+        for (int64_t i = 0; i < k; i++) { float v = fabsf(x[i]); if (v != v) nan = 1; else if (v > amax) amax = v; }
+        s = amax / 127.f;
+        if (s == 0.f) s = 1.f;
+    } else {
+        float lo = 0.f, hi = 0.f;
+        for (int64_t i = 0; i < k; i++) {
+            float v = x[i];
+            if (v != v) nan = 1;
+            else { if (v < lo) lo = v; if (v > hi) hi = v; }
+        }
+        s = (hi - lo) / 255.f;
+        if (s == 0.f) s = 1.f;
+        o = rintf(-128.f - lo / s);
+    }
+    if (nan) s = NAN;
+    for (int64_t i = 0; i < k; i++) {
+        float v = a->kind == QA_INT8_SYM ? x[i] / s : x[i] / s + o;
+        q[i] = clampf(rintf(v), -128.f, 127.f);
+    }
+    *s_out = s;
+    *o_out = o;
+}
+
+/* fast mode: one row of K floats -> int8 blocks q and their scales d (a block holding a NaN or an
+ * infinity gets scale NaN, so every output it touches is NaN, as a float matmul would give) */
 static void quantize_row(const float *x, int64_t K, int8_t *q, float *d) {
     for (int64_t b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
@@ -252,7 +611,67 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d) {
     }
 }
 
-/* ---- block dot products ------------------------------------------------------------------- */
+static int is_int_path(const qp_mat *m) { return m->type == QP_INT8 && m->act.epi != QE_FLOAT; }
+static int is_fast(const qp_mat *m) { return m->mode == 1 && (m->type == QP_Q4_0 || m->type == QP_Q8_0); }
+
+/* Scratch for the inputs of one weight: everything qp_prepare may need for M rows of K. */
+typedef struct { float *f; uint8_t *u8; float *xs, *xo; int8_t *q8; float *d8; } qp_scratch;
+
+static int scratch_alloc(qp_scratch *sc, int64_t M, int64_t K) {
+    sc->f = (float *)malloc(sizeof(float) * (size_t)(M * K));
+    sc->u8 = (uint8_t *)malloc((size_t)(M * K + 64));
+    sc->xs = (float *)malloc(sizeof(float) * (size_t)(2 * M));
+    sc->q8 = (int8_t *)malloc((size_t)(M * K + 64));
+    sc->d8 = (float *)malloc(sizeof(float) * (size_t)(M * (K / QK + 1)));
+    sc->xo = sc->xs ? sc->xs + M : NULL;
+    if (!sc->f || !sc->u8 || !sc->xs || !sc->q8 || !sc->d8) {
+        free(sc->f); free(sc->u8); free(sc->xs); free(sc->q8); free(sc->d8);
+        return 0;
+    }
+    return 1;
+}
+
+static void scratch_free(qp_scratch *sc) { free(sc->f); free(sc->u8); free(sc->xs); free(sc->q8); free(sc->d8); }
+
+/* M rows of x (K values, ldx apart) as weight m's product wants them */
+static void prepare(const qp_mat *m, int64_t M, int64_t K, const float *x, int64_t ldx, qp_scratch *sc, qp_in *in) {
+    memset(in, 0, sizeof *in);
+    const qp_act *a = &m->act;
+    in->x = x; in->ldx = ldx;
+    if (a->kind == QA_FP8 || a->kind == QA_FP8_STATIC) {
+        for (int64_t i = 0; i < M; i++) act_fp8_row(a, x + i * ldx, K, sc->f + i * K);
+        in->x = sc->f; in->ldx = K;
+    } else if (a->kind >= QA_INT8_SYM) {
+        for (int64_t i = 0; i < M; i++) {
+            float *q = sc->f + i * K;
+            act_int8_row(a, x + i * ldx, K, q, sc->xs + i, sc->xo + i);
+            if (is_int_path(m)) {
+                for (int64_t c = 0; c < K; c++) sc->u8[i * K + c] = (uint8_t)((int)q[c] + 128);
+            } else {  /* the float row (q - o) * s */
+                const float s = sc->xs[i], o = sc->xo[i];
+                for (int64_t c = 0; c < K; c++) q[c] = (q[c] - o) * s;
+            }
+        }
+        in->x = sc->f; in->ldx = K;
+        if (is_int_path(m)) { in->u8 = sc->u8; in->xs = sc->xs; in->xo = sc->xo; }
+    }
+    if (is_fast(m)) {
+        for (int64_t i = 0; i < M; i++) quantize_row(in->x + i * in->ldx, K, sc->q8 + i * K, sc->d8 + i * (K / QK));
+        in->q8 = sc->q8; in->d8 = sc->d8;
+    }
+}
+
+static int same_input(const qp_mat *a, const qp_mat *b) {
+    return memcmp(&a->act, &b->act, sizeof a->act) == 0 && is_fast(a) == is_fast(b) && is_int_path(a) == is_int_path(b);
+}
+
+/* ---- row kernels: y[i, r] for rows [r0, r1) of m against xm prepared input rows ------------ */
+
+#define MT 4  /* x rows per pass over the weights */
+#define RT 4  /* weight rows per pass over x */
+#ifndef PF_AHEAD
+#define PF_AHEAD 2048
+#endif
 
 #if defined(__AVX2__)
 static inline __m256i dot_u8s8(__m256i u, __m256i s) {  /* 8 int32 lane sums of u8 x s8 */
@@ -269,18 +688,10 @@ static inline float hsum256(__m256 v) {
     a = _mm_add_ss(a, _mm_movehdup_ps(a));
     return _mm_cvtss_f32(a);
 }
-#endif
 
-#define MT 4  /* x rows per pass over the weights */
-#define RT 4  /* weight rows per pass over x */
-#ifndef PF_AHEAD
-#define PF_AHEAD 2048  /* bytes of a weight row prefetched ahead of the block in use */
-#endif
-
-#if defined(__AVX2__)
-/* one block of RT weight rows as signed int8 codes (Q4_0: q - 8) */
+/* one block of a Q4_0 / Q8_0 weight row as signed int8 codes (Q4_0: q - 8) */
 static inline __m256i codes(int type, const uint8_t *blk) {
-    if (type == 0) {
+    if (type == QP_Q4_0) {
         __m128i qv = _mm_loadu_si128((const __m128i *)(blk + 2)), m = _mm_set1_epi8(15);
         __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qv, 4), m), _mm_and_si128(qv, m));
         return _mm256_sub_epi8(u, _mm256_set1_epi8(8));
@@ -289,11 +700,13 @@ static inline __m256i codes(int type, const uint8_t *blk) {
 }
 #endif
 
-/* fast: rows [r0, r1) of one packed matrix against xm quantized x rows (weights signed int8
- * codes v, x int8: dot = sum |v| * sign(x, v), llama.cpp's trick for an unsigned x signed product) */
-static void fast_rows(int type, int64_t nb, const uint8_t *w, int64_t r0, int64_t r1, int xm,
-                      const int8_t *xq, const float *xd, float *y, int64_t ldy) {
-    const int size = type == 0 ? 18 : 34;
+/* fast Q4_0 / Q8_0: weights as signed codes v, x as int8 blocks: dot = sum |v| * sign(x, v) */
+static void fast_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy) {
+    y -= r0;  /* y holds rows [r0, r1): y[i * ldy + r - r0] */
+    const int type = m->type, size = type == QP_Q4_0 ? 18 : 34;
+    const int64_t nb = m->k / QK;
+    const int8_t *xq = in->q8;
+    const float *xd = in->d8;
     for (int64_t r = r0; r < r1; r += RT) {
         int rt = r1 - r < RT ? (int)(r1 - r) : RT;
         for (int i0 = 0; i0 < xm; i0 += MT) {
@@ -305,7 +718,7 @@ static void fast_rows(int type, int64_t nb, const uint8_t *w, int64_t r0, int64_
                 __m256i v[RT], u[RT];
                 float dw[RT];
                 for (int a = 0; a < rt; a++) {
-                    const uint8_t *blk = w + (r + a) * nb * size + b * size;
+                    const uint8_t *blk = m->w + (r + a) * m->ldw + b * size;
                     _mm_prefetch((const char *)(blk + PF_AHEAD), _MM_HINT_T0);
                     dw[a] = f16_to_f32(blk);
                     v[a] = codes(type, blk);
@@ -313,7 +726,7 @@ static void fast_rows(int type, int64_t nb, const uint8_t *w, int64_t r0, int64_
                 }
                 for (int i = 0; i < mt; i++) {
                     int64_t xi = (int64_t)(i0 + i);
-                    __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + xi * nb * QK + b * QK));
+                    __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + xi * m->k + b * QK));
                     float xdb = xd[xi * nb + b];
                     for (int a = 0; a < rt; a++) {
                         __m256i d = dot_u8s8(u[a], _mm256_sign_epi8(xv, v[a]));
@@ -325,15 +738,15 @@ static void fast_rows(int type, int64_t nb, const uint8_t *w, int64_t r0, int64_
                 for (int a = 0; a < rt; a++) y[(int64_t)(i0 + i) * ldy + r + a] = hsum256(acc[a][i]);
 #else
             for (int a = 0; a < rt; a++) {
-                const uint8_t *wr = w + (r + a) * nb * size;
+                const uint8_t *wr = m->w + (r + a) * m->ldw;
                 for (int i = 0; i < mt; i++) {
                     int64_t xi = (int64_t)(i0 + i);
                     float acc = 0.f;
                     for (int64_t b = 0; b < nb; b++) {
                         const uint8_t *blk = wr + b * size;
-                        const int8_t *xb = xq + xi * nb * QK + b * QK;
+                        const int8_t *xb = xq + xi * m->k + b * QK;
                         int32_t dot = 0;
-                        if (type == 0) {
+                        if (type == QP_Q4_0) {
                             for (int j = 0; j < 16; j++)
                                 dot += ((int32_t)(blk[2 + j] & 15) - 8) * xb[j] + ((int32_t)(blk[2 + j] >> 4) - 8) * xb[j + 16];
                         } else {
@@ -349,12 +762,12 @@ static void fast_rows(int type, int64_t nb, const uint8_t *w, int64_t r0, int64_
     }
 }
 
-#if defined(__AVX512F__)
-/* one block's 32 exact weights (d * q, float32, no FMA) in two registers */
+#ifdef QP_AVX512
+/* one Q4_0 / Q8_0 block's 32 exact weights (d * q, float32, no FMA) in two registers */
 static inline void deq_block512(int type, const uint8_t *blk, __m512 *lo, __m512 *hi) {
     __m512 d = _mm512_set1_ps(f16_to_f32(blk));
     __m128i l, h;
-    if (type == 0) {
+    if (type == QP_Q4_0) {
         __m128i qv = _mm_loadu_si128((const __m128i *)(blk + 2));
         __m128i m = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
         l = _mm_sub_epi8(_mm_and_si128(qv, m), eight);
@@ -366,29 +779,27 @@ static inline void deq_block512(int type, const uint8_t *blk, __m512 *lo, __m512
     *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(l)));
     *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(h)));
 }
-#endif
 
-/* exact: rows [r0, r1) against xm float32 x rows: each weight is d * q exactly (as gguf-py), the
- * products summed in float32 (fused multiply-add, as BLAS does) */
-static void exact_rows(int type, int64_t nb, const uint8_t *w, int64_t r0, int64_t r1, int xm,
-                       const float *x, int64_t ldx, float *y, int64_t ldy) {
-    const int size = type == 0 ? 18 : 34;
+/* exact Q4_0 / Q8_0 with float32 weights: blocks decoded in registers, RT rows x MT x rows */
+static void exact_rows_q40(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy) {
+    y -= r0;
+    const int type = m->type, size = type == QP_Q4_0 ? 18 : 34;
+    const int64_t nb = m->k / QK;
     for (int64_t r = r0; r < r1; r += RT) {
         int rt = r1 - r < RT ? (int)(r1 - r) : RT;
         for (int i0 = 0; i0 < xm; i0 += MT) {
             int mt = xm - i0 < MT ? xm - i0 : MT;
-#if defined(__AVX512F__)
             __m512 acc[RT][MT];
             for (int a = 0; a < RT; a++) for (int i = 0; i < MT; i++) acc[a][i] = _mm512_setzero_ps();
             for (int64_t b = 0; b < nb; b++) {
                 __m512 lo[RT], hi[RT];
                 for (int a = 0; a < rt; a++) {
-                    const uint8_t *blk = w + (r + a) * nb * size + b * size;
+                    const uint8_t *blk = m->w + (r + a) * m->ldw + b * size;
                     _mm_prefetch((const char *)(blk + PF_AHEAD), _MM_HINT_T0);
                     deq_block512(type, blk, &lo[a], &hi[a]);
                 }
                 for (int i = 0; i < mt; i++) {
-                    const float *xb = x + (int64_t)(i0 + i) * ldx + b * QK;
+                    const float *xb = in->x + (int64_t)(i0 + i) * in->ldx + b * QK;
                     __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
                     for (int a = 0; a < rt; a++)
                         acc[a][i] = _mm512_fmadd_ps(hi[a], x1, _mm512_fmadd_ps(lo[a], x0, acc[a][i]));
@@ -396,114 +807,200 @@ static void exact_rows(int type, int64_t nb, const uint8_t *w, int64_t r0, int64
             }
             for (int i = 0; i < mt; i++)
                 for (int a = 0; a < rt; a++) y[(int64_t)(i0 + i) * ldy + r + a] = _mm512_reduce_add_ps(acc[a][i]);
-#else
-            float wf[QK];
-            for (int a = 0; a < rt; a++) {
-                const uint8_t *wr = w + (r + a) * nb * size;
-                for (int i = 0; i < mt; i++) {
-                    const float *xr_ = x + (int64_t)(i0 + i) * ldx;
-                    float acc[8] = {0.f};
-                    for (int64_t b = 0; b < nb; b++) {
-                        if (type == 0) deq_q4_0_block(wr + b * size, wf); else deq_q8_0_block(wr + b * size, wf);
-                        for (int j = 0; j < QK; j++) acc[j & 7] += wf[j] * xr_[b * QK + j];
-                    }
-                    float s = 0.f;
-                    for (int j = 0; j < 8; j++) s += acc[j];
-                    y[(int64_t)(i0 + i) * ldy + r + a] = s;
-                }
-            }
-#endif
         }
     }
 }
+#endif
 
-/* exact, K-quants: rows [r0, r1) against xm float32 x rows, each super-block dequantized once
- * per row (into 256 floats on the stack) and multiplied into float32 sums */
-static void exact_rows_k(int type, int64_t nsb, const uint8_t *w, int64_t r0, int64_t r1, int xm,
-                         const float *x, int64_t ldx, float *y, int64_t ldy) {
-    const int64_t size = blk_bytes(type);
-    float wf[QKK];
+/* the segment the generic kernel decodes at a time: whole blocks, at most 256 values */
+static int64_t seg_len(const qp_mat *m) {
+    int64_t e = 1;
+    qp_form_info(m->type, &e, NULL);
+    if (e >= QKK) return e;
+    if (e == QK) return m->k % QKK == 0 ? QKK : QK;
+    return m->k % QKK == 0 ? QKK : m->k % 64 == 0 ? 64 : QK;
+}
+
+/* exact, any form: each row's segments decoded into a buffer, multiplied into float32 sums */
+static void generic_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy, int wround) {
+    y -= r0;
+    const int64_t K = m->k, seg = seg_len(m);
+    float buf[QKK] __attribute__((aligned(64)));
     for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *wr = w + r * nsb * size;
         for (int i0 = 0; i0 < xm; i0 += MT) {
             int mt = xm - i0 < MT ? xm - i0 : MT;
-#if defined(__AVX512F__)
-            __m512 acc[MT];
-            for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
-            for (int64_t b = 0; b < nsb; b++) {
-                _mm_prefetch((const char *)(wr + b * size + PF_AHEAD), _MM_HINT_T0);
-                deq_block(type, wr + b * size, wf);
+#ifdef QP_AVX512
+            __m512 acc[MT][2];
+            for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+            for (int64_t c0 = 0; c0 < K; c0 += seg) {
+                deq_seg(m, r, c0, seg, buf, wround);
                 for (int i = 0; i < mt; i++) {
-                    const float *xb = x + (int64_t)(i0 + i) * ldx + b * QKK;
-                    for (int j = 0; j < QKK; j += 16)
-                        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(wf + j), _mm512_loadu_ps(xb + j), acc[i]);
+                    const float *xr = in->x + (int64_t)(i0 + i) * in->ldx + c0;
+                    for (int64_t j = 0; j < seg; j += 32) {
+                        acc[i][0] = _mm512_fmadd_ps(_mm512_load_ps(buf + j), _mm512_loadu_ps(xr + j), acc[i][0]);
+                        acc[i][1] = _mm512_fmadd_ps(_mm512_load_ps(buf + j + 16), _mm512_loadu_ps(xr + j + 16), acc[i][1]);
+                    }
                 }
             }
-            for (int i = 0; i < mt; i++) y[(int64_t)(i0 + i) * ldy + r] = _mm512_reduce_add_ps(acc[i]);
+            for (int i = 0; i < mt; i++) y[(int64_t)(i0 + i) * ldy + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
 #else
             float acc[MT][8];
             memset(acc, 0, sizeof acc);
-            for (int64_t b = 0; b < nsb; b++) {
-                deq_block(type, wr + b * size, wf);
+            for (int64_t c0 = 0; c0 < K; c0 += seg) {
+                deq_seg(m, r, c0, seg, buf, wround);
                 for (int i = 0; i < mt; i++) {
-                    const float *xb = x + (int64_t)(i0 + i) * ldx + b * QKK;
-                    for (int j = 0; j < QKK; j++) acc[i][j & 7] += wf[j] * xb[j];
+                    const float *xr = in->x + (int64_t)(i0 + i) * in->ldx + c0;
+                    for (int64_t j = 0; j < seg; j++) acc[i][j & 7] += buf[j] * xr[j];
                 }
             }
             for (int i = 0; i < mt; i++) {
-                float sum = 0.f;
-                for (int j = 0; j < 8; j++) sum += acc[i][j];
-                y[(int64_t)(i0 + i) * ldy + r] = sum;
+                float s = 0.f;
+                for (int j = 0; j < 8; j++) s += acc[i][j];
+                y[(int64_t)(i0 + i) * ldy + r] = s;
             }
 #endif
         }
     }
 }
 
-/* rows [r0, r1) of a packed matrix of any native type with K inputs: K-quants exact always; the
- * 32-blocks fast (x as int8 blocks) or exact by mode */
-static void rows_any(int type, int mode, int64_t K, const uint8_t *w, int64_t r0, int64_t r1, int xm,
-                     const float *x, int64_t ldx, const int8_t *xq, const float *xd, float *y, int64_t ldy) {
-    if (is_k(type)) exact_rows_k(type, K / QKK, w, r0, r1, xm, x, ldx, y, ldy);
-    else if (mode == 1) fast_rows(type, K / QK, w, r0, r1, xm, xq, xd, y, ldy);
-    else exact_rows(type, K / QK, w, r0, r1, xm, x, ldx, y, ldy);
+/* INT8 weights x int8 activations on integers (ModelSlim W8A8 / W8A8_DYNAMIC per channel):
+ * dot = sum (q + 128) * w - 128 * rowsum (exact int32); QE_STATIC: (dot + bias) * os[r];
+ * QE_DYNAMIC: ((dot - o * rowsum) * xs) * s[r] */
+static void int_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy) {
+    y -= r0;
+    const int64_t K = m->k;
+    for (int64_t r = r0; r < r1; r++) {
+        const int8_t *wr = (const int8_t *)(m->w + r * m->ldw);
+        const int32_t rs = m->rowsum[r];
+        const float sr = scale_at(m, (r / m->gn) * m->lds);
+        for (int i = 0; i < xm; i++) {
+            const uint8_t *u = in->u8 + (int64_t)i * K;
+            int64_t c = 0;
+            int32_t dot = 0;
+#if defined(QP_AVX512) && defined(__AVX512VNNI__)
+            __m512i acc = _mm512_setzero_si512();
+            for (; c + 64 <= K; c += 64)
+                acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512((const void *)(u + c)), _mm512_loadu_si512((const void *)(wr + c)));
+            dot = _mm512_reduce_add_epi32(acc);
+#endif
+            for (; c < K; c++) dot += (int32_t)u[c] * (int32_t)wr[c];
+            dot -= 128 * rs;
+            float v;
+            if (m->act.epi == QE_STATIC) v = (float)(dot + m->bias[r]) * m->os[r];
+            else v = ((float)(dot - (int32_t)in->xo[i] * rs) * in->xs[i]) * sr;
+            y[(int64_t)i * ldy + r] = v;
+        }
+    }
 }
 
-/* Least weight bytes per parallel task: a task must outweigh its scheduling. */
+static void rows_any(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy, int wround) {
+    if (is_fast(m)) fast_rows(m, in, r0, r1, xm, y, ldy);
+    else if (is_int_path(m)) int_rows(m, in, r0, r1, xm, y, ldy);
+#ifdef QP_AVX512
+    else if ((m->type == QP_Q4_0 || m->type == QP_Q8_0) && wround == QR_NONE) exact_rows_q40(m, in, r0, r1, xm, y, ldy);
+#endif
+    else generic_rows(m, in, r0, r1, xm, y, ldy, wround);
+}
+
+/* ---- validation: the C code trusts a qp_mat only after this --------------------------------- */
+
+static int mat_ok(const qp_mat *m) {
+    int64_t e, b;
+    if (!m || !qp_form_info(m->type, &e, &b) || m->n <= 0 || m->k <= 0 || !m->w) return 0;
+    if (m->k % (e > 2 ? e : QK)) return 0;
+    if (m->ldw < m->k / e * b) return 0;
+    if (m->type >= QP_INT4) {
+        if (!m->s || m->gk <= 0 || m->gn <= 0 || m->lds < 0 || m->sdt < QS_F32 || m->sdt > QS_E4M3) return 0;
+        if (m->gk < m->k && m->gk % 16) return 0;
+        if (is_int_path(m) && (!m->rowsum || (m->act.epi == QE_STATIC && (!m->bias || !m->os)) || m->act.kind < QA_INT8_SYM))
+            return 0;
+    }
+    if (m->mode == 1 && !is_fast(m) && !is_ggml_block(m->type)) return 0;
+    return 1;
+}
+
+/* ---- entry points ------------------------------------------------------------------------- */
+
+int qp_check(const qp_mat *m) { return mat_ok(m) ? 0 : -1; }
+
+/* rows [r0, r1) of m, exactly decoded (rounded to the model dtype: wround), into out (ldo apart) */
+int qp_dequant(const qp_mat *m, int64_t r0, int64_t r1, float *out, int64_t ldo, int wround) {
+    if (!mat_ok(m) || r0 < 0 || r1 > m->n || r0 > r1) return -1;
+    const int64_t seg = seg_len(m), K = m->k;
+    #pragma omp parallel for schedule(static) if ((r1 - r0) * K >= 1 << 16)
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t c0 = 0; c0 < K; c0 += seg) deq_seg(m, r, c0, seg, out + (r - r0) * ldo + c0, wround);
+    return 0;
+}
+
+/* activations as weight m's exact product sees them: M rows of K floats -> float rows */
+int qp_act_rows(const qp_mat *m, int64_t M, const float *x, int64_t ldx, float *out) {
+    if (!mat_ok(m) || M <= 0) return -1;
+    qp_mat f = *m;
+    f.act.epi = QE_FLOAT;  /* the float form of integer-path activations: (q - o) * s */
+    f.mode = 0;
+    qp_scratch sc;
+    if (!scratch_alloc(&sc, M, m->k)) return -2;
+    qp_in in;
+    prepare(&f, M, m->k, x, ldx, &sc, &in);
+    for (int64_t i = 0; i < M; i++) memcpy(out + i * m->k, in.x + i * in.ldx, sizeof(float) * (size_t)m->k);
+    scratch_free(&sc);
+    return 0;
+}
+
 #define MIN_TASK_BYTES (8 * 1024)
 
-int qpk_gemm(int type, int mode, int64_t M, int64_t K, const float *x, int64_t ldx,
-             int G, const uint8_t *const *w, const int64_t *n, const int64_t *xr, const int64_t *xm,
-             const int64_t *yr, const int64_t *yc, float *y, int64_t ldy) {
-    if (!known(type) || (mode != 0 && mode != 1) || K <= 0 || K % blk_elems(type) || M <= 0 || G <= 0) return -1;
-    const int64_t nb = K / blk_elems(type);
-    const int64_t size = blk_bytes(type);
-    int8_t *xq = NULL; float *xd = NULL;
-    const int64_t nbq = K / QK;  /* activation blocks (fast mode) */
-    if (is_k(type)) mode = 0;    /* no int8-block form: the exact path */
-    if (mode == 1) {
-        xq = (int8_t *)malloc((size_t)(M * K));
-        xd = (float *)malloc(sizeof(float) * (size_t)(M * nbq));
-        if (!xq || !xd) { free(xq); free(xd); return -2; }
-        for (int64_t i = 0; i < M; i++) quantize_row(x + i * ldx, K, xq + i * K, xd + i * nbq);
-    }
-    /* tasks: (group, block of rows); about 4 per thread, at least RT rows and 8 KiB of weights each */
-    int64_t total_bytes = 0, total = 0;
-    for (int g = 0; g < G; g++) total_bytes += n[g] * nb * size * (xm[g] < MT ? 1 : xm[g] / MT);
-    int threads = 1;
+static int max_threads(void) {
 #ifdef _OPENMP
-    threads = omp_get_max_threads();
+    return omp_get_max_threads();
+#else
+    return 1;
 #endif
+}
+
+static int64_t row_bytes(const qp_mat *m) {
+    int64_t e, b;
+    qp_form_info(m->type, &e, &b);
+    return m->k / e * b;
+}
+
+/* y[yr[g] + i, yc[g] + j] = sum_c x'[xr[g] + i, c] * W_g[j, c]   (i < xm[g], j < n of mats[g]),
+ * x' = x as mats[g]'s activation quantization and mode make it. One call covers a linear, sibling
+ * projections of one input (side by side in y), the row groups of routed experts, and per-head
+ * stacks. All mats have K inputs. */
+int qp_gemm(const qp_mat *const *mats, int G, int64_t M, int64_t K, const float *x, int64_t ldx,
+            const int64_t *xr, const int64_t *xm, const int64_t *yr, const int64_t *yc, float *y, int64_t ldy, int wround) {
+    if (G <= 0 || M <= 0 || K <= 0) return -1;
+    for (int g = 0; g < G; g++)
+        if (!mat_ok(mats[g]) || mats[g]->k != K || xr[g] < 0 || xm[g] < 1 || xr[g] + xm[g] > M) return -1;
+    /* one prepared input per distinct activation treatment, shared by the groups that use it */
+    int *which = (int *)malloc(sizeof(int) * (size_t)G), *rep = (int *)malloc(sizeof(int) * (size_t)G);
+    qp_scratch *sc = (qp_scratch *)calloc((size_t)G, sizeof(qp_scratch));
+    qp_in *ins = (qp_in *)calloc((size_t)G, sizeof(qp_in));
+    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(G + 1)), *rows_per = (int64_t *)malloc(sizeof(int64_t) * (size_t)G);
+    int nin = 0, rc = 0;
+    if (!which || !rep || !sc || !ins || !first || !rows_per) { rc = -2; goto done; }
+    for (int g = 0; g < G; g++) {
+        int j = 0;
+        while (j < nin && !same_input(mats[rep[j]], mats[g])) j++;
+        if (j == nin) {
+            if (!scratch_alloc(&sc[nin], M, K)) { rc = -2; goto done; }
+            prepare(mats[g], M, K, x, ldx, &sc[nin], &ins[nin]);
+            rep[nin++] = g;
+        }
+        which[g] = j;
+    }
+    int64_t total_bytes = 0, total = 0;
+    for (int g = 0; g < G; g++) total_bytes += mats[g]->n * row_bytes(mats[g]) * (xm[g] < MT ? 1 : xm[g] / MT);
+    int threads = max_threads();
     int64_t task_bytes = total_bytes / (4 * threads);
     if (task_bytes < MIN_TASK_BYTES) task_bytes = MIN_TASK_BYTES;
-    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(G + 1)), *rows_per = (int64_t *)malloc(sizeof(int64_t) * (size_t)G);
-    if (!first || !rows_per) { free(first); free(rows_per); free(xq); free(xd); return -2; }
     for (int g = 0; g < G; g++) {
-        int64_t per_row = nb * size * (xm[g] < MT ? 1 : xm[g] / MT);
+        int64_t per_row = row_bytes(mats[g]) * (xm[g] < MT ? 1 : xm[g] / MT);
         int64_t r = (task_bytes / per_row + RT - 1) / RT * RT;
         rows_per[g] = r < RT ? RT : r;
         first[g] = total;
-        total += (n[g] + rows_per[g] - 1) / rows_per[g];
+        total += (mats[g]->n + rows_per[g] - 1) / rows_per[g];
     }
     first[G] = total;
     #pragma omp parallel for schedule(dynamic, 1) if (threads > 1 && total > 1 && total_bytes >= 2 * MIN_TASK_BYTES)
@@ -511,123 +1008,139 @@ int qpk_gemm(int type, int mode, int64_t M, int64_t K, const float *x, int64_t l
         int g = 0;
         while (first[g + 1] <= t) g++;
         int64_t r0 = (t - first[g]) * rows_per[g], r1 = r0 + rows_per[g];
-        if (r1 > n[g]) r1 = n[g];
-        float *yg = y + yr[g] * ldy + yc[g];
-        rows_any(type, mode, K, w[g], r0, r1, (int)xm[g], x + xr[g] * ldx, ldx,
-                 mode == 1 ? xq + xr[g] * K : NULL, mode == 1 ? xd + xr[g] * nbq : NULL, yg, ldy);
+        if (r1 > mats[g]->n) r1 = mats[g]->n;
+        qp_in in = ins[which[g]];
+        in.x += xr[g] * in.ldx;
+        if (in.u8) { in.u8 += xr[g] * K; in.xs += xr[g]; in.xo += xr[g]; }
+        if (in.q8) { in.q8 += xr[g] * K; in.d8 += xr[g] * (K / QK); }
+        rows_any(mats[g], &in, r0, r1, (int)xm[g], y + yr[g] * ldy + yc[g] + r0, ldy, wround);
     }
-    free(first); free(rows_per); free(xq); free(xd);
-    return 0;
+done:
+    for (int i = 0; i < nin; i++) scratch_free(&sc[i]);
+    free(which); free(rep); free(sc); free(ins); free(first); free(rows_per);
+    return rc;
 }
 
-/* ---- a gated MLP for one token (a decode step's routed experts, or one plain MLP) ----------- */
+/* ---- gated MLP over few rows: dense MLPs, shared experts, a step's routed experts ----------- */
 
 static inline float silu(float v) { return v / (1.f + expf(-v)); }
 
-/* out[H] = sum over e (in order) of wt[e] * down_e(silu(gate_e x) * up_e x); wt NULL: weight 1.
- * gate_e / up_e: I rows of H / 32 blocks (types tg, tu); down_e: H rows of I / 32 blocks (td).
- * One parallel region: gate and up rows of every expert, then each expert's product (quantized
- * to int8 blocks in fast mode), then the down rows, then the weighted sum. */
-int qpk_mlp_one(int tg, int tu, int td, int mode, int64_t H, int64_t I, const float *x, int E,
-                const uint8_t *const *gate, const uint8_t *const *up, const uint8_t *const *down,
-                const float *wt, float *out) {
-    if (!known(tg) || !known(tu) || !known(td) || (mode != 0 && mode != 1)) return -1;
-    if (H <= 0 || I <= 0 || H % QK || I % QK || H % blk_elems(tg) || H % blk_elems(tu) || I % blk_elems(td) || E <= 0)
-        return -1;
-    const int64_t nbh = H / QK, nbi = I / QK;
-    const int64_t sg = blk_bytes(tg) * QK / blk_elems(tg), su = blk_bytes(tu) * QK / blk_elems(tu),
-                  sd = blk_bytes(td) * QK / blk_elems(td);  /* bytes per 32 weights */
-    float *hg = (float *)malloc(sizeof(float) * (size_t)(2 * E * I + E * H));
-    int8_t *q = (int8_t *)malloc((size_t)(H + E * I));
-    float *qd = (float *)malloc(sizeof(float) * (size_t)(nbh + E * nbi));
-    if (!hg || !q || !qd) { free(hg); free(q); free(qd); return -2; }
-    float *hu = hg + E * I, *yd = hu + E * I;
-    int8_t *hq = q + H;
-    float *hd = qd + nbh;
-    if (mode == 1) quantize_row(x, H, q, qd);
-    int threads = 1;
-#ifdef _OPENMP
-    threads = omp_get_max_threads();
-#endif
-    /* rows per task: about 4 tasks per thread over each stage, a multiple of RT */
+/* out[prow[p]] = sum over pairs p (in order) of pw[p] * down_e(silu(gate_e x) * up_e x), x = row
+ * prow[p] of x, e = pe[p]; pairs must come grouped by expert (pe non-decreasing). gate / up / down:
+ * E experts' mats (gate / up: I x H; down: H x I). A row no pair names is set to zero. */
+int qp_mlp(const qp_mat *const *gate, const qp_mat *const *up, const qp_mat *const *down, int E,
+           int64_t M, const float *x, int64_t ldx, int P, const int32_t *pe, const int32_t *prow, const float *pw,
+           float *out, int64_t ldo, int wround) {
+    if (E <= 0 || P <= 0 || M <= 0) return -1;
+    const int64_t H = gate[0]->k, I = gate[0]->n;
+    for (int e = 0; e < E; e++)
+        if (!mat_ok(gate[e]) || !mat_ok(up[e]) || !mat_ok(down[e]) || gate[e]->k != H || up[e]->k != H
+            || gate[e]->n != I || up[e]->n != I || down[e]->k != I || down[e]->n != H) return -1;
+    for (int p = 0; p < P; p++)
+        if (pe[p] < 0 || pe[p] >= E || prow[p] < 0 || prow[p] >= M || (p && pe[p] < pe[p - 1])) return -1;
+    /* one activation treatment for every gate / up, one for every down (inputs prepared once):
+     * otherwise (e.g. per-layer static scales) the caller composes the products instead */
+    for (int e = 0; e < E; e++)
+        if (!same_input(gate[0], gate[e]) || !same_input(gate[0], up[e]) || !same_input(down[0], down[e])) return -3;
+    int32_t *start = (int32_t *)malloc(sizeof(int32_t) * (size_t)(E + 1));
+    float *xg = (float *)malloc(sizeof(float) * (size_t)(P * H));
+    float *hg = (float *)malloc(sizeof(float) * (size_t)(2 * P * I + P * H));
+    qp_scratch sx, sh;
+    int okx = scratch_alloc(&sx, P, H), okh = scratch_alloc(&sh, P, I);
+    int rc = 0;
+    if (!start || !xg || !hg || !okx || !okh) { rc = -2; goto done; }
+    float *hu = hg + P * I, *yd = hu + P * I;
+    for (int e = 0, p = 0; e <= E; e++) { while (p < P && pe[p] < e) p++; start[e] = p; }
+    for (int p = 0; p < P; p++) memcpy(xg + p * H, x + prow[p] * ldx, sizeof(float) * (size_t)H);
+    /* every expert's gate / up / down share one activation treatment (one scheme): prepared once */
+    qp_in inx, inh;
+    prepare(gate[0], P, H, xg, H, &sx, &inx);
+    const int threads = max_threads();
     int64_t rg = (2 * E * I) / (4 * threads), rd = (E * H) / (4 * threads);
     rg = rg < RT ? RT : (rg + RT - 1) / RT * RT;
     rd = rd < RT ? RT : (rd + RT - 1) / RT * RT;
     const int64_t per_i = (I + rg - 1) / rg, per_h = (H + rd - 1) / rd;
-    const int64_t bytes = E * (I * nbh * (sg + su) + H * nbi * sd);
+    const int64_t bytes = E * (I * (row_bytes(gate[0]) + row_bytes(up[0])) + H * row_bytes(down[0]));
     #pragma omp parallel if (threads > 1 && bytes >= 4 * MIN_TASK_BYTES)
     {
         #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < 2 * E * per_i; t++) {
             int64_t e = t / (2 * per_i), rest = t % (2 * per_i);
+            int64_t n = start[e + 1] - start[e];
+            if (n == 0) continue;
             int is_up = rest >= per_i;
             int64_t r0 = (rest % per_i) * rg, r1 = r0 + rg > I ? I : r0 + rg;
-            const uint8_t *w = is_up ? up[e] : gate[e];
-            int ty = is_up ? tu : tg;
-            float *y = (is_up ? hu : hg) + e * I;
-            rows_any(ty, mode, H, w, r0, r1, 1, x, 0, q, qd, y, 0);
+            qp_in in = inx;
+            in.x += start[e] * in.ldx;
+            if (in.u8) { in.u8 += start[e] * H; in.xs += start[e]; in.xo += start[e]; }
+            if (in.q8) { in.q8 += start[e] * H; in.d8 += start[e] * (H / QK); }
+            rows_any(is_up ? up[e] : gate[e], &in, r0, r1, (int)n, (is_up ? hu : hg) + start[e] * I + r0, I, wround);
         }
         #pragma omp for schedule(static)
-        for (int64_t e = 0; e < E; e++) {
-            float *g = hg + e * I, *u = hu + e * I;
+        for (int64_t p = 0; p < P; p++) {
+            float *g = hg + p * I, *u = hu + p * I;
             for (int64_t i = 0; i < I; i++) g[i] = silu(g[i]) * u[i];
-            if (mode == 1) quantize_row(g, I, hq + e * I, hd + e * nbi);
         }
+        #pragma omp single
+        prepare(down[0], P, I, hg, I, &sh, &inh);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < E * per_h; t++) {
             int64_t e = t / per_h, r0 = (t % per_h) * rd, r1 = r0 + rd > H ? H : r0 + rd;
-            rows_any(td, mode, I, down[e], r0, r1, 1, hg + e * I, 0, hq + e * I, hd + e * nbi, yd + e * H, 0);
+            int64_t n = start[e + 1] - start[e];
+            if (n == 0) continue;
+            qp_in in = inh;
+            in.x += start[e] * in.ldx;
+            if (in.u8) { in.u8 += start[e] * I; in.xs += start[e]; in.xo += start[e]; }
+            if (in.q8) { in.q8 += start[e] * I; in.d8 += start[e] * (I / QK); }
+            rows_any(down[e], &in, r0, r1, (int)n, yd + start[e] * H + r0, H, wround);
         }
         #pragma omp for schedule(static)
-        for (int64_t r = 0; r < H; r++) {
-            float acc = (wt ? wt[0] : 1.f) * yd[r];
-            for (int e = 1; e < E; e++) acc += (wt ? wt[e] : 1.f) * yd[e * H + r];
-            out[r] = acc;
+        for (int64_t r = 0; r < M; r++) {
+            float *o = out + r * ldo;
+            int seen = 0;
+            for (int p = 0; p < P; p++) {
+                if (prow[p] != r) continue;
+                const float *v = yd + p * H;
+                if (!seen) { for (int64_t c = 0; c < H; c++) o[c] = pw[p] * v[c]; seen = 1; }
+                else for (int64_t c = 0; c < H; c++) o[c] += pw[p] * v[c];
+            }
+            if (!seen) memset(o, 0, sizeof(float) * (size_t)H);
         }
     }
-    free(hg); free(q); free(qd);
-    return 0;
+done:
+    if (okx) scratch_free(&sx);
+    if (okh) scratch_free(&sh);
+    free(start); free(xg); free(hg);
+    return rc;
 }
 
-/* ---- one MLA decode step (absorbed form), for one token of one sequence -------------------- */
+/* ---- one MLA decode step (absorbed form) for B sequences at one position --------------------- */
 
-/* Matrices: type 0 Q4_0, 1 Q8_0 (packed rows), 2 float32 rows. Per-head stacks (k_b, v_b) are
- * `heads` matrices `stride` bytes apart. */
 typedef struct {
-    int mode;                                 /* 0 exact, 1 fast */
-    int64_t H, q_lora, kv_lora, rope, nope, v, nh;
+    int64_t H, q_lora, kv_lora, rope, nope, v, nh;  /* nh: the heads computed here */
     float eps_q, eps_kv, scale;
-    const uint8_t *q_a; int t_q_a;            /* [q_lora, H] */
-    const uint8_t *kv_a; int t_kv_a;          /* [kv_lora + rope, H] */
-    const float *q_a_norm, *kv_a_norm;        /* [q_lora], [kv_lora] */
-    const uint8_t *q_b; int t_q_b;            /* [nh * (nope + rope), q_lora] */
-    const uint8_t *k_b; int t_k_b; int64_t s_k_b;   /* per head [kv_lora, nope] */
-    const uint8_t *v_b; int t_v_b; int64_t s_v_b;   /* per head [v, kv_lora] */
-    const uint8_t *o; int t_o;                /* [H, nh * v] */
-    const float *rot;                         /* [rope, rope]: roped = x @ rot */
-    int kv_mode;                              /* the K/V stacks' own mode (their scheme's kernels) */
-} qpk_mla;
+    const qp_mat *q_a;                 /* [q_lora, H]; NULL: no q_lora, q_b is q_proj [nh*(nope+rope), H] */
+    const qp_mat *kv_a;                /* [kv_lora + rope, H] */
+    const qp_mat *q_b;
+    const void *q_a_norm, *kv_a_norm;  /* norm weights, f32 or bf16 (norm_bf16) */
+    int32_t norm_bf16;
+    int32_t kv_dense;                  /* 1: kv_b [nh*(nope+v), kv_lora] (kv_b); 0: per-head k_b / v_b */
+    const qp_mat *kv_b;
+    const qp_mat *const *k_b;          /* per head [kv_lora, nope] */
+    const qp_mat *const *v_b;          /* per head [v, kv_lora] */
+    const qp_mat *o;                   /* [H, nh * v] */
+    const qp_mat *g;                   /* output gate [nh * v, H] or NULL */
+} qp_mla;
 
-/* a row-major matrix's rows [r0, r1) times x (K values): packed types through the block kernels
- * (fast: x given as int8 blocks too), float32 rows as plain dots */
-static void mat_rows(int type, int mode, const uint8_t *w, int64_t K, int64_t r0, int64_t r1, const float *x,
-                     const int8_t *xq, const float *xd, float *y) {
-    if (type == 2) {
-        const float *wf = (const float *)w;
-        for (int64_t r = r0; r < r1; r++) {
-            const float *row = wf + r * K;
-            float acc = 0.f;
-            for (int64_t k = 0; k < K; k++) acc += row[k] * x[k];
-            y[r] = acc;
-        }
-    } else rows_any(type, mode, K, w, r0, r1, 1, x, 0, xq, xd, y, 0);
+static inline float norm_w(const qp_mla *m, const void *w, int64_t i) {
+    return m->norm_bf16 ? bits_f32((uint32_t)((const uint16_t *)w)[i] << 16) : ((const float *)w)[i];
 }
 
-static void rms_norm_row(float *x, int64_t n, const float *w, float eps) {
+static void rms_norm_row(const qp_mla *m, float *x, int64_t n, const void *w, float eps) {
     float ss = 0.f;
     for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
     float r = 1.f / sqrtf(ss / (float)n + eps);
-    for (int64_t i = 0; i < n; i++) x[i] = x[i] * r * w[i];
+    for (int64_t i = 0; i < n; i++) x[i] = norm_w(m, w, i) * (x[i] * r);
 }
 
 static void rope_row(const float *x, const float *rot, int64_t d, float *out) {
@@ -638,113 +1151,222 @@ static void rope_row(const float *x, const float *rot, int64_t d, float *out) {
     }
 }
 
-/* a parallel-for over [0, n) rows of one matrix in RT-row tasks (inside a parallel region) */
-#define ROWS_FOR(n, body)                                                   \
-    _Pragma("omp for schedule(dynamic, 1)")                                 \
-    for (int64_t t_ = 0; t_ < ((n) + 4 * RT - 1) / (4 * RT); t_++) {        \
-        int64_t r0 = t_ * 4 * RT, r1 = r0 + 4 * RT > (n) ? (n) : r0 + 4 * RT; \
-        body;                                                               \
+/* a transposed product over rows [r0, r0 + n) of m: y[c] = sum_j a[j] * W[r0 + j, c] (exact weights) */
+static void rows_t(const qp_mat *m, int64_t r0, int64_t n, const float *a, float *y, int wround) {
+    const int64_t K = m->k, seg = seg_len(m);
+    float buf[QKK];
+    for (int64_t c = 0; c < K; c++) y[c] = 0.f;
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t c0 = 0; c0 < K; c0 += seg) {
+            deq_seg(m, r0 + j, c0, seg, buf, wround);
+            for (int64_t c = 0; c < seg; c++) y[c0 + c] += a[j] * buf[c];
+        }
+}
+
+/* one matrix's rows [0, n) times B prepared rows, tasks inside an open parallel region */
+static void par_rows(const qp_mat *m, const qp_in *in, int64_t B, float *y, int64_t ldy, int wround) {
+    const int64_t n = m->n, step = 4 * RT;
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < (n + step - 1) / step; t++) {
+        int64_t r0 = t * step, r1 = r0 + step > n ? n : r0 + step;
+        rows_any(m, in, r0, r1, (int)B, y + r0, ldy, wround);
     }
-
-static int threads_for(int64_t bytes) {
-    int threads = 1;
-#ifdef _OPENMP
-    threads = omp_get_max_threads();
-#endif
-    return bytes >= 4 * MIN_TASK_BYTES ? threads : 1;
 }
 
-static int64_t mat_bytes(int type, int64_t rows, int64_t K) {
-    return rows * (K / blk_elems(type) * blk_bytes(type));
+static int mla_ok(const qp_mla *m) {
+    const int64_t qh = m->nope + m->rope;
+    if (m->H <= 0 || m->kv_lora <= 0 || m->rope <= 0 || m->nope <= 0 || m->v <= 0 || m->nh <= 0) return 0;
+    if (!mat_ok(m->kv_a) || m->kv_a->n != m->kv_lora + m->rope || m->kv_a->k != m->H) return 0;
+    if (m->q_a) {
+        if (!mat_ok(m->q_a) || m->q_a->n != m->q_lora || m->q_a->k != m->H) return 0;
+        if (!mat_ok(m->q_b) || m->q_b->n != m->nh * qh || m->q_b->k != m->q_lora) return 0;
+    } else if (!mat_ok(m->q_b) || m->q_b->n != m->nh * qh || m->q_b->k != m->H) return 0;
+    if (m->kv_dense) {
+        if (!mat_ok(m->kv_b) || m->kv_b->n != m->nh * (m->nope + m->v) || m->kv_b->k != m->kv_lora) return 0;
+    } else {
+        for (int64_t h = 0; h < m->nh; h++)
+            if (!mat_ok(m->k_b[h]) || m->k_b[h]->n != m->kv_lora || m->k_b[h]->k != m->nope
+                || !mat_ok(m->v_b[h]) || m->v_b[h]->n != m->v || m->v_b[h]->k != m->kv_lora
+                || !same_input(m->k_b[0], m->k_b[h]) || !same_input(m->v_b[0], m->v_b[h])) return 0;
+    }
+    if (!mat_ok(m->o) || m->o->n != m->H || m->o->k != m->nh * m->v) return 0;
+    if (m->g && (!mat_ok(m->g) || m->g->n != m->nh * m->v || m->g->k != m->H)) return 0;
+    return m->q_a_norm && m->kv_a_norm;
 }
 
-/* q_a / kv_a, the norms, q_b, rope and the absorption of each head's q_nope through k_b:
- * qcat [nh, kv_lora + rope] = (q_nope k_b ‖ roped q_rope); kvrow [kv_lora + rope] = (normed latent ‖ roped key) */
-int qpk_mla_pre(const qpk_mla *m, const float *x, float *qcat, float *kvrow) {
-    const int64_t H = m->H, ql = m->q_lora, kl = m->kv_lora, rp = m->rope, np_ = m->nope, nh = m->nh;
-    const int64_t qh = np_ + rp, qrows = nh * qh;
-    float *qa = (float *)malloc(sizeof(float) * (size_t)(ql + kl + rp + qrows));
-    int8_t *q8 = (int8_t *)malloc((size_t)(H + ql + nh * np_));
-    float *d8 = (float *)malloc(sizeof(float) * (size_t)((H + ql + nh * np_) / QK + 1));
-    if (!qa || !q8 || !d8) { free(qa); free(q8); free(d8); return -2; }
-    float *kva = qa + ql, *qb = kva + kl + rp;
-    int8_t *xq = q8, *qq = q8 + H, *pq = qq + ql;
-    float *xd = d8, *qd = d8 + H / QK, *pd = qd + ql / QK;
-    const int fast = m->mode == 1;
-    if (fast) quantize_row(x, H, xq, xd);
-    int64_t bytes = mat_bytes(m->t_q_a, ql, H) + mat_bytes(m->t_kv_a, kl + rp, H) + mat_bytes(m->t_q_b, qrows, ql);
-    #pragma omp parallel num_threads(threads_for(bytes))
+/* B rows x [B, H] at one position: qcat [B, nh, kv_lora + rope] = (q_nope absorbed through W_UK ‖
+ * roped q_rope), kvrow [B, kv_lora + rope] = (normed latent ‖ roped key), gate [B, nh * v] (when g).
+ * rot: B rotation matrices [rope, rope] (roped = x @ rot). */
+int qp_mla_pre(const qp_mla *m, int64_t B, const float *x, const float *rot, float *qcat, float *kvrow, float *gate, int wround) {
+    if (!mla_ok(m) || B <= 0 || (m->g && !gate)) return -1;
+    const int64_t H = m->H, ql = m->q_a ? m->q_lora : 0, kl = m->kv_lora, rp = m->rope, np_ = m->nope, nh = m->nh;
+    const int64_t qh = np_ + rp, qrows = nh * qh, qin = m->q_a ? ql : H;
+    float *qa = (float *)malloc(sizeof(float) * (size_t)(B * (ql + kl + rp + qrows + nh * np_) + 1));
+    qp_scratch s[5];
+    int ok[5] = {0, 0, 0, 0, 0}, rc = 0;
+    ok[0] = scratch_alloc(&s[0], B, H);
+    ok[1] = scratch_alloc(&s[1], B, H);
+    ok[2] = scratch_alloc(&s[2], B, H);
+    ok[3] = scratch_alloc(&s[3], B, qin);
+    ok[4] = scratch_alloc(&s[4], B * nh, np_);
+    for (int i = 0; i < 5; i++) if (!ok[i]) rc = -2;
+    if (!qa || rc) { rc = -2; goto done; }
+    float *kva = qa + B * ql, *qb = kva + B * (kl + rp), *qn = qb + B * qrows;
+    qp_in ikv, iqa, ig, iq, ik;
+    prepare(m->kv_a, B, H, x, H, &s[0], &ikv);
+    if (m->q_a) { if (same_input(m->q_a, m->kv_a)) iqa = ikv; else prepare(m->q_a, B, H, x, H, &s[1], &iqa); }
+    if (m->g) prepare(m->g, B, H, x, H, &s[2], &ig);
+    #pragma omp parallel
     {
-        ROWS_FOR(ql + kl + rp, {
-            if (r0 < ql) mat_rows(m->t_q_a, m->mode, m->q_a, H, r0, r1 < ql ? r1 : ql, x, xq, xd, qa);
-            if (r1 > ql) mat_rows(m->t_kv_a, m->mode, m->kv_a, H, (r0 > ql ? r0 : ql) - ql, r1 - ql, x, xq, xd, kva);
-        })
+        if (m->q_a) par_rows(m->q_a, &iqa, B, qa, ql, wround);
+        par_rows(m->kv_a, &ikv, B, kva, kl + rp, wround);
+        if (m->g) par_rows(m->g, &ig, B, gate, nh * m->v, wround);
         #pragma omp single
         {
-            rms_norm_row(qa, ql, m->q_a_norm, m->eps_q);
-            if (fast) quantize_row(qa, ql, qq, qd);
-            for (int64_t i = 0; i < kl; i++) kvrow[i] = kva[i];
-            rms_norm_row(kvrow, kl, m->kv_a_norm, m->eps_kv);
-            rope_row(kva + kl, m->rot, rp, kvrow + kl);
+            for (int64_t b = 0; b < B; b++) {
+                float *kv = kvrow + b * (kl + rp);
+                if (m->q_a) rms_norm_row(m, qa + b * ql, ql, m->q_a_norm, m->eps_q);
+                memcpy(kv, kva + b * (kl + rp), sizeof(float) * (size_t)kl);
+                rms_norm_row(m, kv, kl, m->kv_a_norm, m->eps_kv);
+                rope_row(kva + b * (kl + rp) + kl, rot + b * rp * rp, rp, kv + kl);
+            }
+            prepare(m->q_b, B, qin, m->q_a ? qa : x, m->q_a ? ql : H, &s[3], &iq);
         }
-        ROWS_FOR(qrows, mat_rows(m->t_q_b, m->mode, m->q_b, ql, r0, r1, qa, qq, qd, qb))
+        par_rows(m->q_b, &iq, B, qb, qrows, wround);
+        if (!m->kv_dense) {
+            /* every head's q_nope as the k_b stack's products want it (one scheme: one treatment) */
+            #pragma omp single
+            {
+                for (int64_t t = 0; t < B * nh; t++)
+                    memcpy(qn + t * np_, qb + (t / nh) * qrows + (t % nh) * qh, sizeof(float) * (size_t)np_);
+                prepare(m->k_b[0], B * nh, np_, qn, np_, &s[4], &ik);
+            }
+        }
         #pragma omp for schedule(static)
-        for (int64_t h = 0; h < nh; h++) {
-            const float *qp = qb + h * qh;
-            float *dst = qcat + h * (kl + rp);
-            const uint8_t *kb = m->k_b + h * m->s_k_b;
-            if (m->kv_mode == 1 && m->t_k_b != 2) quantize_row(qp, np_, pq + h * np_, pd + h * (np_ / QK));
-            mat_rows(m->t_k_b, m->kv_mode, kb, np_, 0, kl, qp, pq + h * np_, pd + h * (np_ / QK), dst);
-            rope_row(qp + np_, m->rot, rp, dst + kl);
+        for (int64_t t = 0; t < B * nh; t++) {
+            int64_t b = t / nh, h = t % nh;
+            const float *qp = qb + b * qrows + h * qh;
+            float *dst = qcat + t * (kl + rp);
+            if (m->kv_dense) rows_t(m->kv_b, h * (np_ + m->v), np_, qp, dst, wround);
+            else {
+                qp_in in = ik;
+                in.x += t * in.ldx;
+                if (in.q8) { in.q8 += t * np_; in.d8 += t * (np_ / QK); }
+                if (in.u8) { in.u8 += t * np_; in.xs += t; in.xo += t; }
+                rows_any(m->k_b[h], &in, 0, kl, 1, dst, 0, wround);
+            }
+            rope_row(qp + np_, rot + b * rp * rp, rp, dst + kl);
         }
     }
-    free(qa); free(q8); free(d8);
-    return 0;
+done:
+    for (int i = 0; i < 5; i++) if (ok[i]) scratch_free(&s[i]);
+    free(qa);
+    return rc;
 }
 
-/* attention of every head on the n cached tokens (latent rows lat, ld_lat apart; roped keys kr,
- * ld_kr apart), each head's output through v_b, then o_proj: out [H] */
-int qpk_mla_post(const qpk_mla *m, const float *qcat, const float *lat, int64_t ld_lat, const float *kr, int64_t ld_kr,
-                 int64_t n, float *out) {
+/* attention of every head of each row b on its n cached tokens (latent row j of b at lat + b * lds_b
+ * + j * ld_lat, its roped key at kr + b * krs_b + j * ld_kr, in elements; lat_bf16: the cache holds
+ * bfloat16), each head's output through W_UV, the output gate, then o_proj: out [B, H]. */
+int qp_mla_post(const qp_mla *m, int64_t B, const float *qcat, const void *lat, int64_t ld_lat, int64_t lds_b,
+                const void *kr, int64_t ld_kr, int64_t krs_b, int64_t n, int lat_bf16, const float *gate,
+                float *out, int wround) {
+    if (!mla_ok(m) || B <= 0 || n <= 0) return -1;
     const int64_t H = m->H, kl = m->kv_lora, rp = m->rope, nh = m->nh, vd = m->v;
-    float *sc = (float *)malloc(sizeof(float) * (size_t)(nh * n + nh * kl + nh * vd));
-    int8_t *q8 = (int8_t *)malloc((size_t)(nh * kl + nh * vd));
-    float *d8 = (float *)malloc(sizeof(float) * (size_t)((nh * kl + nh * vd) / QK + 1));
-    if (!sc || !q8 || !d8) { free(sc); free(q8); free(d8); return -2; }
-    float *ol = sc + nh * n, *ov = ol + nh * kl;
-    int8_t *lq = q8, *vq = q8 + nh * kl;
-    float *ld = d8, *vdd = d8 + nh * kl / QK;
-    const int fast = m->mode == 1;
-    int64_t bytes = mat_bytes(m->t_o, H, nh * vd) + n * (kl + rp) * 4 * nh / 4;
-    #pragma omp parallel num_threads(threads_for(bytes))
+    /* the latent as kv_b's activation quantization makes it: the expanded form quantizes kv_b's
+     * input (the latent, per token), so the absorbed form attends on the quantized rows */
+    const int latent_act = m->kv_dense && m->kv_b->act.kind != QA_NONE;
+    float *lf = (float *)malloc(sizeof(float) * (size_t)(B * n * (kl + rp)));
+    float *sc = (float *)malloc(sizeof(float) * (size_t)(B * nh * (n + kl + vd)));
+    qp_scratch so, sl, sv;
+    int oo = scratch_alloc(&so, B, nh * vd), ol_ = latent_act ? scratch_alloc(&sl, n, kl) : 0;
+    int ov_ = !m->kv_dense ? scratch_alloc(&sv, B * nh, kl) : 0;
+    int rc = 0;
+    if (!lf || !sc || !oo || (latent_act && !ol_) || (!m->kv_dense && !ov_)) { rc = -2; goto done; }
+    /* float copies of the cached rows: [B, n, kl + rp] (latent ‖ key) */
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t j = 0; j < n; j++) {
+            float *dst = lf + (b * n + j) * (kl + rp);
+            if (lat_bf16) {
+                const uint16_t *src = (const uint16_t *)lat + b * lds_b + j * ld_lat;
+                const uint16_t *ks = (const uint16_t *)kr + b * krs_b + j * ld_kr;
+                for (int64_t i = 0; i < kl; i++) dst[i] = bits_f32((uint32_t)src[i] << 16);
+                for (int64_t i = 0; i < rp; i++) dst[kl + i] = bits_f32((uint32_t)ks[i] << 16);
+            } else {
+                memcpy(dst, (const float *)lat + b * lds_b + j * ld_lat, sizeof(float) * (size_t)kl);
+                memcpy(dst + kl, (const float *)kr + b * krs_b + j * ld_kr, sizeof(float) * (size_t)rp);
+            }
+        }
+        if (latent_act) {
+            qp_in in;
+            qp_mat kq = *m->kv_b;
+            kq.act.epi = QE_FLOAT;  /* the float rows (q - o) * s, also for an integer-product form */
+            kq.mode = 0;
+            prepare(&kq, n, kl, lf + b * n * (kl + rp), kl + rp, &sl, &in);
+            for (int64_t j = 0; j < n; j++)
+                memcpy(lf + (b * n + j) * (kl + rp), in.x + j * in.ldx, sizeof(float) * (size_t)kl);
+        }
+    }
+    float *ol = sc + B * nh * n, *ov = ol + B * nh * kl;
+    qp_in io, iv;
+    qp_mat vb;
+    if (m->kv_dense) { vb = *m->kv_b; vb.act.kind = QA_NONE; vb.act.epi = QE_FLOAT; }  /* latent quantized above */
+    #pragma omp parallel
     {
         #pragma omp for schedule(static)
-        for (int64_t h = 0; h < nh; h++) {
-            const float *q = qcat + h * (kl + rp);
-            float *s = sc + h * n, mx = -INFINITY, sum = 0.f;
+        for (int64_t t = 0; t < B * nh; t++) {
+            const int64_t b = t / nh, ldl = kl + rp;
+            const float *q = qcat + t * (kl + rp), *lb = lf + b * n * ldl;
+            float *s = sc + t * n, mx = -INFINITY, sum = 0.f;
             for (int64_t j = 0; j < n; j++) {
-                const float *lj = lat + j * ld_lat, *kj = kr + j * ld_kr;
-                float a = 0.f, b = 0.f;
+                const float *lj = lb + j * ldl;
+                float a = 0.f, c = 0.f;
                 for (int64_t i = 0; i < kl; i++) a += q[i] * lj[i];
-                for (int64_t i = 0; i < rp; i++) b += q[kl + i] * kj[i];
-                s[j] = a * m->scale + b * m->scale;
+                for (int64_t i = 0; i < rp; i++) c += q[kl + i] * lj[kl + i];
+                s[j] = a * m->scale + c * m->scale;
                 mx = s[j] > mx ? s[j] : mx;
             }
             for (int64_t j = 0; j < n; j++) { s[j] = expf(s[j] - mx); sum += s[j]; }
-            float inv = 1.f / sum, *o = ol + h * kl;
+            float inv = 1.f / sum, *o = ol + t * kl;
             for (int64_t i = 0; i < kl; i++) o[i] = 0.f;
             for (int64_t j = 0; j < n; j++) {
-                const float p = s[j] * inv, *lj = lat + j * ld_lat;
+                const float p = s[j] * inv, *lj = lb + j * ldl;
                 for (int64_t i = 0; i < kl; i++) o[i] += p * lj[i];
             }
-            if (m->kv_mode == 1 && m->t_v_b != 2) quantize_row(o, kl, lq + h * kl, ld + h * (kl / QK));
-            mat_rows(m->t_v_b, m->kv_mode, m->v_b + h * m->s_v_b, kl, 0, vd, o, lq + h * kl, ld + h * (kl / QK),
-                     ov + h * vd);
+        }
+        if (!m->kv_dense) {
+            #pragma omp single
+            prepare(m->v_b[0], B * nh, kl, ol, kl, &sv, &iv);
+        }
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < B * nh; t++) {
+            const int64_t h = t % nh;
+            float *dst = ov + t * vd;
+            if (m->kv_dense) {
+                qp_in in;
+                memset(&in, 0, sizeof in);
+                in.x = ol + t * kl; in.ldx = kl;
+                const int64_t r0 = h * (m->nope + vd) + m->nope;
+                rows_any(&vb, &in, r0, r0 + vd, 1, dst, 0, wround);
+            } else {
+                qp_in in = iv;
+                in.x += t * in.ldx;
+                if (in.q8) { in.q8 += t * kl; in.d8 += t * (kl / QK); }
+                if (in.u8) { in.u8 += t * kl; in.xs += t; in.xo += t; }
+                rows_any(m->v_b[h], &in, 0, vd, 1, dst, 0, wround);
+            }
+            if (gate) {
+                const float *gg = gate + t * vd;
+                for (int64_t i = 0; i < vd; i++) dst[i] *= 1.f / (1.f + expf(-gg[i]));
+            }
         }
         #pragma omp single
-        if (fast) quantize_row(ov, nh * vd, vq, vdd);
-        ROWS_FOR(H, mat_rows(m->t_o, m->mode, m->o, nh * vd, r0, r1, ov, vq, vdd, out))
+        prepare(m->o, B, nh * vd, ov, nh * vd, &so, &io);
+        par_rows(m->o, &io, B, out, H, wround);
     }
-    free(sc); free(q8); free(d8);
-    return 0;
+done:
+    if (oo) scratch_free(&so);
+    if (ol_) scratch_free(&sl);
+    if (ov_) scratch_free(&sv);
+    free(lf); free(sc);
+    return rc;
 }

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import compute
+from ..kernels.forms import Form, Weights
 from ..types import FLOAT_DTYPES, SAFETENSORS_DTYPES, Problem, TensorInfo, TensorSpec
 
 FLOATS = tuple(sorted(FLOAT_DTYPES))
@@ -176,6 +178,25 @@ class LinearScheme(abc.ABC):
     def process_after_loading(self, layer: nn.Module) -> None:  # noqa: B027 (optional hook, default no-op)
         """Called once per layer after all its tensors are loaded."""
 
+    def form(self, layer: nn.Module) -> Weights | None:
+        """This loaded layer's weight as one of the core's forms (``quantplug.kernels.forms``): a
+        :class:`~quantplug.kernels.forms.Weights` naming the :class:`~quantplug.kernels.forms.Form`
+        and the layer's tensors (stacked layers: with their leading slot dimension), or None (the
+        default): the scheme computes every product itself through :meth:`apply`.
+
+        With a form the core runs the layer's products, its one-token MLP / routed-expert steps and
+        the absorbed MLA decode step natively (exact mode: the form's exact values, float32 sums),
+        so the form must describe exactly what :meth:`dequantize` returns and the activation
+        quantization :meth:`apply` performs (the conformance kit checks both). Called once per layer
+        after :meth:`process_after_loading` (a scheme may repack its tensors there, once, into a
+        form; the repacked tensors count in the model's bytes); again if the layer's tensors are
+        replaced. Products the native kernels do not take (no C compiler, tensors off the CPU,
+        many rows in fast mode) still go through :meth:`apply`.
+
+        .. versionadded:: 1.4
+        """
+        return None
+
     def fuse(self, layers: Sequence[nn.Module]) -> Callable[..., torch.Tensor] | None:
         """Projections of one input, run as one: ``layers`` are sibling linears that the model
         always applies to the same ``x`` (an MLP's gate and up, MLA's q_a and kv_a, routed
@@ -202,11 +223,13 @@ class LinearScheme(abc.ABC):
         as Python floats). The result must equal the model's own composition of the separate
         applies up to float rounding (the conformance kit checks it). None (the default): the
         model composes the applies. Called once, after :meth:`fuse`, by :func:`fuse_mlp`; the model
-        calls ``f`` for single tokens only. This is vLLM's fused-MoE idea (the quantization method
-        computes the whole expert block) at one-token scale, where per-op overhead, not
-        arithmetic, is the cost.
+        calls ``f`` for single tokens only.
 
         .. versionadded:: 1.3
+        .. deprecated:: 1.4
+           Declare :meth:`form` instead: the core then runs the step natively for every scheme.
+           Still honoured (with a DeprecationWarning) where the core has no native step for the
+           layers; removed at contract 2.0.
         """
         return None
 
@@ -223,6 +246,8 @@ class LinearScheme(abc.ABC):
         (tensor parallelism declines) and their schemes processed.
 
         .. versionadded:: 1.3
+        .. deprecated:: 1.4
+           Declare :meth:`form` instead (as for :meth:`fuse_mlp`); removed at contract 2.0.
         """
         return None
 
@@ -242,6 +267,15 @@ class DenseScheme(LinearScheme):
 
     def split(self, direction: str, out_features: int, in_features: int) -> Mapping[str, SplitRule]:
         return {"weight": SplitRule(0 if direction == "out" else 1)}
+
+    def form(self, layer: nn.Module) -> Weights | None:
+        w: torch.Tensor = layer.weight  # type: ignore[assignment]
+        name = FLOAT_FORMS.get(w.dtype)
+        return None if name is None else Weights(Form(name), w)
+
+
+#: torch float dtype -> the float form of weights held in it
+FLOAT_FORMS = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 class RefusedScheme(LinearScheme):
@@ -279,6 +313,10 @@ class PlannedModule(nn.Module):
     qp_sources: dict[str, list[Source]]
     #: tensor-parallel forward of this module (``quantplug.parallel``), None: unsplit
     qp_parallel: Any = None
+    #: the weights bound to the native kernels (``quantplug.kernels.compute.bind``), None: none
+    qp_native: Any = None
+    #: stacked layers (routed experts, per-head K/V): one matrix per slot
+    qp_stacked = False
     # registered by the loader from the plan; declared for type checkers
     weight: torch.Tensor
 
@@ -332,10 +370,17 @@ class QuantLinear(PlannedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qp_parallel is not None:
             return self.qp_parallel(self, x)  # column / row parallel with its collective
-        return self.scheme.apply(self, x)
+        return self.product(x)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x W^T`` of the weight this rank holds: on its form natively where the core can
+        (:mod:`quantplug.kernels.compute`), else the scheme's ``apply``."""
+        y = compute.linear(self, x)
+        return self.scheme.apply(self, x) if y is None else y
 
     def qp_finish(self) -> None:
         self.scheme.process_after_loading(self)
+        self.qp_native = compute.bind(self)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, scheme={self.scheme.describe()}"
@@ -391,19 +436,25 @@ class StackedLinear(PlannedModule):
     def qp_target_dtype(self, name: str, stored: str, model_dtype: torch.dtype) -> torch.dtype:
         return self.scheme.target_dtype(self.specs[name], model_dtype, stored)
 
+    qp_stacked = True
+
     def forward(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        return self.scheme.apply(self, x, index)
+        y = compute.linear(self, x, index)
+        return self.scheme.apply(self, x, index) if y is None else y
 
     def forward_grouped(self, x: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
         """Consecutive row groups of x [rows, in], group (slot, n) through slot ``slot``."""
-        return self.scheme.apply_grouped(self, x, groups)
+        y = compute.grouped(self, x, groups)
+        return self.scheme.apply_grouped(self, x, groups) if y is None else y
 
     def forward_all(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., n, T, in] -> [..., n, T, out], slot i applied to x[..., i, :, :]."""
-        return self.scheme.apply_all(self, x)
+        y = compute.stacked_all(self, x)
+        return self.scheme.apply_all(self, x) if y is None else y
 
     def qp_finish(self) -> None:
         self.scheme.process_after_loading(self)
+        self.qp_native = compute.bind(self, self.n)
 
     def extra_repr(self) -> str:
         return f"n={self.n}, in={self.in_features}, out={self.out_features}, scheme={self.scheme.describe()}"
@@ -417,33 +468,47 @@ class FusedProjections:
     the function their scheme's :meth:`LinearScheme.fuse` returned. ``layers`` say what it stands
     for (the conformance kit checks it against the separate applies)."""
 
-    def __init__(self, fn: Callable[..., torch.Tensor], layers: Sequence[nn.Module]) -> None:
+    def __init__(self, fn: Callable[..., torch.Tensor] | None, layers: Sequence[nn.Module]) -> None:
         self.fn, self.layers = fn, list(layers)
 
     def __call__(self, x: torch.Tensor, groups: list[tuple[int, int]] | None = None) -> torch.Tensor:
-        return self.fn(x) if groups is None else self.fn(x, groups)
+        # the core's native call first (few rows, every layer bound to a form), then the scheme's
+        # fused function, then the separate products
+        if groups is None:
+            y = compute.fused(self.layers, x)
+        else:
+            y = compute.grouped(self.layers[0], x, groups, self.layers[1:])
+        if y is not None:
+            return y
+        if self.fn is not None:
+            return self.fn(x) if groups is None else self.fn(x, groups)
+        if groups is None:
+            return torch.cat([m(x) for m in self.layers], dim=-1)
+        return torch.cat([m.forward_grouped(x, groups) for m in self.layers], dim=-1)  # type: ignore[operator]
 
     def __repr__(self) -> str:
         return f"<FusedProjections of {', '.join(getattr(m, 'qp_ckpt', '?') for m in self.layers)}>"
 
 
 def fuse_projections(layers: Sequence[nn.Module]) -> FusedProjections | None:
-    """``layers[0].scheme.fuse(layers)`` when every layer is an unsplit :class:`QuantLinear` or
-    :class:`StackedLinear` of one input width whose scheme is of one class that overrides
-    :meth:`LinearScheme.fuse`; otherwise None (the model applies them one by one)."""
+    """Sibling projections of one input run as one: when every layer is an unsplit
+    :class:`QuantLinear` or :class:`StackedLinear` of one input width, and either all are bound to
+    native forms (the core's call) or their schemes are of one class whose :meth:`LinearScheme.fuse`
+    answers; otherwise None (the model applies them one by one)."""
     if len(layers) < 2 or not isinstance(layers[0], (QuantLinear, StackedLinear)):
         return None
     first = layers[0]
-    scheme: LinearScheme = first.scheme
     for layer in layers:
-        if not isinstance(layer, type(first)) or type(layer.scheme) is not type(scheme):
+        if not isinstance(layer, type(first)) or layer.qp_parallel is not None or layer.in_features != first.in_features:
             return None
-        if layer.qp_parallel is not None or layer.in_features != first.in_features:
-            return None
-    if type(scheme).fuse is LinearScheme.fuse:
+    native_all = all(layer.qp_native is not None for layer in layers)
+    scheme: LinearScheme = first.scheme
+    fn = None
+    if all(type(layer.scheme) is type(scheme) for layer in layers) and type(scheme).fuse is not LinearScheme.fuse:
+        fn = scheme.fuse(layers)
+    if fn is None and not native_all:
         return None
-    fn = scheme.fuse(layers)
-    return None if fn is None else FusedProjections(fn, layers)
+    return FusedProjections(fn, layers)
 
 
 class FusedMLP:

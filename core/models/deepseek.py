@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..generate import GenerationMixin, LatentCache, MLACache
+from ..kernels import compute
+from ..kernels.compute import NATIVE_ROWS, MLAStep, MLPStep
 from ..layers.linear import (
     FloatParams,
     LinearScheme,
@@ -95,8 +97,14 @@ class Embedding(PlannedModule):
             return self.qp_parallel(self, ids)  # vocab-parallel: masked lookup + all-reduce
         return self.scheme.embed(self, ids)
 
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x E^T`` (a tied lm_head): natively on the embedding's form where bound."""
+        y = compute.linear(self, x)
+        return self.scheme.apply(self, x) if y is None else y
+
     def qp_finish(self) -> None:
         self.scheme.process_after_loading(self)
+        self.qp_native = compute.bind(self)
 
 
 class TiedHead(nn.Module):
@@ -111,7 +119,28 @@ class TiedHead(nn.Module):
         e = self._embed[0]
         if self.qp_parallel is not None:
             return self.qp_parallel(e, x)  # this rank's vocab rows, logits all-gathered
-        return e.scheme.apply(e, x)
+        return e.product(x)
+
+
+def _step_reduce(columns: Sequence[nn.Module], rows: Sequence[nn.Module]) -> tuple[bool, Any]:
+    """Whether a fused step may run on these layers as this rank holds them, and the all-reduce of
+    its partial output: every layer unsplit (no reduce), or the ``columns`` split by output rows
+    and the ``rows`` by input features, each holding only its slice (``quantplug.parallel``), with
+    no scheme reducing its own integer accumulators (``apply_row_parallel``)."""
+    par = [getattr(m, "qp_parallel", None) for m in (*columns, *rows)]
+    if all(p is None for p in par):
+        return True, None
+    if any(p is None or not getattr(p, "sharded", False) for p in par):
+        return False, None
+    if any(getattr(p, "kind", "") != "column" or getattr(p, "gather", False) for p in par[:len(columns)]):
+        return False, None
+    if any(getattr(p, "kind", "") != "row" for p in par[len(columns):]):
+        return False, None
+    if any(getattr(type(getattr(m, "scheme", None)), "apply_row_parallel", None) is not LinearScheme.apply_row_parallel
+           for m in rows):
+        return False, None
+    last: Any = par[-1]
+    return True, last.comm.all_reduce
 
 
 class MLA(nn.Module):
@@ -153,13 +182,37 @@ class MLA(nn.Module):
         self._kv_b_heads: tuple[torch.Tensor, torch.Tensor] | None = None
         #: q_a_proj and kv_a_proj_with_mqa (same input) in one call when their scheme fuses them
         self.qkv_a: Any = None
-        #: a decode step in one call when o_proj's scheme offers it (:meth:`LinearScheme.fuse_attention`)
+        #: a decode step natively on the layers' forms (:class:`quantplug.kernels.compute.MLAStep`)
+        self.step: MLAStep | None = None
+        #: a decode step in one call from o_proj's scheme (deprecated :meth:`LinearScheme.fuse_attention`)
         self.one: Any = None
 
     def qp_fuse(self) -> None:
         if self.q_lora is not None:
             self.qkv_a = fuse_projections([self.q_a_proj, self.kv_a_proj_with_mqa])
-        self.one = fuse_attention(self)
+        cfg = self.cfg
+        cols = [self.q_proj if self.q_lora is None else self.q_b_proj]
+        if self.layout.kind == "dense":
+            cols.append(self.kv_b_proj)
+        if cfg.mla_use_output_gate:
+            cols.append(self.g_proj)
+        ok, reduce = _step_reduce(cols, [self.o_proj])
+        split = self.layout.kind != "dense"
+        if ok and all(getattr(m, "qp_parallel", None) is None for m in
+                      ([self.kv_a_proj_with_mqa] + ([self.q_a_proj] if self.q_lora is not None else []))):
+            self.step = MLAStep.build(
+                q_a=self.q_a_proj if self.q_lora is not None else None, kv_a=self.kv_a_proj_with_mqa, q_b=cols[0],
+                kv_b=None if split else self.kv_b_proj, k_b=self.k_b if split else None,
+                v_b=self.v_b if split else None, o=self.o_proj, g=self.g_proj if cfg.mla_use_output_gate else None,
+                q_a_norm=self.q_a_layernorm if self.q_lora is not None else None, kv_a_norm=self.kv_a_layernorm,
+                nh=self.num_heads, q_lora=self.q_lora, kv_lora=self.kv_lora_rank, rope=self.qk_rope_head_dim,
+                nope=cfg.qk_nope_head_dim, v=cfg.v_head_dim, hidden=cfg.hidden_size,
+                eps_q=self.q_a_layernorm.eps if self.q_lora is not None else 0.0, eps_kv=self.kv_a_layernorm.eps,
+                scale=self.scale, reduce=reduce)
+        if self.step is None:
+            self.one = fuse_attention(self)
+            if self.one is not None:
+                compute.deprecated_fuse("fuse_attention", self.o_proj.scheme)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LatentCache | None = None) -> torch.Tensor:
@@ -175,6 +228,10 @@ class MLA(nn.Module):
         """
         cfg = self.cfg
         b, t, _ = x.shape
+        if t == 1 and cache is not None and self.step is not None and b <= NATIVE_ROWS:
+            out = self.step(x, self.rotary[0]._rotation(cos, sin), cache)
+            if out is not None:
+                return out
         if b == 1 and t == 1 and cache is not None and cos.shape[0] == 1 and (
                 self.layout.kind != "dense" or (cache.length > 0 and self.kv_b_proj.scheme.weight_only)):
             return self._decode_one(x, cos, sin, cache)
@@ -292,14 +349,26 @@ class MLP(nn.Module):
         self.down_proj = _lin(d, f"{base}.down_proj", inter, hidden)
         #: gate and up in one call when their scheme fuses them (:meth:`LinearScheme.fuse`)
         self.gate_up: Any = None
-        #: the whole MLP in one call for one token, when the scheme offers it (:meth:`LinearScheme.fuse_mlp`)
+        #: the whole MLP natively for few rows (:class:`quantplug.kernels.compute.MLPStep`)
+        self.step: MLPStep | None = None
+        #: the whole MLP for one token from the scheme (deprecated :meth:`LinearScheme.fuse_mlp`)
         self.one: Any = None
 
     def qp_fuse(self) -> None:
         self.gate_up = fuse_projections([self.gate_proj, self.up_proj])
-        self.one = fuse_mlp(self.gate_proj, self.up_proj, self.down_proj)
+        ok, reduce = _step_reduce([self.gate_proj, self.up_proj], [self.down_proj])
+        if ok:
+            self.step = MLPStep.build(self.gate_proj, self.up_proj, self.down_proj, stacked=False, reduce=reduce)
+        if self.step is None:
+            self.one = fuse_mlp(self.gate_proj, self.up_proj, self.down_proj)
+            if self.one is not None:
+                compute.deprecated_fuse("fuse_mlp", self.gate_proj.scheme)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.step is not None and x.numel() <= NATIVE_ROWS * x.shape[-1]:
+            y = self.step(x)
+            if y is not None:
+                return y
         if self.one is not None and x.numel() == x.shape[-1]:
             return self.one(x.reshape(1, -1)).view(x.shape)
         if self.gate_up is not None:
@@ -398,12 +467,31 @@ class Experts(nn.Module):
             setattr(self, proj, StackedLinear(e, i, o, d.scheme(name, "experts", shards), name, src, d.model_dtype))
         #: gate and up in one grouped call when their scheme fuses them (:meth:`LinearScheme.fuse`)
         self.gate_up: Any = None
-        #: a token's experts in one call, when the scheme offers it (:meth:`LinearScheme.fuse_mlp`)
+        #: a step's experts (few tokens) natively in one call (:class:`quantplug.kernels.compute.MLPStep`)
+        self.step: MLPStep | None = None
+        #: a token's experts in one call from the scheme (deprecated :meth:`LinearScheme.fuse_mlp`)
         self.one: Any = None
 
     def qp_fuse(self) -> None:
         self.gate_up = fuse_projections([self.gate_proj, self.up_proj])
-        self.one = fuse_mlp(self.gate_proj, self.up_proj, self.down_proj)
+        self.step = MLPStep.build(self.gate_proj, self.up_proj, self.down_proj, stacked=True, reduce=self.qp_parallel)
+        if self.step is None:
+            self.one = fuse_mlp(self.gate_proj, self.up_proj, self.down_proj)
+            if self.one is not None:
+                compute.deprecated_fuse("fuse_mlp", self.gate_proj.scheme)
+
+    def forward_step(self, x: torch.Tensor, ids: Sequence[Sequence[int]], weights: Sequence[Sequence[float]]) -> torch.Tensor:
+        """Few tokens x [M, hidden] through their experts ``ids[r]`` (weights ``weights[r]``) in one
+        native call (``self.step``), this rank's experts only, each token's experts summed in
+        ascending id order as the other paths sum them."""
+        pairs = sorted((e - self.slot_base, r, w) for r, (es, ws) in enumerate(zip(ids, weights))
+                       for e, w in zip(es, ws) if self.first <= e < self.first + self.count)
+        y = self.step(x, [(r, s, w) for s, r, w in pairs]) if self.step is not None else None
+        if y is None:  # the step cannot run now (library off, tensors moved): the grouped path
+            idx = torch.tensor([list(es) for es in ids], dtype=torch.long, device=x.device)
+            w = torch.tensor([list(ws) for ws in weights], dtype=torch.float32, device=x.device)
+            return self.forward(x, idx, w)
+        return y
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [T, H], idx / w [T, top_k]. Token-expert pairs are sorted by expert once (one
@@ -487,7 +575,17 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        if flat.shape[0] == 1 and self.experts.one is not None:
+        if self.experts.step is not None and flat.shape[0] <= NATIVE_ROWS:
+            # few tokens (a decode step, a small batch): routed on Python numbers, every token's
+            # experts in one native call
+            if flat.shape[0] == 1:
+                ids, ws = self.gate.route_one(flat)
+                rows_ids, rows_w = [ids], [ws]
+            else:
+                idx, w = self.gate(flat)
+                rows_ids, rows_w = idx.tolist(), w.tolist()
+            out = self.experts.forward_step(flat, rows_ids, rows_w).view(shape)
+        elif flat.shape[0] == 1 and self.experts.one is not None:
             # a decode step through the scheme's fused MLP: no routing tensors, and (as for every
             # fused call) no forward hooks of the router or the expert linears
             out = self.experts.forward_one(flat, *self.gate.route_one(flat)).view(shape)

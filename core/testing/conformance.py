@@ -44,7 +44,9 @@ import torch.nn.functional as F
 
 from ..api import LAYER_KINDS, ExportResult, LinearScheme, QuantplugError, TensorSpec, dense_state, plan_of
 from ..checkpoint import Checkpoint
-from ..layers.linear import DenseScheme, FusedMLP, FusedProjections, QuantLinear, StackedLinear
+from ..kernels import compute, native
+from ..kernels.forms import reference_act, reference_dequantize
+from ..layers.linear import DenseScheme, FusedProjections, PlannedModule, QuantLinear, StackedLinear
 from ..loader import load
 from ..models.deepseek import Embedding
 from ..plan import LoadPlan, build_plan
@@ -348,6 +350,24 @@ class BackendConformance:
                   "packing order and the stacked index in both")
 
     @pytest.mark.parametrize("layout", LAYOUTS)
+    def test_form_agrees_with_the_scheme(self, quantplug_kit: _Kit, layout: str) -> None:
+        """Where the scheme declares a weight form (``LinearScheme.form``, contract 1.4), the form's
+        exact values equal ``dequantize`` (rel 1e-6) and the core's exact product on the layer's
+        activations equals ``apply`` (rel 1e-5, activation quantization included; a fast mode's
+        product is held to ``forward_rtol`` against dequantize + matmul instead)."""
+        case = self._layout(quantplug_kit, layout)
+        n, bad = _form_mismatches(quantplug_kit.load(case.path), quantplug_kit.ids, self.forward_rtol)
+        if not n:
+            pytest.skip(f"backend {self.backend!r} declares no weight form for the {layout} model under options "
+                        f"{dict(self.options)}")
+        if bad:
+            listing = "\n  ".join(bad[:8])
+            _fail(f"[form agrees with the scheme] {len(bad)} layer(s) of backend {self.backend}'s {layout} checkpoint "
+                  f"declare a form that computes something else than their scheme:\n  {listing}\nform(layer) must "
+                  "describe exactly what dequantize returns (scales, zero points, packing, group sizes) and the "
+                  "activation quantization apply performs: the core computes every product from the form")
+
+    @pytest.mark.parametrize("layout", LAYOUTS)
     def test_fused_projections_equal_separate_applies(self, quantplug_kit: _Kit, layout: str) -> None:
         """Where the scheme fused sibling projections (``LinearScheme.fuse``, under ``options``),
         the fused call equals the layers' own applies side by side."""
@@ -357,12 +377,13 @@ class BackendConformance:
 
     @pytest.mark.parametrize("layout", LAYOUTS)
     def test_one_token_fusions_equal_the_model_path(self, quantplug_kit: _Kit, layout: str) -> None:
-        """Where the scheme runs a one-token MLP or MLA step as one (``LinearScheme.fuse_mlp`` /
-        ``fuse_attention``, under ``options``), it equals the model's own composition of the
-        layers' applies, and the attention step appends the same latent and key to the cache."""
+        """Where a one-token MLP / routed-expert block or MLA decode step runs as one call (the
+        core's native steps on the layers' forms, or a scheme's deprecated ``fuse_mlp`` /
+        ``fuse_attention``), it equals the model's own composition of the layers' products, and
+        the attention step appends the same latent and key to the cache."""
         self._check_fusions(quantplug_kit, layout, _one_token_mismatches, "one-token MLP or attention step",
                             "one-token fusions", "fused step(s)", "the model's own path",
-                            "fuse_mlp / fuse_attention must compute what the separate applies compute")
+                            "the form (or fuse_mlp / fuse_attention) must compute what the separate applies compute")
 
     def _check_fusions(self, kit: _Kit, layout: str, mismatches: Any, none: str, tag: str, unit: str, ref: str,
                        hint: str) -> None:
@@ -580,8 +601,11 @@ class _Kit:
         ref = hf_logits(case.text_config, self.text_state(model, case), self.ids)
         err = rel_err(got, ref)
         if not err <= self.test.forward_rtol:
+            _, forms = _form_mismatches(model, self.ids, self.test.forward_rtol)
             bad = _apply_mismatches(model, self.test.forward_rtol, self.ids)
-            hint = ("; these layers' apply disagrees with their dequantize:\n  " + "\n  ".join(bad[:5]) if bad else
+            hint = ("; these layers' declared form disagrees with their scheme (the core computes from the "
+                    "form):\n  " + "\n  ".join(forms[:5]) if forms else
+                    "; these layers' apply disagrees with their dequantize:\n  " + "\n  ".join(bad[:5]) if bad else
                     "; every scheme's apply agrees with its dequantize, so look at process_after_loading / "
                     "model-level post-processing")
             _fail(f"[forward matches transformers] {self.backend!r}, {label}: logits differ from transformers' "
@@ -718,7 +742,7 @@ def _layer_inputs(model: torch.nn.Module, ids: torch.Tensor) -> dict[tuple[int, 
     try:
         for cls, _ in saved:
             cls.apply = wrap(cls.apply)  # type: ignore[method-assign]
-        with torch.no_grad():
+        with torch.no_grad(), native.disabled():  # every product through the scheme's apply
             model(ids)
     finally:
         for cls, own in reversed(saved):
@@ -773,10 +797,52 @@ def _apply_mismatches(model: torch.nn.Module, rtol: float, ids: torch.Tensor) ->
     return bad
 
 
+def _form_mismatches(model: torch.nn.Module, ids: torch.Tensor, rtol: float) -> tuple[int, list[str]]:
+    """(layers bound to a form, those whose form disagrees with their scheme's dequantize / apply)."""
+    g = torch.Generator().manual_seed(6)
+    inputs = _layer_inputs(model, ids)
+    n, bad = 0, []
+    with torch.no_grad():
+        for mod in model.modules():
+            b = getattr(mod, "qp_native", None)
+            if not isinstance(mod, PlannedModule) or b is None:
+                continue
+            n += 1
+            scheme: Any = mod.scheme
+            where = f"{mod.qp_ckpt} ({scheme.describe()}; form {b.form.describe()})"
+            stacked = isinstance(mod, StackedLinear)
+            for slot in ((0, b.slots - 1) if stacked else (None,)):
+                ref = scheme.dequantize(mod, slot).float()
+                got = reference_dequantize(b.weights, b.n, b.k, slot, mod.model_dtype).float()  # type: ignore[arg-type]
+                if got.shape != ref.shape or not rel_err(got, ref) <= 1e-6:
+                    err = rel_err(got, ref) if got.shape == ref.shape else float("inf")
+                    bad.append(f"{where}{'' if slot is None else f' slot {slot}'}: form values vs dequantize rel err {err:.3g}")
+                    continue
+                if isinstance(mod, Embedding):
+                    continue
+                x = inputs.get((id(mod), slot))
+                x = torch.randn(3, b.k, generator=g) if x is None else x.float()
+                x = x.to(mod.model_dtype)  # type: ignore[arg-type]
+                native_y = compute.linear(mod, x, slot) if native.library() is not None else None
+                if native_y is None:  # no native kernels: the form's product by its torch definition
+                    if b.mode == "fast":
+                        continue
+                    native_y = F.linear(reference_act(b.weights, x, slot), got)
+                if b.mode == "fast":  # an approximate product: bounded against the exact weights
+                    want, tol = F.linear(x.float(), ref), rtol
+                else:
+                    want, tol = (scheme.apply(mod, x, slot) if stacked else scheme.apply(mod, x)), 1e-5
+                err = rel_err(native_y.float(), want.float())
+                if not err <= tol:
+                    bad.append(f"{where}{'' if slot is None else f' slot {slot}'}: the form's product vs apply "
+                               f"rel err {err:.3g}")
+    return n, bad
+
+
 def _one_token_mismatches(model: torch.nn.Module, rtol: float) -> tuple[int, list[str]]:
-    """(number of one-token fusions, those that differ from the model's own path)."""
+    """(number of one-token steps run as one call, those that differ from the model's own path)."""
     from ..generate import LatentCache
-    from ..models.deepseek import MLA
+    from ..models.deepseek import MLA, MLP, Experts
 
     g = torch.Generator().manual_seed(5)
     n, bad = 0, []
@@ -787,21 +853,41 @@ def _one_token_mismatches(model: torch.nn.Module, rtol: float) -> tuple[int, lis
             bad.append(f"{what}: rel err {err:.3g}" + ("" if got.shape == ref.shape else
                                                        f" (shape {list(got.shape)}, want {list(ref.shape)})"))
 
+    @contextmanager
+    def composed(mod: Any) -> Iterator[None]:
+        saved = (getattr(mod, "step", None), getattr(mod, "one", None))
+        mod.step, mod.one = None, None
+        try:
+            yield
+        finally:
+            mod.step, mod.one = saved
+
     with torch.no_grad():
         for mod in model.modules():
-            one = getattr(mod, "one", None)
-            if isinstance(one, FusedMLP):
+            step: Any = getattr(mod, "step", None)
+            one: Any = getattr(mod, "one", None)
+            if step is None and one is None:
+                continue
+            if isinstance(mod, Experts):
                 n += 1
-                gate, up, down = one.layers
-                x = torch.randn(1, int(gate.in_features), generator=g).to(gate.model_dtype)  # type: ignore[arg-type]
-                if isinstance(gate, StackedLinear):
-                    slots, weights = [0, gate.n - 1], [0.25, 0.75]
-                    got = one(x, slots, weights)
-                    ref = sum((down(F.silu(gate(x, s)) * up(x, s), s) * w).to(x.dtype) for s, w in zip(slots, weights))
-                else:
-                    got, ref = one(x), down(F.silu(gate(x)) * up(x))
-                check(f"{one!r}", got, ref)
-            elif isinstance(mod, MLA) and one is not None:
+                dtype = mod.gate_proj.model_dtype
+                x = torch.randn(1, int(mod.gate_proj.in_features), generator=g).to(dtype)
+                ids, ws = [[mod.first, mod.first + mod.count - 1]], [[0.25, 0.75]]
+                got = mod.forward_step(x, ids, ws) if step is not None else one(x, [s - mod.slot_base for s in ids[0]], ws[0])
+                gate, up, down = mod.gate_proj, mod.up_proj, mod.down_proj
+                with composed(mod):
+                    ref = sum((down(F.silu(gate(x, s - mod.slot_base)) * up(x, s - mod.slot_base), s - mod.slot_base)
+                               * w).to(x.dtype) for s, w in zip(ids[0], ws[0]))
+                check(f"routed experts {gate.qp_ckpt.rsplit('.', 1)[0]} ({'native step' if step else repr(one)})",
+                      got, ref)
+            elif isinstance(mod, MLP):
+                n += 1
+                x = torch.randn(1, int(mod.gate_proj.in_features), generator=g).to(mod.gate_proj.model_dtype)
+                got = mod(x)
+                with composed(mod):
+                    ref = mod(x)
+                check(f"MLP {mod.down_proj.qp_ckpt.rsplit('.', 1)[0]} ({'native step' if step else repr(one)})", got, ref)
+            elif isinstance(mod, MLA):
                 n += 1
                 cfg, dtype = mod.cfg, mod.o_proj.model_dtype
                 caches = [LatentCache(1, mod.kv_lora_rank, mod.qk_rope_head_dim, dtype=dtype, device=torch.device("cpu"),
@@ -812,11 +898,8 @@ def _one_token_mismatches(model: torch.nn.Module, rtol: float) -> tuple[int, lis
                 x = torch.randn(1, 1, cfg.hidden_size, generator=g).to(dtype)
                 cos, sin = mod.rotary[0].cos_sin(torch.tensor([[3]]), dtype)
                 got = mod(x, cos, sin, caches[0])
-                mod.one = None
-                try:
+                with composed(mod):
                     ref = mod(x, cos, sin, caches[1])
-                finally:
-                    mod.one = one
                 check(f"{type(mod).__name__} step of {mod.o_proj.qp_ckpt.rsplit('.', 1)[0]}", got, ref)
                 if got.shape == ref.shape:
                     check("its cached latent", caches[0].latent[:, :, :4], caches[1].latent[:, :, :4])

@@ -1,4 +1,6 @@
-"""compressed-tensors ``kernels="fast"``: pack-quantized int4 through torch's int4 CPU kernel.
+"""compressed-tensors ``kernels="fast"``: without the native kernels, pack-quantized int4 through
+torch's int4 CPU kernel (with them, the core's exact native kernels run the stored words: fast
+mode is then exact, no second copy).
 
 * the repacked weight computes the exactly dequantized weight's matmul within bfloat16
   rounding, for symmetric / asymmetric group 32..512, channel and tensor scales, stacked;
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from conftest import VENDOR, rel_err
 from quantplug.api import ConfigError
+from quantplug.kernels import native
 from quantplug.testing import random_state, tiny_config, write_checkpoint
 from safetensors.torch import load_file
 
@@ -34,6 +37,16 @@ def _run(path, ids, kernels_opt=None):
 
 
 def _check_fast_against_exact(path, ids):
+    if native.library() is not None:  # with native kernels: fast mode is the exact native path
+        exact_model, exact = _run(path, ids)
+        fast_model, fast = _run(path, ids, "fast")
+        assert getattr(fast_model.model.layers[1].mlp.experts.gate_proj, "_int4", None) is None
+        assert torch.equal(fast, exact)
+    with native.disabled():
+        return _check_int4_against_exact(path, ids)
+
+
+def _check_int4_against_exact(path, ids):
     exact_model, exact = _run(path, ids)
     fast_model, fast = _run(path, ids, "fast")
     fast_experts = fast_model.model.layers[1].mlp.experts.gate_proj
@@ -117,7 +130,18 @@ def test_fast_routed_experts_fuse_gate_and_up_bit_for_bit(tmp_path):
     dense = write_checkpoint(tmp_path / "dense", cfg, random_state(cfg))
     model = quantplug.load(dense, progress=False)
     res = export_w4a16(model, model.quantplug_plan, tmp_path / "w4", {})
-    fast = quantplug.load(res.path, progress=False, options={"kernels": "fast"})
+    ctx = native.disabled()  # the int4 path is what runs without the native kernels
+    ctx.__enter__()
+    try:
+        fast = quantplug.load(res.path, progress=False, options={"kernels": "fast"})
+        _check_fused_experts(fast, cfg)
+    finally:
+        ctx.__exit__(None, None, None)
+
+
+def _check_fused_experts(fast, cfg):
+    from quantplug.api import int4pack_rows_separable
+
     experts = fast.model.layers[1].mlp.experts
     if not int4pack_rows_separable((64, 64)):
         assert experts.gate_up is None

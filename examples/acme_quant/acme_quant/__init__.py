@@ -19,12 +19,22 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from quantplug.api import Claim, ConfigError, ExportResult, LinearScheme, TensorSpec, dense_state, hookimpl
+from quantplug.api import (
+    Claim,
+    ConfigError,
+    ExportResult,
+    Form,
+    LinearScheme,
+    TensorSpec,
+    Weights,
+    dense_state,
+    hookimpl,
+)
 from safetensors.torch import save_file
 
 __version__ = "1.0.0"
 #: the quantplug contract this backend is written for
-QUANTPLUG_CONTRACT = "1.1"
+QUANTPLUG_CONTRACT = "1.4"
 PREFIX = "language_model."
 _LINEAR = re.compile(r"^(model\.layers\.\d+\..+_proj(_with_mqa)?|lm_head)\.weight$")
 
@@ -68,6 +78,11 @@ class Int8RowScheme(LinearScheme):
     def apply(self, layer: Any, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
         w, s = self._tensors(layer, index)
         return (F.linear(x.float(), w.float()) * s.view(-1)).to(x.dtype)
+
+    def form(self, layer: Any) -> Weights:
+        """The stored tensors as the core's int8 form (one float32 scale per row): the core runs
+        every product natively, with no C here (contract 1.4)."""
+        return Weights(Form("INT8", scale="F32"), layer.weight, scale=layer.weight_scale)
 
 
 def _quant_config(config: Mapping[str, Any]) -> Any:

@@ -11,13 +11,17 @@ import torch
 from quantplug.api import (
     FLOATS,
     TORCH_DTYPES,
+    ActQuant,
+    Form,
     LinearScheme,
     LoadError,
     Problem,
     SplitRule,
     TensorInfo,
     TensorSpec,
+    Weights,
     fuse_int4_packs,
+    native,
     unsplit_features,
 )
 
@@ -182,9 +186,12 @@ class CTScheme(LinearScheme):
             else:
                 z = zp.float()
             layer.register_buffer("_zero_point", z, persistent=False)
-        if self.fast:
-            # repacked once, here (counted in load time and model bytes); the packed weight stays
-            # for dequantize / export. Shapes the kernel cannot take (out % 16) stay exact.
+        if self.fast and native.library() is None:
+            # without the native kernels only: repacked once, here, for torch's int4 kernel
+            # (counted in load time and model bytes); the packed weight stays for dequantize /
+            # export. Shapes the kernel cannot take (out % 16) stay exact. With them, the core's
+            # exact native kernels run the stored words (faster per decode step than the int4
+            # kernel, and no second copy)
             fast = kernels.int4_repack(self._layout_of(layer), layer.weight_packed, layer.weight_scale,
                                        getattr(layer, "_zero_point", None))
             if fast is not None:
@@ -195,6 +202,46 @@ class CTScheme(LinearScheme):
                     layer._int4_slots = list(zip(fast[0].unbind(0), fast[1].unbind(0)))
 
     # -- compute --------------------------------------------------------------------------------
+
+    def form(self, layer: Any) -> Weights | None:
+        """The stored tensors as the core's form: pack-quantized int4 words read as bytes (INT4),
+        naive int8 (INT8) or FP8, the scales as stored, unpacked zero points; activations as the
+        config quantizes them (unless ``activation_quant=none``). Pack-quantized 8-bit words
+        (unsigned codes) have no form: the scheme's own path runs them."""
+        if self.kind == "packed" and self.weights.num_bits != 4:
+            return None
+        lay = self._layout_of(layer)
+        scale = layer.weight_scale
+        enc = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}.get(scale.dtype)
+        if enc is None:
+            return None
+        if lay.strategy == "tensor":
+            rows, group = 0, 0
+        elif lay.strategy == "channel":
+            rows, group = 1, 0
+        elif lay.strategy == "group" and lay.group:
+            rows, group = 1, lay.group
+        elif lay.strategy == "block" and lay.block:
+            rows, group = lay.block
+        else:
+            return None
+        zero = getattr(layer, "_zero_point", None)
+        if zero is not None:
+            zero = zero.to(torch.float32).contiguous()
+        act, extra = None, {}
+        a = self.act
+        if a is not None and self.act_mode != "none":
+            static = a.dynamic is False
+            if a.type == "float":
+                act = ActQuant("fp8_static") if static else ActQuant("fp8", group=(a.group_size or 0) if a.strategy == "group" else 0)
+            else:
+                act = ActQuant("int8_static") if static else ActQuant("int8_sym")
+            if static:
+                extra["input_scale"] = layer.input_scale
+        dtype = "INT4" if self.kind == "packed" else "INT8" if self.kind == "int8" else "FP8"
+        q = layer.weight_packed if self.kind == "packed" else layer.weight
+        return Weights(Form(dtype, scale=enc, group=group, rows=rows, zero=zero is not None, act=act), q,
+                       scale=scale, zero=zero, **extra)
 
     def _layout_of(self, layer: Any) -> Layout:
         lay = getattr(layer, "_ct_layout", None)

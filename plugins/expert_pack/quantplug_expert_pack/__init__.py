@@ -38,8 +38,8 @@ from quantplug.api import (
     Claim,
     Problem,
     contained,
+    ggml,
     hookimpl,
-    native,
     option,
 )
 
@@ -166,7 +166,7 @@ def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Seque
     # 37 ms packed vs 49 ms with the float32 copy)
     kernels = option(options, "kernels", "exact", KERNELS)
     kv_heads = layer_kind in ("attn_k_b", "attn_v_b")
-    cache_kv = kv_heads and kernels == "fast" and not (info.dtype in native.TYPES and native.library() is not None)
+    cache_kv = kv_heads and kernels == "fast" and not (info.dtype in ggml.NATIVE_TYPES and ggml.native.library() is not None)
     return GGMLScheme(info.dtype, cache=bool(options.get("dequantize", False)) or cache_kv,
                       kernels="exact" if layer_kind == "embedding" or kv_heads else kernels)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-from quantplug.api import LinearScheme, SplitRule, TensorSpec
+from quantplug.api import ActQuant, Form, LinearScheme, SplitRule, TensorSpec, Weights
 from torch import nn
 
 from . import kernels
@@ -78,6 +78,16 @@ class FP8BlockScheme(LinearScheme):
     def dequantize(self, layer: nn.Module, index: int | None = None) -> torch.Tensor:
         w, s = self._parts(layer, index)
         return kernels.dequantize(w, s, self.block, layer.model_dtype)  # type: ignore[arg-type]
+
+    def form(self, layer: nn.Module) -> Weights:
+        """FP8 E4M3 codes with float32 scales per [block[0], block[1]] tile; DeepSeek's act_quant
+        (per token, groups of block[1], amax floor 1e-4, ue8m0 as configured) as the form's
+        activation quantization."""
+        bn, bk = self.block
+        act = (ActQuant("fp8", group=bk, ue8m0=self.scale_fmt == "ue8m0", floor=kernels.ACT_AMAX_FLOOR)
+               if self.activation_quant == "dynamic" else None)
+        return Weights(Form("FP8", scale="F32", group=bk, rows=bn, act=act), layer.weight,
+                       scale=layer.weight_scale_inv)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
         if self.activation_quant == "dynamic":

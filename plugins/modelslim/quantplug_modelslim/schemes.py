@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from quantplug.api import Layer, LinearScheme, SplitRule, TensorSpec
+from quantplug.api import ActQuant, Form, Layer, LinearScheme, SplitRule, TensorSpec, Weights
 
 ACTIVATION_MODES = ("ascend", "msmodelslim")
 
@@ -122,6 +122,18 @@ class W8A8Static(_IntScheme):
         layer.register_buffer("_deq", deq_scale_f32(layer.deq_scale), persistent=False)
         layer._symmetric = bool((layer.weight_offset == 0).all())
 
+    def form(self, layer: Layer) -> Weights:
+        """int8 weights; activations quantized with the static scale / offset. Symmetric weights:
+        ``(q . w + quant_bias) * deq_scale`` on integers, as :meth:`apply`; otherwise the float
+        product of ``(q - offset) * scale`` and the dequantized weights."""
+        if layer._symmetric:
+            return Weights(Form("INT8", act=ActQuant("int8_static", integer="static")), layer.weight,
+                           scale=layer.weight_scale.to(torch.float32), bias=layer.quant_bias, output_scale=layer._deq,
+                           input_scale=layer.input_scale, input_offset=layer.input_offset)
+        return Weights(Form("INT8", zero=True, act=ActQuant("int8_static")), layer.weight,
+                       scale=layer.weight_scale.to(torch.float32), zero=layer.weight_offset.to(torch.float32),
+                       input_scale=layer.input_scale, input_offset=layer.input_offset)
+
     def apply(self, layer: Layer, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
         s, o = layer.input_scale.to(torch.float32), layer.input_offset.to(torch.float32)
         q = torch.clamp(torch.round(x.to(torch.float32) / s + o), -128, 127)
@@ -183,6 +195,18 @@ class W8A8Dynamic(_IntScheme):
         if layer._int_path:
             layer.register_buffer("_row_sum", layer.weight.to(torch.int32).sum(-1), persistent=False)
 
+    def _act(self, integer: str = "float") -> ActQuant:
+        return ActQuant("int8_sym" if self.mode == "ascend" else "int8_asym", integer=integer)
+
+    def form(self, layer: Layer) -> Weights:
+        """int8 weights, per-token int8 activations: on integers for per-channel symmetric weights
+        (``((q . w - o * rowsum) * s) * scale``, as :meth:`apply`), else the float product of
+        ``(q - o) * s`` and ``(w - offset) * scale``."""
+        if layer._int_path:
+            return Weights(Form("INT8", act=self._act("dynamic")), layer.weight, scale=layer.weight_scale)
+        return Weights(Form("INT8", group=self.group_size, zero=True, act=self._act()), layer.weight,
+                       scale=layer.weight_scale, zero=layer.weight_offset)
+
     def apply(self, layer: Layer, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
         q, s, o = dynamic_quant(x, self.mode)
         if getattr(layer, "_int_path", False):
@@ -209,7 +233,24 @@ class W4A8Dynamic(W8A8Dynamic):
                 TensorSpec("scale_bias", ("F32", "F16", "BF16"), (n, 1), target="F32", optional=True)]
 
     def _weight_q(self, layer: Layer, index: int | None) -> torch.Tensor:
+        packed = getattr(layer, "_int4k", None)
+        if packed is not None:  # repacked at load (the core's INT4 form)
+            p = packed if index is None else packed[index]
+            nib = torch.stack((p & 15, p >> 4), dim=-1).flatten(-2)
+            return (nib.to(torch.int16) - 8).to(torch.int8)
         return unpack_int4_rows(super()._weight_q(layer, index))
+
+    def process_after_loading(self, layer: Layer) -> None:
+        """The two-rows-per-byte int4 weight is repacked once into the core's INT4 form (two inputs
+        per byte, code + 8): the same bytes, and the stored tensor is released."""
+        q = unpack_int4_rows(layer.weight).to(torch.int16) + 8          # [.., n, k] in 0..15
+        layer.register_buffer("_int4k", (q[..., 0::2] | (q[..., 1::2] << 4)).to(torch.uint8).contiguous(),
+                              persistent=False)
+        del layer._parameters["weight"]
+        layer._int_path = False
+
+    def form(self, layer: Layer) -> Weights:
+        return Weights(Form("INT4", group=self.group_size, act=self._act()), layer._int4k, scale=layer.weight_scale)
 
     def dequantize(self, layer: Layer, index: int | None = None) -> torch.Tensor:
         wq = self._weight_q(layer, index).to(torch.float32)

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
-from quantplug.api import Layer, LinearScheme, Problem, SplitRule, TensorInfo, TensorSpec
+from quantplug.api import Form, Layer, LinearScheme, Problem, SplitRule, TensorInfo, TensorSpec, Weights
 
 GROUP = 32
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
@@ -151,6 +151,15 @@ class MXFP4Scheme(LinearScheme):
         if index is not None:
             w, s = w[index], s[index]
         return mxfp4_linear(x, w, s.view(torch.uint8), layer.model_dtype)
+
+    def form(self, layer: Layer) -> Weights | None:
+        """E2M1 codes (low nibble = even element) with E8M0 scales per 32 inputs; a cached dense copy
+        as its float form."""
+        dense = getattr(layer, "_dequantized", None)
+        if dense is not None:
+            name = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}.get(dense.dtype)
+            return None if name is None else Weights(Form(name), dense)
+        return Weights(Form("FP4", scale="E8M0", group=GROUP), layer.weight, scale=layer.weight_scale.view(torch.uint8))
 
     def process_after_loading(self, layer: Layer) -> None:
         if self.cache:

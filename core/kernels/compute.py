@@ -1,0 +1,413 @@
+"""Running planned layers on their forms: native where it pays, the scheme's own ``apply`` where not.
+
+:func:`bind` asks a loaded layer's scheme for its :class:`~quantplug.kernels.forms.Weights`
+(``LinearScheme.form``, contract 1.4) and binds them to the native kernels; the layer keeps the
+binding as ``qp_native``. Every product of the layer then comes here first:
+
+* few input rows per weight (a decode step, batches up to :data:`NATIVE_ROWS`, a step's expert
+  rows): the native row kernels, all siblings of one input and all row groups of stacked experts
+  in one call;
+* more rows (prefill) in exact mode: the weight decoded natively a block of rows at a time into a
+  reused buffer and multiplied by torch's matmul (BLAS), the activations quantized natively first
+  when the form says so;
+* otherwise (no native library, tensors off the CPU, fast mode or integer products with many rows,
+  a form the C code refuses) these functions return None and the caller runs ``scheme.apply``.
+
+Exact mode gives the scheme's ``dequantize`` + matmul up to the order of float32 sums (the
+conformance kit checks it per layer); results never depend on which path ran beyond that.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..errors import QuantplugError
+from . import native
+from .native import Bound
+
+#: input rows per weight up to which the native row kernels run
+NATIVE_ROWS = 16
+#: dense weight elements decoded at once for a many-row product (1 MiB of float32: the block
+#: stays in cache between its decoding and its matmul)
+CHUNK_ELEMS = 1 << 18
+
+_LOCAL = threading.local()
+
+
+def _buffer(n: int) -> torch.Tensor:
+    """This thread's reused float32 buffer of at least ``n`` elements (a normal tensor even when
+    first made under inference_mode, so later writes outside it work)."""
+    buf = getattr(_LOCAL, "buf", None)
+    if buf is None or buf.numel() < n:
+        with torch.inference_mode(False):
+            buf = _LOCAL.buf = torch.empty(n, dtype=torch.float32)
+    return buf[:n]
+
+
+def _first_param(layer: torch.nn.Module) -> torch.Tensor | None:
+    for t in layer.parameters(recurse=False):
+        return t
+    return None
+
+
+def bind(layer: Any, slots: int | None = None) -> Bound | None:
+    """The layer's weights bound to the native kernels, or None: the scheme declares no form
+    (``form`` returns None), the tensors are not on the CPU, or the C code refuses the shapes
+    (then the torch path runs; a form whose tensors contradict the layer is a QuantplugError).
+    Made once after loading; a layer whose tensors are later replaced or moved is re-bound."""
+    scheme = layer.scheme
+    weights = scheme.form(layer)
+    if weights is None or not weights.contiguous_rows():
+        return None
+    # an embedding holds this rank's vocabulary rows under vocab parallelism: its rows, as stored
+    out_f, in_f = (weights.weight.shape[-2], layer.dim) if hasattr(layer, "vocab") else (layer.out_features, layer.in_features)
+    mode = getattr(scheme, "kernels", "exact")
+    b = Bound(weights, out_f, in_f, slots, layer.model_dtype, mode if mode in native.MODES else "exact",
+              f"{getattr(layer, 'qp_ckpt', '?')} ({type(scheme).__name__})")
+    if not b.device_ok or not b.native_shapes():
+        return None  # shapes the C code does not take (e.g. inputs not a multiple of 32): torch path
+    sentinel = _first_param(layer)
+    b.sentinel = (sentinel.data_ptr(), sentinel.device.type) if sentinel is not None else None  # type: ignore[attr-defined]
+    return b
+
+
+def bound(layer: Any) -> Bound | None:
+    """The layer's live binding: None when there is none, the library is unavailable, or the
+    layer's tensors moved off the CPU or were replaced since binding (then it is dropped)."""
+    b: Bound | None = getattr(layer, "qp_native", None)
+    if b is None or native.library() is None:
+        return None
+    s = _first_param(layer)
+    if s is not None and getattr(b, "sentinel", None) != (s.data_ptr(), s.device.type):
+        layer.qp_native = b = None
+        if s.device.type == "cpu":
+            layer.qp_native = b = bind(layer, layer.n if getattr(layer, "qp_stacked", False) else None)
+    return b
+
+
+def _rows(x: torch.Tensor, k: int) -> int:
+    return x.numel() // max(k, 1)
+
+
+def _out(y: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
+    return (y if x.dtype == torch.float32 else y.to(x.dtype)).view(*x.shape[:-1], n)
+
+
+def _many(b: Bound) -> bool:
+    """Whether a many-row product may take the decode-and-matmul path (exact float products)."""
+    act = b.form.act
+    return b.mode == "exact" and b.form.dtype not in ("F32", "F16", "BF16") and (act is None or act.integer == "float")
+
+
+def _dequant_mm(b: Bound, x2: torch.Tensor, slot: int | None, out: torch.Tensor) -> torch.Tensor:
+    """``out`` [M, N] = x' @ W^T for float32 rows ``x2`` [M, K], W decoded natively a block of rows
+    at a time (rounded to the model dtype), x' the activations as the form quantizes them."""
+    mat = b.ptr(slot)
+    xa = native.act_rows(mat, x2) if b.form.act is not None else x2
+    n, k = b.n, b.k
+    step = max(1, min(n, CHUNK_ELEMS // max(k, 1)))
+    buf = _buffer(step * k).view(step, k)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        w = native.dequant(mat, r0, r1, buf[:r1 - r0], b.wround)
+        torch.mm(xa, w.t(), out=out[:, r0:r1])
+    return out
+
+
+def linear(layer: Any, x: torch.Tensor, slot: int | None = None) -> torch.Tensor | None:
+    """``x @ W^T`` of the layer (of stacked ``slot``) on its form, or None (run ``scheme.apply``)."""
+    b = bound(layer)
+    if b is None or not native.native_ok(x):
+        return None
+    rows = _rows(x, b.k)
+    if rows == 0:
+        return None
+    if rows <= NATIVE_ROWS or b.mode == "fast":
+        y = native.gemm(native._as_f32_rows(x, b.k), [b.ptr(slot)], wround=b.wround)
+        return _out(y, x, b.n)
+    if not _many(b):
+        return None
+    x2 = native._as_f32_rows(x, b.k)
+    y = _dequant_mm(b, x2, slot, torch.empty(rows, b.n, dtype=torch.float32))
+    return _out(y, x, b.n)
+
+
+def fused(layers: Sequence[Any], x: torch.Tensor) -> torch.Tensor | None:
+    """Sibling projections of one input (q_a + kv_a, gate + up) side by side in one native call,
+    for few rows; None otherwise."""
+    bs = [bound(m) for m in layers]
+    if any(b is None for b in bs) or not native.native_ok(x):
+        return None
+    k = bs[0].k  # type: ignore[union-attr]
+    rows = _rows(x, k)
+    fast = all(b.mode == "fast" for b in bs)  # type: ignore[union-attr]
+    if rows == 0 or (rows > NATIVE_ROWS and not fast) or any(b.k != k for b in bs):  # type: ignore[union-attr]
+        return None
+    y = native.gemm(native._as_f32_rows(x, k), [b.ptr() for b in bs], wround=bs[0].wround)  # type: ignore[union-attr]
+    return _out(y, x, y.shape[-1])
+
+
+def grouped(layer: Any, x: torch.Tensor, groups: Sequence[tuple[int, int]],
+            siblings: Sequence[Any] = ()) -> torch.Tensor | None:
+    """Stacked experts: ``x`` [rows, K] in consecutive groups ``(slot, n)``, each through its slot;
+    with ``siblings`` (e.g. up beside gate) their outputs side by side. None: the scheme's path."""
+    layers = [layer, *siblings]
+    bs = [bound(m) for m in layers]
+    if any(b is None for b in bs) or not native.native_ok(x) or not groups:
+        return None
+    b0 = bs[0]
+    assert b0 is not None
+    most = max(n for _, n in groups)
+    if most <= NATIVE_ROWS or all(b.mode == "fast" for b in bs if b is not None):
+        mats, spec, start = [], [], 0
+        for slot, n in groups:
+            if not 0 <= slot < len(b0.mats):
+                raise QuantplugError(f"{b0.where}: expert slot {slot} outside the stack of {len(b0.mats)}")
+            col = 0
+            for b in bs:
+                assert b is not None
+                mats.append(b.ptr(slot))
+                spec.append((start, n, start, col))
+                col += b.n
+            start += n
+        y = native.gemm(native._as_f32_rows(x, b0.k), mats, spec, out_rows=x.shape[0], wround=b0.wround)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+    if not all(_many(b) for b in bs if b is not None):
+        return None
+    x2 = native._as_f32_rows(x, b0.k)
+    width = sum(b.n for b in bs if b is not None)
+    out = torch.empty(x2.shape[0], width, dtype=torch.float32)
+    start = 0
+    for slot, n in groups:
+        col = 0
+        for b in bs:
+            assert b is not None
+            _dequant_mm(b, x2[start:start + n], slot, out[start:start + n, col:col + b.n])
+            col += b.n
+        start += n
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def stacked_all(layer: Any, x: torch.Tensor) -> torch.Tensor | None:
+    """Per-head stacks (split MLA K/V): x [.., n, T, K] -> [.., n, T, N], slot i on x[.., i, :, :],
+    for one sequence of few tokens in one native call; None otherwise."""
+    b = bound(layer)
+    if b is None or not native.native_ok(x):
+        return None
+    nh, t, k = x.shape[-3], x.shape[-2], x.shape[-1]
+    if x.numel() != nh * t * k or t > NATIVE_ROWS or nh != len(b.mats):
+        return None
+    x2 = native._as_f32_rows(x.reshape(nh * t, k), k)
+    y = native.gemm(x2, [b.ptr(h) for h in range(nh)], [(h * t, t, h * t, 0) for h in range(nh)],
+                    out_rows=nh * t, wround=b.wround)
+    return (y if x.dtype == torch.float32 else y.to(x.dtype)).view(*x.shape[:-1], b.n)
+
+
+def _same_act(bs: Sequence[Bound]) -> bool:
+    """Whether the matrices quantize their input identically (static scales included)."""
+    first = bs[0].mats[0].act
+    key = (first.kind, first.group, first.ue8m0, first.epi, first.scale, first.offset, first.floor)
+    for b in bs:
+        if b.mode != bs[0].mode and (b.mode == "fast") != (bs[0].mode == "fast"):
+            return False
+        for m in b.mats:
+            a = m.act
+            if (a.kind, a.group, a.ue8m0, a.epi, a.scale, a.offset, a.floor) != key:
+                return False
+    return True
+
+
+class MLPStep:
+    """A gated MLP ``down(silu(gate(x)) * up(x))`` for few rows in one native call: a dense MLP or
+    shared experts (``f(x)``, x [M, H]), or routed experts (``f(x, pairs)``: ``pairs`` = (row,
+    slot, weight) sorted by slot; row r's output is the sum over its pairs, in order, of
+    ``weight * mlp_slot(x[r])``). ``reduce``: the all-reduce of a split MLP's partial output."""
+
+    def __init__(self, layers: Sequence[Any], gate: Bound, up: Bound, down: Bound, stacked: bool,
+                 reduce: Any = None) -> None:
+        self.layers = list(layers)
+        self.gate, self.up, self.down, self.stacked, self.reduce = gate, up, down, stacked, reduce
+        self.h, self.i = gate.k, gate.n
+
+    def live(self) -> bool:
+        """The library is loaded and the layers still hold the tensors bound at load."""
+        return native.library() is not None and all(
+            bound(m) is b for m, b in zip(self.layers, (self.gate, self.up, self.down)))
+
+    @staticmethod
+    def build(gate: Any, up: Any, down: Any, stacked: bool, reduce: Any = None) -> MLPStep | None:
+        bs = [bound(m) for m in (gate, up, down)]
+        if any(b is None for b in bs):
+            return None
+        g, u, d = bs
+        assert g is not None and u is not None and d is not None
+        if not (g.k == u.k == d.n and g.n == u.n == d.k) or len({g.wround, u.wround, d.wround}) != 1:
+            return None
+        if not (_same_act([g, u]) and _same_act([d])):
+            return None  # e.g. per-layer static input scales: the separate products handle them
+        return MLPStep((gate, up, down), g, u, d, stacked, reduce)
+
+    def __call__(self, x: torch.Tensor, pairs: Sequence[tuple[int, int, float]] | None = None) -> torch.Tensor | None:
+        """The step's output, or None when it cannot run now (see :meth:`live`; x off the CPU)."""
+        lib = native.library()
+        if lib is None or not native.native_ok(x) or not self.live():
+            return None
+        x2 = native._as_f32_rows(x, self.h)
+        m = x2.shape[0]
+        if pairs is None:
+            pairs = [(r, 0, 1.0) for r in range(m)]
+        if not pairs:
+            out = torch.zeros(m, self.h, dtype=torch.float32)
+        else:
+            import ctypes
+
+            p = len(pairs)
+            slots = sorted({s for _, s, _ in pairs})
+            index = {s: i for i, s in enumerate(slots)}
+            e = len(slots)
+            for s in slots:
+                if not 0 <= s < len(self.gate.mats):
+                    raise QuantplugError(f"{self.gate.where}: expert slot {s} outside the stack of {len(self.gate.mats)}")
+            mp = ctypes.POINTER(native.Mat) * e
+            out = torch.empty(m, self.h, dtype=torch.float32)
+            i32, f32 = ctypes.c_int32 * p, ctypes.c_float * p
+            rc = lib.qp_mlp(mp(*[self.gate.ptr(s) for s in slots]), mp(*[self.up.ptr(s) for s in slots]),
+                            mp(*[self.down.ptr(s) for s in slots]), e, m, x2.data_ptr(), x2.stride(0), p,
+                            i32(*[index[s] for _, s, _ in pairs]), i32(*[r for r, _, _ in pairs]),
+                            f32(*[w for _, _, w in pairs]), out.data_ptr(), out.stride(0), self.gate.wround)
+            native.check(rc, "mlp")
+        y = out if x.dtype == torch.float32 else out.to(x.dtype)
+        y = y.view(x.shape)
+        return self.reduce(y) if self.reduce is not None else y
+
+
+def deprecated_fuse(kind: str, scheme: Any) -> None:
+    warnings.warn(f"{type(scheme).__name__}.{kind} (contract 1.3) is deprecated: declare the weights' form "
+                  "(LinearScheme.form, contract 1.4) and the core runs the step; removed at contract 2.0",
+                  DeprecationWarning, stacklevel=3)
+
+
+class MLAStep:
+    """One absorbed MLA decode step for B sequences at one position, in two native calls around the
+    cache append (``qp_mla_pre`` / ``qp_mla_post``): q / latent projections, norms, rope, W_UK
+    absorption (dense ``kv_b`` rows or per-head ``k_b``), attention on the cached latent, W_UV,
+    the output gate, ``o_proj``; ``reduce`` all-reduces a head-split layer's partial output. The
+    latent is what the cache holds; when ``kv_b``'s form quantizes its input (DeepSeek fp8
+    act_quant), the cached rows are quantized the same way before attention, which is the
+    expanded form's arithmetic (kv_b applied to the quantized latent) reassociated."""
+
+    def __init__(self, spec: Any, keep: list[Any], nh: int, kv_lora: int, rope: int, v: int, hidden: int,
+                 gated: bool, reduce: Any) -> None:
+        self.spec, self.keep, self.nh, self.kv_lora, self.rope, self.v, self.h = spec, keep, nh, kv_lora, rope, v, hidden
+        self.gated, self.reduce = gated, reduce
+        self.wround = 0
+
+    @staticmethod
+    def build(*, q_a: Any, kv_a: Any, q_b: Any, kv_b: Any, k_b: Any, v_b: Any, o: Any, g: Any,
+              q_a_norm: Any, kv_a_norm: Any, nh: int, q_lora: int | None, kv_lora: int, rope: int, nope: int,
+              v: int, hidden: int, eps_q: float, eps_kv: float, scale: float, reduce: Any = None) -> MLAStep | None:
+        """From the layer's modules (``q_a`` None without q_lora, then ``q_b`` is ``q_proj``;
+        ``kv_b`` or ``k_b`` / ``v_b``; ``g`` None without the output gate); None when any of them
+        has no native binding or the pieces disagree."""
+        import ctypes
+
+        mods = {"kv_a": kv_a, "q_b": q_b, "o": o}
+        if q_a is not None:
+            mods["q_a"] = q_a
+        if g is not None:
+            mods["g"] = g
+        if kv_b is not None:
+            mods["kv_b"] = kv_b
+        else:
+            mods["k_b"], mods["v_b"] = k_b, v_b
+        bs = {k: bound(m) for k, m in mods.items()}
+        if any(b is None for b in bs.values()) or len({b.wround for b in bs.values() if b is not None}) != 1:
+            return None
+        norms = [q_a_norm.weight if q_a is not None else kv_a_norm.weight, kv_a_norm.weight]
+        if any(n.dtype not in (torch.float32, torch.bfloat16) or n.dtype != norms[1].dtype or not n.is_contiguous()
+               or n.device.type != "cpu" for n in norms):
+            return None
+        st = native.MLA(H=hidden, q_lora=q_lora or 0, kv_lora=kv_lora, rope=rope, nope=nope, v=v, nh=nh,
+                        eps_q=eps_q, eps_kv=eps_kv, scale=scale, norm_bf16=int(norms[1].dtype == torch.bfloat16),
+                        kv_dense=int(kv_b is not None))
+        keep: list[Any] = [bs, norms, mods]
+        st.kv_a, st.q_b, st.o = bs["kv_a"].ptr(), bs["q_b"].ptr(), bs["o"].ptr()  # type: ignore[union-attr]
+        if q_a is not None:
+            st.q_a = bs["q_a"].ptr()  # type: ignore[union-attr]
+        if g is not None:
+            st.g = bs["g"].ptr()  # type: ignore[union-attr]
+        if kv_b is not None:
+            st.kv_b = bs["kv_b"].ptr()  # type: ignore[union-attr]
+        else:
+            kb, vb = bs["k_b"], bs["v_b"]
+            assert kb is not None and vb is not None
+            if len(kb.mats) != nh or len(vb.mats) != nh:
+                return None
+            arr = ctypes.POINTER(native.Mat) * nh
+            ka, va = arr(*[kb.ptr(h) for h in range(nh)]), arr(*[vb.ptr(h) for h in range(nh)])
+            keep += [ka, va]
+            st.k_b = ctypes.cast(ka, ctypes.POINTER(ctypes.POINTER(native.Mat)))
+            st.v_b = ctypes.cast(va, ctypes.POINTER(ctypes.POINTER(native.Mat)))
+        st.q_a_norm, st.kv_a_norm = norms[0].data_ptr(), norms[1].data_ptr()
+        step = MLAStep(st, keep, nh, kv_lora, rope, v, hidden, g is not None, reduce)
+        step.wround = next(b.wround for b in bs.values() if b is not None)
+        # the C code's own check of the whole layer, once
+        lib = native.library()
+        if lib is None:
+            return None
+        probe = torch.zeros(1, hidden)
+        rot = torch.eye(rope).unsqueeze(0).contiguous()
+        qcat = torch.empty(1, nh, kv_lora + rope)
+        kvrow = torch.empty(1, kv_lora + rope)
+        gate = torch.empty(1, nh * v) if g is not None else None
+        if lib.qp_mla_pre(ctypes.byref(st), 1, probe.data_ptr(), rot.data_ptr(), qcat.data_ptr(), kvrow.data_ptr(),
+                          gate.data_ptr() if gate is not None else None, step.wround) != 0:
+            return None
+        return step
+
+    def __call__(self, x: torch.Tensor, rot: torch.Tensor, cache: Any) -> torch.Tensor | None:
+        """x [B, 1, hidden] (one position per sequence), ``rot`` [rope, rope] or [B, .., rope, rope]
+        (``roped = x @ rot``), ``cache`` the layer's ``LatentCache``: appends each sequence's latent
+        and key and returns the attention output after ``o_proj`` [B, 1, hidden]; None when the
+        inputs or the cache are of a kind the native step does not take."""
+        import ctypes
+
+        lib = native.library()
+        b = x.shape[0]
+        if lib is None or not native.native_ok(x) or x.numel() != b * self.h or b > NATIVE_ROWS:
+            return None
+        bs, _, mods = self.keep[0], self.keep[1], self.keep[2]
+        if any(bound(m) is not bs[k] for k, m in mods.items()):
+            return None  # a layer's tensors were replaced or moved since the step was built
+        if cache.latent.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        x2 = native._as_f32_rows(x, self.h)
+        r = rot.reshape(-1, self.rope, self.rope).to(torch.float32)
+        if r.shape[0] == 1 and b > 1:
+            r = r.expand(b, -1, -1)
+        r = r.contiguous()
+        if r.shape[0] != b:
+            return None
+        kl, rp, nh = self.kv_lora, self.rope, self.nh
+        qcat = torch.empty(b, nh, kl + rp)
+        kvrow = torch.empty(b, kl + rp)
+        gate = torch.empty(b, nh * self.v) if self.gated else None
+        ref = ctypes.byref(self.spec)
+        native.check(lib.qp_mla_pre(ref, b, x2.data_ptr(), r.data_ptr(), qcat.data_ptr(), kvrow.data_ptr(),
+                                    gate.data_ptr() if gate is not None else None, self.wround), "mla_pre")
+        dt = cache.latent.dtype
+        lat, kr = cache.append(kvrow[:, :kl].to(dt).view(b, 1, 1, kl), kvrow[:, kl:].to(dt).view(b, 1, 1, rp))
+        n = lat.shape[2]
+        out = torch.empty(b, self.h)
+        native.check(lib.qp_mla_post(ref, b, qcat.data_ptr(), lat.data_ptr(), lat.stride(2), lat.stride(0),
+                                     kr.data_ptr(), kr.stride(2), kr.stride(0), n, int(dt == torch.bfloat16),
+                                     gate.data_ptr() if gate is not None else None, out.data_ptr(), self.wround),
+                     "mla_post")
+        y = out.view(b, 1, self.h)
+        y = y if x.dtype == torch.float32 else y.to(x.dtype)
+        return self.reduce(y) if self.reduce is not None else y

@@ -1,0 +1,457 @@
+"""The core's native kernels (``quantplug/kernels/qp_kernels.c``) on every weight form.
+
+* the form table is the C file's (``qp_form_info``) and gguf-py's (ggml rows);
+* decoding: ggml blocks bit for bit against gguf-py, the scaled forms (INT4 / INT8 / FP8 / FP4,
+  every scale encoding and granularity, zero points, global scales) bit for bit against the form's
+  torch definition, in float32 and rounded to bfloat16 / float16;
+* activation quantization bit for bit against the backends' torch emulations (DeepSeek
+  act_quant, compressed-tensors fp8 / int8, ModelSlim per-token int8) and the integer W8A8
+  epilogues against ``torch._int_mm``;
+* products in both modes against float64 references, every grouping the model uses, thread
+  count invariance, refusals, non-finite inputs;
+* the AVX2 and portable builds; the build cache's ownership, symlink, empty-file and lock rules;
+  no compiler = torch paths and a reason.
+Skipped with the build's reason where this machine has no C compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize as gguf_dequantize
+from quantplug.errors import QuantplugError
+from quantplug.kernels import ggml, native
+from quantplug.kernels.forms import FORMS, ActQuant, Form, Weights, reference_dequantize
+from quantplug.kernels.native import Bound
+from quantplug_expert_pack.testing import random_blocks, random_rows
+
+needs_native = pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.status()}")
+GGML = sorted(ggml.NATIVE_TYPES)
+
+
+def bound(form: Form, w: torch.Tensor, n: int, k: int, dtype: torch.dtype = torch.float32, mode: str = "exact",
+          slots: int | None = None, **tensors) -> Bound:
+    return Bound(Weights(form, w, **tensors), n, k, slots, dtype, mode, "test")
+
+
+def ggml_rows(ggml_type: str, n: int, k: int, seed: int) -> torch.Tensor:
+    return torch.from_numpy(random_rows(ggml_type, (n, k), np.random.default_rng(seed), scale=1e-2))
+
+
+def f64_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """float32 rounding allowance of x @ dense.T: a few ulps of the sum of |products|."""
+    return 1e-6 * (x.double().abs() @ dense.double().abs().t()) + 1e-30
+
+
+# -- the shared table ------------------------------------------------------------------------------
+
+@needs_native
+def test_form_table_is_the_c_files_and_gguf_pys():
+    lib = native.library()
+    for name, (fid, elems, size) in FORMS.items():
+        e, b = ctypes.c_int64(), ctypes.c_int64()
+        assert lib.qp_form_info(fid, ctypes.byref(e), ctypes.byref(b)) == 1, name
+        assert (e.value, b.value) == (elems, size), name
+        if fid < 100:  # ggml ids and sizes are gguf-py's
+            t = GGMLQuantizationType[name]
+            assert int(t) == fid and GGML_QUANT_SIZES[t] == (elems, size), name
+    assert lib.qp_form_info(9999, None, None) == 0
+
+
+# -- decoding ---------------------------------------------------------------------------------------
+
+@needs_native
+@pytest.mark.parametrize("ggml_type", GGML)
+def test_ggml_blocks_decode_bit_exact_with_gguf_py(ggml_type):
+    rng = np.random.default_rng(zlib.crc32(ggml_type.encode()))
+    blocks = random_blocks(ggml_type, 4096, rng, 1.0).reshape(64, -1)
+    ref = gguf_dequantize(blocks, GGMLQuantizationType[ggml_type])
+    got = ggml.dequantize(torch.from_numpy(blocks), ggml_type)            # the native path
+    np.testing.assert_array_equal(got.numpy().view(np.uint32), np.ascontiguousarray(ref).view(np.uint32))
+    # every f16 scale bit pattern (subnormals, inf, nan) agrees with the torch kernel's
+    size = FORMS[ggml_type][2]
+    raw = np.random.default_rng(1).integers(0, 256, (1 << 16, size), dtype=np.uint8)
+    if ggml_type != "MXFP4":
+        off = {"Q2_K": 80, "Q3_K": 108, "Q6_K": 208}.get(ggml_type, 0)
+        raw[:, off:off + 2] = np.arange(1 << 16, dtype=np.uint16).view(np.uint8).reshape(-1, 2)
+    t = torch.from_numpy(raw)
+    fast = ggml.dequantize(t, ggml_type)
+    with native.disabled():
+        slow = ggml.dequantize(t, ggml_type)
+    torch.testing.assert_close(fast, slow, rtol=0, atol=0, equal_nan=True)
+
+
+def _scaled_cases(n: int, k: int) -> dict[str, tuple[Form, torch.Tensor, dict]]:
+    g = torch.Generator().manual_seed(0)
+    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), dtype=torch.int32, generator=g)
+    i8 = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    f8 = (torch.randn(n, k, generator=g) * 3).to(torch.float8_e4m3fn)
+    f8.view(torch.uint8)[0, :4] = torch.tensor([0x7F, 0xFF, 0x00, 0x80], dtype=torch.uint8)  # NaN, -NaN, 0, -0
+    f8.view(torch.uint8)[1, :2] = torch.tensor([0x01, 0x87], dtype=torch.uint8)                # subnormals
+    fp4 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    r = lambda *s: torch.rand(*s, generator=g) * 1e-2 + 1e-3  # noqa: E731
+    return {
+        "int4 g32 bf16": (Form("INT4", scale="BF16", group=32), words, {"scale": r(n, k // 32).to(torch.bfloat16)}),
+        "int4 g64 zero": (Form("INT4", group=64, zero=True), words,
+                          {"scale": r(n, k // 64), "zero": torch.randn(n, k // 64, generator=g)}),
+        "int4 channel f16": (Form("INT4", scale="F16"), words, {"scale": r(n, 1).half()}),
+        "int4 tensor": (Form("INT4", rows=0), words, {"scale": r(1)}),
+        "int8 channel": (Form("INT8"), i8, {"scale": r(n, 1)}),
+        "int8 g128 zero": (Form("INT8", group=128, zero=True), i8,
+                           {"scale": r(n, k // 128), "zero": torch.randn(n, k // 128, generator=g)}),
+        "fp8 block": (Form("FP8", group=128, rows=128), f8, {"scale": r(-(-n // 128), k // 128)}),
+        "fp8 block bf16": (Form("FP8", scale="BF16", group=128, rows=128), f8,
+                           {"scale": r(-(-n // 128), k // 128).to(torch.bfloat16)}),
+        "fp8 channel": (Form("FP8"), f8, {"scale": r(n, 1)}),
+        "fp8 tensor": (Form("FP8", rows=0), f8, {"scale": r(1)}),
+        "fp4 e8m0 g32": (Form("FP4", scale="E8M0", group=32), fp4,
+                         {"scale": torch.randint(110, 135, (n, k // 32), dtype=torch.uint8, generator=g)}),
+        "fp4 e4m3 g16 global": (Form("FP4", scale="E4M3", group=16, global_scale=True), fp4,
+                                {"scale": (torch.rand(n, k // 16, generator=g) * 400).to(torch.float8_e4m3fn),
+                                 "global_scale": torch.tensor([3e-4])}),
+    }
+
+
+SCALED = list(_scaled_cases(4, 256))
+
+
+@needs_native
+@pytest.mark.parametrize("case", SCALED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_scaled_forms_decode_to_their_definition_bit_for_bit(case, dtype):
+    n, k = 136, 512  # a partial last 128-row block
+    form, w, tensors = _scaled_cases(n, k)[case]
+    b = bound(form, w, n, k, dtype, **tensors)
+    ref = reference_dequantize(b.weights, n, k, dtype=dtype).float()
+    got = native.dequant(b.ptr(), 0, n, torch.empty(n, k), b.wround)
+    assert torch.equal(got.isnan(), ref.isnan())
+    assert torch.equal(got[~got.isnan()].view(torch.int32), ref[~ref.isnan()].view(torch.int32))
+
+
+@needs_native
+@pytest.mark.parametrize("case", SCALED)
+@pytest.mark.parametrize("m", [1, 3, 5, 17])
+def test_scaled_forms_multiply_within_float32_rounding(case, m):
+    n, k = 70, 256
+    form, w, tensors = _scaled_cases(n, k)[case]
+    b = bound(form, w, n, k, **tensors)
+    dense = reference_dequantize(b.weights, n, k).nan_to_num()
+    if form.dtype == "FP8":
+        w.view(torch.uint8)[:1, :2] = 0  # no NaN codes for this check
+        b = bound(form, w, n, k, **tensors)
+        dense = reference_dequantize(b.weights, n, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    y = native.gemm(x, [b.ptr()])
+    assert ((y.double() - x.double() @ dense.double().t()).abs() <= f64_bound(x, dense)).all()
+
+
+@needs_native
+@pytest.mark.parametrize("ggml_type", GGML)
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 9])
+def test_ggml_products_both_modes_against_float64_references(ggml_type, m):
+    n = 70                                           # rows not a multiple of the 4-row tile
+    k = 160 if FORMS[ggml_type][1] == 32 else 512    # 5 blocks / 2 super-blocks
+    w = ggml_rows(ggml_type, n, k, m)
+    dense = ggml.dequantize(w, ggml_type).double()
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    ref = x.double() @ dense.t()
+    exact = native.gemm(x, [bound(Form(ggml_type), w, n, k).ptr()])
+    assert ((exact.double() - ref).abs() <= f64_bound(x, dense)).all()
+    fast = native.gemm(x, [bound(Form(ggml_type), w, n, k, mode="fast").ptr()])
+    if ggml_type not in native.FAST_FORMS:              # no int8-block form: the exact path
+        assert torch.equal(fast, exact)
+        return
+    # fast: per block the integer dot of the codes times d_w * d_x (llama.cpp's int8 activation
+    # blocks, d = amax / 127, codes round half to even): the exact weights against those values
+    blocks = x.reshape(m, -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    xq = (torch.round(blocks * torch.where(d != 0, 1 / d, torch.zeros_like(d))) * d).reshape(m, k)
+    assert ((fast.double() - xq.double() @ dense.t()).abs() <= f64_bound(xq, dense)).all()
+    assert 0 < (fast.double() - ref).norm() / ref.norm() < 2e-2
+
+
+# -- activations ------------------------------------------------------------------------------------
+
+def _acts(act: ActQuant, x: torch.Tensor, int8: bool = False, **kw) -> torch.Tensor:
+    n, k = 8, x.shape[-1]
+    if int8:
+        b = bound(Form("INT8", act=act), torch.zeros(n, k, dtype=torch.int8), n, k,
+                  scale=torch.ones(n, 1), **kw)
+    else:
+        b = bound(Form("FP8", group=128, rows=128, act=act), torch.zeros(n, k, dtype=torch.float8_e4m3fn), n, k,
+                  scale=torch.ones(1, k // 128), **kw)
+    return native.act_rows(b.ptr(), x)
+
+
+def _activations() -> torch.Tensor:
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(0)) * torch.logspace(-4, 2, 6).unsqueeze(1)
+    x[2, 128:256] = 0                                   # an all-zero group
+    x[3, :128] = torch.linspace(-1, 1, 128) * 1e-6      # a group below DeepSeek's amax floor
+    return x
+
+
+@needs_native
+def test_fp8_activation_quantization_equals_the_backends_torch_emulations():
+    from quantplug_compressed_tensors.kernels import fp8_quant
+    from quantplug_fp8.kernels import act_quant
+
+    x = _activations()
+    for ue8m0 in (False, True):
+        got = _acts(ActQuant("fp8", group=128, ue8m0=ue8m0, floor=1e-4), x)
+        assert torch.equal(got, act_quant(x, 128, "ue8m0" if ue8m0 else None)), ue8m0
+    assert torch.equal(_acts(ActQuant("fp8"), x), fp8_quant(x, None))
+    assert torch.equal(_acts(ActQuant("fp8", group=128), x), fp8_quant(x, 128))
+    s = torch.tensor([0.05])
+    assert torch.equal(_acts(ActQuant("fp8_static"), x, input_scale=s), fp8_quant(x, None, s))
+
+
+@needs_native
+def test_int8_activation_quantization_equals_the_backends_torch_emulations():
+    from quantplug_compressed_tensors.kernels import int8_quant
+    from quantplug_modelslim.schemes import dynamic_quant
+
+    x = _activations()
+    got = _acts(ActQuant("int8_sym"), x, int8=True)
+    assert torch.equal(got, int8_quant(x))
+    q, s, o = dynamic_quant(x, "ascend")
+    assert torch.equal(got, (q - o) * s)
+    q, s, o = dynamic_quant(x, "msmodelslim")
+    assert torch.equal(_acts(ActQuant("int8_asym"), x, int8=True), (q - o) * s)
+    si, oi = torch.tensor([0.02]), torch.tensor([3.0])
+    q = torch.clamp(torch.round(x / si + oi), -128, 127)
+    got = _acts(ActQuant("int8_static"), x, int8=True, input_scale=si, input_offset=oi)
+    assert torch.equal(got, (q - oi) * si)
+
+
+@needs_native
+def test_integer_w8a8_epilogues_equal_int_mm():
+    g = torch.Generator().manual_seed(2)
+    n, k = 40, 320                                      # k: five 64-byte VNNI steps
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    w[0] = -128                                         # the extremes of both operands
+    x = _activations()[:, :k] * 3
+    x[0, :] = 1e3
+    ws = torch.rand(n, 1, generator=g) * 1e-2
+    # static (ModelSlim W8A8): q = clamp(round(x / s + o)); (q . w + bias) * deq
+    si, oi = torch.tensor([0.01]), torch.tensor([-5.0])
+    bias = torch.randint(-1000, 1000, (n,), dtype=torch.int32, generator=g)
+    deq = torch.rand(n, generator=g) * 1e-4
+    b = bound(Form("INT8", act=ActQuant("int8_static", integer="static")), w, n, k, scale=ws, bias=bias,
+              output_scale=deq, input_scale=si, input_offset=oi)
+    q = torch.clamp(torch.round(x / si + oi), -128, 127).to(torch.int8)
+    want = (torch._int_mm(q, w.t()) + bias).to(torch.float32) * deq
+    assert torch.equal(native.gemm(x, [b.ptr()]), want)
+    # dynamic (W8A8_DYNAMIC per channel): ((q . w - o * rowsum) * s) * ws, both activation modes
+    from quantplug_modelslim.schemes import dynamic_quant
+
+    for kind, mode in (("int8_sym", "ascend"), ("int8_asym", "msmodelslim")):
+        b = bound(Form("INT8", act=ActQuant(kind, integer="dynamic")), w, n, k, scale=ws)
+        q, s, o = dynamic_quant(x, mode)
+        acc = torch._int_mm(q.to(torch.int8), w.t()) - o.to(torch.int32) * w.to(torch.int32).sum(-1)
+        assert torch.equal(native.gemm(x, [b.ptr()]), acc.to(torch.float32) * s * ws.view(-1)), kind
+
+
+# -- products: grouping, threads, refusals ------------------------------------------------------------
+
+@needs_native
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_groups_place_each_weights_rows_and_columns(mode):
+    k = 64
+    a, b = bound(Form("Q4_0"), ggml_rows("Q4_0", 20, k, 1), 20, k, mode=mode), \
+        bound(Form("Q4_0"), ggml_rows("Q4_0", 12, k, 2), 12, k, mode=mode)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(3))
+    one = lambda m, xs: native.gemm(xs, [m.ptr()])  # noqa: E731
+    side = native.gemm(x, [a.ptr(), b.ptr()])                                   # gate + up
+    assert torch.equal(side[:, :20], one(a, x)) and torch.equal(side[:, 20:], one(b, x))
+    # a: rows 1..3 of x into y rows 1..3; b: row 4 into y row 0, columns 20.. (rest zero)
+    y = native.gemm(x, [a.ptr(), b.ptr()], [(1, 3, 1, 0), (4, 1, 0, 20)], out_rows=4)
+    assert y.shape == (4, 32)
+    assert torch.equal(y[1:4, :20], one(a, x[1:4])) and torch.equal(y[0:1, 20:], one(b, x[4:5]))
+    assert not y[0, :20].any() and not y[1:, 20:].any()
+    # mixed forms in one call (a GGUF mixes types tensor by tensor)
+    c = bound(Form("Q8_0"), ggml_rows("Q8_0", 8, k, 3), 8, k)
+    mixed = native.gemm(x, [a.ptr(), c.ptr()])
+    assert torch.equal(mixed[:, 20:], one(c, x))
+
+
+@needs_native
+def test_threads_split_big_weights_without_changing_results():
+    w = ggml_rows("Q4_0", 4096, 512, 4)                                     # 1.2 MB: many parallel tasks
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(0))
+    before = torch.get_num_threads()
+    mats = [bound(Form("Q4_0"), w, 4096, 512, mode=m) for m in ("exact", "fast")]
+    try:
+        torch.set_num_threads(1)
+        one = [native.gemm(x, [m.ptr()]) for m in mats]
+        torch.set_num_threads(2)
+        two = [native.gemm(x, [m.ptr()]) for m in mats]
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))   # each output row is one task's work
+
+
+@needs_native
+def test_what_the_c_code_cannot_take_is_refused_before_it_reads():
+    b = bound(Form("Q8_0"), ggml_rows("Q8_0", 4, 64, 0), 4, 64)
+    x = torch.randn(3, 64)
+    for bad in ([(2, 2, 0, 0)], [(0, 1, 3, 0)], [(-1, 1, 0, 0)], [(0, 0, 0, 0)]):
+        with pytest.raises(QuantplugError, match="do not fit"):
+            native.gemm(x, [b.ptr()], bad, out_rows=3)
+    with pytest.raises(QuantplugError, match="refused"):
+        native.gemm(torch.randn(1, 32), [b.ptr()])                 # K disagrees with the weight
+    # a form whose tensors contradict the layer is named before anything runs
+    with pytest.raises(QuantplugError, match="scale"):
+        bound(Form("INT4", group=32), torch.zeros(4, 32, dtype=torch.uint8), 4, 64, scale=torch.ones(4, 3))
+    with pytest.raises(QuantplugError, match="bytes"):
+        bound(Form("Q4_0"), torch.zeros(4, 35, dtype=torch.uint8), 4, 64)
+    with pytest.raises(QuantplugError, match="bias and output_scale"):
+        bound(Form("INT8", act=ActQuant("int8_static", integer="static")), torch.zeros(4, 64, dtype=torch.int8), 4, 64,
+              scale=torch.ones(4, 1), input_scale=torch.ones(1))
+    with pytest.raises(QuantplugError, match="INT8"):
+        Form("INT4", act=ActQuant("int8_sym", integer="dynamic"))
+
+
+@needs_native
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_non_finite_activations_give_nan_not_finite_garbage(mode):
+    b = bound(Form("Q4_0"), ggml_rows("Q4_0", 8, 64, 0), 8, 64, mode=mode)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
+    x[0, 5] = float("nan")
+    x[1, 40] = float("inf")
+    y = native.gemm(x, [b.ptr()])
+    assert not torch.isfinite(y).any()          # the torch path: NaN (and inf * 0 = NaN) in every row
+    fp8 = bound(Form("FP8", act=ActQuant("fp8", group=32, floor=1e-4)), torch.ones(8, 64, dtype=torch.float8_e4m3fn),
+                8, 64, scale=torch.ones(8, 1))
+    y = native.gemm(x, [fp8.ptr()])
+    assert y[0].isnan().all() and not torch.isfinite(y[1]).any()
+
+
+# -- builds -------------------------------------------------------------------------------------------
+
+@needs_native
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 -march levels")
+@pytest.mark.parametrize(("march", "isa"), [("x86-64-v3", 2), ("x86-64", 0)])
+def test_avx2_and_portable_builds_compute_the_same(monkeypatch, tmp_path, march, isa):
+    """The C file's other SIMD paths (AVX2 without AVX512, portable C), built for older x86 levels
+    and run here, pass the same checks."""
+    monkeypatch.setenv("QUANTPLUG_NATIVE_MARCH", march)
+    monkeypatch.setenv("QUANTPLUG_CACHE", str(tmp_path))
+    lib = native._build()
+    assert lib.qp_isa() == isa
+    monkeypatch.setattr(native, "_lib", lib)
+    monkeypatch.setattr(native, "_tried", True)
+    for ggml_type in GGML:
+        test_ggml_products_both_modes_against_float64_references(ggml_type, 5)
+    test_ggml_blocks_decode_bit_exact_with_gguf_py("Q4_K")
+    for case in SCALED:
+        test_scaled_forms_decode_to_their_definition_bit_for_bit(case, torch.bfloat16)
+        test_scaled_forms_multiply_within_float32_rounding(case, 3)
+    for mode in ("exact", "fast"):
+        test_groups_place_each_weights_rows_and_columns(mode)
+    test_fp8_activation_quantization_equals_the_backends_torch_emulations()
+    test_integer_w8a8_epilogues_equal_int_mm()
+
+
+def test_no_compiler_means_torch_paths_and_a_reason(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.delenv("QUANTPLUG_NATIVE", raising=False)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("QUANTPLUG_CACHE", str(tmp_path))
+    assert native.library() is None and "no C compiler" in native.status() and "torch paths" in native.status()
+    w = ggml_rows("Q4_0", 8, 64, 0)
+    x = torch.randn(1, 64)
+    torch.testing.assert_close(ggml.linear(x, w, "Q4_0", torch.float32), x @ ggml.dequantize(w, "Q4_0").t())
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setenv("QUANTPLUG_NATIVE", "0")
+    assert native.library() is None and "disabled" in native.status()
+
+
+def _fresh(monkeypatch, cache: Path) -> None:
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.delenv("QUANTPLUG_NATIVE", raising=False)
+    monkeypatch.setenv("QUANTPLUG_CACHE", str(cache))
+
+
+@needs_native
+def test_a_failed_build_is_reported_not_raised(monkeypatch, tmp_path):
+    bad = tmp_path / "bad.c"
+    bad.write_text("this is not C\n")
+    monkeypatch.setattr(native, "SOURCE", bad)
+    _fresh(monkeypatch, tmp_path / "cache")
+    assert native.library() is None and "failed" in native.status()
+    assert not list((tmp_path / "cache" / "kernels").glob("*.so"))   # no half-written library left
+
+
+@needs_native
+def test_the_kernel_cache_is_private_and_checked_before_loading(monkeypatch, tmp_path):
+    _fresh(monkeypatch, tmp_path / "a")
+    assert native.library() is not None
+    d = tmp_path / "a" / "kernels"
+    assert (os.stat(d).st_mode & 0o777) == 0o700
+    (built,) = d.glob("qp_kernels-*.so")
+    assert built.stat().st_uid == os.getuid() and not built.stat().st_mode & 0o022
+    key = built.name  # each case below plants a file at this key in a cache of its own (the file
+    # this process has loaded is never touched: truncating a mapped library would crash it)
+
+    def planted(name: str) -> Path:
+        p = tmp_path / name / "kernels"
+        p.mkdir(parents=True, mode=0o700)
+        return p / key
+
+    # an empty cached file (a crash mid-write elsewhere, a full disk) is rebuilt, not a dead end
+    planted("empty").write_bytes(b"")
+    _fresh(monkeypatch, tmp_path / "empty")
+    assert native.library() is not None and (tmp_path / "empty" / "kernels" / key).stat().st_size > 0
+    # a library missing a symbol (a stale or foreign build at the key) is rebuilt
+    other = tmp_path / "other.c"
+    other.write_text("int qp_isa(void) { return 0; }\n")
+    foreign = planted("foreign")
+    subprocess.run(["cc", "-shared", "-fPIC", str(other), "-o", str(foreign)], check=True)
+    os.chmod(foreign, 0o700)
+    _fresh(monkeypatch, tmp_path / "foreign")
+    assert native.library() is not None and hasattr(native.library(), "qp_mla_post")
+    # a symlink planted at the key is never loaded
+    target = tmp_path / "target.so"
+    subprocess.run(["cc", "-shared", "-fPIC", str(other), "-o", str(target)], check=True)
+    planted("link").symlink_to(target)
+    _fresh(monkeypatch, tmp_path / "link")
+    assert native.library() is None and "symlink" in native.status()
+    # a library others can write is refused, and so is a cache directory others can write
+    group = planted("group")
+    subprocess.run(["cc", "-shared", "-fPIC", str(other), "-o", str(group)], check=True)
+    os.chmod(group, 0o777)
+    _fresh(monkeypatch, tmp_path / "group")
+    assert native.library() is None and "private" in native.status()
+    (tmp_path / "open" / "kernels").mkdir(parents=True)
+    os.chmod(tmp_path / "open" / "kernels", 0o777)
+    _fresh(monkeypatch, tmp_path / "open")
+    assert native.library() is None and "writable by group or others" in native.status()
+
+
+@needs_native
+def test_concurrent_first_builds_compile_once(tmp_path):
+    """Two processes building into an empty cache at once: the lock makes the second wait and load
+    the first one's library (one compiler run: one .so, no stray temporaries)."""
+    code = ("import time, quantplug.kernels.native as n; t = time.time(); assert n.library() is not None, n.status(); "
+            "print(n.status())")
+    env = dict(os.environ, QUANTPLUG_CACHE=str(tmp_path))
+    env.pop("QUANTPLUG_NATIVE", None)
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    files = sorted(x.name for x in (tmp_path / "kernels").iterdir())
+    assert len([f for f in files if f.endswith(".so")]) == 1, files

@@ -1,0 +1,193 @@
+"""The core model on the native kernels: whole models per bundled format, the one-token MLP /
+routed-expert / MLA steps against the model's own composition, bfloat16 and batched decode.
+
+Exact mode is the torch path up to the order of float32 sums (logits within 1e-5 relative on
+the vendor fixtures); fast mode stays within its documented bound.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import quantplug
+import torch
+from quantplug.generate import new_cache
+from quantplug.kernels import native
+from quantplug.kernels.compute import MLAStep, MLPStep
+from quantplug.models.config import parse_model_config
+from quantplug.testing import random_state, tiny_config
+from quantplug_expert_pack.export import gguf_state, write_gguf
+from quantplug_expert_pack.testing import random_rows
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from conftest import VENDOR, rel_err  # noqa: E402
+
+needs_native = pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.status()}")
+
+# widths in whole 32-blocks everywhere, so that every projection, K/V stack included, runs natively
+CFG32 = tiny_config(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, n_routed_experts=16,
+                    num_experts_per_tok=4, n_group=4, topk_group=2, vocab_size=256, num_attention_heads=4,
+                    num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32,
+                    v_head_dim=32)
+# K-quant rows need inputs in whole super-blocks of 256
+CFGK = tiny_config(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, n_routed_experts=8,
+                   num_experts_per_tok=2, n_group=2, topk_group=1, vocab_size=256, num_attention_heads=4,
+                   num_key_value_heads=4, q_lora_rank=256, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32,
+                   v_head_dim=64)
+#: a llama-quantize Q4_K_M-like mix with the routed experts' gate / up in Q2_K / Q3_K
+K_MIX = {"ffn_down": "Q6_K", "ffn_down_exps": "Q6_K", "ffn_down_shexp": "Q6_K", "attn_output": "Q5_K",
+         "ffn_gate_exps": "Q2_K", "ffn_up_exps": "Q3_K"}
+K_SCALE = {"Q4_K": 2e-5, "Q5_K": 2e-5, "Q6_K": 5e-6, "Q2_K": 4e-4, "Q3_K": 1e-4}
+
+
+def write_k_mix(root: Path) -> Path:
+    mc = parse_model_config(CFGK, "DeepseekV3ForCausalLM", False)
+    state = gguf_state(random_state(CFGK), mc)
+    rng = np.random.default_rng(7)
+    raw = {}
+    for name in list(state):
+        t = state[name]
+        base = name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0]
+        if t.dim() >= 2 and t.shape[-1] % 256 == 0 and base not in ("token_embd", "output", "ffn_gate_inp"):
+            ggml_type = K_MIX.get(base, "Q4_K")
+            raw[name] = (random_rows(ggml_type, tuple(t.shape), rng, scale=K_SCALE[ggml_type]), ggml_type)
+            del state[name]
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(CFGK))
+    write_gguf(root / "model.gguf", state, mc, default_type="Q8_0", vocab=256, raw=raw)
+    return root
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    mc = parse_model_config(CFG32, "DeepseekV3ForCausalLM", False)
+    out = {}
+    for t in ("Q4_0", "Q8_0", "Q5_1"):
+        root = tmp_path_factory.mktemp(f"w32-{t}")
+        (root / "config.json").write_text(json.dumps(CFG32))
+        write_gguf(root / "model.gguf", gguf_state(random_state(CFG32), mc), mc, default_type=t, vocab=256)
+        out[t] = root
+    out["K-mix"] = write_k_mix(tmp_path_factory.mktemp("k-mix"))
+    return out
+
+
+def decode(model: torch.nn.Module, batch: int = 1, steps: int = 6, prompt: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of a prompt then ``steps`` one-token steps, and the cached latents."""
+    ids = torch.randint(0, 256, (batch, prompt + steps), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        cache = new_cache(model, batch, 32)
+        logits = [model.next_logits(ids[:, :prompt], cache)]
+        for t in range(prompt, prompt + steps):
+            logits.append(model.next_logits(ids[:, t:t + 1], cache))
+    return torch.stack(logits).float(), torch.cat([c.latent[:, :, :cache.length] for c in cache.layers]).float()
+
+
+def composed(model: torch.nn.Module) -> None:
+    """Switch off every one-call step: the model composes its layers' products."""
+    for mod in model.modules():
+        for attr in ("step", "one"):
+            if getattr(mod, attr, None) is not None:
+                setattr(mod, attr, None)
+
+
+@needs_native
+@pytest.mark.parametrize("ckpt", ["Q4_0", "Q8_0", "Q5_1", "K-mix"])
+@pytest.mark.parametrize("kernels", ["exact", "fast"])
+def test_gguf_decode_natively_equals_the_torch_path_and_the_composed_steps(ckpts, ckpt, kernels):
+    model = quantplug.load(ckpts[ckpt], progress=False, options={"kernels": kernels})
+    layers = model.model.layers
+    assert all(isinstance(layer.self_attn.step, MLAStep) for layer in layers)
+    assert isinstance(layers[0].mlp.step, MLPStep) and isinstance(layers[1].mlp.experts.step, MLPStep)
+    assert isinstance(layers[1].mlp.shared_experts.step, MLPStep)
+    got, latent = decode(model)
+    composed(model)
+    ref, ref_latent = decode(model)
+    torch.testing.assert_close(latent, ref_latent, rtol=1e-4, atol=1e-5)
+    exact = kernels == "exact" or ckpt == "Q5_1"   # Q5_1 has no fast form (K-mix keeps some Q8_0 layers)
+    tol = 1e-5 if exact else 5e-3  # fast: an activation's int8 rounding may flip at a tie
+    assert rel_err(got, ref) < tol
+    with native.disabled():
+        torch_path, _ = decode(quantplug.load(ckpts[ckpt], progress=False))
+    err = rel_err(got, torch_path)
+    if exact:
+        assert err < 1e-5, err
+    else:
+        assert 0 < err <= 3e-2, err
+
+
+@needs_native
+@pytest.mark.parametrize("ckpt", ["Q8_0", "K-mix"])
+def test_bfloat16_decode_runs_natively_within_bfloat16_rounding(ckpts, ckpt):
+    bf16 = quantplug.load(ckpts[ckpt], progress=False, dtype=torch.bfloat16)
+    assert all(isinstance(layer.self_attn.step, MLAStep) for layer in bf16.model.layers)
+    got, _ = decode(bf16)
+    ref, _ = decode(quantplug.load(ckpts[ckpt], progress=False))
+    with native.disabled():
+        torch_bf16, _ = decode(bf16)
+    # bfloat16 everywhere (weights rounded as dequantize(...).to(bfloat16) rounds them): against the
+    # float32 model, both the native and torch bfloat16 paths are off by bfloat16's precision
+    assert rel_err(got, ref) < 2e-2 and rel_err(torch_bf16, ref) < 2e-2
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+@needs_native
+@pytest.mark.parametrize("kernels", ["exact", "fast"])
+def test_batched_decode_equals_each_sequence_alone(ckpts, kernels):
+    model = quantplug.load(ckpts["Q8_0"], progress=False, options={"kernels": kernels})
+    batch, _ = decode(model, batch=4)
+    for b in range(4):
+        ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(3))[b:b + 1]
+        with torch.inference_mode():
+            cache = new_cache(model, 1, 32)
+            alone = [model.next_logits(ids[:, :10], cache)] + [model.next_logits(ids[:, t:t + 1], cache)
+                                                               for t in range(10, 16)]
+        # exact: float32 summation order only; fast: the prompt's batched products round in another
+        # order and activations' int8 codes flip at ties, within fast mode's bound against exact
+        tol = 1e-5 if kernels == "exact" else 3e-2
+        assert rel_err(batch[:, b], torch.stack(alone)[:, 0].float()) <= tol
+
+
+@needs_native
+def test_steps_fall_back_when_the_library_or_the_tensors_go_away(ckpts):
+    model = quantplug.load(ckpts["Q8_0"], progress=False)
+    want, _ = decode(model)
+    with native.disabled():
+        got, _ = decode(model)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    # a layer whose weight is replaced after loading: the binding is dropped, never read stale
+    layer = model.model.layers[0].mlp.down_proj
+    layer.weight = torch.nn.Parameter(layer.weight.clone(), requires_grad=False)
+    again, _ = decode(model)
+    torch.testing.assert_close(again, want, rtol=1e-4, atol=1e-5)
+
+
+# -- the other bundled formats on their vendor fixtures ------------------------------------------------
+
+FIXTURES = ["ct_w4a16_experts_dsv3", "ct_fp8_block_dsv3", "quark_mxfp4_dsv3", "modelslim_w8a8_dsv3"]
+
+
+@needs_native
+@pytest.mark.parametrize("name", FIXTURES)
+def test_vendor_fixtures_natively_equal_the_torch_path(name):
+    """Exact mode on the native kernels = the torch exact path within 1e-5 (logits), whatever
+    the form: int4 groups with bf16 scales, FP8 blocks with bf16 scales and activation emulation,
+    MXFP4, int8 with static / per-token int8 activations on integers."""
+    from safetensors.torch import load_file
+
+    ids = load_file(str(VENDOR / f"{name}.reference.safetensors"))["input_ids"]
+    model = quantplug.load(VENDOR / name, progress=False)
+    assert sum(getattr(m, "qp_native", None) is not None for m in model.modules()) > 10
+    with torch.no_grad():
+        got = model(ids)
+    with native.disabled(), torch.no_grad():
+        ref = quantplug.load(VENDOR / name, progress=False)(ids)
+    assert rel_err(got, ref) < 1e-5
+    # and cached decode: the native steps against the composed path
+    steps, _ = decode(model, steps=4, prompt=6)
+    composed(model)
+    ref_steps, _ = decode(model, steps=4, prompt=6)
+    assert rel_err(steps, ref_steps) < 1e-4
