@@ -17,7 +17,7 @@ the rest MoE (default 2: one dense + one MoE, ~15.8 GB in FP8; each further MoE 
   stacked; config.json without quantization_config.
 
 What the values are: ``quantplug/testing/slice.py`` (module docstring). Free disk space is
-checked first (need + ``--reserve-gb``); the command refuses, naming the numbers, when it does
+checked first (need + ``--reserve-gb``, default 10% of the filesystem); the command refuses, naming the numbers, when it does
 not fit. No model is built in memory: tensors are generated in chunks of rows and written as
 they come; written pages are flushed and dropped from the page cache every GiB so a 40 GB write
 does not evict other processes' pages. The JSON summary on stdout gives bytes, seconds, GB/s
@@ -30,14 +30,25 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import shutil
 import sys
 import time
+from pathlib import Path
 
 from quantplug.testing.scale import DiskSpaceError, check_free_disk, slice_config
 from quantplug.testing.slice import WeightSource, fp8_plan, gguf_plan, write_fp8_checkpoint, write_gguf_q4_0
 
 GB = 1e9
 GIB = 1 << 30
+
+
+def default_reserve(out: str) -> int:
+    """10% of the filesystem holding ``out`` (at least 2 GiB): on a disk shared with other people
+    a slice must not take the last free space (a 62 GB write once left 6.5 GiB on a 252 GB disk)."""
+    p = Path(out).resolve()
+    while not p.exists():
+        p = p.parent
+    return max(2 * GIB, shutil.disk_usage(p).total // 10)
 
 
 def rss_mb() -> float:
@@ -59,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--std", type=float, default=0.02, help="standard deviation of the weights (default 0.02)")
     ap.add_argument("--shard-gb", type=float, default=4.3, help="fp8: target GB per safetensors shard")
-    ap.add_argument("--reserve-gb", type=float, default=2.0, help="free space to leave on the disk (GiB)")
+    ap.add_argument("--reserve-gb", type=float, default=None,
+                    help="free space to leave on the disk, GiB (default: 10%% of the filesystem, at least 2)")
     ap.add_argument("--dry-run", action="store_true", help="print the size and the disk check, write nothing")
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = ap.parse_args(argv)
@@ -73,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         need = sum(t.nbytes for t in gguf_plan(cfg, source))
         files = 1
-    reserve = int(args.reserve_gb * GIB)
+    reserve = int(args.reserve_gb * GIB) if args.reserve_gb is not None else default_reserve(args.out)
     moe = args.layers - 1
     print(f"{args.format}: {args.layers} layers (1 dense + {moe} MoE), {need / GB:.2f} GB ({need / GIB:.2f} GiB) "
           f"in {files} file(s) -> {args.out}", file=sys.stderr)
@@ -82,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     except DiskSpaceError as exc:
         print(f"refused: {exc}", file=sys.stderr)
         return 1
-    print(f"disk: {free / GIB:.1f} GiB free, {need / GIB:.2f} GiB needed + {args.reserve_gb:.1f} GiB reserve: ok",
+    print(f"disk: {free / GIB:.1f} GiB free, {need / GIB:.2f} GiB needed + {reserve / GIB:.1f} GiB reserve: ok",
           file=sys.stderr)
     if args.dry_run:
         print(json.dumps({"format": args.format, "layers": args.layers, "bytes": need, "files": files,
