@@ -91,14 +91,18 @@ def main(argv: list[str] | None = None) -> int:
           f"in {files} file(s) -> {args.out}", file=sys.stderr)
     try:
         free = check_free_disk(args.out, need, reserve)
+        refusal = ""
     except DiskSpaceError as exc:
+        free, refusal = -1, str(exc)
         print(f"refused: {exc}", file=sys.stderr)
+    if args.dry_run:
+        print(json.dumps({"format": args.format, "layers": args.layers, "bytes": need, "files": files,
+                          "reserve_bytes": reserve, "fits": not refusal, "dry_run": True}))
+    if refusal:
         return 1
     print(f"disk: {free / GIB:.1f} GiB free, {need / GIB:.2f} GiB needed + {reserve / GIB:.1f} GiB reserve: ok",
           file=sys.stderr)
     if args.dry_run:
-        print(json.dumps({"format": args.format, "layers": args.layers, "bytes": need, "files": files,
-                          "free_bytes": free, "dry_run": True}))
         return 0
 
     base_rss = rss_mb()

@@ -144,7 +144,7 @@ def test_plan_of_kimi_k2_header_only(tmp_path):
     assert p.backend == "fp8" and not p.problems
     assert p.model_config.n_routed_experts == 384 and p.model_config.num_attention_heads == 64
     assert sum(len(v) for v in p.skipped.values()) == 61  # rotary_emb.inv_freq, one per layer
-    cpu, wall, _ = _best_cpu_seconds(root, reps=2)
+    cpu, wall, _ = _best_cpu_seconds(root, reps=1)
     # 139,644 tensors (1.5x DeepSeek-V3's): the same budget per tensor
     assert cpu < PLAN_BUDGET_S * 1.5, f"plan of Kimi-K2's 61-shard index: {cpu:.2f} s CPU ({wall:.2f} s wall)"
 
@@ -202,10 +202,10 @@ def test_free_disk_check_names_the_numbers(tmp_path):
 
 def test_make_dsv3_slice_refuses_when_the_disk_is_too_small(tmp_path):
     script = ROOT / "bench" / "make_dsv3_slice.py"
-    ok = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "s"), "--dry-run"],
-                        capture_output=True, text=True, timeout=120)
-    assert ok.returncode == 0, ok.stderr
-    assert json.loads(ok.stdout)["bytes"] == 15_802_320_320  # 2 layers: 1 dense + 1 MoE
+    dry = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "s"), "--dry-run"],
+                         capture_output=True, text=True, timeout=120)
+    assert json.loads(dry.stdout)["bytes"] == 15_802_320_320, dry.stderr  # 2 layers: 1 dense + 1 MoE
+    assert dry.returncode == (0 if json.loads(dry.stdout)["fits"] else 1)
     bad = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "s"), "--layers", "4",
                           "--reserve-gb", "1000000"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1
