@@ -1,0 +1,423 @@
+"""DeepSeek-V3 / Kimi-K2 checkpoints at their real dimensions, for scale tests and benchmarks.
+
+Two kinds of input, both written without building a model in memory:
+
+* **Header-only checkpoints** (:func:`write_header_only`): the tensor inventory of the official
+  FP8 releases (names, dtypes, shapes; DeepSeek-V3's multi-token-prediction layer 61 included)
+  as safetensors shards whose headers are real and whose data is a hole: each file is extended
+  to its full size with ``os.truncate``, so a 689 GB DeepSeek-V3 takes a few MB of disk.
+  Planning reads headers only, so a plan of it behaves as on the real download; reading any
+  tensor returns zeros (and reads nothing from disk).
+* **Streamed checkpoints** (:class:`ShardWriter`, used by ``bench/make_dsv3_slice.py``): the
+  same layout with real bytes, written tensor by tensor into shards whose headers are computed
+  up front from the inventory, so peak memory is one chunk of one tensor.
+
+Inventory of the DeepSeek FP8 releases (``deepseek-ai/DeepSeek-V3`` / R1, Kimi-K2; FORMATS.md
+"DeepSeek-V3 / R1 native FP8"): every decoder-layer linear (``q_a_proj``, ``q_b_proj``,
+``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``, dense / shared / per-expert
+``gate_proj`` ``up_proj`` ``down_proj``) stores ``weight`` F8_E4M3 [out, in] and
+``weight_scale_inv`` F32 [ceil(out/128), ceil(in/128)]; embeddings, ``lm_head``, norms and the
+router ``mlp.gate.weight`` are BF16, the router's ``e_score_correction_bias`` F32 (DeepSeek's
+``inference/model.py`` creates it as float32 when dim == 7168). DeepSeek-V3's MTP layer
+(``model.layers.61``, ``num_nextn_predict_layers: 1``) is a full MoE decoder layer plus
+``embed_tokens``, ``enorm``, ``hnorm``, ``eh_proj`` [7168, 14336] and ``shared_head.{norm,head}``,
+all of these BF16 (engines build ``eh_proj`` as an unquantized linear). Kimi-K2 additionally
+stores ``self_attn.rotary_emb.inv_freq`` per layer.
+
+What is not the release's: the split of tensors over shards (DeepSeek-V3: filled in module order
+to 163 shards of equal bytes; the release's own shards vary between ~4.1 and ~4.9 GB; Kimi-K2:
+one decoder layer per shard, embeddings in the first, ``model.norm`` / ``lm_head`` in the last,
+as its release names them).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import re
+import shutil
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+__all__ = ["StoredTensor", "deepseek_v3_config", "kimi_k2_config", "slice_config", "release_tensors",
+           "shard_layout", "safetensors_header", "write_header_only", "ShardWriter", "check_free_disk",
+           "DiskSpaceError", "DEEPSEEK_V3_SHARDS", "KIMI_K2_SHARDS"]
+
+#: bytes per element of the safetensors dtypes used here
+ITEMSIZE = {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I8": 1, "I32": 4, "I64": 8}
+#: DeepSeek's FP8 weight block (``weight_block_size``)
+BLOCK = (128, 128)
+DEEPSEEK_V3_SHARDS = 163
+KIMI_K2_SHARDS = 61
+#: elements of Kimi-K2's stored ``rotary_emb.inv_freq`` (not qk_rope_head_dim / 2 = 32): the
+#: release's published inventory (139,644 tensors, 1,026,470,731,056 parameters) adds up only with 56
+KIMI_INV_FREQ_LEN = 56
+
+# The released config.json files, verbatim (deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct).
+_FP8_QUANT = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+_AUTO_MAP = {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+             "AutoModel": "modeling_deepseek.DeepseekV3Model",
+             "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
+_DEEPSEEK_V3: dict[str, Any] = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "auto_map": _AUTO_MAP, "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1,
+    "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02,
+    "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+    "model_type": "deepseek_v3", "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8,
+    "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "pretraining_tp": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "quantization_config": _FP8_QUANT, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
+}
+_KIMI_K2: dict[str, Any] = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "auto_map": _AUTO_MAP, "aux_loss_alpha": 0.001, "bos_token_id": 163584, "eos_token_id": 163585,
+    "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02,
+    "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 131072,
+    "model_type": "kimi_k2", "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 1,
+    "n_routed_experts": 384, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 64,
+    "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 64,
+    "num_nextn_predict_layers": 0, "pretraining_tp": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "quantization_config": _FP8_QUANT, "rms_norm_eps": 1e-06, "rope_theta": 50000.0,
+    "routed_scaling_factor": 2.827,
+    "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "scoring_func": "sigmoid", "seq_aux": True, "tie_word_embeddings": False, "topk_group": 1,
+    "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "transformers_version": "4.48.3", "use_cache": True,
+    "v_head_dim": 128, "vocab_size": 163840,
+}
+
+
+def deepseek_v3_config() -> dict[str, Any]:
+    """DeepSeek-V3's released config.json (61 layers, first 3 dense, 256 + 1 experts, FP8 [128, 128])."""
+    return copy.deepcopy(_DEEPSEEK_V3)
+
+
+def kimi_k2_config() -> dict[str, Any]:
+    """Kimi-K2-Instruct's released config.json (61 layers, first 1 dense, 384 + 1 experts, 64 heads)."""
+    return copy.deepcopy(_KIMI_K2)
+
+
+def slice_config(layers: int, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A DeepSeek-V3-dimension config cut to ``layers`` decoder layers: the first dense, the rest
+    MoE, no MTP layer (every other value as released)."""
+    if layers < 1:
+        raise ValueError(f"layers = {layers}: expected at least 1")
+    cfg = copy.deepcopy(dict(base) if base is not None else _DEEPSEEK_V3)
+    cfg.update(num_hidden_layers=layers, first_k_dense_replace=1, num_nextn_predict_layers=0)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# the tensor inventory
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor as the release stores it: name, safetensors dtype, shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @cached_property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @cached_property
+    def nbytes(self) -> int:
+        return self.numel * ITEMSIZE[self.dtype]
+
+    @cached_property
+    def layer(self) -> int | None:
+        m = re.match(r"^model\.layers\.(\d+)\.", self.name)
+        return int(m.group(1)) if m else None
+
+
+def _scale_shape(out: int, inp: int) -> tuple[int, int]:
+    return math.ceil(out / BLOCK[0]), math.ceil(inp / BLOCK[1])
+
+
+def _linear(name: str, out: int, inp: int) -> list[StoredTensor]:
+    return [StoredTensor(f"{name}.weight", "F8_E4M3", (out, inp)),
+            StoredTensor(f"{name}.weight_scale_inv", "F32", _scale_shape(out, inp))]
+
+
+def _layer(cfg: Mapping[str, Any], i: int, *, inv_freq: bool) -> Iterator[StoredTensor]:
+    """Decoder layer ``i`` in module order (attention, MLP, norms), as a state dict lists it."""
+    h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+    nope, rope, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    ql, kl = cfg["q_lora_rank"], cfg["kv_lora_rank"]
+    b = f"model.layers.{i}"
+    a = f"{b}.self_attn"
+    if ql is None:
+        yield from _linear(f"{a}.q_proj", nh * (nope + rope), h)
+    else:
+        yield from _linear(f"{a}.q_a_proj", ql, h)
+        yield StoredTensor(f"{a}.q_a_layernorm.weight", "BF16", (ql,))
+        yield from _linear(f"{a}.q_b_proj", nh * (nope + rope), ql)
+    yield from _linear(f"{a}.kv_a_proj_with_mqa", kl + rope, h)
+    yield StoredTensor(f"{a}.kv_a_layernorm.weight", "BF16", (kl,))
+    yield from _linear(f"{a}.kv_b_proj", nh * (nope + vd), kl)
+    yield from _linear(f"{a}.o_proj", h, nh * vd)
+    if inv_freq:
+        yield StoredTensor(f"{a}.rotary_emb.inv_freq", "BF16", (KIMI_INV_FREQ_LEN,))
+    m = f"{b}.mlp"
+    if i < cfg["first_k_dense_replace"]:
+        inter = cfg["intermediate_size"]
+        yield from _linear(f"{m}.gate_proj", inter, h)
+        yield from _linear(f"{m}.up_proj", inter, h)
+        yield from _linear(f"{m}.down_proj", h, inter)
+    else:
+        e, mi = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+        yield StoredTensor(f"{m}.gate.weight", "BF16", (e, h))
+        yield StoredTensor(f"{m}.gate.e_score_correction_bias", "F32", (e,))
+        for k in range(e):
+            yield from _linear(f"{m}.experts.{k}.gate_proj", mi, h)
+            yield from _linear(f"{m}.experts.{k}.up_proj", mi, h)
+            yield from _linear(f"{m}.experts.{k}.down_proj", h, mi)
+        si = mi * cfg.get("n_shared_experts", 0)
+        if si:
+            yield from _linear(f"{m}.shared_experts.gate_proj", si, h)
+            yield from _linear(f"{m}.shared_experts.up_proj", si, h)
+            yield from _linear(f"{m}.shared_experts.down_proj", h, si)
+    yield StoredTensor(f"{b}.input_layernorm.weight", "BF16", (h,))
+    yield StoredTensor(f"{b}.post_attention_layernorm.weight", "BF16", (h,))
+
+
+def release_tensors(cfg: Mapping[str, Any], *, inv_freq: bool | None = None) -> list[StoredTensor]:
+    """Every tensor of the FP8 release with this config, in module order: embeddings, decoder
+    layers, final norm, lm_head, then the ``num_nextn_predict_layers`` MTP layers.
+
+    ``inv_freq``: also store ``self_attn.rotary_emb.inv_freq`` per layer (Kimi-K2's release does;
+    default: when ``model_type`` is ``kimi_k2``)."""
+    if inv_freq is None:
+        inv_freq = cfg.get("model_type") == "kimi_k2"
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    layers = cfg["num_hidden_layers"]
+    out = [StoredTensor("model.embed_tokens.weight", "BF16", (v, h))]
+    for i in range(layers):
+        out += _layer(cfg, i, inv_freq=inv_freq)
+    out.append(StoredTensor("model.norm.weight", "BF16", (h,)))
+    if not cfg.get("tie_word_embeddings"):
+        out.append(StoredTensor("lm_head.weight", "BF16", (v, h)))
+    for i in range(layers, layers + int(cfg.get("num_nextn_predict_layers", 0) or 0)):
+        b = f"model.layers.{i}"
+        out += [StoredTensor(f"{b}.embed_tokens.weight", "BF16", (v, h)),
+                StoredTensor(f"{b}.enorm.weight", "BF16", (h,)),
+                StoredTensor(f"{b}.hnorm.weight", "BF16", (h,)),
+                StoredTensor(f"{b}.eh_proj.weight", "BF16", (h, 2 * h))]
+        out += _layer(cfg, i, inv_freq=inv_freq)
+        out += [StoredTensor(f"{b}.shared_head.norm.weight", "BF16", (h,)),
+                StoredTensor(f"{b}.shared_head.head.weight", "BF16", (v, h))]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# shards
+# ---------------------------------------------------------------------------------------------
+
+def shard_name(i: int, n: int, style: str = "hub") -> str:
+    """File name of shard ``i`` (1-based) of ``n``: ``hub`` = model-00001-of-000163.safetensors
+    (DeepSeek's six-digit total), ``plain`` = model-1-of-61.safetensors (Kimi-K2)."""
+    if style == "hub":
+        return f"model-{i:05d}-of-{n:06d}.safetensors"
+    if style == "plain":
+        return f"model-{i}-of-{n}.safetensors"
+    raise ValueError(f"shard name style {style!r}: expected 'hub' or 'plain'")
+
+
+def shard_layout(tensors: Sequence[StoredTensor], shards: int, *, by: str = "bytes",
+                 style: str = "hub") -> dict[str, list[StoredTensor]]:
+    """Split ``tensors`` (in order) over ``shards`` files: ``by="bytes"`` in equal byte shares
+    (a tensor goes where its middle byte falls), ``by="layer"`` one decoder layer per file
+    (tensors before layer 0 go with it, those after the last layer with the last file)."""
+    if shards < 1:
+        raise ValueError(f"shards = {shards}: expected at least 1")
+    groups: list[list[StoredTensor]] = [[] for _ in range(shards)]
+    if by == "bytes":
+        total = sum(t.nbytes for t in tensors) or 1
+        start = 0
+        for t in tensors:
+            mid = start + t.nbytes // 2
+            groups[min(shards - 1, mid * shards // total)].append(t)
+            start += t.nbytes
+    elif by == "layer":
+        last = 0
+        for t in tensors:
+            layer = t.layer
+            last = layer if layer is not None else last
+            groups[min(shards - 1, last)].append(t)
+    else:
+        raise ValueError(f"by = {by!r}: expected 'bytes' or 'layer'")
+    empty = [i + 1 for i, g in enumerate(groups) if not g]
+    if empty:
+        raise ValueError(f"{len(empty)} of {shards} shards would be empty (first: {empty[0]}); use fewer shards")
+    return {shard_name(i + 1, shards, style): g for i, g in enumerate(groups)}
+
+
+def safetensors_header(tensors: Iterable[StoredTensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """The bytes before the data of a safetensors file holding ``tensors`` in this order: the
+    8-byte little-endian header length, then the JSON header padded with spaces to a multiple of
+    8 (as the safetensors library pads it)."""
+    doc: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    for t in tensors:
+        doc[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def _write_index(root: Path, layout: Mapping[str, Sequence[StoredTensor]]) -> None:
+    weight_map = {t.name: fname for fname, group in layout.items() for t in group}
+    total = sum(t.nbytes for group in layout.values() for t in group)
+    doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (root / "model.safetensors.index.json").write_text(json.dumps(doc, indent=2))
+
+
+def write_header_only(path: str | Path, cfg: Mapping[str, Any] | None = None, *, shards: int | None = None,
+                      by: str | None = None, style: str | None = None) -> Path:
+    """Write a header-only (sparse) copy of an FP8 release into directory ``path``: config.json,
+    model.safetensors.index.json and every shard, each a real safetensors header followed by a
+    hole up to the file's full size (``os.truncate``). Uses a few MB of disk whatever the model.
+
+    Defaults follow the model: DeepSeek-V3 (``cfg`` None) = 163 shards of equal bytes named
+    ``model-00001-of-000163.safetensors``; ``model_type`` kimi_k2 = 61 shards, one layer each,
+    named ``model-1-of-61.safetensors``."""
+    cfg = dict(cfg) if cfg is not None else deepseek_v3_config()
+    kimi = cfg.get("model_type") == "kimi_k2"
+    shards = shards or (KIMI_K2_SHARDS if kimi else DEEPSEEK_V3_SHARDS)
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(cfg, indent=2))
+    layout = shard_layout(release_tensors(cfg), shards, by=by or ("layer" if kimi else "bytes"),
+                          style=style or ("plain" if kimi else "hub"))
+    for fname, group in layout.items():
+        header = safetensors_header(group)
+        file = root / fname
+        file.write_bytes(header)
+        os.truncate(file, len(header) + sum(t.nbytes for t in group))
+    _write_index(root, layout)
+    return root
+
+
+# ---------------------------------------------------------------------------------------------
+# streaming writer
+# ---------------------------------------------------------------------------------------------
+
+class DiskSpaceError(OSError):
+    """Not enough free disk space for what is about to be written."""
+
+
+def check_free_disk(path: str | Path, need: int, reserve: int = 2 << 30) -> int:
+    """Free bytes at ``path`` (its nearest existing parent); :class:`DiskSpaceError` naming the
+    numbers unless ``need`` + ``reserve`` fit."""
+    p = Path(path).resolve()
+    while not p.exists():
+        p = p.parent
+    free = shutil.disk_usage(p).free
+    if need + reserve > free:
+        gib = 1 << 30
+        raise DiskSpaceError(f"{path}: need {need / gib:.2f} GiB ({need:,} bytes) + {reserve / gib:.1f} GiB "
+                             f"reserve, but only {free / gib:.2f} GiB ({free:,} bytes) is free on that filesystem")
+    return free
+
+
+class ShardWriter:
+    """Write one safetensors file tensor by tensor, in the order of ``tensors``.
+
+    The header is computed from ``tensors`` and written first; :meth:`write` then appends each
+    tensor's bytes (a tensor may come in several consecutive pieces). ``drop_cache_every``: after
+    that many bytes, flush them to disk and drop them from the page cache (``fdatasync`` +
+    ``posix_fadvise(DONTNEED)``), so writing tens of GB does not push other processes' pages out.
+    :meth:`close` checks that every byte was written.
+    """
+
+    def __init__(self, file: str | Path, tensors: Sequence[StoredTensor], *,
+                 drop_cache_every: int = 1 << 30) -> None:
+        self.file = Path(file)
+        self.tensors = list(tensors)
+        header = safetensors_header(self.tensors)
+        self.size = len(header) + sum(t.nbytes for t in self.tensors)
+        self._fd = os.open(self.file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._pos = 0
+        self._synced = 0
+        self._drop_every = drop_cache_every
+        self._next = 0  # index of the tensor being written
+        self._left = self.tensors[0].nbytes if self.tensors else 0
+        self._write(header)
+
+    def _write(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            n = os.write(self._fd, view)
+            view = view[n:]
+            self._pos += n
+        if self._drop_every and self._pos - self._synced >= self._drop_every:
+            self._drop()
+
+    def _drop(self) -> None:
+        os.fdatasync(self._fd)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._fd, self._synced, self._pos - self._synced, os.POSIX_FADV_DONTNEED)
+        self._synced = self._pos
+
+    @property
+    def current(self) -> StoredTensor | None:
+        """The tensor the next :meth:`write` continues (None when all are written)."""
+        return self.tensors[self._next] if self._next < len(self.tensors) else None
+
+    def write(self, name: str, data: Any) -> None:
+        """Append bytes of tensor ``name`` (any buffer: bytes, numpy array, contiguous CPU tensor's
+        ``.numpy()`` view); must be the tensor in progress and must not overrun it."""
+        cur = self.current
+        if cur is None or cur.name != name:
+            raise ValueError(f"{self.file.name}: got {name}, expected {cur.name if cur else 'no more tensors'}")
+        n = memoryview(data).nbytes
+        if n > self._left:
+            raise ValueError(f"{self.file.name}: {name}: {n} more bytes, but only {self._left} of "
+                             f"{cur.nbytes} are left")
+        self._write(data)
+        self._left -= n
+        while self._left == 0 and self._next < len(self.tensors):
+            self._next += 1
+            self._left = self.tensors[self._next].nbytes if self._next < len(self.tensors) else 0
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        try:
+            if self.current is not None:
+                raise ValueError(f"{self.file.name}: closed before {self.current.name} (and "
+                                 f"{len(self.tensors) - self._next - 1} more) were written")
+            self._drop()
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is not None:
+            os.close(self._fd)
+            self._fd = -1
+            return
+        self.close()
+
+
+def write_index(root: str | Path, layout: Mapping[str, Sequence[StoredTensor]]) -> None:
+    """model.safetensors.index.json for ``layout`` (file name -> its tensors), with total_size."""
+    _write_index(Path(root), layout)

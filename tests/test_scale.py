@@ -1,0 +1,333 @@
+"""DeepSeek-V3 / Kimi-K2 at their real dimensions: the header-only release inventories, the plan
+of a 163-shard index (issue 20: < 2 s, no tensor data read), and the streamed random-weight
+slice writers (FP8 safetensors and the same weights as GGUF Q4_0) at tiny dimensions."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import quantplug
+import torch
+from quantplug.testing.probes import forbid_data_reads
+from quantplug.testing.scale import (
+    DEEPSEEK_V3_SHARDS,
+    DiskSpaceError,
+    ShardWriter,
+    StoredTensor,
+    check_free_disk,
+    deepseek_v3_config,
+    kimi_k2_config,
+    release_tensors,
+    safetensors_header,
+    slice_config,
+    write_header_only,
+)
+from quantplug.testing.slice import FP8_VALUES, WeightSource, q4_0, write_fp8_checkpoint, write_gguf_q4_0
+from safetensors import safe_open
+
+ROOT = Path(__file__).resolve().parents[1]
+#: issue 20, Done when: "Plan of a header-only 163-shard DeepSeek-V3 index (real names and shapes) < 2 s"
+PLAN_BUDGET_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def dsv3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_header_only(tmp_path_factory.mktemp("dsv3") / "DeepSeek-V3")
+
+
+# ---------------------------------------------------------------------------------------------
+# inventories
+# ---------------------------------------------------------------------------------------------
+
+def test_deepseek_v3_inventory_is_the_release():
+    cfg = deepseek_v3_config()
+    tensors = release_tensors(cfg)
+    by_name = {t.name: t for t in tensors}
+    assert len(by_name) == len(tensors) == 91_991
+    params = sum(t.numel for t in tensors if not t.name.endswith("weight_scale_inv"))
+    main = sum(t.numel for t in tensors if not t.name.endswith("weight_scale_inv") and (t.layer or 0) < 61)
+    # the release's README: 671B main model + the MTP module = "685B" on the hub (which counts scales too)
+    assert round(main / 1e9) == 671
+    assert round(sum(t.numel for t in tensors) / 1e9) == 685 and round(params / 1e9, 1) == 684.5
+    moe = {t.layer for t in tensors if ".mlp.experts." in t.name}
+    assert moe == set(range(3, 62))  # first 3 dense, then MoE, the MTP layer 61 included
+    assert {t.layer for t in tensors if ".mlp.experts.255." in t.name} == moe
+    # FORMATS.md: kv_a_proj_with_mqa [576, 7168] has a [5, 56] scale (partial last block row)
+    kva = "model.layers.7.self_attn.kv_a_proj_with_mqa"
+    assert (by_name[f"{kva}.weight"].dtype, by_name[f"{kva}.weight"].shape) == ("F8_E4M3", (576, 7168))
+    assert (by_name[f"{kva}.weight_scale_inv"].dtype, by_name[f"{kva}.weight_scale_inv"].shape) == ("F32", (5, 56))
+    for t in tensors:  # every FP8 weight has its block scale
+        if t.dtype == "F8_E4M3":
+            s = by_name[t.name + "_scale_inv"]
+            assert s.shape == (math.ceil(t.shape[0] / 128), math.ceil(t.shape[1] / 128)), t.name
+    assert by_name["model.layers.3.mlp.gate.weight"].dtype == "BF16"
+    assert by_name["model.layers.3.mlp.gate.e_score_correction_bias"].dtype == "F32"
+    assert by_name["model.layers.61.eh_proj.weight"].shape == (7168, 14336)
+    assert {t.dtype for t in tensors if t.layer == 61 and "experts" not in t.name and "self_attn" not in t.name
+            and "shared_experts" not in t.name and not t.name.endswith("bias")} == {"BF16"}
+    assert by_name["lm_head.weight"].shape == by_name["model.embed_tokens.weight"].shape == (129280, 7168)
+
+
+def test_kimi_k2_inventory_matches_the_published_counts():
+    # Kimi-K2-Instruct's published inventory: 139,644 tensors, 1,026,470,731,056 parameters
+    tensors = release_tensors(kimi_k2_config())
+    assert len(tensors) == 139_644
+    assert sum(t.numel for t in tensors) == 1_026_470_731_056
+    assert {t.layer for t in tensors if ".mlp.experts.383." in t.name} == set(range(1, 61))
+    assert max(t.layer or 0 for t in tensors) == 60  # no MTP layer
+
+
+def test_header_only_checkpoint_is_sparse_and_valid(dsv3):
+    shards = sorted(dsv3.glob("*.safetensors"))
+    assert len(shards) == DEEPSEEK_V3_SHARDS
+    assert shards[0].name == "model-00001-of-000163.safetensors"
+    assert shards[-1].name == "model-00163-of-000163.safetensors"
+    index = json.loads((dsv3 / "model.safetensors.index.json").read_text())
+    total = sum(t.nbytes for t in release_tensors(deepseek_v3_config()))
+    assert index["metadata"]["total_size"] == total and len(index["weight_map"]) == 91_991
+    apparent = sum(f.stat().st_size for f in shards)
+    on_disk = sum(f.stat().st_blocks * 512 for f in shards)
+    assert apparent > total > 680e9
+    assert on_disk < 64 << 20, f"the header-only checkpoint takes {on_disk:,} bytes of disk"
+    with safe_open(str(shards[40]), framework="pt") as fh:  # the safetensors library accepts it
+        name = next(iter(fh.keys()))
+        assert index["weight_map"][name] == shards[40].name
+    cfg = json.loads((dsv3 / "config.json").read_text())
+    assert cfg["quantization_config"] == {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                          "weight_block_size": [128, 128]}
+
+
+# ---------------------------------------------------------------------------------------------
+# plan at scale
+# ---------------------------------------------------------------------------------------------
+
+def _best_cpu_seconds(path: Path, reps: int = 3) -> tuple[float, float, Any]:
+    best_cpu = best_wall = float("inf")
+    p = None
+    for _ in range(reps):
+        c, t = time.process_time(), time.perf_counter()
+        p = quantplug.plan(path)
+        best_cpu, best_wall = min(best_cpu, time.process_time() - c), min(best_wall, time.perf_counter() - t)
+    assert p is not None
+    return best_cpu, best_wall, p
+
+
+def test_plan_of_the_163_shard_index_reads_no_data_and_takes_under_2_s(dsv3):
+    with forbid_data_reads(dsv3) as reads:
+        p = quantplug.plan(dsv3)
+    assert not reads, reads.events
+    assert p.backend == "fp8" and not p.problems
+    assert p.model_config.num_hidden_layers == 61 and p.model_config.n_routed_experts == 256
+    skipped = [n for names in p.skipped.values() for n in names]
+    assert len(skipped) == sum(1 for t in release_tensors(deepseek_v3_config()) if t.layer == 61)
+    # CPU time: wall time on this shared 2-core machine swings with the other engineers' load
+    # (measured 1.3 s wall for 0.9 s CPU at load 8, 11 s wall for 1.7 s CPU at load 14)
+    cpu, wall, _ = _best_cpu_seconds(dsv3)
+    assert cpu < PLAN_BUDGET_S, f"plan of the 163-shard DeepSeek-V3 index: {cpu:.2f} s CPU ({wall:.2f} s wall)"
+
+
+def test_plan_of_kimi_k2_header_only(tmp_path):
+    root = write_header_only(tmp_path / "Kimi-K2", kimi_k2_config())
+    assert (root / "model-1-of-61.safetensors").is_file() and (root / "model-61-of-61.safetensors").is_file()
+    with forbid_data_reads(root) as reads:
+        p = quantplug.plan(root)
+    assert not reads, reads.events
+    assert p.backend == "fp8" and not p.problems
+    assert p.model_config.n_routed_experts == 384 and p.model_config.num_attention_heads == 64
+    assert sum(len(v) for v in p.skipped.values()) == 61  # rotary_emb.inv_freq, one per layer
+    cpu, wall, _ = _best_cpu_seconds(root, reps=1)
+    # 139,644 tensors (1.5x DeepSeek-V3's): the same budget per tensor
+    assert cpu < PLAN_BUDGET_S * 1.5, f"plan of Kimi-K2's 61-shard index: {cpu:.2f} s CPU ({wall:.2f} s wall)"
+
+
+def test_cli_plan_prints_the_whole_model(dsv3, capsys):
+    from quantplug.cli import main
+
+    assert main(["plan", str(dsv3)]) == 0
+    out = capsys.readouterr().out
+    assert "backend:      fp8" in out and "model.layers.60:" in out
+    assert "problems:     none" in out
+    # issue 23: ~108 KB here (107,898 bytes measured: every layer repeats each scheme's description)
+    print(f"quantplug plan output: {len(out.encode()):,} bytes")
+    assert len(out.encode()) < 1_000_000
+
+
+# ---------------------------------------------------------------------------------------------
+# streaming writer
+# ---------------------------------------------------------------------------------------------
+
+def test_shard_writer_streams_a_valid_safetensors_file(tmp_path):
+    tensors = [StoredTensor("a", "F8_E4M3", (4, 8)), StoredTensor("b", "F32", (3,)), StoredTensor("c", "BF16", (2, 2))]
+    a = torch.randn(4, 8).to(torch.float8_e4m3fn)
+    b = torch.tensor([1.0, -2.0, 3.5])
+    c = torch.randn(2, 2).to(torch.bfloat16)
+    f = tmp_path / "x.safetensors"
+    with ShardWriter(f, tensors, drop_cache_every=16) as w:
+        w.write("a", a[:1].view(torch.uint8).numpy())  # a tensor may come in pieces
+        w.write("a", a[1:].view(torch.uint8).numpy())
+        w.write("b", b.numpy())
+        w.write("c", c.view(torch.int16).numpy())
+    assert f.stat().st_size == len(safetensors_header(tensors)) + 32 + 12 + 8
+    with safe_open(str(f), framework="pt") as fh:
+        assert torch.equal(fh.get_tensor("a").view(torch.uint8), a.view(torch.uint8))
+        assert torch.equal(fh.get_tensor("b"), b) and torch.equal(fh.get_tensor("c"), c)
+
+
+def test_shard_writer_refuses_wrong_order_overrun_and_early_close(tmp_path):
+    tensors = [StoredTensor("a", "F32", (2,)), StoredTensor("b", "F32", (2,))]
+    w = ShardWriter(tmp_path / "x.safetensors", tensors)
+    with pytest.raises(ValueError, match="got b, expected a"):
+        w.write("b", np.zeros(2, np.float32))
+    with pytest.raises(ValueError, match="12 more bytes, but only 8"):
+        w.write("a", np.zeros(3, np.float32))
+    w.write("a", np.zeros(2, np.float32))
+    with pytest.raises(ValueError, match="closed before b"):
+        w.close()
+
+
+def test_free_disk_check_names_the_numbers(tmp_path):
+    free = check_free_disk(tmp_path, 1)
+    with pytest.raises(DiskSpaceError, match=r"need .* GiB \(.* bytes\) .* only .* GiB .* free"):
+        check_free_disk(tmp_path / "new" / "dir", free + (1 << 40))
+
+
+def test_make_dsv3_slice_refuses_when_the_disk_is_too_small(tmp_path):
+    script = ROOT / "bench" / "make_dsv3_slice.py"
+    dry = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "s"), "--dry-run"],
+                         capture_output=True, text=True, timeout=120)
+    assert json.loads(dry.stdout)["bytes"] == 15_802_320_320, dry.stderr  # 2 layers: 1 dense + 1 MoE
+    assert dry.returncode == (0 if json.loads(dry.stdout)["fits"] else 1)
+    bad = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "s"), "--layers", "4",
+                          "--reserve-gb", "1000000"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1
+    assert "refused" in bad.stderr and "36.16 GiB (38,826,215,296 bytes)" in bad.stderr
+    assert not (tmp_path / "s").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# random-weight slices (tiny dimensions)
+# ---------------------------------------------------------------------------------------------
+
+def _tiny_slice() -> dict:
+    cfg = slice_config(3)
+    cfg.update(hidden_size=256, intermediate_size=320, moe_intermediate_size=96, num_attention_heads=4,
+               num_key_value_heads=4, q_lora_rank=160, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+               v_head_dim=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, vocab_size=1000)
+    return cfg
+
+
+def test_fp8_slice_loads_and_holds_the_documented_values(tmp_path):
+    cfg = _tiny_slice()
+    source = WeightSource(seed=5)
+    res = write_fp8_checkpoint(tmp_path / "fp8", cfg, source, shard_bytes=1_500_000)
+    assert len(res.files) == 3 and res.bytes_written == sum(t.nbytes for t in release_tensors(cfg))
+    model = quantplug.load(res.path, dtype=torch.float32, options={"activation_quant": "none"})
+    stored = {t.name: t for t in release_tensors(cfg)}
+    from quantplug.api import dense_state
+
+    state = dense_state(model)
+    for name in ("model.layers.0.self_attn.kv_a_proj_with_mqa.weight", "model.layers.1.mlp.experts.7.down_proj.weight",
+                 "model.layers.0.mlp.gate_proj.weight"):
+        want = np.concatenate(list(source.dense(stored[name], stored[name + "_scale_inv"])))
+        assert torch.equal(state[name], torch.from_numpy(want)), name  # exact: code value * block scale
+    big = torch.cat([state[f"model.layers.2.mlp.experts.{k}.{p}_proj.weight"].flatten()
+                     for k in range(16) for p in ("gate", "up", "down")])
+    assert abs(big.std().item() / 0.02 - 1) < 0.05
+    with safe_open(str(res.path / "model-00002-of-000003.safetensors"), framework="pt") as fh:
+        names = list(fh.keys())
+        name = next(n for n in names if n.endswith("experts.3.up_proj.weight"))
+        codes = fh.get_tensor(name).float()
+    assert codes.abs().max().item() == 448.0  # every block reaches E4M3's maximum, as amax / 448 scaling does
+    assert torch.equal(state["model.layers.1.mlp.gate.e_score_correction_bias"], torch.zeros(16))
+    assert torch.equal(state["model.norm.weight"], torch.ones(256))
+    router = state["model.layers.1.mlp.gate.weight"]
+    assert router.dtype == torch.float32 and abs(router.std().item() / 0.02 - 1) < 0.05
+    logits = model(torch.tensor([[1, 5, 9, 200]]))
+    assert torch.isfinite(logits).all() and logits.std() > 0.05
+    # deterministic in the seed, per tensor
+    again = WeightSource(seed=5).tensor(stored["model.layers.1.mlp.experts.2.up_proj.weight"])
+    other = WeightSource(seed=6).tensor(stored["model.layers.1.mlp.experts.2.up_proj.weight"])
+    with safe_open(str(res.files[0]), framework="pt") as fh:
+        first = next(iter(fh.keys()))
+    assert first == "model.embed_tokens.weight"
+    assert not np.array_equal(again, other)
+    assert set(np.unique(FP8_VALUES[again])) <= set(np.unique(FP8_VALUES))
+
+
+def test_gguf_q4_0_slice_is_the_fp8_slice_quantized_by_gguf_py(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import quantize
+
+    cfg = _tiny_slice()
+    source = WeightSource(seed=7)
+    fp8 = write_fp8_checkpoint(tmp_path / "fp8", cfg, source)
+    q4 = write_gguf_q4_0(tmp_path / "q4", cfg, source)
+    assert "quantization_config" not in json.loads((q4.path / "config.json").read_text())
+    from quantplug.api import dense_state
+
+    state = dense_state(quantplug.load(fp8.path, dtype=torch.float32, options={"activation_quant": "none"}))
+    reader = gguf.GGUFReader(str(q4.files[0]))
+    got = {t.name: t for t in reader.tensors}
+    nh, nope, vd, kl = 4, 32, 32, 64
+    kv_b = state["model.layers.1.self_attn.kv_b_proj.weight"].reshape(nh, nope + vd, kl)
+    expected = {
+        "token_embd.weight": state["model.embed_tokens.weight"],
+        "output.weight": state["lm_head.weight"],
+        "blk.0.ffn_down.weight": state["model.layers.0.mlp.down_proj.weight"],
+        "blk.1.attn_kv_a_mqa.weight": state["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"],
+        "blk.1.attn_k_b.weight": kv_b[:, :nope, :].transpose(1, 2),
+        "blk.1.attn_v_b.weight": kv_b[:, nope:, :],
+        "blk.2.ffn_up_exps.weight": torch.stack([state[f"model.layers.2.mlp.experts.{k}.up_proj.weight"]
+                                                 for k in range(16)]),
+        "blk.2.ffn_gate_inp.weight": state["model.layers.2.mlp.gate.weight"],
+        "blk.2.exp_probs_b.bias": state["model.layers.2.mlp.gate.e_score_correction_bias"],
+    }
+    for name, w in expected.items():
+        t = got[name]
+        arr = w.contiguous().numpy()
+        want = arr if t.tensor_type.name == "F32" else quantize(arr, gguf.GGMLQuantizationType.Q4_0)
+        assert t.tensor_type.name == ("F32" if name.startswith("blk.2.ffn_gate_inp") or name.endswith("bias")
+                                      else "Q4_0"), name
+        assert np.array_equal(np.asarray(t.data).reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8)), name
+    plan = quantplug.plan(q4.path)
+    assert plan.backend == "expert_pack" and not plan.problems
+    model = quantplug.load(q4.path, dtype=torch.float32)
+    assert torch.isfinite(model(torch.tensor([[3, 4]]))).all()
+
+
+def test_q4_0_is_gguf_py_bit_for_bit():
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((300, 256)) * 0.02).astype(np.float32)
+    x[0] = 0.0  # d = 0
+    x[1, :32] = np.tile(np.float32([0.5, -0.5]), 16)  # |max| tie of opposite signs: the first wins
+    x[2, :32] = np.tile(np.float32([-0.5, 0.5]), 16)
+    x[3:200] = rng.choice(FP8_VALUES[np.isfinite(FP8_VALUES)] * np.float32(1e-4), size=(197, 256))  # many ties
+    x[200, 5] = np.float32(1e-40)  # subnormal maximum
+    x[201] = np.float32(6e4)  # d overflows fp16
+    assert np.array_equal(q4_0(x), quantize(x, gguf.GGMLQuantizationType.Q4_0))
+    stacked = x[:288].reshape(3, 96, 256)
+    assert np.array_equal(q4_0(stacked).reshape(-1), quantize(stacked, gguf.GGMLQuantizationType.Q4_0).reshape(-1))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("QUANTPLUG_DSV3_SLICE"), reason="set QUANTPLUG_DSV3_SLICE to a slice written "
+                    "by bench/make_dsv3_slice.py (15.8 GB; ~14 GB of RAM to load)")
+def test_real_dimension_slice_plans_loads_and_forwards():
+    path = Path(os.environ["QUANTPLUG_DSV3_SLICE"])
+    p = quantplug.plan(path)
+    assert p.model_config.hidden_size == 7168 and p.model_config.n_routed_experts == 256 and not p.problems
+    model = quantplug.load(path, dtype=torch.bfloat16)
+    logits = model(torch.tensor([[1000, 2000]]))
+    assert logits.shape == (1, 2, 129280) and torch.isfinite(logits.float()).all()
