@@ -19,6 +19,8 @@ Groups:
 * reading: :func:`read_gguf_header` / :class:`GGUFHeader`, :data:`GGUF_FLOATS`,
   :data:`TORCH_DTYPES`, :data:`SAFETENSORS_DTYPES`, :func:`read_into`; :func:`contained` /
   :func:`check_inside` (a file name read from checkpoint metadata must stay inside its directory);
+* compute kernels: :data:`IQ_KERNELS` / :data:`IQ_TYPES` (GGUF IQ and ternary block types,
+  ``quantplug.kernels.ggml_iq``);
 * exporting: :func:`dense_state` (a loaded model back to dense tensors, hub layout),
   :func:`named_linears`, :func:`convert_expert_layout`, :func:`plan_of`;
 * adding an architecture (``quantplug_architectures``): :class:`ArchSpec`, :class:`PlanOracle`
@@ -49,6 +51,7 @@ from .errors import (
     UnknownArchitectureError,
 )
 from .hookspecs import BACKEND_HOOKS, CONTRACT_VERSION, GLOBAL_HOOKS, hookimpl
+from .kernels.ggml_iq import IQ_KERNELS, IQ_TYPES
 from .layers.linear import (
     FLOATS,
     DenseScheme,
@@ -212,6 +215,8 @@ __all__ = [
     # reading
     "FLOAT_DTYPES", "GGUF_FLOATS", "GGUFHeader", "SAFETENSORS_DTYPES", "SkippedArray", "TORCH_DTYPES",
     "check_inside", "contained", "ggml_types", "read_gguf_header", "read_into", "storage_shape",
+    # compute kernels
+    "IQ_KERNELS", "IQ_TYPES",
     # exporting
     "convert_expert_layout", "dense_state", "named_linears", "option", "plan_of", "unsplit_features",
     # adding an architecture
