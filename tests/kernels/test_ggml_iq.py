@@ -231,3 +231,37 @@ def test_header_is_self_contained():
     for name in ("iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq4_nl", "iq4_xs",
                  "tq1_0", "tq2_0"):
         assert re.search(rf"static\s+\w*\s*void qp_deq_{name}\(const uint8_t \*block, float \*out\)", src), name
+
+
+# --- every IQ / TQ block of the llama.cpp-made fixtures --------------------------------------------
+
+VENDOR = Path(__file__).parents[1] / "data" / "vendor"
+FIXTURES = sorted(p.name for p in VENDOR.glob("gguf_*_dsv3") if (p / "model.gguf").is_file())
+
+
+def test_the_llama_cpp_fixtures_are_present_and_hold_every_type():
+    from gguf import GGUFReader
+
+    seen = set()
+    for name in FIXTURES:
+        seen |= {t.tensor_type.name for t in GGUFReader(VENDOR / name / "model.gguf").tensors}
+    assert set(ggml_iq.IQ_TYPES) <= seen, sorted(set(ggml_iq.IQ_TYPES) - seen)
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_torch_and_c_decode_every_iq_block_of_the_llama_cpp_fixtures(clib, name):
+    from gguf import GGUFReader
+
+    n = 0
+    for t in GGUFReader(VENDOR / name / "model.gguf").tensors:
+        ggml_type = t.tensor_type.name
+        if ggml_type not in ggml_iq.IQ_TYPES:
+            continue
+        blocks = np.array(t.data).reshape(-1, ggml_iq.IQ_TYPES[ggml_type][2])
+        ref = _bits(_reference(blocks, ggml_type).reshape(blocks.shape[0], -1))
+        got = ggml_iq.dequantize_blocks(torch.from_numpy(blocks), ggml_type).numpy()
+        np.testing.assert_array_equal(_bits(got), ref, err_msg=f"torch: {name} {t.name} ({ggml_type})")
+        np.testing.assert_array_equal(_bits(c_dequantize(clib, blocks, ggml_type)), ref,
+                                      err_msg=f"C: {name} {t.name} ({ggml_type})")
+        n += blocks.shape[0]
+    assert n > 0, f"{name} has no IQ / TQ tensor"
