@@ -5,14 +5,16 @@ One vectorised kernel per type, ``kernel(blocks, out, ws)``: ``blocks`` uint8 [n
 kernel fills, ``ws`` a scratch with ``get(key, shape, dtype) -> tensor`` (the expert_pack ggml
 module's ``_Scratch``, or :class:`Scratch`) whose buffers the caller keeps bounded by chunking.
 The arithmetic is gguf-py's (``gguf.quants``, itself a transcription of llama.cpp's
-``dequantize_row_*``), operation for operation in float32: the per-group scale first
-(``d * (0.5 + s) * 0.25``, ``d * (1 + 2 s)``, ``d * (2 s + 1)``, ``d * (ls - 32)``), then
-``scale * grid`` and ``* ±1`` (IQ2 / IQ3), ``scale * (grid ± 0.125)`` (IQ1; ``grid ± 0.125`` is
-exact, so a table holding both is the same value), ``d * kvalue`` (IQ4), ``d * trit`` (TQ). A
-product of two floats rounds once on every IEEE machine, so the results are equal bit for bit;
-``tests/kernels/test_ggml_iq.py`` checks every type on random valid blocks and on every grid entry
-against ``gguf.quants.dequantize``, and the tables here against gguf-py's. The u16 / u32 fields
-are read through native-endian views: little-endian hosts only (as llama.cpp itself).
+``dequantize_row_*``), in float32: the per-group scale first, as gguf-py computes it
+(``d * (0.5 + s) * 0.25``, ``d * (1 + 2 s)``, ``d * (2 s + 1)``, ``d * (ls - 32)``), then one
+product per value: ``scale * grid * ±1`` (IQ2 / IQ3; the sign is applied to the integer grid
+value first, and ``scale * -g`` is ``-(scale * g)`` exactly), ``scale * (grid ± 0.125)`` (IQ1;
+the sum is exact, so a table holding both halves gives the same value), ``d * kvalue`` (IQ4),
+``d * trit`` (TQ). A product of two floats rounds once on every IEEE machine, so the results are
+equal bit for bit; ``tests/kernels/test_ggml_iq.py`` checks every type on random valid blocks and
+on every block of the llama.cpp-made fixtures against ``gguf.quants.dequantize``, and the tables
+here against gguf-py's. The u16 / u32 fields are read through native-endian views:
+little-endian hosts only (as llama.cpp itself).
 
 Block layouts (ggml-org/llama.cpp ``ggml/src/ggml-common.h``), QK_K = 256; ``d`` is an f16:
 
@@ -104,14 +106,6 @@ def _words(b: torch.Tensor, off: int, count: int, width: int, ws: Workspace, key
 def _nibbles(x: torch.Tensor) -> torch.Tensor:
     """uint8 [nb, n] -> [nb, n, 2]: low nibble, high nibble of each byte (small scale fields)."""
     return torch.stack((x & 0x0F, x >> 4), dim=-1)
-
-
-def _nibbles_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., n] -> ``out`` [..., 2, n]: the low nibbles, then the high nibbles (two scalar
-    ops into strided outputs: an order faster than a stack or a broadcast shift)."""
-    torch.bitwise_and(x, 0x0F, out=out.select(-2, 0))
-    torch.bitwise_right_shift(x, 4, out=out.select(-2, 1))
-    return out
 
 
 def _half_scale(d: torch.Tensor, s: torch.Tensor, factor: float) -> torch.Tensor:
@@ -254,10 +248,20 @@ def _iq1_m(b: torch.Tensor, o: torch.Tensor, ws: Workspace) -> None:
     o.view(nb, 16, 16).mul_(dl.unsqueeze(-1))
 
 
+def _iq4_values(qs: torch.Tensor, o: torch.Tensor, ws: Workspace) -> None:
+    """IQ4 codes: bytes qs [nb, g, 16] -> ``o`` [nb, g, 2, 16] = kvalues of the low nibbles, then of
+    the high nibbles: one gather per byte of its two int8 values (a pair table), then two strided
+    int8 -> float32 copies (faster than a gather per value)."""
+    pairs = _gather(IQ4NL_PAIRS, _index(ws, "iq_idx", qs), ws.get("iq_g", (qs.numel(),), torch.int16))
+    values = pairs.view(torch.int8).view(*qs.shape, 2)
+    o.select(-2, 0).copy_(values[..., 0])
+    o.select(-2, 1).copy_(values[..., 1])
+
+
 def _iq4_nl(b: torch.Tensor, o: torch.Tensor, ws: Workspace) -> None:
+    nb = b.shape[0]
     d = _f16(b, 0, ws)
-    idx = _nibbles_into(b[:, 2:18], ws.get("iq_idx", (b.shape[0], 2, 16), torch.int32))
-    _gather(IQ4NL_VALUES, idx, o.view(-1))
+    _iq4_values(b[:, 2:18].reshape(nb, 1, 16), o.view(nb, 1, 2, 16), ws)
     o.mul_(d)
 
 
@@ -268,8 +272,7 @@ def _iq4_xs(b: torch.Tensor, o: torch.Tensor, ws: Workspace) -> None:
     ls = _nibbles(b[:, 4:8]).view(nb, 8).to(torch.int32)
     ls.bitwise_or_(((sh >> _SHIFT2I) & 3) << 4).sub_(32)
     dl = ls.to(torch.float32).mul_(d)
-    idx = _nibbles_into(b[:, 8:136].reshape(nb, 8, 16), ws.get("iq_idx", (nb, 8, 2, 16), torch.int32))
-    _gather(IQ4NL_VALUES, idx, o.view(-1))
+    _iq4_values(b[:, 8:136].reshape(nb, 8, 16), o.view(nb, 8, 2, 16), ws)
     o.view(nb, 8, 32).mul_(dl.unsqueeze(-1))
 
 
@@ -706,7 +709,10 @@ _BIT_ROWS = (torch.arange(256).view(-1, 1) >> torch.arange(8)) & 1
 BIT_BYTES = _BIT_ROWS.to(torch.uint8).view(torch.int64).reshape(-1).clone()             # byte j = bit j
 QH2_BYTES = ((torch.arange(256).view(-1, 1) >> torch.arange(0, 8, 2)) & 3).to(torch.uint8).view(
     torch.int32).reshape(-1).clone()                                       # byte k = bits 2k, 2k+1
-IQ4NL_VALUES = torch.tensor(IQ4NL_KVALUES, dtype=torch.float32)
+#: [256] int16: byte b -> its two IQ4 values as int8 (kvalues[b & 15], kvalues[b >> 4]), low first
+_BYTES = torch.arange(256)
+IQ4NL_PAIRS = torch.tensor(IQ4NL_KVALUES, dtype=torch.int8)[torch.stack([_BYTES & 15, _BYTES >> 4], 1)].view(
+    torch.int16).reshape(-1).clone()
 
 _SHIFT3 = torch.tensor([0, 3, 6, 9], dtype=torch.int32)
 _SHIFT7 = torch.tensor([0, 7, 14, 21], dtype=torch.int32)

@@ -94,7 +94,8 @@ def test_sign_and_value_tables_equal_gguf_pys():
     assert np.array_equal(ggml_iq.KSIGNS.numpy(), want)
     assert np.array_equal(ggml_iq.KSIGN_MASKS.view(torch.uint8).view(128, 8).numpy(), np.where(want < 0, 255, 0))
     assert gq.IQ4_NL.kvalues == ggml_iq.IQ4NL_KVALUES
-    assert ggml_iq.IQ4NL_VALUES.tolist() == [float(v) for v in gq.IQ4_NL.kvalues]
+    kv = gq.IQ4_NL.kvalues
+    assert ggml_iq.IQ4NL_PAIRS.view(torch.int8).view(256, 2).tolist() == [[kv[b & 15], kv[b >> 4]] for b in range(256)]
     assert np.float32(ggml_iq.IQ1S_DELTA) == gq.IQ1_S.delta == gq.IQ1_M.delta
     assert gq.IQ1_M.grid_hex == gq.IQ1_S.grid_hex  # IQ1_M shares IQ1_S's grid, as here
 
