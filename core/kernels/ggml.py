@@ -23,6 +23,9 @@ Q5_K     256    176    d, dmin f16, scales[12], qh[32], qs[128]
 Q6_K     256    210    ql[128], qh[64], scales int8[16], d f16
 MXFP4     32     17    e8m0 exponent, qs[16]: x = 2^(e-128) * kvalues[nibble], j / j+16 split
 =======  =====  =====  ==================================================================
+
+The IQ and ternary types (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS,
+TQ1_0, TQ2_0) come from ``quantplug.kernels.ggml_iq``, same kernel signature, same bit-exactness.
 """
 
 from __future__ import annotations
@@ -36,10 +39,12 @@ from ..checkpoint.gguf_index import ggml_types
 from ..errors import QuantplugError
 from . import native
 from .forms import FORMS, Form
+from .ggml_iq import IQ_KERNELS
 
 QK_K = 256
 #: the block types these kernels implement
-KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4",
+                *IQ_KERNELS)
 #: name -> (elements per block, bytes per block), from the one table of ggml types (gguf-py's
 #: GGML_QUANT_SIZES, through quantplug.api.ggml_types)
 BLOCKS: dict[str, tuple[int, int]] = {name: (block, size) for name, block, size in ggml_types().values()
@@ -309,7 +314,7 @@ def _mxfp4(b: torch.Tensor, o: torch.Tensor, ws: _Scratch) -> None:
 
 KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor, _Scratch], None]] = {
     "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "Q2_K": _q2_k,
-    "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "MXFP4": _mxfp4,
+    "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "MXFP4": _mxfp4, **IQ_KERNELS,
 }
 
 

@@ -172,6 +172,8 @@ def build_cases(root: Path) -> dict[str, list[dict]]:
     # pack-quantized int4 group 32 on every linear (symmetric)
     paths["ct-fp8-block-vendor"] = (VENDOR / "ct_fp8_block_dsv3", {})
     paths["ct-w4a16-experts-vendor"] = (VENDOR / "ct_w4a16_experts_dsv3", {})
+    # llama-quantize's IQ1_S / IQ2_XXS experts, Q4_K / Q6_K attention, Q4_0 attn_k_b (256-blocks)
+    paths["gguf-iq-unsloth-vendor"] = (VENDOR / "gguf_iq_unsloth_dsv3", {})
     from quantplug.testing.formats import compressed_tensors
 
     ct = tiny_config(intermediate_size=128, q_lora_rank=64)
@@ -265,7 +267,8 @@ def _results(runs, world: int, name: str) -> list[dict]:
 
 CASES = ["dense-hub-bf16", "dense-fused-hubrope", "kimi-k3-gate-tied-qproj", "quark-vendor", "modelslim-vendor",
          "quark-export", "modelslim-w4a8-export", "gguf-kquants", "expert-pack", "ct-fp8-block-vendor",
-         "ct-w4a16-experts-vendor", "ct-int4-packed", "ct-int4-asym", "ct-w8a8-token", "fp8-block"]
+         "ct-w4a16-experts-vendor", "ct-int4-packed", "ct-int4-asym", "ct-w8a8-token", "fp8-block",
+         "gguf-iq-unsloth-vendor"]
 
 
 @pytest.mark.parametrize("world", WORLDS)

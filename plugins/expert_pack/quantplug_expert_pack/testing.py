@@ -1,7 +1,7 @@
 """Helpers for tests, benchmarks and vendor test kits: random valid ggml blocks, reference weights.
 
 ``random_blocks`` fills every byte at random, then overwrites the float fields (f16 ``d`` /
-``dmin`` / ``m``, the MXFP4 exponent) with finite values of a chosen magnitude, so the blocks
+``dmin`` / ``m``, the MXFP4 exponent, IQ1_M's ``d`` spread over its scales) with finite values of a chosen magnitude, so the blocks
 decode to finite numbers in both gguf-py and quantplug. ``reference_state`` dequantizes a GGUF
 with gguf-py alone (no quantplug code), giving transformers-ready weights.
 """
@@ -22,6 +22,8 @@ BLOCKS = ggml.BLOCKS
 F16_FIELDS: dict[str, tuple[int, ...]] = {
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
     "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "MXFP4": (),
+    "IQ1_S": (0,), "IQ1_M": (), "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,),
+    "IQ4_NL": (0,), "IQ4_XS": (0,), "TQ1_0": (52,), "TQ2_0": (64,),
 }
 
 
@@ -35,6 +37,12 @@ def random_blocks(ggml_type: str, n_blocks: int, rng: np.random.Generator, scale
     if ggml_type == "MXFP4":  # e8m0 around 2^0 * scale
         e = int(np.clip(round(np.log2(scale)) + 127, 2, 250)) if scale > 0 else 127
         b[:, 0] = rng.integers(e - 4, e + 2, n_blocks, dtype=np.uint8)
+    if ggml_type == "IQ1_M":  # d's f16 bits live in the top nibbles of the four u16 scales
+        bits = (scale * rng.standard_normal(n_blocks)).astype(np.float16).view(np.uint16)
+        sc = b[:, 48:56].copy().view(np.uint16)
+        for k in range(4):
+            sc[:, k] = (sc[:, k] & 0x0FFF) | (((bits >> (4 * k)) & 0xF) << 12)
+        b[:, 48:56] = sc.view(np.uint8)
     return b
 
 
