@@ -42,7 +42,8 @@ class BridgeError(QuantplugError):
 
 def _text_config(plan: Any) -> dict[str, Any]:
     top = dict(plan.checkpoint.config)
-    text = top.get("text_config") if isinstance(top.get("text_config"), dict) else top
+    sub = top.get("text_config")
+    text: dict[str, Any] = sub if isinstance(sub, dict) else top
     return {k: v for k, v in text.items() if k not in ("architectures", "quantization_config", "model_type",
                                                        "auto_map", "torch_dtype", "dtype")}
 

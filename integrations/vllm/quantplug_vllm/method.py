@@ -238,8 +238,17 @@ class QuantplugConfig(QuantizationConfig):
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None,
                                      hf_config: Any = None) -> str | None:
-        # only when asked for: a checkpoint vLLM reads itself stays vLLM's
-        return NAME if user_quant == NAME else None
+        # asked for by name; or a checkpoint whose quant_method vLLM does not know (a third-party
+        # backend's: vLLM would refuse it before any loader runs). A checkpoint vLLM reads itself
+        # stays vLLM's unless the user says otherwise.
+        if user_quant == NAME:
+            return NAME
+        from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+        method = hf_quant_cfg.get("quant_method") if isinstance(hf_quant_cfg, dict) else None
+        if user_quant is None and isinstance(method, str) and method and method not in QUANTIZATION_METHODS:
+            return NAME
+        return None
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if not self.projections:
