@@ -1,0 +1,178 @@
+"""quantplug's loaded layers under Hugging Face module names, for engines that run them inside
+their own model (the vLLM plugin ``quantplug-vllm``, the transformers bridge
+``quantplug-transformers``).
+
+An engine builds its own DeepSeek-V3 module tree; quantplug's plan has decided, for every
+projection of the checkpoint, how it is stored and computed. :func:`planned_modules` hands the
+engine those decisions as loaded, callable modules under the names the engine's tree uses
+(``model.layers.3.self_attn.q_a_proj``, ``model.layers.3.mlp.experts``, ``lm_head``...), so the
+engine's layer delegates its product to quantplug's planned module (its scheme's ``apply`` /
+``apply_grouped``, fused where the scheme fuses) and never sees a quantized format.
+:func:`float_state` gives the float tensors the engine keeps as its own parameters (norms, the
+router). Nothing here is engine-specific.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .errors import QuantplugError
+from .layers.linear import FloatParams, QuantLinear, StackedLinear
+from .models.deepseek import MLA, MLP, Embedding, Experts, TiedHead
+
+
+class KVBFromSplit(nn.Module):
+    """A dense-layout ``kv_b_proj`` (``x [..., kv_lora] -> [..., heads * (nope + v)]``, K rows then
+    V rows per head, as the hub stores it) computed from the split per-head stacks GGUF stores
+    (``attn_k_b`` [heads: kv_lora <- nope], ``attn_v_b`` [heads: v <- kv_lora]), for engines whose
+    attention consumes a dense ``kv_b_proj``.
+
+    The V half runs through ``attn_v_b``'s scheme as stored (``forward_all``). The K half is the
+    transpose of what ``attn_k_b`` stores (the stack maps nope -> kv_lora, this maps kv_lora ->
+    nope), which no ``apply`` computes: it is ``x @ dequantize(k_b, h)`` per head, dequantized
+    for the call and dropped after it (no dense copy is kept). Equal to the ``kv_b_proj`` that
+    :func:`quantplug.api.dense_state` folds back, up to float rounding.
+    """
+
+    def __init__(self, attn: MLA) -> None:
+        super().__init__()
+        self.k_b: StackedLinear = attn.k_b
+        self.v_b: StackedLinear = attn.v_b
+        self.heads = attn.num_heads
+        self.nope, self.v = attn.cfg.qk_nope_head_dim, attn.cfg.v_head_dim
+        self.in_features = attn.kv_lora_rank
+        self.out_features = self.heads * (self.nope + self.v)
+        self.qp_ckpt = attn.o_proj.qp_ckpt.rsplit(".", 1)[0] + ".kv_b_proj"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        xs = x.reshape(1, -1, self.in_features).expand(self.heads, -1, -1)      # [h, T, kv_lora]
+        wk = torch.stack([self.k_b.scheme.dequantize(self.k_b, h) for h in range(self.heads)])  # [h, kv_lora, nope]
+        k = torch.bmm(xs.to(wk.dtype), wk)                                       # [h, T, nope]
+        v = self.v_b.forward_all(xs)                                             # [h, T, v]
+        out = torch.cat([k, v.to(k.dtype)], dim=-1).transpose(0, 1)              # [T, h, nope + v]
+        return out.reshape(*lead, self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.heads}, in={self.in_features}, out={self.out_features}, "
+                f"k_b={self.k_b.scheme.describe()}, v_b={self.v_b.scheme.describe()}")
+
+
+@dataclass
+class Projection:
+    """One projection of the engine's tree: ``fn(x)`` computes it, ``modules`` are the planned
+    modules holding its tensors (parts in order for a merged projection, e.g. q_a then kv_a),
+    ``out_features`` the width of each part, ``schemes`` what each part's plan decided, and
+    ``notes`` what the engine should say at load about how it runs (e.g. a transient dequantize)."""
+
+    fn: Callable[[torch.Tensor], torch.Tensor]
+    modules: list[nn.Module]
+    in_features: int
+    out_features: list[int]
+    schemes: list[str]
+    notes: list[str] = field(default_factory=list)
+
+
+def _describe(m: nn.Module) -> str:
+    scheme = getattr(m, "scheme", None)
+    if scheme is not None:
+        return scheme.describe()
+    if isinstance(m, KVBFromSplit):
+        return f"split K/V (k_b {m.k_b.scheme.describe()}, v_b {m.v_b.scheme.describe()})"
+    if isinstance(m, TiedHead):
+        return f"tied to the embedding ({m._embed[0].scheme.describe()})"
+    return type(m).__name__
+
+
+def _single(m: nn.Module, notes: Sequence[str] = ()) -> Projection:
+    return Projection(m, [m], int(getattr(m, "in_features", 0)), [int(getattr(m, "out_features", 0))],
+                      [_describe(m)], list(notes))
+
+
+def _merged(parts: Sequence[QuantLinear], fused: Callable[[torch.Tensor], torch.Tensor] | None) -> Projection:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if fused is not None:
+            return fused(x)
+        return torch.cat([p(x) for p in parts], dim=-1)
+
+    return Projection(fn, list(parts), parts[0].in_features, [p.out_features for p in parts],
+                      [_describe(p) for p in parts])
+
+
+def text_model(model: nn.Module) -> nn.Module:
+    """The DeepSeek-V3 text model of a loaded model (``model`` itself, or the Kimi wrapper's
+    ``language_model``)."""
+    text_lm = getattr(model, "text_lm", None)
+    if text_lm is None:
+        raise QuantplugError(f"{type(model).__name__} is not a model loaded by quantplug (no text_lm)")
+    lm: nn.Module = text_lm()
+    return lm
+
+
+def planned_modules(model: nn.Module) -> dict[str, Projection]:
+    """Every projection of the loaded DeepSeek-V3 text model, by the Hugging Face / vLLM module
+    name an engine gives it:
+
+    * each linear by its own name (``model.layers.{i}.self_attn.q_b_proj``, ``...mlp.down_proj``,
+      ``lm_head``...), and the merged names engines fuse them under:
+      ``self_attn.fused_qkv_a_proj`` (q_a_proj + kv_a_proj_with_mqa) and ``mlp.gate_up_proj`` /
+      ``mlp.shared_experts.gate_up_proj`` (gate + up), computed in one call where the scheme
+      fused them at load (:meth:`LinearScheme.fuse`);
+    * ``self_attn.kv_b_proj`` also for split K/V layers (:class:`KVBFromSplit`);
+    * ``mlp.experts``: the routed experts, ``fn(x, topk_ids, topk_weights)`` -> the weighted sum
+      of each token's experts (quantplug's grouped expert forward);
+    * ``model.embed_tokens``: the embedding, ``fn(ids)``.
+
+    ``model`` is what ``quantplug.load`` returned (unsplit: no tensor parallelism).
+    """
+    lm = text_model(model)
+    out: dict[str, Projection] = {}
+    for name, mod in lm.named_modules():
+        if getattr(mod, "qp_parallel", None) is not None:
+            raise QuantplugError(f"planned_modules: {name} is tensor-parallel; engines get an unsplit model")
+        if isinstance(mod, QuantLinear):
+            out[name] = _single(mod)
+        elif isinstance(mod, Embedding):
+            out[name] = _single(mod)
+            out[name].in_features, out[name].out_features = mod.dim, [mod.vocab]
+        elif isinstance(mod, TiedHead):
+            emb = mod._embed[0]
+            out[name] = Projection(mod, [emb], emb.dim, [emb.vocab], [_describe(mod)])
+        elif isinstance(mod, Experts):
+            p = _single(mod)
+            p.in_features, p.out_features = mod.gate_proj.in_features, [mod.down_proj.out_features]
+            p.schemes = [f"{x.scheme.describe()}" for x in (mod.gate_proj, mod.up_proj, mod.down_proj)]
+            out[name] = p
+        elif isinstance(mod, MLA):
+            if mod.cfg.mla_use_output_gate:
+                raise QuantplugError(f"{name}: the MLA output gate (mla_use_output_gate, Kimi-K3) is not part of "
+                                     "the engines' DeepSeek-V3 attention")
+            if mod.q_lora is not None:
+                out[f"{name}.fused_qkv_a_proj"] = _merged([mod.q_a_proj, mod.kv_a_proj_with_mqa], mod.qkv_a)
+            if mod.layout.kind != "dense":
+                split = KVBFromSplit(mod)
+                out[f"{name}.kv_b_proj"] = _single(split, [
+                    f"K half dequantized per call from {mod.layout.k_b} (the engine needs its transpose); "
+                    f"V half through {mod.layout.v_b}'s scheme"])
+        elif isinstance(mod, MLP):
+            out[f"{name}.gate_up_proj"] = _merged([mod.gate_proj, mod.up_proj], mod.gate_up)
+    return out
+
+
+def float_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The float tensors of the loaded text model that are not part of a projection (norms, the
+    router's weight and ``e_score_correction_bias``), by Hugging Face name, as loaded (no copy)."""
+    lm = text_model(model)
+    out: dict[str, torch.Tensor] = {}
+    for name, mod in lm.named_modules():
+        if isinstance(mod, FloatParams):
+            for local, t in mod.named_parameters(recurse=False):
+                out[f"{name}.{local}" if name else local] = t.detach()
+    return out
+
+
+__all__ = ["KVBFromSplit", "Projection", "float_state", "planned_modules", "text_model"]

@@ -1,0 +1,152 @@
+"""quantplug-transformers: transformers' own ``DeepseekV3ForCausalLM`` running quantplug's planned
+modules, from one call, for every format an installed quantplug backend claims.
+
+    model = quantplug_transformers.from_pretrained(path)      # transformers.DeepseekV3ForCausalLM
+    model.generate(ids, max_new_tokens=16)                    # transformers' generate
+    pipeline("text-generation", model=model, tokenizer=quantplug_transformers.tokenizer(path))
+
+quantplug plans and loads the checkpoint (its plan decides prefix, packed modules, layout,
+schemes, skip rules; plan errors are raised before any weight is read); transformers' model is
+built on the meta device and each of its projections is replaced by the planned module quantplug
+loaded for it (:func:`quantplug.bridge.planned_modules`): linears by ``QuantLinear`` (the scheme's
+``apply``), routed experts by quantplug's stacked experts (same call signature as transformers'
+``DeepseekV3Experts``), GGUF's split K/V by a ``kv_b_proj`` computed from the stacks, a quantized
+``token_embd`` by quantplug's embedding. Norms and the router are transformers' own modules with
+quantplug's loaded tensors. Nothing is dequantized for the bridge.
+
+Why a function and not ``AutoModelForCausalLM.from_pretrained(path, quantization_config=...)``
+through a registered ``HfQuantizer``: see docs/transformers.md ("Why not a registered quantizer").
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import quantplug
+import torch
+from quantplug.bridge import float_state, planned_modules
+from quantplug.errors import QuantplugError
+from torch import nn
+
+__version__ = "0.1.0"
+
+#: the merged projections vLLM builds; transformers keeps their parts as separate linears
+_MERGED = (".fused_qkv_a_proj", ".gate_up_proj")
+
+
+class BridgeError(QuantplugError):
+    """transformers' model and quantplug's plan do not line up (a module or tensor of one has no
+    counterpart in the other); the message names it."""
+
+
+def _text_config(plan: Any) -> dict[str, Any]:
+    top = dict(plan.checkpoint.config)
+    sub = top.get("text_config")
+    text: dict[str, Any] = sub if isinstance(sub, dict) else top
+    return {k: v for k, v in text.items() if k not in ("architectures", "quantization_config", "model_type",
+                                                       "auto_map", "torch_dtype", "dtype")}
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner, _, local = name.rpartition(".")
+    mod = model.get_submodule(owner)
+    if local in mod._parameters:
+        mod._parameters[local] = nn.Parameter(value, requires_grad=False)
+    elif local in mod._buffers:
+        mod._buffers[local] = value
+    else:
+        raise BridgeError(f"transformers' DeepseekV3ForCausalLM has no tensor {name} for quantplug's {name}")
+
+
+def from_pretrained(path: str | Path, *, dtype: torch.dtype = torch.float32, options: dict[str, Any] | None = None,
+                    backend: str | None = None, attn_implementation: str | None = None) -> Any:
+    """transformers' ``DeepseekV3ForCausalLM`` for the checkpoint at ``path`` in any quantplug format.
+
+    ``dtype``: the model dtype (activations, float tensors); ``options`` / ``backend``: as
+    ``quantplug.load``; ``attn_implementation``: transformers' (default: its own choice).
+    The returned model carries ``quantplug_plan``; its ``generation_config`` has the checkpoint's
+    end-of-sequence ids as ``quantplug generate`` reads them (none: generation runs to
+    ``max_new_tokens``)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, GenerationConfig
+
+    qp = quantplug.load(path, dtype=dtype, options=options, backend=backend, progress=False)
+    plan = qp.quantplug_plan
+    config = DeepseekV3Config(**_text_config(plan))
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(config)
+    projections = planned_modules(qp)
+    for name, proj in projections.items():
+        if name.endswith(_MERGED):
+            continue  # transformers applies the parts (q_a_proj, kv_a_proj_with_mqa; gate_proj, up_proj) itself
+        try:
+            model.get_submodule(name)
+        except AttributeError:
+            raise BridgeError(f"{path}: quantplug planned {name} ({', '.join(proj.schemes)}); transformers' "
+                              "DeepseekV3ForCausalLM has no such module") from None
+        model.set_submodule(name, proj.modules[0] if len(proj.modules) == 1 and name.endswith(
+            ("experts", "embed_tokens")) else _module(proj))
+    for name, t in float_state(qp).items():
+        _set_tensor(model, name, t)
+    rotary = model.model.rotary_emb
+    model.model.rotary_emb = type(rotary)(config=config)  # its inv_freq is computed, not loaded
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise BridgeError(f"{path}: transformers' tensors with no quantplug source: {', '.join(left[:8])}")
+    from quantplug.generate import checkpoint_eos
+
+    eos = list(checkpoint_eos(qp))
+    gen = GenerationConfig(eos_token_id=(eos if len(eos) > 1 else eos[0]) if eos else None,
+                           pad_token_id=eos[0] if eos else None, do_sample=False)
+    model.generation_config = gen
+    model.config.eos_token_id = gen.eos_token_id
+    model.eval()
+    model.quantplug_plan = plan
+    return model
+
+
+def _module(proj: Any) -> nn.Module:
+    """The planned module for a single projection (QuantLinear, KVBFromSplit, TiedHead)."""
+    if len(proj.modules) == 1 and isinstance(proj.fn, nn.Module):
+        module: nn.Module = proj.fn
+        return module
+    raise BridgeError(f"cannot place {proj}: not a single module")
+
+
+def lora_config(**kwargs: Any) -> Any:
+    """A ``peft.LoraConfig(**kwargs)`` that also targets quantplug's planned linears: PEFT's own
+    LoRA ``Linear`` wraps a ``QuantLinear`` (registered through PEFT's custom-module mapping; the
+    adapter runs beside the planned module's forward, the quantized weight is never merged or
+    touched). Use it with ``peft.get_peft_model(model, lora_config(r=8, target_modules=[...]))``."""
+    from peft import LoraConfig
+    from peft.tuners.lora import Linear as LoraLinear
+    from quantplug.api import QuantLinear
+
+    cfg = LoraConfig(**kwargs)
+    cfg._register_custom_module({QuantLinear: LoraLinear})
+    return cfg
+
+
+def tokenizer(path: str | Path) -> Any:
+    """A transformers fast tokenizer from the checkpoint's ``tokenizer.json`` (special tokens from
+    ``tokenizer_config.json`` where present), for ``pipeline("text-generation", ...)``."""
+    import json
+
+    from transformers import PreTrainedTokenizerFast
+
+    root = Path(path)
+    if not (root / "tokenizer.json").is_file():
+        raise BridgeError(f"{root}: no tokenizer.json (the bridge's tokenizer needs one)")
+    kwargs: dict[str, Any] = {}
+    cfg_file = root / "tokenizer_config.json"
+    if cfg_file.is_file():
+        cfg = json.loads(cfg_file.read_text())
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token", "chat_template"):
+            if isinstance(cfg.get(key), str):
+                kwargs[key] = cfg[key]
+    return PreTrainedTokenizerFast(tokenizer_file=str(root / "tokenizer.json"), **kwargs)
+
+
+__all__ = ["BridgeError", "from_pretrained", "lora_config", "tokenizer"]
