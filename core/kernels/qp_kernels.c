@@ -43,6 +43,9 @@
 #define QP_AVX512 1
 #endif
 
+/* the IQ and ternary ggml types' block decoders (bit-exact with gguf-py), keyed by ggml type id */
+#include "iq_blocks.h"
+
 #define QK 32
 #define QKK 256
 
@@ -76,7 +79,10 @@ int qp_form_info(int type, int64_t *elems, int64_t *bytes) {
         case QP_Q6_K: e = 256; b = 210; break;
         case QP_INT4: case QP_FP4: e = 2; b = 1; break;
         case QP_INT8: case QP_FP8: e = 1; b = 1; break;
-        default: return 0;
+        default:
+            e = qp_iq_block_elems(type);
+            b = qp_iq_block_bytes(type);
+            if (e <= 0 || b <= 0) return 0;
     }
     if (elems) *elems = e;
     if (bytes) *bytes = b;
@@ -374,7 +380,7 @@ static int is_ggml_block(int t) {
     switch (t) {
         case QP_Q4_0: case QP_Q4_1: case QP_Q5_0: case QP_Q5_1: case QP_Q8_0: case QP_MXFP4:
         case QP_Q2_K: case QP_Q3_K: case QP_Q4_K: case QP_Q5_K: case QP_Q6_K: return 1;
-        default: return 0;
+        default: return qp_iq_block_elems(t) > 0;
     }
 }
 
@@ -390,7 +396,8 @@ static void deq_block(int type, const uint8_t *b, float *o) {
         case QP_Q3_K: deq_q3_k_sb(b, o); break;
         case QP_Q4_K: deq_q4_k_sb(b, o); break;
         case QP_Q5_K: deq_q5_k_sb(b, o); break;
-        default: deq_q6_k_sb(b, o); break;
+        case QP_Q6_K: deq_q6_k_sb(b, o); break;
+        default: qp_iq_deq_block(type, b, o); break;
     }
 }
 

@@ -1,0 +1,267 @@
+"""Decode speed of every bundled format on one model, against its F32 GGUF and llama.cpp.
+
+    python bench/bench_decode.py [--reps 2] [--threads 2] [--root DIR] [--llama-python PY]
+
+The model (bench_kernels' ``config()``): 8 layers (1 dense + 7 MoE), hidden 512, 32 routed
+experts of 256 (top-4) + 1 shared, MLA q_lora 256 / kv_lora 128, vocab 32000: ~136M
+parameters, random weights (std 0.02), written once as a bf16 safetensors checkpoint, then
+exported by each bundled backend's own ``quantplug_export`` (GGUF F32 / Q8_0 / Q4_0 through
+quantplug's gguf-py writer, DeepSeek FP8 block, compressed-tensors W4A16 experts-only, ModelSlim
+W4A8 experts + W8A8 attention, Quark MXFP4). Q4_K_M is made from the F32 GGUF by llama.cpp's own
+``llama_model_quantize`` (llama-cpp-python), the standard mix most GGUF downloads use.
+
+Every contender runs in a fresh process (``--child``), contenders alternate over ``--reps``
+rounds, and the best round is reported. Per contender: load seconds; prefill of 64 tokens; decode
+ms/token = (64 + 32 greedy generation - prefill) / 32 through the latent cache; tensor ops per
+decode step (a ``TorchDispatchMode`` count: what the native steps leave to torch); batch-4
+decode tokens/s (4 sequences decoded together) against batch-1. llama.cpp (when its Python
+binding is importable in ``--llama-python``): prefill 64, then 32 single-token evals with its
+greedy sampler. Wall clock by default (2 threads, as the issue measures); ``--cpu`` for process
+CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_kernels import VOCAB, config  # noqa: E402
+
+PREFILL, GEN = 64, 32
+CLOCK = time.perf_counter
+
+#: contender -> (directory name, load options); exact and fast where a format has a fast mode
+ROWS = {
+    "GGUF F32": ("gguf-F32", {}),
+    "GGUF Q8_0 exact": ("gguf-Q8_0", {}), "GGUF Q8_0 fast": ("gguf-Q8_0", {"kernels": "fast"}),
+    "GGUF Q4_0 exact": ("gguf-Q4_0", {}), "GGUF Q4_0 fast": ("gguf-Q4_0", {"kernels": "fast"}),
+    "GGUF Q4_K_M exact": ("gguf-Q4_K_M", {}), "GGUF Q4_K_M fast": ("gguf-Q4_K_M", {"kernels": "fast"}),
+    "FP8 block (act_quant)": ("fp8", {}), "FP8 block (activation_quant=none)": ("fp8", {"activation_quant": "none"}),
+    "CT W4A16 experts exact": ("ct-w4a16", {}), "CT W4A16 experts fast": ("ct-w4a16", {"kernels": "fast"}),
+    "ModelSlim W4A8 experts": ("modelslim-w4a8", {}),
+    "Quark MXFP4": ("quark-mxfp4", {}),
+}
+LLAMA = {"llama.cpp F32": "gguf-F32", "llama.cpp Q8_0": "gguf-Q8_0", "llama.cpp Q4_0": "gguf-Q4_0",
+         "llama.cpp Q4_K_M": "gguf-Q4_K_M"}
+
+
+def _gguf_with_merges(src: Path, dst: Path) -> None:
+    from quantplug_expert_pack.testing import rewrite_gguf
+
+    rewrite_gguf(src, dst, lambda w: w.add_token_merges(["<tok1> <tok2>"]))
+
+
+def build(root: Path, llama_py: str | None) -> dict[str, Path]:
+    """Every format's directory under ``root`` (reused when present)."""
+    import quantplug
+    from quantplug.plugins import get_plugin_manager
+    from quantplug.testing import random_state, write_checkpoint
+
+    dirs = {name: root / name for name, _ in ROWS.values()}
+    cfg = config()
+    dense = root / "dense-bf16"
+    if not (dense / "config.json").exists():
+        state = {k: v.to(__import__("torch").bfloat16) for k, v in random_state(cfg).items()}
+        write_checkpoint(dense, {**cfg, "architectures": ["DeepseekV3ForCausalLM"]}, state)
+    model = None
+    pm = get_plugin_manager()
+    exports = {"gguf-F32": ("expert_pack", {"type": "F32", "pack": False}),
+               "gguf-Q8_0": ("expert_pack", {"type": "Q8_0", "pack": False}),
+               "gguf-Q4_0": ("expert_pack", {"type": "Q4_0", "pack": False}),
+               "fp8": ("fp8", {}), "ct-w4a16": ("compressed_tensors", {}),
+               "modelslim-w4a8": ("modelslim", {"recipes": ["w4a8"]}), "quark-mxfp4": ("quark", {})}
+    for name, (backend, opts) in exports.items():
+        d = root / name
+        if (d / "config.json").exists():
+            continue
+        if model is None:
+            model = quantplug.load(dense, progress=False)
+        tmp = root / f"{name}.tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        res = pm.call("quantplug_export", [backend], firstresult=True, model=model, model_config=model.quantplug_plan.model_config,
+                      destination=tmp, options=opts, plan=model.quantplug_plan)[0][0]
+        results = res if isinstance(res, list | tuple) else [res]
+        os.replace(results[0].path, d)
+        print(f"exported {name}: {results[0].format}", file=sys.stderr)
+    for name in ("gguf-F32", "gguf-Q8_0", "gguf-Q4_0"):   # llama.cpp refuses a gpt2 vocabulary without merges
+        g = root / name / "model.gguf"
+        if not (root / name / ".merged").exists():
+            _gguf_with_merges(g, g.with_suffix(".tmp"))
+            os.replace(g.with_suffix(".tmp"), g)
+            (root / name / ".merged").touch()
+    km = root / "gguf-Q4_K_M"
+    if not (km / "model.gguf").exists() and llama_py:
+        km.mkdir(exist_ok=True)
+        (km / "config.json").write_text((root / "gguf-F32" / "config.json").read_text())
+        code = ("import llama_cpp, sys; p = llama_cpp.llama_model_quantize_default_params(); "
+                "p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M; p.nthread = 2; "
+                "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))")
+        subprocess.run([llama_py, "-c", code, str(root / "gguf-F32" / "model.gguf"), str(km / "model.gguf")], check=True,
+                       capture_output=True)
+    return {k: v for k, v in dirs.items() if (v / "config.json").exists() and any(v.iterdir())}
+
+
+def _best(fn, n: int) -> float:
+    best = float("inf")
+    for _ in range(n):
+        t0 = CLOCK()
+        fn()
+        best = min(best, CLOCK() - t0)
+    return best
+
+
+def child(path: str, options: dict, threads: int) -> dict:
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.set_num_threads(threads)
+    import quantplug
+    from quantplug.generate import new_cache
+
+    t0 = CLOCK()
+    m = quantplug.load(path, progress=False, options=options)
+    load_s = CLOCK() - t0
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, VOCAB, (1, PREFILL), generator=g)
+    prompt4 = torch.randint(0, VOCAB, (4, PREFILL), generator=g)
+
+    def gen(p: torch.Tensor) -> None:
+        m.generate(p, max_new_tokens=GEN, min_new_tokens=GEN, eos_token_id=None)
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with torch.inference_mode():
+        m(prompt[:, :8])
+        prefill = _best(lambda: m(prompt), 3)
+        gen(prompt[:, :8])
+        g1 = _best(lambda: gen(prompt), 2)
+        g4 = _best(lambda: gen(prompt4), 2)
+        p4 = _best(lambda: m(prompt4), 2)
+        cache = new_cache(m, 1, PREFILL + 8)
+        m.next_logits(prompt, cache)
+        with Count():
+            m.next_logits(prompt[:, :1], cache)
+    decode = (g1 - prefill) / GEN
+    decode4 = (g4 - p4) / GEN
+    return {"load_s": round(load_s, 3), "prefill64_ms": round(prefill * 1e3, 2), "decode_ms": round(decode * 1e3, 3),
+            "ops_per_step": Count.n, "batch4_tok_s": round(4 / decode4, 1), "batch1_tok_s": round(1 / decode, 1)}
+
+
+def llama_child(path: str, threads: int) -> dict:
+    import random
+
+    from llama_cpp import Llama
+
+    t0 = CLOCK()
+    llm = Llama(model_path=path, n_ctx=256, n_threads=threads, n_threads_batch=threads, verbose=False)
+    load_s = CLOCK() - t0
+    rnd = random.Random(0)
+    prompt = [rnd.randrange(VOCAB) for _ in range(PREFILL)]
+
+    def prefill() -> None:
+        llm.reset()
+        llm.eval(prompt)
+
+    def generate() -> None:
+        llm.reset()
+        llm.eval(prompt)
+        for _ in range(GEN):
+            llm.eval([llm.sample(temp=0.0)])
+
+    prefill()
+    p = _best(prefill, 3)
+    gtime = _best(generate, 2)
+    return {"load_s": round(load_s, 3), "prefill64_ms": round(p * 1e3, 2), "decode_ms": round((gtime - p) / GEN * 1e3, 3),
+            "gen64+32_ms": round(gtime * 1e3, 1)}
+
+
+def main() -> None:
+    global CLOCK
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--root", default=None)
+    ap.add_argument("--rows", default=None, help="comma-separated subset of the rows")
+    ap.add_argument("--llama-python", default=None)
+    ap.add_argument("--cpu", action="store_true", help="process CPU time instead of wall clock")
+    ap.add_argument("--child", nargs=3, metavar=("ENGINE", "PATH", "OPTIONS"))
+    a = ap.parse_args()
+    if a.cpu:
+        CLOCK = time.process_time
+    if a.child:
+        engine, path, opts = a.child
+        res = llama_child(path, a.threads) if engine == "llama" else child(path, json.loads(opts), a.threads)
+        print(json.dumps(res))
+        return
+    llama_py = a.llama_python
+    if llama_py is None:
+        try:
+            import llama_cpp  # noqa: F401
+            llama_py = sys.executable
+        except ImportError:
+            print("llama-cpp-python not importable (--llama-python): llama.cpp rows and Q4_K_M skipped", file=sys.stderr)
+    root = Path(a.root) if a.root else Path(tempfile.mkdtemp(prefix="qp_decode_"))
+    dirs = build(root, llama_py)
+    from quantplug.kernels import native
+
+    print(f"native kernels: {native.status()}", file=sys.stderr)
+    rows = [r for r in ROWS if a.rows is None or r in a.rows.split(",")]
+    contenders = [("quantplug", r) for r in rows if ROWS[r][0] in dirs]
+    if llama_py:
+        contenders += [("llama", r) for r in LLAMA if (a.rows is None or r in a.rows.split(",")) and LLAMA[r] in dirs]
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
+    best: dict[str, dict] = {}
+    for rnd in range(a.reps):
+        for engine, row in contenders:
+            if engine == "llama":
+                cmd = [llama_py, __file__, "--threads", str(a.threads), "--child", "llama",
+                       str(dirs[LLAMA[row]] / "model.gguf"), "{}"]
+            else:
+                name, opts = ROWS[row]
+                cmd = [sys.executable, __file__, "--threads", str(a.threads), "--child", "quantplug", str(dirs[name]),
+                       json.dumps(opts)]
+            if a.cpu:
+                cmd.insert(2, "--cpu")
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if out.returncode:
+                print(f"{row}: failed\n{out.stderr[-1500:]}", file=sys.stderr)
+                continue
+            res = json.loads(out.stdout.strip().splitlines()[-1])
+            prev = best.get(row)
+            best[row] = res if prev is None else {
+                k: (max(prev[k], v) if k.endswith("tok_s") else min(prev[k], v)) for k, v in res.items()}
+            print(f"round {rnd}: {row} {res}", file=sys.stderr, flush=True)
+    f32 = best.get("GGUF F32")
+    print(f"| contender | decode ms/token | vs F32 GGUF | prefill 64 ms | ops/step | batch-4 tok/s (x batch-1) |")
+    print("|---|---|---|---|---|---|")
+    for row, res in best.items():
+        vs = f"{f32['decode_ms'] / res['decode_ms']:.2f}x faster" if f32 else "-"
+        b4 = f"{res['batch4_tok_s']} ({res['batch4_tok_s'] / res['batch1_tok_s']:.2f}x)" if "batch4_tok_s" in res else "-"
+        print(f"| {row} | {res['decode_ms']:.2f} | {vs} | {res['prefill64_ms']:.1f} | {res.get('ops_per_step', '-')} | {b4} |")
+    for q in ("Q4_0", "Q8_0", "Q4_K_M"):
+        lc = best.get(f"llama.cpp {q}")
+        if lc is None:
+            continue
+        for mode in ("exact", "fast"):
+            r = best.get(f"GGUF {q} {mode}")
+            if r:
+                ours = r["prefill64_ms"] + GEN * r["decode_ms"]
+                print(f"{q} {mode}: 64+32 generate {ours:.1f} ms vs llama.cpp {lc['gen64+32_ms']:.1f} ms: "
+                      f"{lc['gen64+32_ms'] / ours:.2f}x llama.cpp's speed")
+    print(json.dumps(best))
+
+
+if __name__ == "__main__":
+    main()
