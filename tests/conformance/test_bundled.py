@@ -74,3 +74,17 @@ class TestExpertPackFastKernels(ExportedCheckpoint):
     # model (Q8_0 as two int4 halves), forward 4.2e-3 against transformers on the exactly
     # dequantized weights, apply vs dequantize + matmul <= 4.6e-3; fused = separate bit for bit
     forward_rtol = 3e-2
+
+
+@bundled("modelopt")
+class TestModelOpt(ExportedCheckpoint):
+    backend = "modelopt"  # W4A16_NVFP4 (weight-only NVFP4): the exporter's default
+
+
+@bundled("modelopt")
+class TestModelOptFP8(ExportedCheckpoint):
+    """FP8 per tensor with static input scales; the kit runs it weight-only."""
+
+    backend = "modelopt"
+    write_options = {"algo": "FP8"}
+    options = {"activation_quant": "none"}
