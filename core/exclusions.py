@@ -164,7 +164,7 @@ class Exclusions:
             entry, how, _ = compiled
             if how == "exact":
                 if entry not in known:
-                    out.append(Problem(f"{self.source} entry {entry!r} names no module of this checkpoint"
+                    out.append(Problem(f"{self.source} entry {entry!r} matches no module of this checkpoint"
                                        f"{self._did_you_mean(entry, modules)}", layer=entry, kind=kind))
             elif not any(self._hit(compiled, ns) for ns in spelled.values()):
                 out.append(Problem(f"{self.source} entry {entry!r} matches no module of this checkpoint",

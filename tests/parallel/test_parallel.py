@@ -184,6 +184,9 @@ def build_cases(root: Path) -> dict[str, list[dict]]:
     if _installed("quantplug_modelopt"):
         paths["modelopt-nvfp4-vendor"] = (VENDOR / "modelopt_nvfp4_dsv3", {})
         paths["modelopt-mixed-vendor"] = (VENDOR / "modelopt_mixed_dsv3", {})
+    # compressed-tensors NVFP4 / MXFP4 (auto-round llm_compressor exports; W4A4 activations emulated)
+    paths["ct-nvfp4-vendor"] = (VENDOR / "ct_nvfp4_autoround_dsv3", {})
+    paths["ct-mxfp4-vendor"] = (VENDOR / "ct_mxfp4_autoround_dsv3", {})
     # 2 ranks: 3 heads (attention replicated), 5 experts (blocks 3, 2), vocab 161 (81, 80);
     # 4 ranks: 6 heads (replicated), 6 experts (2, 2, 1, 1), vocab 162 (41, 41, 40, 40)
     odd2 = tiny_config(num_attention_heads=3, num_key_value_heads=3, n_routed_experts=5, n_group=1, topk_group=1,
@@ -275,7 +278,8 @@ def _results(runs, world: int, name: str) -> list[dict]:
 
 CASES = ["dense-hub-bf16", "dense-fused-hubrope", "kimi-k3-gate-tied-qproj", "quark-vendor", "modelslim-vendor",
          "quark-export", "modelslim-w4a8-export", "gguf-kquants", "expert-pack", "ct-fp8-block-vendor",
-         "ct-w4a16-experts-vendor", "ct-int4-packed", "ct-int4-asym", "ct-w8a8-token", "fp8-block"]
+         "ct-w4a16-experts-vendor", "ct-int4-packed", "ct-int4-asym", "ct-w8a8-token", "fp8-block",
+         "ct-nvfp4-vendor", "ct-mxfp4-vendor"]
 CASES += [c for c, mod in (("modelopt-nvfp4-vendor", "quantplug_modelopt"), ("modelopt-mixed-vendor", "quantplug_modelopt"))
           if _installed(mod)]
 
