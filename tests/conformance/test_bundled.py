@@ -88,3 +88,13 @@ class TestModelOptFP8(ExportedCheckpoint):
     backend = "modelopt"
     write_options = {"algo": "FP8"}
     options = {"activation_quant": "none"}
+
+
+@bundled("gptq")
+class TestGPTQ(ExportedCheckpoint):
+    backend = "gptq"  # int4 group 32 with zero points (stored - 1), g_idx = k // group
+
+
+@bundled("awq")
+class TestAWQ(ExportedCheckpoint):
+    backend = "awq"  # AWQ GEMM int4 group 32, interleaved word order
