@@ -35,6 +35,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from .errors import ConfigError
 from .types import Problem
 
 #: other engines' module names -> the checkpoint (Hugging Face DeepSeek-V3) shard names they stand for
@@ -98,7 +99,10 @@ class Exclusions:
         out: list[tuple[str, str, re.Pattern[str] | None]] = []
         for e in self.entries:
             if e.startswith("re:"):
-                out.append((e, "regex", re.compile(e[3:])))
+                try:
+                    out.append((e, "regex", re.compile(e[3:])))
+                except re.error as exc:
+                    raise ConfigError(f"{self.source} entry {e!r}: not a valid regular expression ({exc})") from None
             elif _is_pattern(e):
                 out.append((e, "pattern", re.compile(fnmatch.translate(e))))
             else:

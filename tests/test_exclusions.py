@@ -76,3 +76,10 @@ def test_problems_name_quantized_tensors_under_an_excluded_module():
     assert p.severity == "error" and p.layer == "model.layers.1.mlp.experts.3.down_proj"
     assert "entry 'model.layers.1.mlp.experts' excludes" in p.message
     assert "model.layers.1.mlp.experts.3.down_proj.weight_scale" in p.message
+
+
+def test_a_bad_regex_is_a_config_error_naming_the_entry():
+    from quantplug.api import ConfigError
+
+    with pytest.raises(ConfigError, match=r"cfg\.ignore entry 're:model.*': not a valid regular expression"):
+        ex("re:model\\.(").excluded_by("model.layers.0")
