@@ -101,7 +101,7 @@ class IntPackScheme(LinearScheme):
         in_f = layer.in_features
         n_groups = layer.scales.shape[-2]
         split = in_f != unsplit_features(layer)[1]
-        plain = torch.arange(in_f) // self.quant.group_size if self.quant.group_size > 0 else torch.zeros(in_f)
+        plain = self._plain(in_f)
         g_idx = getattr(layer, "g_idx", None)
         if g_idx is None:
             layer._groups = plain.long()
@@ -110,14 +110,18 @@ class IntPackScheme(LinearScheme):
         if not split and (int(gi.min()) < 0 or int(gi.max()) >= n_groups):
             raise LoadError(f"{layer.qp_ckpt}.g_idx holds groups outside [0, {n_groups}) of its scales")
         if split:  # row split: the whole g_idx on every rank, plain order required
-            full = torch.arange(gi.shape[-1]) // self.quant.group_size
-            if not bool((gi == full).all()):
+            if not bool((gi == self._plain(gi.shape[-1])).all()):
                 raise LoadError(f"{layer.qp_ckpt}.g_idx is an act-order permutation; this layer cannot be split by "
                                 "rows (desc_act is false in the config, but the checkpoint says otherwise)")
             layer._groups = plain.long()
             return
         groups = gi if gi.shape[0] > 1 else gi[0]
         layer._groups = plain.long() if groups.dim() == 1 and bool((groups == plain).all()) else groups
+
+    def _plain(self, n: int) -> torch.Tensor:
+        """The group of each of ``n`` inputs without act-order: k // group (per channel: 0)."""
+        g = self.quant.group_size
+        return torch.arange(n) // g if g > 0 else torch.zeros(n, dtype=torch.int64)
 
     # -- compute ------------------------------------------------------------------------------
 
