@@ -103,6 +103,7 @@ class IntPackScheme(LinearScheme):
         split = in_f != unsplit_features(layer)[1]
         plain = self._plain(in_f)
         g_idx = getattr(layer, "g_idx", None)
+        layer._plain_order = True
         if g_idx is None:
             layer._groups = plain.long()
             return
@@ -116,7 +117,9 @@ class IntPackScheme(LinearScheme):
             layer._groups = plain.long()
             return
         groups = gi if gi.shape[0] > 1 else gi[0]
-        layer._groups = plain.long() if groups.dim() == 1 and bool((groups == plain).all()) else groups
+        plain_order = bool((groups == plain).all()) if groups.dim() == 1 else bool((gi == plain).all())
+        layer._groups = plain.long() if plain_order else groups
+        layer._plain_order = plain_order
 
     def _plain(self, n: int) -> torch.Tensor:
         """The group of each of ``n`` inputs without act-order: k // group (per channel: 0)."""
@@ -135,13 +138,15 @@ class IntPackScheme(LinearScheme):
 
     def _rows(self, layer: Any, index: int | None):
         qw, qz, s, groups = self._parts(layer, index)
-        out_f = s.shape[-1]
+        out_f, in_f = s.shape[-1], groups.shape[-1]
         zeros = kernels.zeros_f32(self.pack, qz, self.quant.bits, out_f)
+        g = self.quant.group_size if self.quant.group_size > 0 else in_f
+        gathered = None if getattr(layer, "_plain_order", True) else groups
 
         def rows(r0: int, r1: int, out: torch.Tensor | None = None) -> torch.Tensor:
-            return kernels.dequantize_rows_f32(self.pack, self.quant.bits, qw, zeros, s, groups, r0, r1, out)
+            return kernels.dequantize_rows_f32(self.pack, self.quant.bits, qw, zeros, s, g, gathered, r0, r1, out)
 
-        return rows, out_f, groups.shape[-1]
+        return rows, out_f, in_f
 
     def dequantize(self, layer: Any, index: int | None = None) -> torch.Tensor:
         rows, out_f, _ = self._rows(layer, index)
