@@ -19,8 +19,8 @@ an excluded module whose scales were still written is a broken export (vllm PR 4
   prefix (``language_model`` of Kimi wrappers), each of those under the other engines' names of
   the module (:data:`ALIASES`), and each of their parent modules (excluding
   ``model.layers.1.mlp.experts`` excludes every expert under it);
-* :meth:`Exclusions.problems` checks the list against the checkpoint, headers only: an exact
-  name that names no module is an error with a did-you-mean, a pattern that matches nothing a
+* :meth:`Exclusions.problems` checks the list against the checkpoint, headers only: a name
+  (exact or substring) that names no module is an error with a did-you-mean, a pattern that matches nothing a
   warning, and a quantized tensor (scales, packed weights) stored under an excluded module an
   error naming the entry and the tensor.
 """
@@ -151,9 +151,9 @@ class Exclusions:
                  kind: str = "exclusion") -> list[Problem]:
         """Check the list against a checkpoint's tensor names, headers only.
 
-        * an exact entry that names no module (under any spelling, with or without the prefix):
-          an error, with the closest module name as a did-you-mean;
-        * a ``re:`` / wildcard / substring entry that matches no module: a warning (vendor lists
+        * an exact or substring entry that names no module (under any spelling, with or without
+          the prefix): an error, with the closest module name as a did-you-mean;
+        * a ``re:`` / wildcard entry that matches no module: a warning (vendor lists
           carry generic patterns such as ``*router*``);
         * a tensor ending in one of ``quantized_suffixes`` (``weight_scale``, ``qweight``...)
           stored under an excluded module: an error naming the entry and the tensor (the module
@@ -169,6 +169,10 @@ class Exclusions:
             if how == "exact":
                 if entry not in known:
                     out.append(Problem(f"{self.source} entry {entry!r} matches no module of this checkpoint"
+                                       f"{self._did_you_mean(entry, modules)}", layer=entry, kind=kind))
+            elif how == "substring":  # a name, read as engines read it: still a name that must name something
+                if not any(entry in n for n in known):
+                    out.append(Problem(f"{self.source} entry {entry!r} is part of no module name of this checkpoint"
                                        f"{self._did_you_mean(entry, modules)}", layer=entry, kind=kind))
             elif not any(self._hit(compiled, ns) for ns in spelled.values()):
                 out.append(Problem(f"{self.source} entry {entry!r} matches no module of this checkpoint",

@@ -67,6 +67,9 @@ def test_problems_name_unknown_entries_with_a_did_you_mean():
     assert "did you mean 'lm_head'?" in msgs["language_model.lm_head"][1]
     assert msgs["*router*"][0] == "warning"
     assert not ex("model.layers.0.mlp.gate_up_proj", "lm_head", "model.layers.1.mlp.experts.3.w13").problems(TENSORS)
+    sub = ex("self_attn", "mlp.gates", substring=True).problems(TENSORS)
+    assert [(p.layer, p.severity) for p in sub] == [("mlp.gates", "error")]
+    assert "is part of no module name" in sub[0].message
 
 
 def test_problems_name_quantized_tensors_under_an_excluded_module():

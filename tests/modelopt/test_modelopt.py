@@ -176,7 +176,7 @@ def test_kv_cache_algorithm_is_a_warning(tmp_path):
 
 def test_exclude_name_matching_nothing_is_an_error_with_a_did_you_mean(tmp_path):
     path = _variant(NVFP4, tmp_path / "c", edit_quant=lambda q: q["exclude_modules"].append("model.layers.1.mlp.gates"))
-    with pytest.raises(PlanError, match=r"'model.layers.1.mlp.gates' matches no module of this checkpoint; did you "
+    with pytest.raises(PlanError, match=r"'model.layers.1.mlp.gates' is part of no module name of this checkpoint; did you "
                                         r"mean 'model.layers.1.mlp.gate'\?"):
         quantplug.plan(path)
 

@@ -12,8 +12,10 @@
   ``quantized_layers``. Older releases (nvidia/DeepSeek-R1-FP4) carry ``exclude_modules`` there.
 
 ``hf_quant_config.json`` wins where both exist; a different ``quant_algo`` in the two is an
-error. Names are full checkpoint names (``model.layers.3.mlp.experts``: a parent module covers
-its children); exclusion entries may be ``*`` wildcards.
+error. ``quantized_layers`` names are full checkpoint names (``model.layers.3.mlp.experts``: a
+parent module covers its children); exclusion entries are read as vLLM and sglang read them, as
+substrings of module names (``self_attn`` excludes every attention projection), or ``*``
+wildcards.
 """
 
 from __future__ import annotations
@@ -105,7 +107,9 @@ class ModelOptConfig:
         prefix = "language_model" if any(n.startswith("language_model.") for n in checkpoint.tensors) else ""
         version = producer.get("version") if isinstance(producer, dict) else None
         return cls(algo=algo, group_size=gs,
-                   exclude=Exclusions(tuple(exclude), f"{where}.{field}", prefix),
+                   # entries are substrings of module names, as vLLM's / sglang's ModelOpt configs read them
+                   # (``module in prefix``); ``*`` wildcards and ``re:`` as everywhere
+                   exclude=Exclusions(tuple(exclude), f"{where}.{field}", prefix, substring=True),
                    layers=tuple(layers), kv_cache_algo=str(kv) if kv else None,
                    producer=f"modelopt {version}" if version else "modelopt", where=where)
 
