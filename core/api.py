@@ -48,6 +48,7 @@ from .errors import (
     QuantplugError,
     UnknownArchitectureError,
 )
+from .exclusions import ALIASES, Exclusions, modules_of
 from .hookspecs import BACKEND_HOOKS, CONTRACT_VERSION, GLOBAL_HOOKS, hookimpl
 from .kernels import ggml, native
 from .kernels.forms import ActQuant, Form, Weights
@@ -211,6 +212,8 @@ __all__ = [
     # schemes
     "DenseScheme", "FLOATS", "LinearScheme", "RefusedScheme", "SplitRule", "fuse_attention", "fuse_int4_packs", "fuse_mlp", "int4pack_rows_separable",
     "refuse",
+    # exclusion / ignore lists
+    "ALIASES", "Exclusions", "modules_of",
     # what hooks receive
     "Checkpoint", "LoadPlan", "ModelConfig", "RopeConfig",
     # reading

@@ -200,9 +200,10 @@ def _sparse(cfg):
 
 
 def _nvfp4(cfg):
+    """NVFP4 loads (tests/compressed_tensors/test_fp4.py); groups other than 16 are refused."""
     g = cfg["quantization_config"]["config_groups"]["group_0"]
     g["format"] = "nvfp4-pack-quantized"
-    g["weights"].update(num_bits=4, type="float", strategy="tensor_group", group_size=16)
+    g["weights"].update(num_bits=4, type="float", strategy="tensor_group", group_size=64)
 
 
 def _transform(cfg):
@@ -211,7 +212,7 @@ def _transform(cfg):
 
 @pytest.mark.parametrize("edit, field", [
     (_actorder, "config_groups.group_0.weights.actorder"), (_sparse, "quantization_config.sparsity_config"),
-    (_nvfp4, "config_groups.group_0.format"), (_transform, "quantization_config.transform_config")])
+    (_nvfp4, "config_groups.group_0.weights"), (_transform, "quantization_config.transform_config")])
 def test_unsupported_specs_are_refused_at_plan_time(tmp_path, edit, field):
     plan = build_plan(_variant(W4, tmp_path / "v", edit))
     refused = [p for p in plan.errors if p.kind == "refused"]

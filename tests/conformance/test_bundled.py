@@ -74,3 +74,27 @@ class TestExpertPackFastKernels(ExportedCheckpoint):
     # model (Q8_0 as two int4 halves), forward 4.2e-3 against transformers on the exactly
     # dequantized weights, apply vs dequantize + matmul <= 4.6e-3; fused = separate bit for bit
     forward_rtol = 3e-2
+
+
+@bundled("modelopt")
+class TestModelOpt(ExportedCheckpoint):
+    backend = "modelopt"  # W4A16_NVFP4 (weight-only NVFP4): the exporter's default
+
+
+@bundled("modelopt")
+class TestModelOptFP8(ExportedCheckpoint):
+    """FP8 per tensor with static input scales; the kit runs it weight-only."""
+
+    backend = "modelopt"
+    write_options = {"algo": "FP8"}
+    options = {"activation_quant": "none"}
+
+
+@bundled("gptq")
+class TestGPTQ(ExportedCheckpoint):
+    backend = "gptq"  # int4 group 32 with zero points (stored - 1), g_idx = k // group
+
+
+@bundled("awq")
+class TestAWQ(ExportedCheckpoint):
+    backend = "awq"  # AWQ GEMM int4 group 32, interleaved word order

@@ -182,6 +182,17 @@ def build_cases(root: Path) -> dict[str, list[dict]]:
     paths["ct-w8a8-token"] = (_ct_written(root / "ct-w8a8", ct, random_state(ct, seed=9), "w8a8"), {})
     # DeepSeek block FP8 with 32x32 blocks (tiny dims hold whole blocks) and act_quant per 32
     paths["fp8-block"] = (_fp8_blocks(root / "fp8", ct, random_state(ct, seed=7), (32, 32)), {})
+    # ModelOpt NVFP4 (activations emulated: whole 16-groups per rank) and MIXED_PRECISION (FP8 attention)
+    if _installed("quantplug_modelopt"):
+        paths["modelopt-nvfp4-vendor"] = (VENDOR / "modelopt_nvfp4_dsv3", {})
+        paths["modelopt-mixed-vendor"] = (VENDOR / "modelopt_mixed_dsv3", {})
+    # compressed-tensors NVFP4 / MXFP4 (auto-round llm_compressor exports; W4A4 activations emulated)
+    paths["ct-nvfp4-vendor"] = (VENDOR / "ct_nvfp4_autoround_dsv3", {})
+    paths["ct-mxfp4-vendor"] = (VENDOR / "ct_mxfp4_autoround_dsv3", {})
+    # GPTQ (g_idx, group 128: o_proj's 64-wide slices cut groups, replicated) and AutoRound AWQ (group 32)
+    if _installed("quantplug_gptq_awq"):
+        paths["gptq-vendor"] = (VENDOR / "gptq_autoround_dsv3", {})
+        paths["autoround-awq-vendor"] = (VENDOR / "autoround_awq_dsv3", {})
     # 2 ranks: 3 heads (attention replicated), 5 experts (blocks 3, 2), vocab 161 (81, 80);
     # 4 ranks: 6 heads (replicated), 6 experts (2, 2, 1, 1), vocab 162 (41, 41, 40, 40)
     odd2 = tiny_config(num_attention_heads=3, num_key_value_heads=3, n_routed_experts=5, n_group=1, topk_group=1,
@@ -205,6 +216,12 @@ def build_cases(root: Path) -> dict[str, list[dict]]:
     two = [cases[n] for n in paths if n != "uneven-4"] + [fail, group]
     four = [cases[n] for n in paths if n != "uneven-2"]
     return {"2": two, "4": four}
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 def _free_port() -> int:
@@ -268,7 +285,10 @@ def _results(runs, world: int, name: str) -> list[dict]:
 CASES = ["dense-hub-bf16", "dense-fused-hubrope", "kimi-k3-gate-tied-qproj", "quark-vendor", "modelslim-vendor",
          "quark-export", "modelslim-w4a8-export", "gguf-kquants", "expert-pack", "ct-fp8-block-vendor",
          "ct-w4a16-experts-vendor", "ct-int4-packed", "ct-int4-asym", "ct-w8a8-token", "fp8-block",
-         "gguf-iq-unsloth-vendor"]
+         "gguf-iq-unsloth-vendor", "ct-nvfp4-vendor", "ct-mxfp4-vendor"]
+CASES += [c for c, mod in (("modelopt-nvfp4-vendor", "quantplug_modelopt"), ("modelopt-mixed-vendor", "quantplug_modelopt"),
+                           ("gptq-vendor", "quantplug_gptq_awq"), ("autoround-awq-vendor", "quantplug_gptq_awq"))
+          if _installed(mod)]
 
 
 @pytest.mark.parametrize("world", WORLDS)

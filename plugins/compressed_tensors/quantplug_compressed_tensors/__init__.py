@@ -17,8 +17,9 @@ import difflib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from quantplug.api import Claim, ConfigError, Problem, hookimpl, option, refuse
+from quantplug.api import Claim, ConfigError, Exclusions, Problem, hookimpl, option, refuse
 
+from . import fp4
 from .config import FORMATS, LINEAR_CLASSES, CTConfig, Group, is_class_name, match_name
 from .schemes import CTScheme
 
@@ -27,6 +28,9 @@ QUANTPLUG_CONTRACT = "1.1"
 ACTIVATION_MODES = ("emulate", "none")
 #: values of the ``kernels`` option: "exact" (default) or "fast" (see schemes.CTScheme)
 KERNELS = ("exact", "fast")
+#: tensors only a quantized module stores (an ignored module holding one is a plan error)
+QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale", "input_global_scale",
+                  "input_scale", "weight_shape", "weight_g_idx")
 
 
 def _quant_config(config: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str]:
@@ -84,8 +88,7 @@ def _scheme(layer: str, group: Group, why: str, mode: str, kernels: str = "exact
     if group.output_activations is not None:
         return refuse(layer, f"{base}.output_activations", "output activation quantization is not supported")
     if "nvfp4" in fmt or "mxfp4" in fmt or w.strategy == "tensor_group" or (w.type == "float" and w.num_bits == 4):
-        return refuse(layer, f"{base}.format", f"{fmt} / {w.type}{w.num_bits} {w.strategy} (NVFP4 / MXFP4) is "
-                      "not supported by quantplug-compressed-tensors")
+        return fp4.scheme(layer, group, why, mode)  # nvfp4- / mxfp4-pack-quantized (or a refusal)
     if fmt not in FORMATS:
         return refuse(layer, f"{base}.format", f"format {fmt!r} is not supported (supported: {', '.join(FORMATS)})")
     if w.actorder not in (None, "static"):
@@ -185,9 +188,13 @@ def quantplug_validate_plan(plan: Any, quant_config: CTConfig) -> list[Problem]:
         parts = name.split(".")
         modules.update(".".join(parts[:i]) for i in range(1, len(parts)))
     names = {n for m in modules for n in qc.names_of(m)}
-    problems: list[Problem] = []
-    entries = [(e, "ignore") for e in qc.ignore] + [(t, f"config_groups.{g.name}.targets")
-                                                    for g in qc.groups for t in g.targets]
+    # ignore: the core's resolver (names through the prefix and other engines' spellings, a
+    # did-you-mean, quantized tensors stored under an ignored module); targets: checked here
+    ignore = tuple(e for e in qc.ignore if e not in LINEAR_CLASSES and not is_class_name(e))
+    problems: list[Problem] = Exclusions(ignore, f"{qc.where}.ignore", qc.prefix).problems(
+        plan.checkpoint.tensors, QUANT_SUFFIXES, kind="ct-name")
+    entries = [(e, "ignore") for e in qc.ignore if is_class_name(e)] + [
+        (t, f"config_groups.{g.name}.targets") for g in qc.groups for t in g.targets]
     for entry, section in entries:
         if entry in LINEAR_CLASSES:
             continue

@@ -1,0 +1,119 @@
+"""The hook implementations shared by the ``gptq`` and ``awq`` backends (each entry-point module
+answers for its own packing: AutoRound's ``packing_format`` picks which one claims)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from quantplug.api import Claim, ConfigError, DenseScheme, Problem, refuse
+
+from .config import IntConfig, packing_of
+from .kernels import AWQ, gptq
+from .scheme import IntPackScheme
+
+#: tensors only a quantized module stores (an excluded module holding one is a plan error)
+QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+LINEAR = re.compile(r"\.(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|gate_proj|up_proj|down_proj)$")
+
+
+def _quant_config(config: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    top = config.get("quantization_config")
+    text = config.get("text_config")
+    inner = text.get("quantization_config") if isinstance(text, dict) else None
+    if isinstance(top, dict) and isinstance(inner, dict) and top != inner:
+        raise ConfigError("config.json: quantization_config and text_config.quantization_config differ; "
+                          "quantplug-gptq-awq will not guess which one the weights follow")
+    if isinstance(top, dict):
+        return top, "quantization_config"
+    if isinstance(inner, dict):
+        return inner, "text_config.quantization_config"
+    return None, ""
+
+
+def detect(checkpoint: Any, backend: str) -> Claim | None:
+    qc, where = _quant_config(checkpoint.config)
+    if qc is None:
+        return None
+    if packing_of(qc) != backend:
+        return None
+    prefix = "language_model" if any(n.startswith("language_model.") for n in checkpoint.tensors) else ""
+    cfg = IntConfig.parse(qc, where, prefix)
+    if cfg is None:
+        return None
+    how = f", packing_format {qc.get('packing_format')}" if cfg.method == "auto-round" else ""
+    return Claim(backend, cfg, f"config.json {where}.quant_method == {cfg.method!r}{how} ({cfg.default.describe()})")
+
+
+def _stored(checkpoint: Any, module: str) -> tuple[str | None, bool]:
+    """(what ``module`` stores: "packed" | a float dtype | None, whether it is a fused expert tensor)."""
+    if checkpoint.get(f"{module}.qweight") is not None:
+        return "packed", False
+    info = checkpoint.get(f"{module}.weight")
+    if info is not None:
+        return info.dtype, False
+    info = checkpoint.get(module)
+    return (info.dtype, True) if info is not None else (None, False)
+
+
+def linear_scheme(layer_name: str, layer_kind: str, shard_names: Sequence[str], quant_config: IntConfig,
+                  checkpoint: Any) -> Any:
+    qc = quant_config
+    if layer_kind == "embedding":
+        if _stored(checkpoint, layer_name)[0] == "packed":
+            return refuse(layer_name, qc.where, "a quantized embedding is not a GPTQ / AWQ layout quantplug knows")
+        return None
+    if layer_kind not in ("linear", "experts"):
+        return None
+    names = list(shard_names) if shard_names else [layer_name]
+    stored = {n: _stored(checkpoint, n) for n in names}
+    if layer_kind == "experts" and any(fused for _, fused in stored.values()):
+        if all(dt not in (None, "packed") for dt, _ in stored.values()):
+            return None
+        return refuse(layer_name, qc.where, "quantized routed experts in the transformers 5 fused layout have no "
+                      f"{qc.packing} tensor names; exports store them per expert")
+    answers = []
+    for n in names:
+        lq, why = qc.layer(n)
+        kind = stored[n][0]
+        if lq is None and kind == "packed":
+            return refuse(layer_name, qc.exclude.source if "entry" in why else qc.where,
+                          f"{why} leaves {n} unquantized, but {n}.qweight is stored")
+        if lq is not None and kind not in (None, "packed"):
+            lq, why = None, f"stored as {kind} (no qweight) although {why} says {qc.default.describe()}"
+        answers.append((n, lq, why))
+    kinds = {lq for _, lq, _ in answers}
+    if len({(k.bits, k.group_size, k.sym, k.desc_act) if k else None for k in kinds}) > 1:
+        listing = "; ".join(f"{n}: {lq.describe() if lq else 'float'} ({why})" for n, lq, why in answers[:4])
+        return refuse(layer_name, qc.where, f"the modules feeding it disagree: {listing}")
+    _, lq, why = answers[0]
+    if lq is None:
+        dense = DenseScheme()
+        dense.reason = why
+        return dense
+    if qc.data_type != "int":
+        return refuse(layer_name, f"{qc.where}.data_type", f"{qc.data_type!r}: only integer weights are supported")
+    if lq.bits not in (4, 8) or (lq.group_size <= 0 and lq.group_size != -1):
+        return refuse(layer_name, qc.where, f"{lq.describe()} ({why}): supported are 4 / 8 bits, group_size > 0 or -1")
+    if qc.packing == "awq" and (lq.bits != 4 or lq.desc_act):
+        return refuse(layer_name, qc.where, f"AWQ GEMM {lq.describe()}: only 4-bit without act-order is defined")
+    pack = gptq(qc.checkpoint_format) if qc.packing == "gptq" else AWQ
+    return IntPackScheme(pack, lq, why)
+
+
+def validate_plan(plan: Any, qc: IntConfig, kind: str) -> list[Problem]:
+    tensors = plan.checkpoint.tensors
+    problems = qc.exclude.problems(tensors, QUANT_SUFFIXES, kind=kind)
+    for name, info in tensors.items():
+        if not name.endswith(".weight") or not info.is_float or len(info.shape) != 2:
+            continue
+        module = name[: -len(".weight")]
+        if not LINEAR.search(module):
+            continue
+        lq, why = qc.layer(module)
+        if lq is not None:
+            problems.append(Problem(f"{module} is stored as {info.dtype} although {why} quantizes it "
+                                    f"({lq.describe()}); it loads as stored (is an exclusion missing?)",
+                                    layer=module, severity="warning", kind=f"{kind}-float"))
+    return problems
