@@ -10,7 +10,8 @@ Groups:
 
 * the contract: :data:`hookimpl`, :data:`CONTRACT_VERSION`, the hook names (``HOOKS``);
 * answers: :class:`Claim`, :class:`AttentionLayout`, :class:`Problem`, :class:`ExportResult`,
-  :class:`TensorSpec` (and what a scheme is given: :class:`TensorInfo`);
+  :class:`TensorSpec` (and what a scheme is given: :class:`TensorInfo`), :class:`OptionSpec`
+  (``quantplug_options``);
 * schemes: :class:`LinearScheme` (abstract), :class:`DenseScheme`, :func:`refuse` (a plan-time
   refusal naming the layer and the field, never a silent dense fallback), :data:`LAYER_KINDS`,
   :class:`SplitRule` (how a stored tensor follows a tensor-parallel split: ``LinearScheme.split``);
@@ -77,6 +78,7 @@ from .types import (
     Claim,
     Decision,
     ExportResult,
+    OptionSpec,
     PluginInfo,
     Problem,
     SkipRule,
@@ -192,7 +194,11 @@ def unsplit_features(layer: nn.Module) -> tuple[int, int]:
 
 def option(options: Mapping[str, Any], key: str, default: Any, choices: tuple[Any, ...] | None = None) -> Any:
     """``options[key]`` (the ``-o KEY=VALUE`` / ``options=`` value) or ``default``, checked
-    against ``choices``: a wrong value is a :class:`ConfigError` naming the key and the choices."""
+    against ``choices``: a wrong value is a :class:`ConfigError` naming the key and the choices.
+
+    Since contract 1.4 the plan has already checked every declared option (``quantplug_options``)
+    and filled in its default, so ``options[key]`` is enough; this stays for plugins that read
+    options they do not declare."""
     value = options.get(key, default)
     if choices is not None and value not in choices:
         raise ConfigError(f"option {key}={value!r}: expected one of {', '.join(map(repr, choices))}")
@@ -202,7 +208,7 @@ def option(options: Mapping[str, Any], key: str, default: Any, choices: tuple[An
 __all__ = [
     "CONTRACT_VERSION", "HOOKS", "LAYER_KINDS", "Layer", "hookimpl",
     # answers and values
-    "AttentionLayout", "Claim", "Decision", "ExportResult", "PluginInfo", "Problem", "SkipRule",
+    "AttentionLayout", "Claim", "Decision", "ExportResult", "OptionSpec", "PluginInfo", "Problem", "SkipRule",
     "TensorInfo", "TensorSpec",
     # schemes
     "DenseScheme", "FLOATS", "LinearScheme", "RefusedScheme", "SplitRule", "fuse_attention", "fuse_int4_packs", "fuse_mlp", "int4pack_rows_separable",

@@ -19,12 +19,21 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from quantplug.api import Claim, ConfigError, ExportResult, LinearScheme, TensorSpec, dense_state, hookimpl
+from quantplug.api import (
+    Claim,
+    ConfigError,
+    ExportResult,
+    LinearScheme,
+    OptionSpec,
+    TensorSpec,
+    dense_state,
+    hookimpl,
+)
 from safetensors.torch import save_file
 
 __version__ = "1.0.0"
 #: the quantplug contract this backend is written for
-QUANTPLUG_CONTRACT = "1.1"
+QUANTPLUG_CONTRACT = "1.4"
 PREFIX = "language_model."
 _LINEAR = re.compile(r"^(model\.layers\.\d+\..+_proj(_with_mqa)?|lm_head)\.weight$")
 
@@ -83,6 +92,11 @@ def quantplug_detect(checkpoint: Any) -> Claim | None:
     if not isinstance(qc, dict) or qc.get("quant_method") != "acme":
         return None
     return Claim("acme", AcmeConfig.parse(qc), "quantization_config.quant_method == 'acme'")
+
+
+@hookimpl
+def quantplug_options() -> list[OptionSpec]:
+    return []  # acme reads no options: any given option other than the core's is a plan error
 
 
 @hookimpl

@@ -17,13 +17,13 @@ import difflib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from quantplug.api import Claim, ConfigError, Problem, hookimpl, option, refuse
+from quantplug.api import Claim, ConfigError, OptionSpec, Problem, hookimpl, option, refuse
 
 from .config import FORMATS, LINEAR_CLASSES, CTConfig, Group, is_class_name, match_name
 from .schemes import CTScheme
 
 __version__ = "0.1.0"
-QUANTPLUG_CONTRACT = "1.1"
+QUANTPLUG_CONTRACT = "1.4"
 ACTIVATION_MODES = ("emulate", "none")
 #: values of the ``kernels`` option: "exact" (default) or "fast" (see schemes.CTScheme)
 KERNELS = ("exact", "fast")
@@ -53,6 +53,12 @@ def quantplug_detect(checkpoint: Any) -> Claim | None:
     cfg = CTConfig.parse(qc, prefix, where)
     return Claim("compressed_tensors", cfg, f"config.json {where}.quant_method == 'compressed-tensors' "
                  f"(format {cfg.format}, {len(cfg.groups)} config group(s))")
+
+
+@hookimpl
+def quantplug_options() -> list[OptionSpec]:
+    return [OptionSpec("activation_quant", str, "emulate", ACTIVATION_MODES,
+                       "emulate: quantize activations as the config's input_activations say; none: weight-only")]
 
 
 @hookimpl

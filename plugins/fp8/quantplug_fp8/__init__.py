@@ -18,13 +18,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from quantplug.api import Claim, DenseScheme, Problem, hookimpl, option, refuse
+from quantplug.api import Claim, DenseScheme, OptionSpec, Problem, hookimpl, option, refuse
 
 from .config import FP8Config, matches
 from .scheme import ACTIVATION_MODES, FP8BlockScheme
 
 __version__ = "0.1.0"
-QUANTPLUG_CONTRACT = "1.1"
+QUANTPLUG_CONTRACT = "1.4"
 WRAPPER = "language_model"
 
 
@@ -40,6 +40,16 @@ def quantplug_detect(checkpoint: Any) -> Claim | None:
     parsed = FP8Config.parse(qc, where)
     return Claim("fp8", parsed, f"config.json {where}.quant_method == 'fp8' with weight_block_size "
                                 f"{list(parsed.block)}")
+
+
+@hookimpl
+def quantplug_options() -> list[OptionSpec]:
+    return [
+        OptionSpec("activation_quant", str, "dynamic", ACTIVATION_MODES,
+                   "dynamic: emulate DeepSeek's per-token, per-128 FP8 activation quantization; none: weight-only"),
+        OptionSpec("weight_block_size", list, [128, 128], None, "export: FP8 scale block [rows, columns]",
+                   scope="export"),
+    ]
 
 
 def _stored(checkpoint: Any, module: str) -> tuple[str | None, bool]:

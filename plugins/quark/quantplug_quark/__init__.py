@@ -13,14 +13,14 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from quantplug.api import Claim, Problem, hookimpl, refuse
+from quantplug.api import Claim, OptionSpec, Problem, hookimpl, refuse
 
 from .config import QuarkConfig
 from .export import export_quark
 from .scheme import MXFP4Scheme
 
 #: the hook-contract version this plugin is written for (quantplug.api.CONTRACT_VERSION)
-QUANTPLUG_CONTRACT = "1.1"
+QUANTPLUG_CONTRACT = "1.4"
 
 __version__ = "0.1.0"
 PACKED = {"fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -34,6 +34,12 @@ def quantplug_detect(checkpoint: Any) -> Claim | None:
     if not isinstance(qc, dict) or qc.get("quant_method") != "quark":
         return None
     return Claim("quark", QuarkConfig.parse(qc), "config.json quantization_config.quant_method == 'quark'")
+
+
+@hookimpl
+def quantplug_options() -> list[OptionSpec]:
+    return [OptionSpec("dequantize", bool, False, None,
+                       "keep a dense copy of every MXFP4 linear after loading: faster forward, more memory")]
 
 
 @hookimpl
@@ -70,7 +76,7 @@ def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Seque
     bad = spec.unsupported()
     if bad:
         return refuse(layer_name, "quantization_config", f"Quark spec not supported by quantplug-quark: {bad} ({why})")
-    return MXFP4Scheme(why, cache=bool(options.get("dequantize", False)))
+    return MXFP4Scheme(why, cache=bool(options.get("dequantize")))
 
 
 def _stored_float(checkpoint: Any, module: str) -> bool:
