@@ -17,6 +17,8 @@ Groups:
   :class:`SplitRule` (how a stored tensor follows a tensor-parallel split: ``LinearScheme.split``);
 * what hooks receive: :class:`Checkpoint`, :class:`ModelConfig`, :class:`RopeConfig`,
   :class:`LoadPlan`;
+* validated config reading (1.4): :class:`Fields` (typed field readers with key paths),
+  :func:`config_fields`, :func:`quant_config_fields`, :func:`sidecar_fields`;
 * reading: :func:`read_gguf_header` / :class:`GGUFHeader`, :data:`GGUF_FLOATS`,
   :data:`TORCH_DTYPES`, :data:`SAFETENSORS_DTYPES`, :func:`read_into`; :func:`contained` /
   :func:`check_inside` (a file name read from checkpoint metadata must stay inside its directory);
@@ -85,7 +87,8 @@ from .types import (
     TensorInfo,
     TensorSpec,
 )
-from .validation import check_inside, contained
+from .validation import Fields, check_inside, contained
+from .validation import quant_config_fields as _quant_config_fields
 
 #: What a scheme's ``dequantize`` / ``apply`` / ``embed`` / ``process_after_loading`` receive as
 #: ``layer``: the planned module (``QuantLinear``, ``StackedLinear``, ``Embedding``) holding one
@@ -183,6 +186,35 @@ def plan_of(model: nn.Module) -> LoadPlan:
     return plan
 
 
+def config_fields(checkpoint: Checkpoint) -> Fields:
+    """config.json as :class:`Fields`: typed, range-checked readers whose failures are one
+    ``ConfigError`` line naming the file and the key path (``.../config.json: quantization_config.
+    weight_block_size = [0, 128]: expected a list of 2 integers in [1, 65536]``).
+
+    .. versionadded:: 1.4"""
+    return Fields(checkpoint.config, str(checkpoint.path / "config.json"))
+
+
+def quant_config_fields(checkpoint: Checkpoint) -> tuple[Fields | None, str]:
+    """config.json's ``quantization_config`` (or, in Kimi wrappers, ``text_config``'s) as
+    :class:`Fields`, and its key path; ``(None, "")`` when there is none. Not an object, or a
+    ``quant_method`` that is not a string: a ``ConfigError`` (the core checks this before detection).
+
+    .. versionadded:: 1.4"""
+    return _quant_config_fields(checkpoint.config, str(checkpoint.path / "config.json"))
+
+
+def sidecar_fields(checkpoint: Checkpoint, name: str) -> Fields | None:
+    """A sidecar JSON file next to config.json (bounded read) as :class:`Fields`, or None when
+    absent; a file that is not a JSON object is a ``ConfigError`` naming it.
+
+    .. versionadded:: 1.4"""
+    data = checkpoint.sidecar(name)
+    if data is None:
+        return None
+    return Fields(data, str(checkpoint.path / name))
+
+
 def unsplit_features(layer: nn.Module) -> tuple[int, int]:
     """``(out_features, in_features)`` of a linear before any tensor-parallel split: a split
     layer's ``out_features`` / ``in_features`` are this rank's slice, but a stored shape record
@@ -218,6 +250,8 @@ __all__ = [
     # reading
     "FLOAT_DTYPES", "GGUF_FLOATS", "GGUFHeader", "SAFETENSORS_DTYPES", "SkippedArray", "TORCH_DTYPES",
     "check_inside", "contained", "ggml_types", "read_gguf_header", "read_into", "storage_shape",
+    # validated config reading (1.4)
+    "Fields", "config_fields", "quant_config_fields", "sidecar_fields",
     # exporting
     "convert_expert_layout", "dense_state", "named_linears", "option", "plan_of", "unsplit_features",
     # adding an architecture

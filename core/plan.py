@@ -36,6 +36,7 @@ from .models.registry import ArchSpec, get_arch
 from .options import resolve as resolve_options
 from .plugins import PluginManager, get_plugin_manager
 from .types import CORE, AttentionLayout, Claim, Decision, PluginInfo, Problem, SkipRule, TensorInfo
+from .validation import quant_config_fields
 
 
 @dataclass
@@ -423,6 +424,7 @@ def _build_plan(path: str | Path, backend: str | None, options: Mapping[str, Any
     arch = get_arch(ckpt.config, pm.architectures())
     mcfg = parse_model_config(ckpt.config, arch.name, arch.wrapped, str(ckpt.path / "config.json"))
     check_against_tensors(mcfg, ckpt.tensors)
+    quant_config_fields(ckpt.config, str(ckpt.path / "config.json"))  # an object with a string quant_method, if any
     claim = pm.detect(ckpt, backend)
     be = claim.backend if claim else None
     qc = claim.quant_config if claim else None

@@ -21,13 +21,14 @@ import torch
 import torch.nn.functional as F
 from quantplug.api import (
     Claim,
-    ConfigError,
     ExportResult,
+    Fields,
     LinearScheme,
     OptionSpec,
     TensorSpec,
     dense_state,
     hookimpl,
+    quant_config_fields,
 )
 from safetensors.torch import save_file
 
@@ -44,14 +45,10 @@ class AcmeConfig:
     ignore: frozenset[str]
 
     @classmethod
-    def parse(cls, qc: Mapping[str, Any]) -> AcmeConfig:
-        bits = qc.get("bits", 8)
-        if bits != 8:
-            raise ConfigError(f"quantization_config.bits = {bits!r}: acme-quant reads 8-bit weights only")
-        ignore = qc.get("ignore", [])
-        if not isinstance(ignore, list) or not all(isinstance(n, str) for n in ignore):
-            raise ConfigError("quantization_config.ignore: expected a list of module names")
-        return cls(bits, frozenset(ignore))
+    def parse(cls, qc: Fields) -> AcmeConfig:
+        # typed readers: a wrong type or value is one ConfigError naming config.json and the key path
+        bits = qc.get_int("bits", 8, 8, 8)  # acme-quant reads 8-bit weights only
+        return cls(bits, frozenset(qc.str_list("ignore")))
 
     def quantized(self, module: str) -> bool:
         return module.removeprefix(PREFIX) not in self.ignore
@@ -79,17 +76,10 @@ class Int8RowScheme(LinearScheme):
         return (F.linear(x.float(), w.float()) * s.view(-1)).to(x.dtype)
 
 
-def _quant_config(config: Mapping[str, Any]) -> Any:
-    qc = config.get("quantization_config")
-    if qc is None and isinstance(config.get("text_config"), dict):
-        qc = config["text_config"].get("quantization_config")
-    return qc
-
-
 @hookimpl
 def quantplug_detect(checkpoint: Any) -> Claim | None:
-    qc = _quant_config(checkpoint.config)
-    if not isinstance(qc, dict) or qc.get("quant_method") != "acme":
+    qc, _ = quant_config_fields(checkpoint)
+    if qc is None or qc.opt_str("quant_method") != "acme":
         return None
     return Claim("acme", AcmeConfig.parse(qc), "quantization_config.quant_method == 'acme'")
 

@@ -216,7 +216,7 @@ def quantplug_validate_plan(plan: Any, quant_config: GGUFConfig) -> list[Problem
         problems.append(Problem(f"general.architecture is {arch!r}; quantplug-expert-pack reads llama.cpp "
                                 "'deepseek2' files (DeepSeek-V3 / Kimi)", file=first))
     blocks = meta.get(f"{arch}.block_count")
-    nextn = int(ckpt.config.get("num_nextn_predict_layers", 0) or 0)
+    nextn = cfg.num_nextn_predict_layers  # validated by the core (an integer in [0, 1024])
     if blocks is not None and blocks not in (cfg.num_hidden_layers, cfg.num_hidden_layers + nextn):
         problems.append(Problem(f"GGUF {arch}.block_count = {blocks} contradicts config.json num_hidden_layers = "
                                 f"{cfg.num_hidden_layers}", file=first, kind="metadata"))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from quantplug.api import Claim, ConfigError, OptionSpec, Problem, hookimpl, refuse
+from quantplug.api import Claim, ConfigError, OptionSpec, Problem, hookimpl, refuse, sidecar_fields
 
 from .schemes import ACTIVATION_MODES, W4A8Dynamic, W8A8Dynamic, W8A8Static
 
@@ -48,12 +48,24 @@ def quantplug_detect(checkpoint: Any) -> Claim | None:
     name = _description_file(checkpoint)
     if name is None:
         return None
-    desc = checkpoint.sidecar(name)
-    if not isinstance(desc, dict):
+    if not isinstance(checkpoint.sidecar(name), dict):
         raise ConfigError(f"{checkpoint.path / name}: expected a JSON object of tensor name -> type")
-    types = {k: str(v) for k, v in desc.items() if k not in GLOBAL_KEYS and isinstance(v, str)}
-    cfg = ModelSlimConfig(name, str(desc.get("model_quant_type", "")), MappingProxyType(types),
-                          MappingProxyType({k: desc[k] for k in GLOBAL_KEYS if k in desc}))
+    desc = sidecar_fields(checkpoint, name)
+    assert desc is not None
+    # every key but the global ones names a tensor and must map to a type string (a number or a
+    # list there is an error, never a silently skipped tensor)
+    types = {k: desc.get_str(k) for k in desc.data if k not in GLOBAL_KEYS}
+    globals_: dict[str, Any] = {}
+    for key in GLOBAL_KEYS & set(desc.data):
+        if key == "group_size":
+            globals_[key] = desc.get_int(key, 0, 1 << 20, 0)
+        elif key == "metadata":
+            meta = desc.get_obj(key)
+            globals_[key] = MappingProxyType(dict(meta.data)) if meta is not None else None
+        else:
+            globals_[key] = desc.opt_str(key)
+    cfg = ModelSlimConfig(name, globals_.get("model_quant_type") or "", MappingProxyType(types),
+                          MappingProxyType(globals_))
     return Claim("modelslim", cfg, f"{name} beside config.json (model_quant_type {cfg.model_quant_type or '?'})")
 
 
