@@ -229,8 +229,14 @@ def test_gguf_overlap_bool_alignment_duplicates_and_counts(tmp_path, gguf_dir):
 
     def huge_count(d):
         struct.pack_into("<Q", d, 8, 2**60)  # n_tensors
-    with pytest.raises(CheckpointError, match="tensor count = .* needs at least"):
+    with pytest.raises(CheckpointError, match="lists 1,152,921,504,606,846,976 tensor entries; a GGUF of this format "
+                                              "holds at most 65,536"):
         read_gguf_header(_patch_gguf(src, tmp_path / "c.gguf", huge_count))
+
+    def large_count(d):
+        struct.pack_into("<Q", d, 8, 60000)  # under the cap, more than the file can hold
+    with pytest.raises(CheckpointError, match="tensor count = 60,000 needs at least|60,000 tensors need at least"):
+        read_gguf_header(_patch_gguf(src, tmp_path / "e.gguf", large_count))
 
 
 # -- Quark: F8_E8M0 weight_scale is U8's encoding ---------------------------------------------------
