@@ -300,8 +300,9 @@ def quantplug_cli_commands(subparsers: Any) -> None:
     sub = p.add_subparsers(dest="expert_pack_command", required=True)
     b = sub.add_parser("build", help="copy a GGUF checkpoint with its routed experts moved into experts.qpack")
     b.add_argument("path", help="source checkpoint directory (config.json + .gguf files)")
-    b.add_argument("-o", "--output", help="new directory to write (other files hard-linked or copied); SRC is "
-                                          "left byte-identical, even if the build is killed or the disk fills")
+    b.add_argument("-o", "--output", help="new directory to write (other files reflinked where the file system "
+                                          "can, else copied: never hard-linked); SRC is left byte-identical, even "
+                                          "if the build is killed or the disk fills")
     b.add_argument("--in-place", action="store_true", help="rewrite SRC's GGUF files instead (the old behaviour)")
     b.add_argument("--alignment", type=int, default=4096, help="payload alignment in bytes (default 4096)")
     b.set_defaults(fn=_cmd_build)
