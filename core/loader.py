@@ -140,7 +140,9 @@ def load(path: str | Path, *, backend: str | None = None, dtype: torch.dtype = t
     ``group=``), the model is split over the ranks (``quantplug.parallel``): each rank reads only
     its share, and ``model(input_ids)``, called on every rank with the same ids, returns the
     full logits on every rank. A rank that fails while planning or loading makes every rank
-    raise (no rank is left waiting in a collective).
+    raise (no rank is left waiting in a collective); a rank whose forward or generate step raises
+    makes the others raise :class:`~quantplug.errors.ParallelError` naming it, and a rank that does
+    not reach a forward collective within ``tp_timeout_s`` (default 60 s) is named by the others.
     """
     t0 = time.perf_counter()
     comm = parallel.resolve_group(group)
@@ -148,25 +150,42 @@ def load(path: str | Path, *, backend: str | None = None, dtype: torch.dtype = t
         p = build_plan(path, backend=backend, options=options, dtype=dtype, plugin_manager=plugin_manager)
         model = execute(p, device=device, plugin_manager=plugin_manager, progress=progress)
     else:
+        # every rank bounds its forward collectives and shares failures through the store; a
+        # failure here (a BaseException too: a Rust library's panic) reaches every rank's agree
+        comm.watch(_timeout(options))
         err: BaseException | None = None
         try:
             p = build_plan(path, backend=backend, options=options, dtype=dtype, plugin_manager=plugin_manager,
                            world_size=comm.world, rank=comm.rank, comm=comm)
             p.raise_for_problems()
-        except Exception as exc:  # noqa: BLE001 (re-raised by agree, after telling the other ranks)
+        except BaseException as exc:  # noqa: BLE001 (re-raised by agree, after telling the other ranks)
             err = exc
         comm.agree(err, "planning")
         try:
             model = execute(p, device=device, plugin_manager=plugin_manager,
                             progress=progress if comm.rank == 0 else False)
-        except Exception as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001
             err = exc
         comm.agree(err, "loading")
+        comm.timeout_s = float(p.options.get("tp_timeout_s", comm.timeout_s or 60.0))
+        parallel.guard_model(model, comm)
+        parallel.remember(comm)
     model.load_seconds = time.perf_counter() - t0  # type: ignore[assignment]
     model.load_report = {  # type: ignore[assignment]
         "rank": comm.rank if comm else 0, "world_size": comm.world if comm else 1,
         "bytes_read": sum(parallel.source_bytes(s, i) for pp in p.params for s, i in pp.sources)}
     return model
+
+
+def _timeout(options: Mapping[str, Any] | None) -> float:
+    """``tp_timeout_s`` as given (checked again, with every option, by the plan), else its default."""
+    from .options import CORE_OPTIONS
+
+    spec = next(o for o in CORE_OPTIONS if o.name == "tp_timeout_s")
+    try:
+        return float(spec.convert((options or {}).get("tp_timeout_s", spec.default)))
+    except ValueError:
+        return float(spec.default)  # the plan reports the bad value on every rank
 
 
 def model_bytes(model: nn.Module) -> int:
