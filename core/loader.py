@@ -1,5 +1,14 @@
 """Execute a LoadPlan: zero-copy views where tensors are used as stored, streamed conversion
-into preallocated parameters otherwise, then post-processing."""
+into preallocated parameters otherwise, then post-processing.
+
+Load option ``mmap`` (default true): a tensor used exactly as stored is a zero-copy view of the
+memory-mapped file, costing no memory of its own but tied to the file: a file truncated or
+rewritten after the load (a network or otherwise changing file system) kills the process with
+SIGBUS on the next forward that touches the lost pages (safetensors' own loader does the same;
+llama.cpp offers ``--no-mmap``). ``mmap=False`` reads every tensor with ``preadv`` into memory of
+its own: no SIGBUS, at the cost of that memory (the model's bytes as anonymous memory instead of
+shared page cache) and of the copy at load.
+"""
 
 from __future__ import annotations
 
@@ -57,16 +66,32 @@ def _stream(plan: LoadPlan, info: TensorInfo, dst: torch.Tensor, stage: _Stage) 
         flat[start:start + count].copy_(buf)
 
 
+def _private(plan: LoadPlan, info: TensorInfo) -> torch.Tensor:
+    """The tensor as :meth:`Checkpoint.tensor` gives it (dtype and shape; GGUF blocks as
+    [..., row_bytes]), but read with ``preadv`` into memory of its own: no memory map (option
+    ``mmap=False``)."""
+    from .checkpoint.gguf_index import gguf_view
+
+    raw = torch.empty(info.nbytes, dtype=torch.uint8)
+    if info.nbytes:
+        read_into(plan.checkpoint.fd(info.file), info.offset, raw)
+    if info.format == "gguf":
+        return gguf_view(raw, info)
+    return raw.view(TORCH_DTYPES[info.dtype]).view(info.shape)
+
+
 def _materialize(plan: LoadPlan, pp: ParamPlan, device: torch.device, stage: _Stage) -> torch.Tensor:
     ckpt = plan.checkpoint
+    mapped = bool(plan.options.get("mmap", True))
     if pp.sources[0][0].slices is not None:  # a tensor-parallel slice: read only its byte ranges
         return parallel.materialize_sliced(plan, pp, device, stage, STAGE_BYTES)
     if pp.zero_copy and device.type == "cpu":
         src, info = pp.sources[0]
-        t = ckpt.tensor(info)
-        if src.narrow is not None:
-            t = t.narrow(*src.narrow)
-        return t
+        if mapped:  # a view of the file's pages: no memory of its own, but the file must not shrink
+            t = ckpt.tensor(info)
+            return t.narrow(*src.narrow) if src.narrow is not None else t
+        t = _private(plan, info)  # mmap=False: one copy, owned
+        return t.narrow(*src.narrow).clone() if src.narrow is not None else t
     out = torch.empty(pp.shape, dtype=pp.dtype, device=device)
     for src, info in pp.sources:
         dst = out if src.slot is None else out[src.slot]
@@ -74,7 +99,7 @@ def _materialize(plan: LoadPlan, pp: ParamPlan, device: torch.device, stage: _St
                 and (info.format == "safetensors" or info.dtype in GGUF_FLOATS)):
             _stream(plan, info, dst, stage)
             continue
-        t = ckpt.tensor(info)
+        t = ckpt.tensor(info) if mapped else _private(plan, info)
         if src.narrow is not None:
             t = t.narrow(*src.narrow)
         dst.copy_(t)  # converts dtype and device in one pass
