@@ -282,15 +282,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit codes: 0 ok; 1 a QuantplugError (one line; a plan's problems listed); 2 usage; 3 anything
+    else (one line). ``--debug`` shows tracebacks instead."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
     try:
         parser = build_parser()  # loads the plugins: a strict-mode import failure stops here
-    except QuantplugError as exc:
-        if "--debug" in argv:
-            raise
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    args = parser.parse_args(argv)
+        args = parser.parse_args(argv)
+    except SystemExit:
+        raise  # argparse: usage (2) or --help (0)
+    except BaseException as exc:  # noqa: BLE001 (one line; exit code by kind)
+        return _report(exc, debug)
     from .parallel import torchrun_session
 
     try:
@@ -298,26 +300,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         with torchrun_session() as comm:
             args.comm = comm
             return int(args.fn(args))
-    except PlanError as exc:
-        if args.debug:
-            raise
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: BLE001
+        return _report(exc, args.debug)
+
+
+def _report(exc: BaseException, debug: bool) -> int:
+    """One line on stderr for ``exc`` (a plan's problems: one per cause) and the exit code."""
+    if isinstance(exc, KeyboardInterrupt):
+        return 130
+    if isinstance(exc, GeneratorExit):
+        raise exc
+    if debug:
+        raise exc
+    if isinstance(exc, PlanError):
         print(str(exc), file=sys.stderr)
         return 1
-    except QuantplugError as exc:
-        if args.debug:
-            raise
+    if isinstance(exc, QuantplugError):
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 130
-    except (SystemExit, GeneratorExit):
-        raise
-    except BaseException as exc:  # noqa: BLE001 (a bug, or a library's panic: one line, not a traceback)
-        if args.debug:
-            raise
-        print(f"error: unexpected {type(exc).__name__}: {exc}. This is a bug in quantplug, a plugin or a library; "
-              "--debug shows the traceback", file=sys.stderr)
-        return 3
+    print(f"error: unexpected {type(exc).__name__}: {exc}. This is a bug in quantplug, a plugin or a library; "
+          "--debug shows the traceback", file=sys.stderr)
+    return 3
 
 
 if __name__ == "__main__":
