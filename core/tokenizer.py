@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .errors import CheckpointError, QuantplugError
-from .validation import MAX_JSON_BYTES, check_count, contained, json_depth_ok, read_json
+from .validation import MAX_JSON_BYTES, Fields, check_count, contained, json_depth_ok, read_json
 
 T = TypeVar("T")
 #: largest tiktoken.model / chat_template.jinja read (Kimi's tiktoken.model is 2.8 MB)
@@ -447,7 +447,37 @@ def _config(root: Path) -> dict[str, Any]:
     cfg = read_json(f, error=CheckpointError)
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{f}: expected a JSON object")
+    _check_config(Fields(cfg, str(f)))
     return cfg
+
+
+def _check_config(f: Fields) -> None:
+    """The tokenizer_config.json keys quantplug reads have the types it reads them as (a wrong
+    type is a ConfigError naming the key, never silently ignored)."""
+    for key in ("bos_token", "eos_token"):
+        v = f.raw(key)
+        if isinstance(v, dict):
+            tok = f.get_obj(key)
+            assert tok is not None
+            tok.get_str("content")
+        elif v is not None:
+            f.get_str(key)
+    for _, tok in f.entries("added_tokens_decoder"):
+        assert tok is not None
+        tok.get_str("content")
+    f.opt_str("pat_str")
+    t = f.raw("chat_template")
+    if isinstance(t, list):
+        if not t:
+            f.fail("chat_template", t, "a string or a non-empty list of {name, template} objects")
+        for i, item in enumerate(t):
+            if not isinstance(item, dict):
+                f.fail(f"chat_template[{i}]", item, "an object with name and template")
+            entry = Fields(item, f.file, f.sub(f"chat_template[{i}]"))
+            entry.get_str("name")
+            entry.get_str("template")
+    elif t is not None:
+        f.get_str("chat_template")
 
 
 def _template(root: Path, cfg: dict[str, Any]) -> str | None:

@@ -15,12 +15,13 @@ wording; the helper is ~100 lines.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -121,6 +122,23 @@ def check_inside(root: Path, files: Iterable[Path], what: str) -> None:
 
 
 
+#: (file name, key path) of every key read through :class:`Fields` while :func:`recording_reads`
+#: is active (tests and the fuzz suite: a key the base reads but a mutated run does not read any
+#: more was bypassed, a value skipped without being validated)
+_reads: set[tuple[str, str]] | None = None
+
+
+@contextlib.contextmanager
+def recording_reads() -> Iterator[set[tuple[str, str]]]:
+    """Collect (file name, key path) of every key read through :class:`Fields` in this block."""
+    global _reads
+    saved, _reads = _reads, set()
+    try:
+        yield _reads
+    finally:
+        _reads = saved
+
+
 class Fields:
     """Typed, range-checked reads from one JSON object; failures name ``file`` and the key path.
 
@@ -137,6 +155,10 @@ class Fields:
             raise ConfigError(f"{file}: {path or '(top level)'}: expected an object, got {_kind(data)}")
         self.data, self.file, self.path = data, file, path
 
+    def _note(self, key: str) -> None:
+        if _reads is not None:
+            _reads.add((os.path.basename(self.file), self.sub(key)))
+
     def sub(self, key: str | int) -> str:
         """The key path of ``key`` under this object (``a.b``, ``a.b[3]``)."""
         if isinstance(key, int):
@@ -150,13 +172,16 @@ class Fields:
         raise ConfigError(f"{self.where(key)} = {_short(value)}: expected {expected}")
 
     def has(self, key: str) -> bool:
+        self._note(key)
         return self.data.get(key) is not None
 
     def raw(self, key: str, default: Any = None) -> Any:
+        self._note(key)
         v = self.data.get(key)
         return default if v is None else v
 
     def get_int(self, key: str, lo: int, hi: int, default: Any = ConfigError) -> int:
+        self._note(key)
         v = self.data.get(key)
         if v is None:
             if default is ConfigError:
@@ -169,9 +194,11 @@ class Fields:
         return v
 
     def opt_int(self, key: str, lo: int, hi: int) -> int | None:
+        self._note(key)
         return None if self.data.get(key) is None else self.get_int(key, lo, hi)
 
     def get_float(self, key: str, lo: float, hi: float, default: Any = ConfigError, *, open_lo: bool = False) -> float:
+        self._note(key)
         v = self.data.get(key)
         if v is None:
             if default is ConfigError:
@@ -183,9 +210,11 @@ class Fields:
         return float(v)
 
     def opt_float(self, key: str, lo: float, hi: float, *, open_lo: bool = False) -> float | None:
+        self._note(key)
         return None if self.data.get(key) is None else self.get_float(key, lo, hi, open_lo=open_lo)
 
     def get_bool(self, key: str, default: bool) -> bool:
+        self._note(key)
         v = self.data.get(key)
         if v is None:
             return default
@@ -194,6 +223,7 @@ class Fields:
         return v
 
     def get_str(self, key: str, default: Any = ConfigError, choices: Iterable[str] | None = None) -> str:
+        self._note(key)
         v = self.data.get(key)
         if v is None:
             if default is ConfigError:
@@ -205,6 +235,7 @@ class Fields:
         return v
 
     def get_obj(self, key: str, required: bool = False) -> Fields | None:
+        self._note(key)
         v = self.data.get(key)
         if v is None:
             if required:
@@ -215,6 +246,7 @@ class Fields:
         return Fields(v, self.file, self.sub(key))
 
     def get_list(self, key: str, item: type[T]) -> list[T]:
+        self._note(key)
         v = self.data.get(key)
         if v is None:
             return []
@@ -226,10 +258,12 @@ class Fields:
 
     def opt_str(self, key: str, choices: Iterable[str] | None = None) -> str | None:
         """A string (one of ``choices``) or None when absent / null."""
+        self._note(key)
         return None if self.data.get(key) is None else self.get_str(key, choices=choices)
 
     def str_list(self, key: str, *, single: bool = False, nonempty_items: bool = True) -> tuple[str, ...]:
         """A list of strings (``single``: a lone string counts as a list of one); absent: ``()``."""
+        self._note(key)
         v = self.data.get(key)
         if v is None:
             return ()
@@ -244,6 +278,7 @@ class Fields:
 
     def int_list(self, key: str, lo: int, hi: int, length: int | None = None) -> tuple[int, ...] | None:
         """A list of integers in [lo, hi] (of ``length`` items); absent: None."""
+        self._note(key)
         v = self.data.get(key)
         if v is None:
             return None
@@ -255,10 +290,12 @@ class Fields:
         return tuple(v)
 
     def opt_obj(self, key: str) -> Fields | None:
+        self._note(key)
         return self.get_obj(key)
 
     def obj_or_list(self, key: str) -> list[Fields] | None:
         """An object, or a list of objects (each read as its own Fields); absent: None."""
+        self._note(key)
         v = self.data.get(key)
         if v is None:
             return None
@@ -271,6 +308,7 @@ class Fields:
     def entries(self, key: str, *, nullable: bool = False) -> list[tuple[str, Fields | None]]:
         """An object whose values are objects (``nullable``: or null), as (name, Fields) pairs in
         file order; absent: ``[]``."""
+        self._note(key)
         v = self.data.get(key)
         if v is None:
             return []

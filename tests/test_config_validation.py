@@ -82,6 +82,12 @@ def test_rope_scaling_of_the_wrong_type_is_refused(dense_dir, tmp_path):
     _refused(path, r"config\.json: rope_scaling = \['yarn'\]: expected an object")
 
 
+def test_a_zero_yarn_beta_is_refused_not_replaced_by_a_default(dense_dir, tmp_path):
+    # before: beta_fast 0 silently became 32
+    path = _variant(dense_dir, tmp_path / "c", "config.json", lambda d: d["rope_parameters"].update(beta_fast=0))
+    _refused(path, r"config\.json: rope_parameters\.beta_fast = 0: expected a finite number in \[0\.001, 10000\]")
+
+
 def test_quantization_config_must_be_an_object(dense_dir, tmp_path):
     path = _variant(dense_dir, tmp_path / "c", "config.json", lambda d: d.update(quantization_config=["quark"]))
     _refused(path, r"config\.json: quantization_config = \['quark'\]: expected an object")

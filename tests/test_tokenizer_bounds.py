@@ -13,7 +13,7 @@ import time
 
 import pytest
 import quantplug.tokenizer as qt
-from quantplug.errors import CheckpointError
+from quantplug.errors import CheckpointError, ConfigError
 from quantplug.tokenizer import load_tokenizer, read_tiktoken_ranks, render_bounded
 from test_tokenizer import TEMPLATE, trained_bpe, write_tiktoken
 
@@ -103,7 +103,13 @@ def test_tokenizer_config_is_read_bounded(tmp_path):
     with pytest.raises(CheckpointError, match="key 'a' appears twice"):
         load_tokenizer(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text('{"chat_template": 5}')
-    with pytest.raises(CheckpointError, match="chat_template = 5: expected a string"):
+    with pytest.raises(ConfigError, match="tokenizer_config.json: chat_template = 5: expected a string"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": 7}')  # before: silently no EOS string
+    with pytest.raises(ConfigError, match="tokenizer_config.json: eos_token = 7: expected a string"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text('{"added_tokens_decoder": {"5": {"content": 3}}}')
+    with pytest.raises(ConfigError, match=r"added_tokens_decoder\.5\.content = 3: expected a string"):
         load_tokenizer(tmp_path)
 
 

@@ -114,8 +114,8 @@ def _rope(f: Fields, mpe: int) -> RopeConfig:
     # yarn extends the context: factor >= 1 (transformers' own rule); betas are rotation counts
     # (32 and 1 in every release): tiny ones overflow yarn's correction range
     factor = src.get_float("factor", 1.0, 1e4, mpe / orig)
-    beta_fast = src.get_float("beta_fast", 1e-3, 1e4, 32.0) if src.data.get("beta_fast") != 0 else 32.0
-    beta_slow = src.get_float("beta_slow", 1e-3, 1e4, 1.0) if src.data.get("beta_slow") != 0 else 1.0
+    beta_fast = src.get_float("beta_fast", 1e-3, 1e4, 32.0)
+    beta_slow = src.get_float("beta_slow", 1e-3, 1e4, 1.0)
     return RopeConfig(
         theta=theta, type="yarn", factor=factor, original_max_position_embeddings=orig,
         beta_fast=beta_fast, beta_slow=beta_slow,
