@@ -250,6 +250,21 @@ def _sandbox() -> Any:
                 raise SecurityError("a %-format with a huge or '*' width")
             return sized(super().call_binop(context, operator, left, right))
 
+        def wrap_str_format(self, value: Any) -> Any:
+            """``'...'.format`` / ``format_map``: the sandbox's own wrapper, with the widths in the
+            format string and in the arguments checked first."""
+            fn = super().wrap_str_format(value)
+            if fn is None:
+                return None
+            if wide_format.search(value.__self__):
+                raise SecurityError("a format with a huge width")
+
+            def checked(*args: Any, **kwargs: Any) -> Any:
+                for a in (*args, *kwargs.values()):
+                    width(a)
+                return sized(fn(*args, **kwargs))
+            return checked
+
         def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
             name = getattr(__obj, "__name__", "")
             if isinstance(getattr(__obj, "__self__", None), str):
@@ -285,8 +300,17 @@ def _sandbox() -> Any:
 
         raise TemplateError(message)
 
+    real_lipsum: Any = env.globals["lipsum"]
+
+    def lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> Any:  # noqa: A002
+        for a in (n, min, max):
+            if not isinstance(a, int) or isinstance(a, bool) or not 0 <= a <= 1000:
+                raise SecurityError(f"lipsum({n!r}, min={min!r}, max={max!r}): counts of 0..1000")
+        return real_lipsum(n, html, min, max)
+
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["lipsum"] = lipsum
     return env
 
 
