@@ -64,8 +64,12 @@ def _cmd_options(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(found, indent=2))
         return 0
-    table = [[r["name"], r["owner"], r["scope"], r["type"], json.dumps(r["default"]),
-              ",".join(map(str, r["choices"])) if r["choices"] is not None else "-", r["help"]] for r in found]
+    def allowed(r: dict[str, Any]) -> str:
+        if r["choices"] is not None:
+            return ",".join(map(str, r["choices"]))
+        return r["expected"].split(" in ", 1)[1] if r["type"] in ("int", "float") and " in " in r["expected"] else "-"
+    table = [[r["name"], r["owner"], r["scope"], r["type"], json.dumps(r["default"]), allowed(r), r["help"]]
+             for r in found]
     print(_table(table, ["NAME", "OWNER", "SCOPE", "TYPE", "DEFAULT", "CHOICES", "HELP"]))
     return 0
 
