@@ -193,3 +193,9 @@ def rows(items: Iterable[Declared]) -> list[dict[str, Any]]:
     return [{"name": d.spec.name, "owner": d.owner.name, "scope": d.spec.scope, "type": d.spec.type.__name__,
              "default": d.spec.default, "choices": list(d.spec.choices) if d.spec.choices is not None else None,
              "expected": d.spec.expected(), "help": d.spec.help} for d in items]
+
+
+def export_options(pm: PluginManager, backend: str, given: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``quantplug_export``'s ``options`` for ``backend``: checked against its declared export
+    options (scope ``"export"``), converted, defaults filled."""
+    return resolve(pm, backend, given, scope="export").values

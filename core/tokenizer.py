@@ -222,7 +222,7 @@ def _sandbox() -> Any:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def sized(value: Any) -> Any:
-        if isinstance(value, str | bytes | list | tuple) and len(value) > TEMPLATE_STRING_CHARS:
+        if isinstance(value, str | bytes | list | tuple | range) and len(value) > TEMPLATE_STRING_CHARS:
             raise SecurityError(f"a value of {len(value):,} items (more than {TEMPLATE_STRING_CHARS:,})")
         return value
 

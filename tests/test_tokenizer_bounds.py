@@ -76,10 +76,19 @@ def test_the_default_time_bound_applies_to_render_chat(tmp_path, monkeypatch):
     ("{{ messages|tojson(indent=10**6) }}", "tojson indent"),
     ("{{ 10**(10**8) }}", "refused by the sandbox.*power"),
     ("{{ ('x' * 5000).replace('x', 'y' * 5000) }}", "refused by the sandbox"),
+    ("{{ range(99999)|list|join(',') * 1000 }}", "refused by the sandbox"),
 ])
 def test_string_growth_is_bounded_before_the_allocation(template, pattern):
-    with pytest.raises(CheckpointError, match=pattern):
-        _render(template)
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError, match=pattern):
+            _render(template)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, f"{peak / 2**20:.0f} MiB allocated before the refusal"
 
 
 def test_template_errors_are_one_line_checkpoint_errors():
