@@ -18,7 +18,8 @@ Groups:
 * what hooks receive: :class:`Checkpoint`, :class:`ModelConfig`, :class:`RopeConfig`,
   :class:`LoadPlan`;
 * validated config reading (1.4): :class:`Fields` (typed field readers with key paths),
-  :func:`config_fields`, :func:`quant_config_fields`, :func:`sidecar_fields`;
+  :func:`config_fields`, :func:`quant_config_fields`, :func:`sidecar_fields`, :func:`read_json`
+  (a JSON file, size and nesting bounded);
 * reading: :func:`read_gguf_header` / :class:`GGUFHeader`, :data:`GGUF_FLOATS`,
   :data:`TORCH_DTYPES`, :data:`SAFETENSORS_DTYPES`, :func:`read_into`; :func:`contained` /
   :func:`check_inside` (a file name read from checkpoint metadata must stay inside its directory);
@@ -87,7 +88,7 @@ from .types import (
     TensorInfo,
     TensorSpec,
 )
-from .validation import Fields, check_inside, contained
+from .validation import Fields, check_inside, contained, read_json
 from .validation import quant_config_fields as _quant_config_fields
 
 #: What a scheme's ``dequantize`` / ``apply`` / ``embed`` / ``process_after_loading`` receive as
@@ -251,7 +252,7 @@ __all__ = [
     "FLOAT_DTYPES", "GGUF_FLOATS", "GGUFHeader", "SAFETENSORS_DTYPES", "SkippedArray", "TORCH_DTYPES",
     "check_inside", "contained", "ggml_types", "read_gguf_header", "read_into", "storage_shape",
     # validated config reading (1.4)
-    "Fields", "config_fields", "quant_config_fields", "sidecar_fields",
+    "Fields", "config_fields", "quant_config_fields", "read_json", "sidecar_fields",
     # exporting
     "convert_expert_layout", "dense_state", "named_linears", "option", "plan_of", "unsplit_features",
     # adding an architecture

@@ -599,3 +599,13 @@ def test_duplicate_json_keys_are_errors(tmp_path):
     (path / "config.json").write_text(text.replace('"hidden_size": 64,', '"hidden_size": 64, "hidden_size": 128,', 1))
     with pytest.raises(CheckpointError, match="config.json: key 'hidden_size' appears twice"):
         quantplug.plan(path)
+
+
+def test_build_reads_config_json_typed(tmp_path, gguf_dir):
+    """``expert-pack build`` read num_experts_per_tok with int(): NaN was a raw ValueError."""
+    src = tmp_path / "src"
+    shutil.copytree(gguf_dir, src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_experts_per_tok"] = float("nan")
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert main(["expert-pack", "build", str(src), "-o", str(tmp_path / "dst")]) == 1

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -32,7 +31,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from quantplug.api import CheckpointError, GGUFHeader, TensorInfo, check_inside, contained, read_gguf_header
+from quantplug.api import (
+    CheckpointError,
+    Fields,
+    GGUFHeader,
+    TensorInfo,
+    check_inside,
+    contained,
+    read_gguf_header,
+    read_json,
+)
 
 from .pack import (
     _HEADER,
@@ -272,9 +280,9 @@ def _build(root: Path, out_dir: Path, alignment: int, progress: bool | None) -> 
                 raise CheckpointError(f"{t.where()}: {t.shape[0]} experts, others have {n_experts}")
     assert n_experts is not None
     config_bytes = (root / "config.json").read_bytes()
-    config = json.loads(config_bytes)
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    top_k = int(text.get("num_experts_per_tok", 0) or 0)
+    top = Fields(read_json(root / "config.json"), str(root / "config.json"))
+    text = top.get_obj("text_config") or top
+    top_k = text.get_int("num_experts_per_tok", 0, 1 << 16, 0)  # informational, in the pack header
     _, ids = _type_tables()
 
     n_entries = len(layers) * n_experts * len(ROLES)
