@@ -239,3 +239,29 @@ def test_fields_readers_name_file_and_key_path():
     assert Fields({"a": "x"}, "f").str_list("a", single=True) == ("x",)
     with pytest.raises(ConfigError, match=r"^f: \(top level\): expected an object, got a list$"):
         Fields([], "f")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("file,value,pattern", [
+    ("generation_config.json", "two", r"generation_config\.json: eos_token_id = 'two': expected an integer"),
+    ("generation_config.json", [1, float("nan")], r"generation_config\.json: eos_token_id = .*: expected a list of"),
+    ("config.json", -3, r"config\.json: eos_token_id = -3: expected an integer"),
+])
+def test_eos_ids_are_typed(dense_dir, tmp_path, file, value, pattern):
+    import quantplug
+    import torch
+
+    root = tmp_path / "c"
+    root.mkdir()
+    for f in dense_dir.iterdir():
+        os.link(f, root / f.name)
+    if file == "generation_config.json":
+        (root / file).write_text(json.dumps({"eos_token_id": value}))
+    else:
+        (root / file).unlink()
+        doc = json.loads((dense_dir / file).read_text())
+        doc["eos_token_id"] = value
+        (root / file).write_text(json.dumps(doc))
+    model = quantplug.load(root, progress=False)
+    # before: int('two') / int(nan) raised a raw ValueError from generate
+    with pytest.raises(ConfigError, match=pattern):
+        model.generate(torch.tensor([[1, 2]]), 2)
