@@ -10,12 +10,16 @@ Groups:
 
 * the contract: :data:`hookimpl`, :data:`CONTRACT_VERSION`, the hook names (``HOOKS``);
 * answers: :class:`Claim`, :class:`AttentionLayout`, :class:`Problem`, :class:`ExportResult`,
-  :class:`TensorSpec` (and what a scheme is given: :class:`TensorInfo`);
+  :class:`TensorSpec` (and what a scheme is given: :class:`TensorInfo`), :class:`OptionSpec`
+  (``quantplug_options``);
 * schemes: :class:`LinearScheme` (abstract), :class:`DenseScheme`, :func:`refuse` (a plan-time
   refusal naming the layer and the field, never a silent dense fallback), :data:`LAYER_KINDS`,
   :class:`SplitRule` (how a stored tensor follows a tensor-parallel split: ``LinearScheme.split``);
 * what hooks receive: :class:`Checkpoint`, :class:`ModelConfig`, :class:`RopeConfig`,
   :class:`LoadPlan`;
+* validated config reading (1.4): :class:`Fields` (typed field readers with key paths),
+  :func:`config_fields`, :func:`quant_config_fields`, :func:`sidecar_fields`, :func:`read_json`
+  (a JSON file, size and nesting bounded);
 * reading: :func:`read_gguf_header` / :class:`GGUFHeader`, :data:`GGUF_FLOATS`,
   :data:`TORCH_DTYPES`, :data:`SAFETENSORS_DTYPES`, :func:`read_into`; :func:`contained` /
   :func:`check_inside` (a file name read from checkpoint metadata must stay inside its directory);
@@ -80,13 +84,15 @@ from .types import (
     Claim,
     Decision,
     ExportResult,
+    OptionSpec,
     PluginInfo,
     Problem,
     SkipRule,
     TensorInfo,
     TensorSpec,
 )
-from .validation import check_inside, contained
+from .validation import Fields, check_inside, contained, read_json
+from .validation import quant_config_fields as _quant_config_fields
 
 #: What a scheme's ``dequantize`` / ``apply`` / ``embed`` / ``process_after_loading`` receive as
 #: ``layer``: the planned module (``QuantLinear``, ``StackedLinear``, ``Embedding``) holding one
@@ -184,6 +190,35 @@ def plan_of(model: nn.Module) -> LoadPlan:
     return plan
 
 
+def config_fields(checkpoint: Checkpoint) -> Fields:
+    """config.json as :class:`Fields`: typed, range-checked readers whose failures are one
+    ``ConfigError`` line naming the file and the key path (``.../config.json: quantization_config.
+    weight_block_size = [0, 128]: expected a list of 2 integers in [1, 65536]``).
+
+    .. versionadded:: 1.4"""
+    return Fields(checkpoint.config, str(checkpoint.path / "config.json"))
+
+
+def quant_config_fields(checkpoint: Checkpoint) -> tuple[Fields | None, str]:
+    """config.json's ``quantization_config`` (or, in Kimi wrappers, ``text_config``'s) as
+    :class:`Fields`, and its key path; ``(None, "")`` when there is none. Not an object, or a
+    ``quant_method`` that is not a string: a ``ConfigError`` (the core checks this before detection).
+
+    .. versionadded:: 1.4"""
+    return _quant_config_fields(checkpoint.config, str(checkpoint.path / "config.json"))
+
+
+def sidecar_fields(checkpoint: Checkpoint, name: str) -> Fields | None:
+    """A sidecar JSON file next to config.json (bounded read) as :class:`Fields`, or None when
+    absent; a file that is not a JSON object is a ``ConfigError`` naming it.
+
+    .. versionadded:: 1.4"""
+    data = checkpoint.sidecar(name)
+    if data is None:
+        return None
+    return Fields(data, str(checkpoint.path / name))
+
+
 def unsplit_features(layer: nn.Module) -> tuple[int, int]:
     """``(out_features, in_features)`` of a linear before any tensor-parallel split: a split
     layer's ``out_features`` / ``in_features`` are this rank's slice, but a stored shape record
@@ -195,7 +230,11 @@ def unsplit_features(layer: nn.Module) -> tuple[int, int]:
 
 def option(options: Mapping[str, Any], key: str, default: Any, choices: tuple[Any, ...] | None = None) -> Any:
     """``options[key]`` (the ``-o KEY=VALUE`` / ``options=`` value) or ``default``, checked
-    against ``choices``: a wrong value is a :class:`ConfigError` naming the key and the choices."""
+    against ``choices``: a wrong value is a :class:`ConfigError` naming the key and the choices.
+
+    Since contract 1.4 the plan has already checked every declared option (``quantplug_options``)
+    and filled in its default, so ``options[key]`` is enough; this stays for plugins that read
+    options they do not declare."""
     value = options.get(key, default)
     if choices is not None and value not in choices:
         raise ConfigError(f"option {key}={value!r}: expected one of {', '.join(map(repr, choices))}")
@@ -207,7 +246,7 @@ __all__ = [
     # the compute layer (weight forms and their kernels)
     "ActQuant", "Form", "Weights", "ggml", "native",
     # answers and values
-    "AttentionLayout", "Claim", "Decision", "ExportResult", "PluginInfo", "Problem", "SkipRule",
+    "AttentionLayout", "Claim", "Decision", "ExportResult", "OptionSpec", "PluginInfo", "Problem", "SkipRule",
     "TensorInfo", "TensorSpec",
     # schemes
     "DenseScheme", "FLOATS", "LinearScheme", "RefusedScheme", "SplitRule", "fuse_attention", "fuse_int4_packs", "fuse_mlp", "int4pack_rows_separable",
@@ -219,6 +258,8 @@ __all__ = [
     # reading
     "FLOAT_DTYPES", "GGUF_FLOATS", "GGUFHeader", "SAFETENSORS_DTYPES", "SkippedArray", "TORCH_DTYPES",
     "check_inside", "contained", "ggml_types", "read_gguf_header", "read_into", "storage_shape",
+    # validated config reading (1.4)
+    "Fields", "config_fields", "quant_config_fields", "read_json", "sidecar_fields",
     # exporting
     "convert_expert_layout", "dense_state", "named_linears", "option", "plan_of", "unsplit_features",
     # adding an architecture

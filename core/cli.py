@@ -14,20 +14,22 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import PlanError, QuantplugError
+from .errors import ConfigError, PlanError, QuantplugError
+from .options import OptionText
 from .plugins import get_plugin_manager
 
 
 def _options(pairs: Sequence[str] | None) -> dict[str, Any]:
+    """``-o KEY=VALUE`` pairs; values stay text, converted by each option's declared type when the
+    plan checks them (``quantplug plugins --options`` lists the types)."""
     out: dict[str, Any] = {}
     for pair in pairs or []:
-        if "=" not in pair:
-            raise QuantplugError(f"--option {pair!r}: expected KEY=VALUE")
-        k, v = pair.split("=", 1)
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
+        k, sep, v = pair.partition("=")
+        if not sep or not k.strip():
+            raise ConfigError(f"-o {pair!r}: expected KEY=VALUE")
+        if k.strip() in out:
+            raise ConfigError(f"-o {k.strip()}: given twice")
+        out[k.strip()] = OptionText(v)
     return out
 
 
@@ -39,6 +41,8 @@ def _table(rows: list[list[str]], head: list[str]) -> str:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
+    if args.options:
+        return _cmd_options(args)
     recs = get_plugin_manager().records()
     if args.json:
         print(json.dumps([r.as_dict() for r in recs], indent=2))
@@ -52,11 +56,35 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_options(args: argparse.Namespace) -> int:
+    from .options import declared, rows
+
+    pm = get_plugin_manager()
+    found = rows(declared(pm, "load")) + rows(declared(pm, "export"))
+    if args.json:
+        print(json.dumps(found, indent=2))
+        return 0
+    def allowed(r: dict[str, Any]) -> str:
+        if r["choices"] is not None:
+            return ",".join(map(str, r["choices"]))
+        return r["expected"].split(" in ", 1)[1] if r["type"] in ("int", "float") and " in " in r["expected"] else "-"
+    table = [[r["name"], r["owner"], r["scope"], r["type"], json.dumps(r["default"]), allowed(r), r["help"]]
+             for r in found]
+    print(_table(table, ["NAME", "OWNER", "SCOPE", "TYPE", "DEFAULT", "CHOICES", "HELP"]))
+    return 0
+
+
+def _options_line(d: dict[str, Any]) -> str:
+    opts = d.get("options") or {}
+    return "; ".join(f"{k}={json.dumps(v['value'])} ({v['owner']}, {v['source']})" for k, v in opts.items()) or "(none)"
+
+
 def _print_plan(d: dict[str, Any], verbose: bool = True) -> None:
     print(f"checkpoint:   {d['path']}")
     print(f"architecture: {d['architecture']}")
     print(f"backend:      {d['backend']} [{d['backend_plugin']}] ({d['detect_reason']})")
     print(f"prefix:       {d['prefix'] or '(none)'}")
+    print(f"options:      {_options_line(d)}")
     print("packed modules: " + "; ".join(f"{k} -> {v}" for k, v in d["packed_modules"].items()))
     print(f"parameters:   {d['parameters']} from {d['tensors_used']} tensors, {d['weight_bytes']:,} bytes; "
           f"plan {d['plan_ms']} ms")
@@ -188,6 +216,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
                              f"{p.decisions[-1].target if p.decisions else 'model.layers.0.self_attn.q_a_proj'}")
     rows = [[d.hook.removeprefix("quantplug_"), d.target, str(d.value), str(d.plugin), d.reason] for d in decisions]
     print(_table(rows, ["DECISION", "TARGET", "VALUE", "PLUGIN", "REASON"]))
+    print(f"options: {_options_line(p.to_dict())}")
     return 0
 
 
@@ -209,13 +238,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plugins", help="list installed backends")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--options", action="store_true",
+                   help="list every option instead: name, owner, scope, type, default, choices, help")
     p.set_defaults(fn=cmd_plugins)
 
     def ckpt_cmd(name: str, help_: str, fn: Any) -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help_)
         c.add_argument("path")
         c.add_argument("--backend", default=None, help="use this backend even if others claim the checkpoint")
-        c.add_argument("--option", "-o", action="append", metavar="KEY=VALUE", help="backend option (JSON value)")
+        c.add_argument("--option", "-o", action="append", metavar="KEY=VALUE",
+                       help="load option (`quantplug plugins --options` lists them), converted by its declared type")
         c.add_argument("--strict-split", action="store_true",
                        help="tensor parallel: a layer that cannot split is an error, not replicated")
         c.set_defaults(fn=fn)
@@ -254,15 +286,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit codes: 0 ok; 1 a QuantplugError (one line; a plan's problems listed); 2 usage; 3 anything
+    else (one line). ``--debug`` shows tracebacks instead."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
     try:
         parser = build_parser()  # loads the plugins: a strict-mode import failure stops here
-    except QuantplugError as exc:
-        if "--debug" in argv:
-            raise
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    args = parser.parse_args(argv)
+        args = parser.parse_args(argv)
+    except SystemExit:
+        raise  # argparse: usage (2) or --help (0)
+    except BaseException as exc:  # noqa: BLE001 (one line; exit code by kind)
+        return _report(exc, debug)
     from .parallel import torchrun_session
 
     try:
@@ -270,26 +304,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         with torchrun_session() as comm:
             args.comm = comm
             return int(args.fn(args))
-    except PlanError as exc:
-        if args.debug:
-            raise
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: BLE001
+        return _report(exc, args.debug)
+
+
+def _report(exc: BaseException, debug: bool) -> int:
+    """One line on stderr for ``exc`` (a plan's problems: one per cause) and the exit code."""
+    if isinstance(exc, KeyboardInterrupt):
+        return 130
+    if isinstance(exc, GeneratorExit):
+        raise exc
+    if debug:
+        raise exc
+    if isinstance(exc, PlanError):
         print(str(exc), file=sys.stderr)
         return 1
-    except QuantplugError as exc:
-        if args.debug:
-            raise
+    if isinstance(exc, QuantplugError):
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 130
-    except (SystemExit, GeneratorExit):
-        raise
-    except BaseException as exc:  # noqa: BLE001 (a bug, or a library's panic: one line, not a traceback)
-        if args.debug:
-            raise
-        print(f"error: unexpected {type(exc).__name__}: {exc}. This is a bug in quantplug, a plugin or a library; "
-              "--debug shows the traceback", file=sys.stderr)
-        return 3
+    print(f"error: unexpected {type(exc).__name__}: {exc}. This is a bug in quantplug, a plugin or a library; "
+          "--debug shows the traceback", file=sys.stderr)
+    return 3
 
 
 if __name__ == "__main__":

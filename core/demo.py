@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from .loader import load, model_bytes
+from .options import export_options
 from .plan import build_plan
 from .plugins import PluginManager, get_plugin_manager
 from .testing import hub_rope_spelling, random_state, tiny_config, write_checkpoint
@@ -71,8 +72,8 @@ def run_demo(workdir: Path | None = None, seed: int = 0) -> list[DemoRow]:
             out = root / rec.name
             out.mkdir()
             answers = pm.call("quantplug_export", [rec.name], firstresult=True, model=dense_model,
-                              model_config=dense_plan.model_config, destination=out, options={},
-                              plan=dense_plan)
+                              model_config=dense_plan.model_config, destination=out,
+                              options=export_options(pm, rec.name, {}), plan=dense_plan)
             if not answers:
                 continue
             results = answers[0][0]

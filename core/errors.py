@@ -108,3 +108,9 @@ def group_problems(problems: Sequence[Problem], severity: bool = False) -> list[
     return lines
 class LoadError(QuantplugError):
     """A tensor could not be read or converted while executing a plan."""
+
+
+class ParallelError(QuantplugError):
+    """A rank of a tensor-parallel group failed, or did not reach a collective within the load
+    option ``tp_timeout_s``; the message names the rank. The process group is out of step
+    afterwards: destroy it and load again."""

@@ -120,22 +120,37 @@ def new_cache(lm: Any, batch: int, capacity: int) -> MLACache:
 
 def checkpoint_eos(model: Any) -> tuple[int, ...]:
     """End-of-sequence ids of the loaded checkpoint: ``generation_config.json``'s ``eos_token_id``,
-    else config.json's (text config, then the wrapper's); an int or a list; () if none."""
-    found: Any = None
+    else config.json's (text config, then the wrapper's); an int or a list; () if none. A value of
+    another type is a ConfigError naming the file and key (never skipped)."""
+    from .models.config import MAX_VOCAB
+    from .validation import Fields
+
+    def read(f: Fields) -> tuple[int, ...] | None:
+        v = f.raw("eos_token_id")
+        if v is None:
+            return None
+        if isinstance(v, list):
+            ids = f.int_list("eos_token_id", 0, MAX_VOCAB - 1)
+            return ids or ()
+        return (f.get_int("eos_token_id", 0, MAX_VOCAB - 1),)
+
     plan = getattr(model, "quantplug_plan", None)
     if plan is not None:
+        root = plan.checkpoint.path
         gen = plan.checkpoint.sidecar("generation_config.json")
-        if isinstance(gen, dict):
-            found = gen.get("eos_token_id")
-        if found is None:
-            top = plan.checkpoint.config
-            text = top.get("text_config") if isinstance(top.get("text_config"), dict) else {}
-            found = text.get("eos_token_id", top.get("eos_token_id"))
-    if found is None:
-        found = model.text_lm().config.raw.get("eos_token_id")
-    if found is None:
+        if gen is not None:
+            found = read(Fields(gen, str(root / "generation_config.json")))
+            if found is not None:
+                return found
+        top = Fields(plan.checkpoint.config, str(root / "config.json"))
+        text = top.get_obj("text_config")
+        for f in (text, top):
+            found = read(f) if f is not None else None
+            if found is not None:
+                return found
         return ()
-    return tuple(int(x) for x in (found if isinstance(found, (list, tuple)) else [found]))
+    found = read(Fields(model.text_lm().config.raw, "config.json"))
+    return found if found is not None else ()
 
 
 def _eos_ids(model: Any, eos_token_id: Any) -> tuple[int, ...]:

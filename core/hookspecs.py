@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from .types import AttentionLayout, Claim, ExportResult, Problem
+from .types import AttentionLayout, Claim, ExportResult, OptionSpec, Problem
 
 if TYPE_CHECKING:
     import torch
@@ -63,6 +63,11 @@ PROJECT = "quantplug"
 #:   Design note (storage vs compute): backends know storage, the core knows compute; the form is
 #:   the whole interface between them, so a third-party backend that declares an existing form
 #:   runs natively with no C of its own.
+#:   ``quantplug_options`` (backend): the options a backend reads, as
+#:   :class:`~quantplug.types.OptionSpec`; the plan checks every given option against them and
+#:   the core's own (``kernels``, ``strict_split``, ``mmap``, ``expert_cache_mb``,
+#:   ``tp_timeout_s``); ``quantplug.api.Fields`` (typed config readers with key paths) and
+#:   ``quantplug.api.quant_config_fields``.
 CONTRACT_VERSION = "1.4"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -71,6 +76,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 GLOBAL_HOOKS = frozenset({"quantplug_detect", "quantplug_cli_commands", "quantplug_architectures"})
 #: Hooks called only on the selected backend plus the core defaults.
 BACKEND_HOOKS = frozenset({
+    "quantplug_options",
     "quantplug_tensor_names",
     "quantplug_resolve_prefix",
     "quantplug_packed_modules",
@@ -136,6 +142,42 @@ def quantplug_architectures() -> Mapping[str, ArchSpec] | None:
         @hookimpl
         def quantplug_architectures():
             return {"MyMLAForCausalLM": ArchSpec("MyMLAForCausalLM", MyModel, False, ())}
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# Options (backend-scoped)
+# ---------------------------------------------------------------------------------------------
+
+@hookspec
+def quantplug_options() -> Sequence[OptionSpec] | None:
+    """Declare every option this backend reads: name, type, default, allowed values, one line of help.
+
+    Backend hook, called on one backend at a time: for the selected backend when a plan checks
+    the options it was given, and on every active backend for ``quantplug plugins --options``
+    and for an unknown option's "which backend owns it" hint. Return a sequence of
+    :class:`~quantplug.types.OptionSpec` (``scope="load"``: ``load`` / ``plan`` ``options=`` and
+    ``-o KEY=VALUE``; ``scope="export"``: the ``options`` of ``quantplug_export``), or None / ``[]``.
+
+    The plan then refuses (``ConfigError`` at plan time) an option neither the core nor the
+    selected backend declares (with a did-you-mean, and naming the installed backend that does
+    declare it), and a value of the wrong type or outside ``choices`` / the bounds (naming the
+    option, what was expected and the declaring plugin). Every other hook receives ``options``
+    converted to the declared types (a ``-o`` string ``"true"`` arrives as ``True``), with the
+    default of every declared option that was not given; read them with ``options[name]``.
+    Do not declare the core's own options (``kernels``, ``strict_split``, ``mmap``,
+    ``expert_cache_mb``, ``tp_timeout_s``): read them. A backend that does not implement this
+    hook (written for contract 1.3 or older) gets undeclared options unchecked, with a plan
+    warning.
+
+    .. versionadded:: 1.4
+
+    Example::
+
+        @hookimpl
+        def quantplug_options():
+            return [OptionSpec("activation_quant", str, "emulate", ("emulate", "none"),
+                               "emulate the activation quantization the config names, or none")]
     """
 
 
@@ -265,7 +307,8 @@ def quantplug_linear_scheme(
     ``embed``). Return None for a kind your format stores as plain floats (the core's dense
     scheme answers); kinds may be added over time, so answer None for one you do not know.
     The answers for a fused module and for each of its shards must agree (equal ``key``), else
-    the plan reports a Problem. ``options`` is the ``options=`` mapping given to ``load``.
+    the plan reports a Problem. ``options``: the load options, checked against their declarations
+    (``quantplug_options``) and converted, with every declared default filled in.
 
     Tensor parallelism (``quantplug.parallel``; a load under a torch.distributed group of N > 1
     ranks, or ``plan(path, world_size=N)``). How a stored tensor splits is the scheme's answer,

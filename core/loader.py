@@ -1,5 +1,14 @@
 """Execute a LoadPlan: zero-copy views where tensors are used as stored, streamed conversion
-into preallocated parameters otherwise, then post-processing."""
+into preallocated parameters otherwise, then post-processing.
+
+Load option ``mmap`` (default true): a tensor used exactly as stored is a zero-copy view of the
+memory-mapped file, costing no memory of its own but tied to the file: a file truncated or
+rewritten after the load (a network or otherwise changing file system) kills the process with
+SIGBUS on the next forward that touches the lost pages (safetensors' own loader does the same;
+llama.cpp offers ``--no-mmap``). ``mmap=False`` reads every tensor with ``preadv`` into memory of
+its own: no SIGBUS, at the cost of that memory (the model's bytes as anonymous memory instead of
+shared page cache) and of the copy at load.
+"""
 
 from __future__ import annotations
 
@@ -57,16 +66,32 @@ def _stream(plan: LoadPlan, info: TensorInfo, dst: torch.Tensor, stage: _Stage) 
         flat[start:start + count].copy_(buf)
 
 
+def _private(plan: LoadPlan, info: TensorInfo) -> torch.Tensor:
+    """The tensor as :meth:`Checkpoint.tensor` gives it (dtype and shape; GGUF blocks as
+    [..., row_bytes]), but read with ``preadv`` into memory of its own: no memory map (option
+    ``mmap=False``)."""
+    from .checkpoint.gguf_index import gguf_view
+
+    raw = torch.empty(info.nbytes, dtype=torch.uint8)
+    if info.nbytes:
+        read_into(plan.checkpoint.fd(info.file), info.offset, raw)
+    if info.format == "gguf":
+        return gguf_view(raw, info)
+    return raw.view(TORCH_DTYPES[info.dtype]).view(info.shape)
+
+
 def _materialize(plan: LoadPlan, pp: ParamPlan, device: torch.device, stage: _Stage) -> torch.Tensor:
     ckpt = plan.checkpoint
+    mapped = bool(plan.options.get("mmap", True))
     if pp.sources[0][0].slices is not None:  # a tensor-parallel slice: read only its byte ranges
         return parallel.materialize_sliced(plan, pp, device, stage, STAGE_BYTES)
     if pp.zero_copy and device.type == "cpu":
         src, info = pp.sources[0]
-        t = ckpt.tensor(info)
-        if src.narrow is not None:
-            t = t.narrow(*src.narrow)
-        return t
+        if mapped:  # a view of the file's pages: no memory of its own, but the file must not shrink
+            t = ckpt.tensor(info)
+            return t.narrow(*src.narrow) if src.narrow is not None else t
+        t = _private(plan, info)  # mmap=False: one copy, owned
+        return t.narrow(*src.narrow).clone() if src.narrow is not None else t
     out = torch.empty(pp.shape, dtype=pp.dtype, device=device)
     for src, info in pp.sources:
         dst = out if src.slot is None else out[src.slot]
@@ -74,7 +99,7 @@ def _materialize(plan: LoadPlan, pp: ParamPlan, device: torch.device, stage: _St
                 and (info.format == "safetensors" or info.dtype in GGUF_FLOATS)):
             _stream(plan, info, dst, stage)
             continue
-        t = ckpt.tensor(info)
+        t = ckpt.tensor(info) if mapped else _private(plan, info)
         if src.narrow is not None:
             t = t.narrow(*src.narrow)
         dst.copy_(t)  # converts dtype and device in one pass
@@ -140,7 +165,9 @@ def load(path: str | Path, *, backend: str | None = None, dtype: torch.dtype = t
     ``group=``), the model is split over the ranks (``quantplug.parallel``): each rank reads only
     its share, and ``model(input_ids)``, called on every rank with the same ids, returns the
     full logits on every rank. A rank that fails while planning or loading makes every rank
-    raise (no rank is left waiting in a collective).
+    raise (no rank is left waiting in a collective); a rank whose forward or generate step raises
+    makes the others raise :class:`~quantplug.errors.ParallelError` naming it, and a rank that does
+    not reach a forward collective within ``tp_timeout_s`` (default 60 s) is named by the others.
     """
     t0 = time.perf_counter()
     comm = parallel.resolve_group(group)
@@ -148,25 +175,42 @@ def load(path: str | Path, *, backend: str | None = None, dtype: torch.dtype = t
         p = build_plan(path, backend=backend, options=options, dtype=dtype, plugin_manager=plugin_manager)
         model = execute(p, device=device, plugin_manager=plugin_manager, progress=progress)
     else:
+        # every rank bounds its forward collectives and shares failures through the store; a
+        # failure here (a BaseException too: a Rust library's panic) reaches every rank's agree
+        comm.watch(_timeout(options))
         err: BaseException | None = None
         try:
             p = build_plan(path, backend=backend, options=options, dtype=dtype, plugin_manager=plugin_manager,
                            world_size=comm.world, rank=comm.rank, comm=comm)
             p.raise_for_problems()
-        except Exception as exc:  # noqa: BLE001 (re-raised by agree, after telling the other ranks)
+        except BaseException as exc:  # noqa: BLE001 (re-raised by agree, after telling the other ranks)
             err = exc
         comm.agree(err, "planning")
         try:
             model = execute(p, device=device, plugin_manager=plugin_manager,
                             progress=progress if comm.rank == 0 else False)
-        except Exception as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001
             err = exc
         comm.agree(err, "loading")
+        comm.timeout_s = float(p.options.get("tp_timeout_s", comm.timeout_s or 60.0))
+        parallel.guard_model(model, comm)
+        parallel.remember(comm)
     model.load_seconds = time.perf_counter() - t0  # type: ignore[assignment]
     model.load_report = {  # type: ignore[assignment]
         "rank": comm.rank if comm else 0, "world_size": comm.world if comm else 1,
         "bytes_read": sum(parallel.source_bytes(s, i) for pp in p.params for s, i in pp.sources)}
     return model
+
+
+def _timeout(options: Mapping[str, Any] | None) -> float:
+    """``tp_timeout_s`` as given (checked again, with every option, by the plan), else its default."""
+    from .options import CORE_OPTIONS
+
+    spec = next(o for o in CORE_OPTIONS if o.name == "tp_timeout_s")
+    try:
+        return float(spec.convert((options or {}).get("tp_timeout_s", spec.default)))
+    except ValueError:
+        return float(spec.default)  # the plan reports the bad value on every rank
 
 
 def model_bytes(model: nn.Module) -> int:

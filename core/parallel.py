@@ -37,11 +37,13 @@ ranks hold one more), vocabulary (uneven row blocks, the gather trims the paddin
 from __future__ import annotations
 
 import contextlib
+import datetime
 import itertools
 import json
 import math
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -53,7 +55,7 @@ from torch import nn
 
 from .checkpoint import TORCH_DTYPES, storage_shape
 from .checkpoint.gguf_index import GGUF_FLOATS
-from .errors import LoadError, QuantplugError
+from .errors import LoadError, ParallelError, QuantplugError
 from .layers.linear import LinearScheme, PlannedModule, QuantLinear, Source, SplitRule, StackedLinear
 from .memory import read_into
 from .types import CORE, Decision, Problem, TensorInfo
@@ -69,10 +71,28 @@ HOOK = "tensor_parallel"
 # ---------------------------------------------------------------------------------------------
 
 class Comm:
-    """The process group the model's forward talks over (``group`` None: the default group)."""
+    """The process group the model's forward talks over (``group`` None: the default group).
+
+    Failure handling (:meth:`watch`, called by ``load`` on every rank): each forward collective
+    waits at most ``timeout_s`` (load option ``tp_timeout_s``) for the other ranks, and a rank
+    whose forward raises publishes its error in the group's key-value store (:meth:`guard`), so
+    every rank waiting in a collective raises :class:`ParallelError` naming it within a fraction
+    of a second, instead of waiting for gloo's own timeout (30 minutes) while that rank stays
+    alive. A rank that never arrives (hung, or stopped outside a forward) is named when the
+    timeout expires: the waiting ranks compare how far each got in the store. After such an
+    error the group is out of step (a collective is left pending) and every later collective
+    raises at once: destroy the group and load again.
+    """
 
     def __init__(self, world: int, rank: int, group: Any = None) -> None:
         self.world, self.rank, self.group = world, rank, group
+        #: seconds a forward collective waits for the others (None: unbounded, no store polling)
+        self.timeout_s: float | None = None
+        self._store: Any = None
+        self._tag = ""
+        self._seq = 0
+        #: why this group is out of step (set on the first failure; every later collective raises)
+        self.failed: str | None = None
 
     @property
     def device(self) -> torch.device:
@@ -81,9 +101,131 @@ class Comm:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
+    # -- bounded collectives -------------------------------------------------------------------
+
+    def watch(self, timeout_s: float) -> None:
+        """Bound every later forward collective by ``timeout_s`` and share failures through the
+        default group's store. A collective: every rank calls it (``load`` does)."""
+        store = None
+        with contextlib.suppress(Exception):  # private API: without it, timeouts still apply, unnamed
+            from torch.distributed import distributed_c10d
+
+            store = distributed_c10d._get_default_store()
+        n = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if store is not None and self.rank == 0:
+            n[0] = int(store.add("quantplug/tp/groups", 1))
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
+        self._store = store if int(n.item()) > 0 else None
+        self._tag = f"quantplug/tp/{int(n.item())}"
+        self.timeout_s = float(timeout_s)
+
+    def _key(self, what: str) -> str:
+        return f"{self._tag}/{what}"
+
+    def _peer_failure(self) -> str | None:
+        if self._store is None:
+            return None
+        try:
+            if not self._store.check([self._key("failed")]):
+                return None
+            info = json.loads(self._store.get(self._key("failed")).decode())
+        except Exception:  # noqa: BLE001 (the store itself is gone: the job is ending)
+            return None
+        if int(info.get("rank", -1)) == self.rank:
+            return None
+        return (f"tensor-parallel {info.get('during', 'forward')}: rank {info.get('rank')} of {self.world} failed "
+                f"({info.get('error', '?')}); rank {self.rank} stops too")
+
+    def publish(self, exc: BaseException, during: str) -> None:
+        """Tell the other ranks this rank's ``during`` failed with ``exc`` (they raise naming it)."""
+        text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+        self.failed = self.failed or f"rank {self.rank} failed during {during} ({text[:300]})"
+        if self._store is None:
+            return
+        with contextlib.suppress(Exception):
+            if not self._store.check([self._key("failed")]):
+                self._store.set(self._key("failed"), json.dumps({"rank": self.rank, "error": text[:500],
+                                                                  "during": during}))
+
+    @contextlib.contextmanager
+    def guard(self, during: str) -> Iterator[None]:
+        """Run a forward / generate step; any exception (a ``BaseException`` too) is published to
+        the other ranks before it propagates."""
+        try:
+            yield
+        except ParallelError:
+            raise  # a peer's failure, already known to everyone
+        except BaseException as exc:
+            self.publish(exc, during)
+            raise
+
+    def _wait(self, work: Any, what: str) -> None:
+        deadline = time.monotonic() + (self.timeout_s or 0.0)
+        step, announced = 0.05, False
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=max(min(step, left), 0.001)))
+                return
+            except RuntimeError as exc:
+                peer = self._peer_failure()
+                if peer is not None:
+                    self.failed = peer
+                    raise ParallelError(peer) from None
+                if work.is_completed():  # the collective itself failed: a peer's process is gone
+                    self.failed = (f"tensor-parallel {what}: the collective failed on rank {self.rank} of "
+                                   f"{self.world} (a peer's process ended?): {str(exc).splitlines()[0][:200]}")
+                    raise ParallelError(self.failed) from None
+            if not announced and self._store is not None:  # slow: say how far this rank got
+                announced = True
+                with contextlib.suppress(Exception):
+                    self._store.set(self._key(f"at/{self.rank}"), str(self._seq))
+            if time.monotonic() >= deadline:
+                self._timed_out(what)
+            step = min(step * 2, 1.0)
+
+    def _timed_out(self, what: str) -> None:
+        behind: list[int] = []
+        if self._store is not None:
+            time.sleep(min(1.0, self.timeout_s or 1.0))  # ranks waiting here too have announced by now
+            for r in range(self.world):
+                if r == self.rank:
+                    continue
+                try:
+                    at = int(self._store.get(self._key(f"at/{r}")).decode()) if self._store.check(
+                        [self._key(f"at/{r}")]) else -1
+                except Exception:  # noqa: BLE001
+                    at = -1
+                if at < self._seq:
+                    behind.append(r)
+        who = f"rank(s) {behind}" if behind else "a rank"
+        msg = (f"tensor-parallel {what}: {who} of {self.world} did not reach collective #{self._seq} within "
+               f"tp_timeout_s = {self.timeout_s:g} s (hung, dead, or stopped outside a forward); rank {self.rank} "
+               "stops")
+        self.failed = msg
+        if self._store is not None:
+            with contextlib.suppress(Exception):
+                if not self._store.check([self._key("failed")]):
+                    self._store.set(self._key("failed"), json.dumps({
+                        "rank": behind[0] if behind else -1, "during": what,
+                        "error": f"did not reach collective #{self._seq} within {self.timeout_s:g} s "
+                                 f"(seen by rank {self.rank})"}))
+        raise ParallelError(msg)
+
+    def _collective(self, what: str, start: Callable[[bool], Any]) -> None:
+        if self.failed is not None:
+            raise ParallelError(f"{self.failed}; the process group is out of step: destroy it and load again")
+        if self.timeout_s is None:
+            start(False)
+            return
+        self._seq += 1
+        self._wait(start(True), what)
+
+    # -- the collectives the model's forward uses ------------------------------------------------
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous()
-        dist.all_reduce(t, group=self.group)
+        self._collective("forward", lambda a: dist.all_reduce(t, group=self.group, async_op=a))
         return t
 
     def all_gather(self, t: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
@@ -94,7 +236,7 @@ class Comm:
             t = F.pad(t, (0, m - t.shape[-1]))
         t = t.contiguous()
         bufs = [torch.empty_like(t) for _ in range(self.world)]
-        dist.all_gather(bufs, t, group=self.group)
+        self._collective("forward", lambda a: dist.all_gather(bufs, t, group=self.group, async_op=a))
         return torch.cat([b[..., :s] for b, s in zip(bufs, sizes)], dim=-1)
 
     def agree(self, error: BaseException | None, stage: str) -> None:
@@ -680,8 +822,44 @@ def torchrun_session() -> Iterator[Comm | None]:
         sys.stdout = saved
         if devnull is not None:
             devnull.close()
-        if started:
+        # a group left out of step by a failed rank keeps a collective pending: destroying it would
+        # wait for the peer's process to end, so the process exits without it
+        broken = comm is not None and (comm.failed is not None or _loaded_comm_failed())
+        if started and not broken:
             dist.destroy_process_group()
+
+
+_last_comms: list[Comm] = []
+
+
+def remember(comm: Comm) -> None:
+    """The Comm a load under torchrun used (the CLI session checks it before destroying the group)."""
+    _last_comms.append(comm)
+
+
+def _loaded_comm_failed() -> bool:
+    return any(c.failed is not None for c in _last_comms)
+
+
+def guard_model(model: nn.Module, comm: Comm) -> None:
+    """Publish any exception of ``model``'s forward / ``next_logits`` (generation) to the other
+    ranks (:meth:`Comm.guard`), so they raise naming this rank instead of waiting."""
+    import functools
+
+    def wrap(fn: Callable[..., Any], during: str) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with comm.guard(during):
+                return fn(*args, **kwargs)
+        return run
+
+    model.forward = wrap(model.forward, "forward")
+    text_lm = getattr(model, "text_lm", None)
+    lm = text_lm() if callable(text_lm) else None
+    if lm is not None and hasattr(lm, "next_logits"):
+        lm.next_logits = wrap(lm.next_logits, "generate")
+        if lm is not model:
+            lm.forward = wrap(lm.forward, "forward")
 
 
 def gather_json(comm: Comm, obj: Any) -> list[Any]:

@@ -33,8 +33,10 @@ from .errors import PlanError, QuantplugError, group_problems
 from .layers.linear import LinearScheme, PlannedModule, QuantLinear, Source, StackedLinear
 from .models.config import ModelConfig, check_against_tensors, parse_model_config
 from .models.registry import ArchSpec, get_arch
+from .options import resolve as resolve_options
 from .plugins import PluginManager, get_plugin_manager
 from .types import CORE, AttentionLayout, Claim, Decision, PluginInfo, Problem, SkipRule, TensorInfo
+from .validation import quant_config_fields
 
 
 @dataclass
@@ -88,6 +90,10 @@ class LoadPlan:
     plan_seconds: float = 0.0
     #: tensor-parallel split of this plan (``quantplug.parallel.ParallelPlan``), None: one process
     parallel: Any = None
+    #: option name -> "given" or "default" (``options`` holds every declared option's value)
+    option_sources: dict[str, str] = field(default_factory=dict)
+    #: option name -> who declares it ("core", the backend's name, or "undeclared")
+    option_owners: dict[str, str] = field(default_factory=dict)
 
     @property
     def errors(self) -> list[Problem]:
@@ -145,6 +151,8 @@ class LoadPlan:
             "skipped": {k: v for k, v in self.skipped.items()},
             "problems": [{"severity": p.severity, "kind": p.kind, "message": p.describe()} for p in self.problems],
             "problem_groups": group_problems(self.problems, severity=True),
+            "options": {k: {"value": v, "source": self.option_sources.get(k, "given"),
+                            "owner": self.option_owners.get(k, "?")} for k, v in sorted(self.options.items())},
             "plan_ms": round(self.plan_seconds * 1000, 2),
             **({"parallel": self.parallel.to_dict()} if self.parallel is not None else {}),
         }
@@ -416,10 +424,13 @@ def _build_plan(path: str | Path, backend: str | None, options: Mapping[str, Any
     arch = get_arch(ckpt.config, pm.architectures())
     mcfg = parse_model_config(ckpt.config, arch.name, arch.wrapped, str(ckpt.path / "config.json"))
     check_against_tensors(mcfg, ckpt.tensors)
+    quant_config_fields(ckpt.config, str(ckpt.path / "config.json"))  # an object with a string quant_method, if any
     claim = pm.detect(ckpt, backend)
     be = claim.backend if claim else None
     qc = claim.quant_config if claim else None
-    problems: list[Problem] = []
+    resolved = resolve_options(pm, be, options)  # every given option checked before any hook reads one
+    options = resolved.values
+    problems: list[Problem] = list(resolved.warnings)
     decisions: list[Decision] = []
     if claim is not None:
         decisions.append(Decision("quantplug_detect", "*", claim.backend, claim.plugin or CORE, claim.reason))
@@ -456,7 +467,8 @@ def _build_plan(path: str | Path, backend: str | None, options: Mapping[str, Any
         problems.append(Problem("unexpected: no parameter of the model takes it and no skip rule covers it",
                                 tensor=info.label, file=info.file.name, kind="unexpected"))
     plan = LoadPlan(Path(path), arch.name, mcfg, be, claim, qc, prefix, packed, decisions, params, skipped,
-                    problems, options, ckpt, model)
+                    problems, options, ckpt, model, option_sources=resolved.sources,
+                    option_owners=resolved.owners)
     for answer, by in pm.backend_all(be, "quantplug_validate_plan", plan=plan, quant_config=qc):
         for p in answer:
             if not isinstance(p, Problem):

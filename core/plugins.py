@@ -163,7 +163,10 @@ class PluginManager:
                 continue
             try:
                 obj = ep.load()
-            except Exception as exc:  # any import-time failure of third-party code is reported, not fatal
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:  # noqa: BLE001 (any import-time failure of third-party code, a
+                # native library's panic included, is reported, not fatal)
                 self._fail(ep.name, dist_name, version,
                            f"import of {ep.value!r} failed: {type(exc).__name__}: {exc}")
                 continue

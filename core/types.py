@@ -213,6 +213,117 @@ class SkipRule:
     reason: str
 
 
+#: value types an option may declare
+OPTION_TYPES: tuple[type, ...] = (bool, int, float, str, list)
+_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a JSON list"}
+_BOOL_WORDS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """One option a backend (or the core) reads: its name, value type, default, allowed values
+    and one line of help. ``quantplug_options`` returns these; the plan checks every given
+    option against them (an unknown name or an ill-typed value is a ``ConfigError`` naming the
+    option, what was expected and who declares it) and hands hooks the converted values, with
+    the defaults of the options not given.
+
+    ``type``: ``bool``, ``int``, ``float`` (an int is accepted), ``str`` or ``list`` (a list or
+    tuple, handed to hooks as a tuple); a string
+    value (``-o KEY=VALUE`` on the command line) is converted by it (``true`` / ``false``,
+    ``8``, ``0.5``, a JSON list). ``minimum`` / ``maximum``: bounds of a number. ``scope``:
+    ``"load"`` (``load`` / ``plan`` ``options=``) or ``"export"`` (``quantplug_export``'s
+    ``options``).
+
+    .. versionadded:: 1.4
+    """
+
+    name: str
+    type: type
+    default: Any
+    choices: tuple[Any, ...] | None = None
+    help: str = ""
+    minimum: float | None = None
+    maximum: float | None = None
+    scope: Literal["load", "export"] = "load"
+
+    def __post_init__(self) -> None:
+        _need(isinstance(self.name, str) and self.name.isidentifier(),
+              f"OptionSpec.name {self.name!r} must be an identifier (letters, digits, underscores)")
+        _need(self.type in OPTION_TYPES, f"option {self.name}: type {self.type!r} must be one of "
+              f"{', '.join(t.__name__ for t in OPTION_TYPES)}")
+        _need(self.scope in ("load", "export"), f"option {self.name}: scope {self.scope!r} must be 'load' or 'export'")
+        if self.choices is not None:
+            object.__setattr__(self, "choices", tuple(self.choices))
+            _need(bool(self.choices), f"option {self.name}: choices must not be empty")
+            for c in self.choices:
+                self._typed(c)
+        if self.default is not None:
+            if self.type is list:
+                object.__setattr__(self, "default", tuple(self.default))  # frozen: a default is shared
+            self.check(self.default)  # a default outside its own rules is the declaring plugin's bug
+
+    def expected(self) -> str:
+        """What a value must be, in words (for messages and ``quantplug plugins --options``)."""
+        if self.choices is not None:
+            return "one of " + ", ".join(map(repr, self.choices))
+        words = _TYPE_WORDS[self.type]
+        if self.minimum is not None and self.maximum is not None:
+            return f"{words} in [{self.minimum:g}, {self.maximum:g}]"
+        if self.minimum is not None:
+            return f"{words} >= {self.minimum:g}"
+        if self.maximum is not None:
+            return f"{words} <= {self.maximum:g}"
+        return words
+
+    def _typed(self, value: Any) -> bool:
+        t = self.type
+        if t is bool:
+            return type(value) is bool
+        if t is int:
+            return type(value) is int
+        if t is float:
+            return type(value) in (int, float) and math.isfinite(value)
+        if t is list:
+            return type(value) in (list, tuple)
+        return type(value) is t
+
+    def convert(self, value: Any) -> Any:
+        """``value`` as this option's type (strings parsed by the type), or ``ValueError`` saying
+        what was expected."""
+        if isinstance(value, str):
+            value = str(value)  # a str subclass (the CLI's text) is plain text here
+        if isinstance(value, str) and self.type is not str:
+            text = value.strip()
+            try:
+                if self.type is bool:
+                    value = _BOOL_WORDS[text.lower()]
+                elif self.type is int:
+                    value = int(text, 10)
+                elif self.type is float:
+                    value = float(text)
+                else:
+                    import json
+
+                    value = json.loads(text)
+            except (KeyError, ValueError):
+                raise ValueError(self.expected()) from None
+        elif self.type is float and type(value) is int:
+            value = float(value)
+        self.check(value)
+        if self.type is list:
+            return tuple(value)  # immutable: one plan's options are shared by every hook
+        return float(value) if self.type is float else value
+
+    def check(self, value: Any) -> None:
+        if not self._typed(value):
+            raise ValueError(self.expected())
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(self.expected())
+        if self.type in (int, float) and ((self.minimum is not None and value < self.minimum)
+                                          or (self.maximum is not None and value > self.maximum)):
+            raise ValueError(self.expected())
+
+
 @dataclass(frozen=True)
 class ExportResult:
     """What ``quantplug_export`` wrote."""

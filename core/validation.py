@@ -15,12 +15,13 @@ wording; the helper is ~100 lines.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -120,28 +121,67 @@ def check_inside(root: Path, files: Iterable[Path], what: str) -> None:
         contained(root, f.name, what)
 
 
+
+#: (file name, key path) of every key read through :class:`Fields` while :func:`recording_reads`
+#: is active (tests and the fuzz suite: a key the base reads but a mutated run does not read any
+#: more was bypassed, a value skipped without being validated)
+_reads: set[tuple[str, str]] | None = None
+
+
+@contextlib.contextmanager
+def recording_reads() -> Iterator[set[tuple[str, str]]]:
+    """Collect (file name, key path) of every key read through :class:`Fields` in this block."""
+    global _reads
+    saved, _reads = _reads, set()
+    try:
+        yield _reads
+    finally:
+        _reads = saved
+
+
 class Fields:
-    """Typed, range-checked reads from one JSON object; failures name ``file`` and the key path."""
+    """Typed, range-checked reads from one JSON object; failures name ``file`` and the key path.
+
+    The one way quantplug and its plugins read checkpoint metadata (``quantplug.api.Fields``):
+    every reader either returns a value of the promised type and range, or raises a
+    :class:`ConfigError` such as ``/ckpt/config.json: quantization_config.exclude[2] = 're:[':
+    expected a valid regular expression (unterminated character set at position 0)``. A key that
+    is absent (or ``null``) takes the default given; a present value of another type is never
+    replaced by a default.
+    """
 
     def __init__(self, data: Mapping[str, Any], file: str, path: str = "") -> None:
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{file}: {path or '(top level)'}: expected an object, got {_kind(data)}")
         self.data, self.file, self.path = data, file, path
 
-    def where(self, key: str) -> str:
-        return f"{self.file}: {self.path + '.' if self.path else ''}{key}"
+    def _note(self, key: str) -> None:
+        if _reads is not None:
+            _reads.add((os.path.basename(self.file), self.sub(key)))
 
-    def fail(self, key: str, value: Any, expected: str) -> NoReturn:
-        shown = repr(value)
-        shown = shown if len(shown) <= 60 else shown[:57] + "..."
-        raise ConfigError(f"{self.where(key)} = {shown}: expected {expected}")
+    def sub(self, key: str | int) -> str:
+        """The key path of ``key`` under this object (``a.b``, ``a.b[3]``)."""
+        if isinstance(key, int):
+            return f"{self.path}[{key}]"
+        return f"{self.path + '.' if self.path else ''}{key}"
+
+    def where(self, key: str | int) -> str:
+        return f"{self.file}: {self.sub(key)}"
+
+    def fail(self, key: str | int, value: Any, expected: str) -> NoReturn:
+        raise ConfigError(f"{self.where(key)} = {_short(value)}: expected {expected}")
 
     def has(self, key: str) -> bool:
+        self._note(key)
         return self.data.get(key) is not None
 
     def raw(self, key: str, default: Any = None) -> Any:
+        self._note(key)
         v = self.data.get(key)
         return default if v is None else v
 
     def get_int(self, key: str, lo: int, hi: int, default: Any = ConfigError) -> int:
+        self._note(key)
         v = self.data.get(key)
         if v is None:
             if default is ConfigError:
@@ -154,9 +194,11 @@ class Fields:
         return v
 
     def opt_int(self, key: str, lo: int, hi: int) -> int | None:
+        self._note(key)
         return None if self.data.get(key) is None else self.get_int(key, lo, hi)
 
     def get_float(self, key: str, lo: float, hi: float, default: Any = ConfigError, *, open_lo: bool = False) -> float:
+        self._note(key)
         v = self.data.get(key)
         if v is None:
             if default is ConfigError:
@@ -168,9 +210,11 @@ class Fields:
         return float(v)
 
     def opt_float(self, key: str, lo: float, hi: float, *, open_lo: bool = False) -> float | None:
+        self._note(key)
         return None if self.data.get(key) is None else self.get_float(key, lo, hi, open_lo=open_lo)
 
     def get_bool(self, key: str, default: bool) -> bool:
+        self._note(key)
         v = self.data.get(key)
         if v is None:
             return default
@@ -179,6 +223,7 @@ class Fields:
         return v
 
     def get_str(self, key: str, default: Any = ConfigError, choices: Iterable[str] | None = None) -> str:
+        self._note(key)
         v = self.data.get(key)
         if v is None:
             if default is ConfigError:
@@ -190,6 +235,7 @@ class Fields:
         return v
 
     def get_obj(self, key: str, required: bool = False) -> Fields | None:
+        self._note(key)
         v = self.data.get(key)
         if v is None:
             if required:
@@ -197,15 +243,130 @@ class Fields:
             return None
         if not isinstance(v, dict):
             self.fail(key, v, "an object")
-        return Fields(v, self.file, f"{self.path + '.' if self.path else ''}{key}")
+        return Fields(v, self.file, self.sub(key))
 
     def get_list(self, key: str, item: type[T]) -> list[T]:
+        self._note(key)
         v = self.data.get(key)
         if v is None:
             return []
         if not isinstance(v, list) or not all(type(x) is item for x in v):
             self.fail(key, v, f"a list of {item.__name__}")
         return v
+
+    # -- readers for plugin configs (contract 1.4) -------------------------------------------------
+
+    def opt_str(self, key: str, choices: Iterable[str] | None = None) -> str | None:
+        """A string (one of ``choices``) or None when absent / null."""
+        self._note(key)
+        return None if self.data.get(key) is None else self.get_str(key, choices=choices)
+
+    def str_list(self, key: str, *, single: bool = False, nonempty_items: bool = True) -> tuple[str, ...]:
+        """A list of strings (``single``: a lone string counts as a list of one); absent: ``()``."""
+        self._note(key)
+        v = self.data.get(key)
+        if v is None:
+            return ()
+        if single and isinstance(v, str):
+            v = [v]
+        if not isinstance(v, list):
+            self.fail(key, v, "a list of strings" + (" or a string" if single else ""))
+        for i, x in enumerate(v):
+            if type(x) is not str or (nonempty_items and not x):
+                raise ConfigError(f"{self.where(key)}[{i}] = {_short(x)}: expected a non-empty string")
+        return tuple(v)
+
+    def int_list(self, key: str, lo: int, hi: int, length: int | None = None) -> tuple[int, ...] | None:
+        """A list of integers in [lo, hi] (of ``length`` items); absent: None."""
+        self._note(key)
+        v = self.data.get(key)
+        if v is None:
+            return None
+        ok = (isinstance(v, list) and (length is None or len(v) == length)
+              and all(type(x) is int and lo <= x <= hi for x in v))
+        if not ok:
+            n = f"{length} " if length is not None else ""
+            self.fail(key, v, f"a list of {n}integers in [{lo}, {hi}]")
+        return tuple(v)
+
+    def opt_obj(self, key: str) -> Fields | None:
+        self._note(key)
+        return self.get_obj(key)
+
+    def obj_or_list(self, key: str) -> list[Fields] | None:
+        """An object, or a list of objects (each read as its own Fields); absent: None."""
+        self._note(key)
+        v = self.data.get(key)
+        if v is None:
+            return None
+        if isinstance(v, dict):
+            return [Fields(v, self.file, self.sub(key))]
+        if isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            return [Fields(x, self.file, f"{self.sub(key)}[{i}]") for i, x in enumerate(v)]
+        self.fail(key, v, "an object or a non-empty list of objects")
+
+    def entries(self, key: str, *, nullable: bool = False) -> list[tuple[str, Fields | None]]:
+        """An object whose values are objects (``nullable``: or null), as (name, Fields) pairs in
+        file order; absent: ``[]``."""
+        self._note(key)
+        v = self.data.get(key)
+        if v is None:
+            return []
+        if not isinstance(v, dict):
+            self.fail(key, v, "an object of objects")
+        out: list[tuple[str, Fields | None]] = []
+        for name, x in v.items():
+            path = f"{self.sub(key)}.{name}"
+            if x is None and nullable:
+                out.append((name, None))
+            elif isinstance(x, dict):
+                out.append((name, Fields(x, self.file, path)))
+            else:
+                raise ConfigError(f"{self.file}: {path} = {_short(x)}: expected an object"
+                                  + (" or null" if nullable else ""))
+        return out
+
+    def regex(self, key: str | int, pattern: str) -> re.Pattern[str]:
+        """``pattern`` (the value at ``key``, e.g. a ``re:`` entry without its prefix) compiled; a
+        ConfigError naming the key path when it is not a valid regular expression."""
+        try:
+            return re.compile(pattern)
+        except (re.error, RecursionError, OverflowError, ValueError) as exc:
+            msg = exc.msg if isinstance(exc, re.error) else type(exc).__name__
+            pos = f" at position {exc.pos}" if isinstance(exc, re.error) and exc.pos is not None else ""
+            raise ConfigError(f"{self.where(key)} = {_short(pattern)}: expected a valid regular expression "
+                              f"({msg}{pos})") from None
+
+    def expect(self, cond: bool, key: str, expected: str) -> None:
+        """Fail naming ``key`` (and its value) unless ``cond``: a cross-field rule."""
+        if not cond:
+            self.fail(key, self.data.get(key), expected)
+
+
+def _short(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def quant_config_fields(config: Mapping[str, Any], file: str) -> tuple[Fields | None, str]:
+    """``quantization_config`` of config.json (or, Kimi wrappers, of its ``text_config``) as
+    :class:`Fields`, with where it was found (``"quantization_config"`` or
+    ``"text_config.quantization_config"``); ``(None, "")`` when there is none. A value that is not
+    an object, or a ``quant_method`` that is not a string, is a :class:`ConfigError`."""
+    top = Fields(config, file)
+    text = top.get_obj("text_config")
+    found: Fields | None = top.get_obj("quantization_config")
+    if found is None and text is not None:
+        found = text.get_obj("quantization_config")
+    if found is None:
+        return None, ""
+    found.opt_str("quant_method")
+    return found, found.path
 
 
 def check_count(n: int, unit: int, available: int, what: str, file: Path, fmt: str = "GGUF") -> None:

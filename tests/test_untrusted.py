@@ -229,8 +229,14 @@ def test_gguf_overlap_bool_alignment_duplicates_and_counts(tmp_path, gguf_dir):
 
     def huge_count(d):
         struct.pack_into("<Q", d, 8, 2**60)  # n_tensors
-    with pytest.raises(CheckpointError, match="tensor count = .* needs at least"):
+    with pytest.raises(CheckpointError, match="lists 1,152,921,504,606,846,976 tensor entries; a GGUF of this format "
+                                              "holds at most 65,536"):
         read_gguf_header(_patch_gguf(src, tmp_path / "c.gguf", huge_count))
+
+    def large_count(d):
+        struct.pack_into("<Q", d, 8, 60000)  # under the cap, more than the file can hold
+    with pytest.raises(CheckpointError, match="tensor count = 60,000 needs at least|60,000 tensors need at least"):
+        read_gguf_header(_patch_gguf(src, tmp_path / "e.gguf", large_count))
 
 
 # -- Quark: F8_E8M0 weight_scale is U8's encoding ---------------------------------------------------
@@ -365,6 +371,44 @@ def test_build_to_new_directory_leaves_source_and_matches(tmp_path, gguf_dir, pa
     torch.testing.assert_close(_logits(dst), _logits(src), rtol=1e-5, atol=1e-6)  # pack: cache path, src: native
     assert main(["expert-pack", "build", str(src), "-o", str(dst)]) == 1  # exists: refused, one line
     assert main(["expert-pack", "build", str(src)]) == 2  # neither -o nor --in-place: usage error
+
+
+def test_build_output_shares_no_inode_with_the_source(tmp_path, gguf_dir):
+    """Issue 22: ``build -o`` hard-linked SRC's large files (a >= 1 MiB tokenizer.json) into DST, so
+    editing DST's tokenizer.json edited SRC's. Every file of DST is now its own inode (a reflink
+    where the file system supports one, else a copy)."""
+    src = tmp_path / "src"
+    shutil.copytree(gguf_dir, src)
+    (src / "tokenizer.json").write_text(json.dumps({"pad": "x" * (2 << 20)}))  # large: was hard-linked
+    (src / "sub").mkdir()
+    (src / "sub" / "notes.bin").write_bytes(os.urandom(3 << 20))
+    before = _tree_digest(src)
+    dst = tmp_path / "dst"
+    import quantplug_expert_pack.build as b
+
+    res = b.build_pack(src, dst, progress=False)
+    assert sum(res.mirrored.values()) == 3  # config.json, tokenizer.json, sub/notes.bin
+    src_inodes = {p.stat().st_ino for p in src.rglob("*") if p.is_file()}
+    for f in dst.rglob("*"):
+        if f.is_file():
+            assert f.stat().st_ino not in src_inodes and f.stat().st_nlink == 1, f
+    with open(dst / "tokenizer.json", "r+b") as fh:  # an in-place write, as an editor may do
+        fh.write(b"{}     ")
+    (dst / "sub" / "notes.bin").write_bytes(b"changed")
+    assert _tree_digest(src) == before
+    assert (dst / "config.json").read_bytes() == (src / "config.json").read_bytes()
+
+
+def test_clone_file_falls_back_to_a_copy(tmp_path, monkeypatch):
+    import quantplug_expert_pack.build as b
+
+    src = tmp_path / "a"
+    src.write_bytes(os.urandom(100_000))
+    monkeypatch.setattr(b.os, "copy_file_range", lambda *a: (_ for _ in ()).throw(OSError(errno.EXDEV, "x")),
+                        raising=False)
+    assert b.clone_file(src, tmp_path / "b") in ("reflink", "copy")
+    assert (tmp_path / "b").read_bytes() == src.read_bytes()
+    assert (tmp_path / "b").stat().st_ino != src.stat().st_ino
 
 
 def _killed_child(fn) -> int:
@@ -521,6 +565,29 @@ def test_pack_counts_checked_before_reading_and_payloads_may_not_overlap(tmp_pat
         ExpertPack(tmp_path / "o.qpack")
 
 
+def test_pack_payloads_listed_out_of_order_fail_validation(tmp_path, pack_dir):
+    """Issue 22: an index whose payload offsets do not follow its (layer, expert, role) order
+    (gate and down of one expert swapped, checksums kept consistent) passed validation; an
+    expert's span (one read) then covered the wrong bytes."""
+    import numpy as np
+    from quantplug_expert_pack.pack import ENTRY_DTYPE, HEADER_SIZE, PACK_NAME, ExpertPack
+
+    data = (pack_dir / PACK_NAME).read_bytes()
+    (n_entries,) = struct.unpack_from("<Q", data, 40)
+    idx = np.frombuffer(data[HEADER_SIZE:HEADER_SIZE + 80 * n_entries], dtype=ENTRY_DTYPE).copy()
+    assert idx["size"][0] == idx["size"][2]  # gate [I, H] and down [H, I]: same bytes
+    for field in ("offset", "sha256"):
+        idx[field][[0, 2]] = idx[field][[2, 0]]
+    raw = idx.tobytes()
+    bad = bytearray(data)
+    bad[HEADER_SIZE:HEADER_SIZE + len(raw)] = raw
+    bad[136:168] = hashlib.sha256(raw).digest()
+    (tmp_path / "s.qpack").write_bytes(bytes(bad))
+    with pytest.raises(CheckpointError, match=r"entries layer \d+ expert 0 gate_proj .* and layer \d+ expert 0 up_proj "
+                                              r".* are out of order \(payloads must follow the index order\)"):
+        ExpertPack(tmp_path / "s.qpack")
+
+
 def test_duplicate_json_keys_are_errors(tmp_path):
     """Python's json keeps the last of two equal keys, other parsers the first: refuse the file."""
     from quantplug.errors import CheckpointError
@@ -532,3 +599,13 @@ def test_duplicate_json_keys_are_errors(tmp_path):
     (path / "config.json").write_text(text.replace('"hidden_size": 64,', '"hidden_size": 64, "hidden_size": 128,', 1))
     with pytest.raises(CheckpointError, match="config.json: key 'hidden_size' appears twice"):
         quantplug.plan(path)
+
+
+def test_build_reads_config_json_typed(tmp_path, gguf_dir):
+    """``expert-pack build`` read num_experts_per_tok with int(): NaN was a raw ValueError."""
+    src = tmp_path / "src"
+    shutil.copytree(gguf_dir, src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_experts_per_tok"] = float("nan")
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert main(["expert-pack", "build", str(src), "-o", str(tmp_path / "dst")]) == 1

@@ -51,6 +51,13 @@ MAX_ARRAY_DEPTH = 4
 MAX_DIMS = 4
 #: largest general.alignment accepted (llama.cpp writes 32; anything past a huge page is corrupt)
 MAX_ALIGNMENT = 1 << 21
+#: most tensors / metadata keys one GGUF file may list. DeepSeek-V3 / Kimi GGUFs hold ~1,100
+#: tensors (routed experts stacked per layer) and ~50 keys; a header listing more is refused
+#: before any per-entry work (a million empty tensor infos cost seconds and ~80 MiB to walk)
+MAX_TENSORS = 1 << 16
+MAX_KV = 1 << 16
+#: least bytes of one tensor info: name length (8) + a non-empty name (1) + n_dims (4) + type (4) + offset (8)
+MIN_INFO_BYTES = 25
 _INT_TYPES = frozenset({0, 1, 2, 3, 4, 5, 10, 11})
 _FLOAT_TYPES = frozenset({6, 12})
 #: metadata keys (by suffix) whose type and range the reader checks: they size tensors and loops
@@ -200,9 +207,13 @@ def read_gguf_header(file: Path) -> GGUFHeader:
             raise CheckpointError(f"{file}: GGUF version {version} is not supported (expected 2 or 3)")
         n_tensors = cur.u64("the tensor count")
         n_kv = cur.u64("the metadata count")
-        # counts are checked against the bytes present before anything loops over them
+        # counts are checked against fixed limits and the bytes present before anything loops over them
+        for count, limit, what in ((n_tensors, MAX_TENSORS, "tensor"), (n_kv, MAX_KV, "metadata")):
+            if count > limit:
+                raise CheckpointError(f"{file}: the header lists {count:,} {what} entries; a GGUF of this format "
+                                      f"holds at most {limit:,} (the header is corrupt)")
         check_count(n_kv, 13, file_size - cur.pos, "the metadata count", file)
-        check_count(n_tensors, 24, file_size - cur.pos, "the tensor count", file)
+        check_count(n_tensors, MIN_INFO_BYTES, file_size - cur.pos, "the tensor count", file)
         metadata: dict[str, Any] = {}
         for i in range(n_kv):
             key = cur.string(f"metadata key #{i}")
@@ -212,9 +223,23 @@ def read_gguf_header(file: Path) -> GGUFHeader:
             vtype = cur.u32(f"metadata {key} (type)")
             metadata[key] = _typed(file, key, vtype, cur.value(vtype, key, not key.startswith(SKIP_PREFIXES)))
         kv_end = cur.pos
+        alignment = _alignment(file, metadata)
+        # every tensor holds at least one byte and starts on an alignment boundary after the infos:
+        # the smallest file that can hold n_tensors of them, checked before the per-tensor loop
+        least = kv_end + n_tensors * MIN_INFO_BYTES + (max(n_tensors - 1, 0) * alignment + 1 if n_tensors else 0)
+        if least > file_size:
+            raise CheckpointError(f"{file}: truncated GGUF header (or a corrupt count): {n_tensors:,} tensors need at "
+                                  f"least {least:,} bytes of tensor infos and {alignment}-aligned data, the file "
+                                  f"has {file_size:,}")
         raw: list[tuple[str, tuple[int, ...], int, int]] = []
+        names: set[str] = set()
         for i in range(n_tensors):
             name = cur.string(f"tensor info #{i}")
+            if not name:
+                raise CheckpointError(f"{file}: tensor info #{i} has an empty name")
+            if name in names:
+                raise CheckpointError(f"{file}: tensor {name} is listed twice in the tensor infos")
+            names.add(name)
             n_dims = cur.u32(f"tensor {name} (n_dims)")
             if n_dims > MAX_DIMS:
                 raise CheckpointError(f"{file}: tensor {name} has {n_dims} dimensions (GGUF allows at most {MAX_DIMS})")
@@ -224,23 +249,18 @@ def read_gguf_header(file: Path) -> GGUFHeader:
             ttype = cur.u32(f"tensor {name} (type)")
             offset = cur.u64(f"tensor {name} (offset)")
             raw.append((name, tuple(int(d) for d in ne), ttype, offset))
-        alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-        if type(alignment) is not int or not 0 < alignment <= MAX_ALIGNMENT or alignment & (alignment - 1):
-            raise CheckpointError(f"{file}: general.alignment = {alignment!r}: expected an integer power of two "
-                                  f"up to {MAX_ALIGNMENT}")
         infos_end = cur.pos
         data_start = -(-infos_end // alignment) * alignment
         if isinstance(buf, mmap.mmap):
             buf.close()
     tensors: list[TensorInfo] = []
-    seen: set[str] = set()
     for name, ne, ttype, offset in raw:
-        if name in seen:
-            raise CheckpointError(f"{file}: tensor {name} is listed twice in the tensor infos")
-        seen.add(name)
         if ttype not in types:
             raise CheckpointError(f"{file}: tensor {name} has unknown ggml type id {ttype}")
         tname, block, type_size = types[ttype]
+        if 0 in ne:
+            raise CheckpointError(f"{file}: tensor {name} ({tname} {list(reversed(ne))}) has a zero dimension: an "
+                                  "empty tensor (no model quantplug loads has one)")
         if ne and ne[0] % block:
             raise CheckpointError(f"{file}: tensor {name} ({tname}): row length {ne[0]} is not a multiple "
                                   f"of the block size {block}")
@@ -255,8 +275,16 @@ def read_gguf_header(file: Path) -> GGUFHeader:
             raise CheckpointError(f"{file}: tensor {name} ({tname} {list(reversed(ne))}): bytes {start}..{start + nbytes}"
                                   f" lie past the end of the file ({file_size} bytes); the file is truncated")
         tensors.append(TensorInfo(name, file, tname, tuple(reversed(ne)), start, nbytes, "gguf"))
-    _check_overlaps(file, tensors)
+    _check_tiling(file, tensors, data_start, alignment, file_size)
     return GGUFHeader(file, version, n_kv, metadata, tensors, kv_end, infos_end, alignment, data_start)
+
+
+def _alignment(file: Path, metadata: dict[str, Any]) -> int:
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if type(alignment) is not int or not 0 < alignment <= MAX_ALIGNMENT or alignment & (alignment - 1):
+        raise CheckpointError(f"{file}: general.alignment = {alignment!r}: expected an integer power of two "
+                              f"up to {MAX_ALIGNMENT}")
+    return alignment
 
 
 def _typed(file: Path, key: str, vtype: int, value: Any) -> Any:
@@ -273,14 +301,29 @@ def _typed(file: Path, key: str, vtype: int, value: Any) -> Any:
     return value
 
 
-def _check_overlaps(file: Path, tensors: list[TensorInfo]) -> None:
-    """Tensor data ranges may not share bytes (an offset moved onto another tensor's data, or a
-    type changed so that a tensor grew into the next one)."""
-    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors if t.nbytes)
-    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
-        if start < end:
-            raise CheckpointError(f"{file}: tensors {a} and {b} overlap (bytes {start}..{end} belong to both); "
-                                  "the tensor infos are corrupt")
+def _check_tiling(file: Path, tensors: list[TensorInfo], data_start: int, alignment: int, file_size: int) -> None:
+    """The tensors' data ranges tile the data section: sorted by offset, each starts where the one
+    before ends (rounded up to ``alignment``), the first at ``data_start``, and the file ends after
+    the last one's padding at most. A range that overlaps another (an offset moved onto another
+    tensor's data, a type that grew a tensor) or leaves bytes no tensor accounts for (a type
+    changed Q4_0 -> Q2_K shrinks a tensor: the rest of its old bytes would be silently skipped) is
+    refused, naming the tensors around it."""
+    spans = sorted((t.offset, t.offset + t.nbytes, t.label) for t in tensors)
+    expected, before = data_start, "the start of the data section"
+    for start, end, name in spans:
+        if start < expected:
+            raise CheckpointError(f"{file}: {before} and tensor {name} overlap (bytes {start}..{expected} belong "
+                                  "to both); the tensor infos are corrupt")
+        if start > expected:
+            raise CheckpointError(f"{file}: bytes {expected}..{start} between {before} and tensor {name} belong to no "
+                                  f"tensor: tensor data must tile the data section (up to {alignment}-byte alignment "
+                                  "padding); a tensor's type or shape in the header does not match its data")
+        expected, before = -(-end // alignment) * alignment, f"tensor {name}"
+    last_end = spans[-1][1] if spans else data_start
+    if file_size > max(expected, data_start):
+        raise CheckpointError(f"{file}: bytes {max(last_end, data_start)}..{file_size} after {before} belong to no "
+                              f"tensor: tensor data must tile the data section (up to {alignment}-byte alignment "
+                              "padding); a tensor's type or shape in the header does not match its data")
 
 
 def index_gguf(root: Path) -> tuple[dict[str, TensorInfo], list[Path], dict[str, Any]]:

@@ -61,6 +61,8 @@ class ModelConfig:
     attention_bias: bool
     mla_use_output_gate: bool
     raw: Any  # the text config dict as read (not compared, not hashed)
+    #: multi-token-prediction layers stored after the decoder layers (DeepSeek-V3: 1); not loaded
+    num_nextn_predict_layers: int = 0
 
     @property
     def is_wrapper(self) -> bool:
@@ -91,13 +93,15 @@ MAX_THETA = 1e12
 
 
 def _rope(f: Fields, mpe: int) -> RopeConfig:
-    params = f.data.get("rope_parameters")
-    if isinstance(params, dict) and params:
-        src = f.get_obj("rope_parameters")
-        assert src is not None
+    # either spelling must be an object when present: a list / number / string is an error, never
+    # "no rope scaling" (an empty rope_parameters object does mean the hub keys apply)
+    params = f.get_obj("rope_parameters")
+    scaling = f.get_obj("rope_scaling")
+    if params is not None and params.data:
+        src = params
         theta_src = src if src.has("rope_theta") else f
     else:
-        src = f.get_obj("rope_scaling") or Fields({}, f.file, f"{f.path + '.' if f.path else ''}rope_scaling")
+        src = scaling or Fields({}, f.file, f.sub("rope_scaling"))
         theta_src = f
     # > 1: the frequencies base ** (-2i/d) must decrease (yarn divides by log(theta))
     theta = theta_src.get_float("rope_theta", 1.0, MAX_THETA, 10000.0, open_lo=True)
@@ -110,8 +114,8 @@ def _rope(f: Fields, mpe: int) -> RopeConfig:
     # yarn extends the context: factor >= 1 (transformers' own rule); betas are rotation counts
     # (32 and 1 in every release): tiny ones overflow yarn's correction range
     factor = src.get_float("factor", 1.0, 1e4, mpe / orig)
-    beta_fast = src.get_float("beta_fast", 1e-3, 1e4, 32.0) if src.data.get("beta_fast") != 0 else 32.0
-    beta_slow = src.get_float("beta_slow", 1e-3, 1e4, 1.0) if src.data.get("beta_slow") != 0 else 1.0
+    beta_fast = src.get_float("beta_fast", 1e-3, 1e4, 32.0)
+    beta_slow = src.get_float("beta_slow", 1e-3, 1e4, 1.0)
     return RopeConfig(
         theta=theta, type="yarn", factor=factor, original_max_position_embeddings=orig,
         beta_fast=beta_fast, beta_slow=beta_slow,
@@ -182,6 +186,7 @@ def parse_model_config(config: dict[str, Any], architecture: str, wrapped: bool,
         attention_bias=f.get_bool("attention_bias", False),
         mla_use_output_gate=f.get_bool("mla_use_output_gate", False),
         raw=f.data,
+        num_nextn_predict_layers=f.get_int("num_nextn_predict_layers", 0, MAX_LAYERS, 0),
     )
 
 

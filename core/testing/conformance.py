@@ -49,6 +49,7 @@ from ..kernels.forms import reference_act, reference_dequantize
 from ..layers.linear import DenseScheme, FusedProjections, PlannedModule, QuantLinear, StackedLinear
 from ..loader import load
 from ..models.deepseek import Embedding
+from ..options import export_options
 from ..plan import LoadPlan, build_plan
 from ..plugins import ENTRY_POINT_GROUP, PluginManager
 from . import hub_rope_spelling, random_state, text_names, tiny_config, wrap_kimi, write_checkpoint
@@ -192,7 +193,8 @@ class BackendConformance:
         plan: LoadPlan = model.quantplug_plan  # type: ignore[assignment]
         answers = pm.call("quantplug_export", [self.backend], firstresult=True, model=model,
                           model_config=plan.model_config, destination=out,
-                          options=dict(self.export_options if options is None else options), plan=plan)
+                          options=export_options(pm, self.backend, self.export_options if options is None else options),
+                          plan=plan)
         if not answers:
             _fail(f"backend {self.backend!r} has no quantplug_export: implement write_checkpoint yourself")
         value = answers[0][0]
@@ -454,7 +456,8 @@ class BackendConformance:
         out.mkdir()
         answers = quantplug_kit.pm.call("quantplug_export", [self.backend], firstresult=True, model=model,
                                         model_config=plan.model_config, destination=out,
-                                        options=dict(self.export_options), plan=plan)
+                                        options=export_options(quantplug_kit.pm, self.backend, self.export_options),
+                                        plan=plan)
         if not answers:
             _fail(f"[export round trip] quantplug_export of {self.backend!r} returned None for a dense model")
         value = answers[0][0]

@@ -45,7 +45,7 @@ def test_installed_example_is_an_active_backend(site):
     assert r.returncode == 0, r.stderr
     acme = {p["name"]: p for p in json.loads(r.stdout)}["acme"]
     assert acme["status"] == "active" and acme["distribution"] == "acme-quant" and acme["version"] == "1.0.0"
-    assert acme["hooks"] == ["quantplug_detect", "quantplug_export", "quantplug_linear_scheme"]
+    assert acme["hooks"] == ["quantplug_detect", "quantplug_export", "quantplug_linear_scheme", "quantplug_options"]
 
 
 @pytest.mark.slow  # a second interpreter importing torch + transformers; test_acme.py runs the same kit in-process

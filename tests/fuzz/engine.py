@@ -1,14 +1,21 @@
 """Seeded mutation fuzzing of everything quantplug parses itself.
 
 Bases: a sharded dense safetensors checkpoint (with index), a GGUF checkpoint, the same GGUF after
-``expert-pack build``, the amd-quark MXFP4 vendor fixture and the msmodelslim W8A8 vendor fixture.
+``expert-pack build``, the amd-quark MXFP4, msmodelslim W8A8 and both llm-compressor
+(compressed-tensors W4A16 experts, FP8 block) vendor fixtures, a DeepSeek-native block-FP8
+checkpoint, and two tokenizer directories: tokenizer.json + tokenizer_config.json +
+chat_template.jinja, and Kimi's tiktoken.model + tokenizer_config.json (with a chat template).
 Each case copies one base (hard links), replaces one file with a mutated version and runs, by
-level, the file's own reader (``read``), ``quantplug.plan`` (``plan``) or plan + load + forward
-(``forward``).
+level, the file's own reader (``read``: for the tokenizer bases, load_tokenizer + encode +
+decode + the chat template), ``quantplug.plan`` (``plan``) or plan + load + forward (``forward``).
 
 Oracle, per case: it ends in success or a :class:`~quantplug.errors.QuantplugError` (anything
-else, a hang over ``timeout_s`` or a MemoryError is a failure). A forward that succeeds must give
-the base's logits bit for bit unless the difference is explained:
+else, a hang over ``timeout_s`` or a MemoryError is a failure). A QuantplugError whose message
+carries raw Python error text (an exception class name, "failed in quantplug_...: ValueError",
+"object has no attribute"...) is a failure: every message is quantplug's own words. A JSON
+mutation that is accepted while a key the base reads (through ``Fields``) was not read any more
+is a failure too ("lenient": the mutated value was skipped, a default silently taken). A forward
+that succeeds must give the base's logits bit for bit unless the difference is explained:
 
 * ``data``: the mutated bytes lie inside the data of a tensor the plan uses (safetensors and GGUF
   carry no data checksum; the expert pack does, and its payload mutations must raise);
@@ -22,6 +29,7 @@ load.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
 import json
@@ -46,6 +54,7 @@ from quantplug.errors import QuantplugError
 from quantplug.loader import execute
 from quantplug.plan import build_plan
 from quantplug.tokenizer import load_tokenizer
+from quantplug.validation import recording_reads
 
 from . import kit
 
@@ -59,12 +68,27 @@ INTERESTING_U64 = [0, 1, 2, 3, 4, 7, 8, 31, 32, 33, 4096, 2**31, 2**32 - 1, 2**3
 DTYPES = ["F32", "F16", "BF16", "U8", "I8", "I64", "F8_E4M3", "F8_E8M0", "BOOL", "F64", "Q4_0", "X"]
 
 
+#: bases whose files only the tokenizer reads: read level only
+TOKENIZER_KINDS = ("tok", "tiktoken")
+#: bases whose config.json mutations focus on quantization_config
+QUANT_KINDS = ("quark", "ct", "ct_fp8", "fp8")
+
+
 @dataclass
 class Base:
     kind: str
     root: Path
     targets: list[str]
     _ref: tuple[torch.Tensor, Any, dict[str, list[tuple[int, int]]]] | None = None
+    _reads: dict[str, set[tuple[str, str]]] = field(default_factory=dict)
+
+    def reads(self, level: str) -> set[tuple[str, str]]:
+        """(file name, key path) read through Fields by the unmutated base at ``level`` (once)."""
+        if level not in self._reads:
+            with recording_reads() as seen:
+                _operate(level, self.kind, self.root, "")
+            self._reads[level] = set(seen)
+        return self._reads[level]
 
     def reference(self) -> tuple[torch.Tensor, Any, dict[str, list[tuple[int, int]]]]:
         """The unmutated base's logits, plan fingerprint and used data ranges (computed once)."""
@@ -78,6 +102,10 @@ class Report:
     cases: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
     failures: list[str] = field(default_factory=list)
+    #: failures by kind: crash, hang, oom, raw-message, lenient, silent-wrong-load
+    kinds: Counter[str] = field(default_factory=Counter)
+    #: cases that raised the process's peak RSS by more than 32 MB: (MB, case)
+    rss_jumps: list[tuple[float, str]] = field(default_factory=list)
     max_case_s: float = 0.0
     slowest: str = ""
     rss_growth_mb: float = 0.0
@@ -88,8 +116,17 @@ class Report:
     def summary(self) -> str:
         top = ", ".join(f"{k}: {v}" for k, v in sorted(self.outcomes.items()))
         lv = ", ".join(f"{k} {v:.1f} s" for k, v in sorted(self.level_seconds.items()))
-        return (f"{self.cases} cases in {self.seconds:.1f} s ({lv}); {len(self.failures)} failure(s); slowest case "
-                f"{self.max_case_s:.2f} s ({self.slowest}); peak RSS growth {self.rss_growth_mb:.0f} MB\n  {top}")
+        kinds = ", ".join(f"{k} {self.kinds.get(k, 0)}" for k in FAILURE_KINDS)
+        return (f"{self.cases} cases in {self.seconds:.1f} s ({lv}); {len(self.failures)} failure(s) ({kinds}); "
+                f"slowest case {self.max_case_s:.2f} s ({self.slowest}); peak RSS growth {self.rss_growth_mb:.0f} MB"
+                f"\n  {top}")
+
+    def fail(self, kind: str, text: str) -> None:
+        self.kinds[kind] += 1
+        self.failures.append(f"[{kind}] {text}")
+
+
+FAILURE_KINDS = ("crash", "hang", "oom", "raw-message", "lenient", "silent-wrong-load")
 
 
 class CaseTimeout(Exception):
@@ -142,6 +179,11 @@ def make_bases(work: Path) -> list[Base]:
         ("pack", kit.packed, ["model.gguf", "experts.qpack"]),
         ("quark", lambda p: kit.vendor(p, "quark_mxfp4_dsv3"), ["config.json"]),
         ("modelslim", lambda p: kit.vendor(p, "modelslim_w8a8_dsv3"), ["config.json", "quant_model_description.json"]),
+        ("ct", lambda p: kit.vendor(p, "ct_w4a16_experts_dsv3"), ["config.json"]),
+        ("ct_fp8", lambda p: kit.vendor(p, "ct_fp8_block_dsv3"), ["config.json"]),
+        ("fp8", kit.fp8, ["config.json", "model.safetensors"]),
+        ("tok", kit.tokenizer_json, ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]),
+        ("tiktoken", kit.tiktoken, ["tiktoken.model", "tokenizer_config.json"]),
     ]
     return [Base(kind, build(work / f"base-{kind}"), targets) for kind, build, targets in builders]
 
@@ -183,17 +225,26 @@ def _bytes_op(rng: random.Random, data: bytes, lo: int = 0, hi: int | None = Non
     return bytes(b), f"{op} byte {pos}", pos
 
 
-def mutate_json(rng: random.Random, data: bytes, focus: str | None = None) -> tuple[bytes, str]:
+def key_path(path: tuple) -> str:
+    """A JSON path tuple as Fields spells it: ``a.b[3].c``."""
+    out = ""
+    for k in path:
+        out += f"[{k}]" if isinstance(k, int) else (f".{k}" if out else str(k))
+    return out
+
+
+def mutate_json(rng: random.Random, data: bytes, focus: str | None = None) -> tuple[bytes, str, tuple | None]:
+    """A mutated JSON document, what was done, and the path of the value changed (None: text-level)."""
     if rng.random() < 0.15:
         out, what, _ = _bytes_op(rng, data)
-        return out, f"json text: {what}"
+        return out, f"json text: {what}", None
     doc = json.loads(data)
     paths = _paths(doc)
     if focus:
         focused = [p for p in paths if p and p[0] == focus]
         paths = focused or paths
     if not paths:
-        return b"[]", "json: replaced by []"
+        return b"[]", "json: replaced by []", None
     path = rng.choice(paths)
     parent = doc
     for k in path[:-1]:
@@ -213,12 +264,66 @@ def mutate_json(rng: random.Random, data: bytes, focus: str | None = None) -> tu
         parent[last] = [parent[last]] if rng.random() < 0.5 else {"v": parent[last]}
         what = f"wrap {'.'.join(map(str, path))}"
     elif isinstance(parent, dict):
-        parent[rng.choice(["rope_type", "type", "factor", "weight_map", "quant_method", "x"])] = rng.choice(VALUES)
+        key = rng.choice(["rope_type", "type", "factor", "weight_map", "quant_method", "x", "dtype", "group_size",
+                          "targets", "ignore", "exclude", "weight_block_size", "chat_template", "eos_token"])
+        parent[key] = rng.choice(VALUES)
         what = f"add key under {'.'.join(map(str, path[:-1])) or '(root)'}"
+        path = (*path[:-1], key)
     else:
         parent.append(rng.choice(VALUES))
         what = f"append to {'.'.join(map(str, path[:-1]))}"
-    return json.dumps(doc).encode(), what
+        path = path[:-1]
+    return json.dumps(doc, allow_nan=True).encode(), what, path
+
+
+TEMPLATE_FRAGMENTS = [
+    "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "{% for i in range(10**9) %}{{ i }}{% endfor %}",
+    "{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}", "{{ 'x' * 10**9 }}",
+    "{{ 'a'|center(10**9) }}", "{{ '%0999999999d' % 1 }}", "{{ '{:>999999999}'.format(1) }}", "{% for %}",
+    "{{ 1 // 0 }}", "{{ messages[99]['content'] }}", "{{ messages.__class__.__mro__ }}", "{{", "{% if %}",
+    "{{ (" * 300 + "1" + ")" * 300 + " }}", "{{ raise_exception('stop') }}", "{{ messages|tojson(indent=99999) }}",
+    "{% set ns = namespace(s='x' * 9999) %}{% for i in range(30) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+    "{{ undefined_name.attr }}", "{{ bos_token * 99999999 }}", "{{ lipsum(99999) }}", "{% include 'x' %}",
+    "{{ cycler }}", "{% for m in messages %}{{ m.content|int }}{% endfor %}", "{{ 10**(10**8) }}",
+    "{{ range(99999)|list|join(',') * 1000 }}",
+]
+
+
+def mutate_template(rng: random.Random, data: bytes) -> tuple[bytes, str]:
+    text = data.decode()
+    if rng.random() < 0.3:
+        out, what, _ = _bytes_op(rng, data)
+        return out, f"template text: {what}"
+    frag = rng.choice(TEMPLATE_FRAGMENTS)
+    pos = rng.randrange(len(text) + 1)
+    return (text[:pos] + frag + text[pos:]).encode(), f"template: insert {frag[:40]!r} at {pos}"
+
+
+def mutate_tiktoken(rng: random.Random, data: bytes) -> tuple[bytes, str]:
+    lines = data.split(b"\n")
+    body = [ln for ln in lines if ln]
+    op = rng.choice(["dup-rank", "dup-token", "swap", "delete", "rank", "base64", "bytes", "extra"])
+    i, j = rng.randrange(len(body)), rng.randrange(len(body))
+    tok_i, rank_i = body[i].split()
+    tok_j, rank_j = body[j].split()
+    if op == "dup-rank":
+        body.append(base64.b64encode(b"zz" + bytes([rng.randrange(256)])) + b" " + rank_i)
+    elif op == "dup-token":
+        body.append(tok_i + b" " + str(len(body)).encode())
+    elif op == "swap":
+        body[i], body[j] = tok_i + b" " + rank_j, tok_j + b" " + rank_i
+    elif op == "delete":
+        del body[i]
+    elif op == "rank":
+        body[i] = tok_i + b" " + rng.choice([b"-1", b"99999999999999", b"x", b"1.5", b"", str(len(body) + 9).encode()])
+    elif op == "base64":
+        body[i] = rng.choice([b"!!!", b"a", b"====", b"YQ", b""]) + b" " + rank_i
+    elif op == "extra":
+        body[i] = body[i] + b" 7"
+    else:
+        out, what, _ = _bytes_op(rng, data)
+        return out, f"tiktoken text: {what}"
+    return b"\n".join(body) + b"\n", f"tiktoken: {op} (lines {i}, {j})"
 
 
 def mutate_safetensors(rng: random.Random, data: bytes, data_only: bool) -> tuple[bytes, str, int]:
@@ -338,7 +443,53 @@ def mutate_pack(rng: random.Random, data: bytes, data_only: bool) -> tuple[bytes
 # -- runner --------------------------------------------------------------------------------------
 
 LEVELS = ("read", "plan", "forward")
-_WRAPPED = re.compile(r"failed in quantplug_\w+: \w+(Error|Exception)\b")
+#: raw Python error text in a message: a wrapped plugin crash, an exception class name, Python's own phrasing
+RAW = re.compile(
+    r"failed in quantplug_\w+: \w+|\b(ValueError|TypeError|KeyError|IndexError|AttributeError|OverflowError|"
+    r"RecursionError|ZeroDivisionError|UnicodeDecodeError|UnicodeEncodeError|AssertionError|NameError|"
+    r"StopIteration|PanicException|MemoryError|struct\.error)\b|object has no attribute|is not subscriptable|"
+    r"not supported between instances|unhashable type|invalid literal for int|cannot convert float|"
+    r"object is not iterable|positional argument|NoneType")
+
+
+def _operate(level: str, kind: str, root: Path, target: str) -> str:
+    """The case's work at ``level`` on directory ``root`` (``target``: the file mutated, "" for the base)."""
+    if level == "plan":
+        p = build_plan(root)
+        p.checkpoint.close()
+        p.raise_for_problems()
+        return "ok"
+    if kind in TOKENIZER_KINDS:
+        tok = load_tokenizer(root)
+        if tok is None:
+            raise QuantplugError(f"{root}: no tokenizer")  # the base has one: a mutated file removed it
+        ids = tok.encode("Hello, world! 日本 [BOS]<|end|> 1234567")
+        tok.decode(ids)
+        tok.decode(ids, skip_special_tokens=True)
+        if tok.chat_template:
+            tok.render_chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+        return "ok"
+    path = root / target
+    if target.endswith(".safetensors"):
+        read_header(path)
+    elif target.endswith(".gguf"):
+        read_gguf_header(path)
+        load_tokenizer(root)  # the vocabulary arrays the header reader skips, decoded in full
+    elif target.endswith(".qpack"):
+        from quantplug_expert_pack.pack import ExpertPack
+
+        ExpertPack(path).close()
+    return "ok"
+
+
+def _bypassed(base_reads: set[tuple[str, str]], seen: set[tuple[str, str]], file: str, path: tuple) -> str | None:
+    """The deepest key on ``path`` (or above it) the base read but the mutated run did not: a value
+    skipped rather than validated; None when every such key was read again."""
+    for n in range(len(path), 0, -1):
+        key = (file, key_path(path[:n]))
+        if key in base_reads:
+            return None if key in seen else key[1]
+    return None
 
 
 class Fuzzer:
@@ -353,12 +504,14 @@ class Fuzzer:
         self.copies = {b.kind: kit.clone(b.root, work / f"case-{b.kind}") for b in self.bases}
         self.n = 0
 
-    def case(self, level: str) -> tuple[Base, str, bytes, str, int]:
+    def case(self, level: str) -> tuple[Base, str, bytes, str, int, tuple | None]:
         rng = self.rng
-        base = rng.choice(self.bases)
+        base = rng.choice([b for b in self.bases if b.kind not in TOKENIZER_KINDS])
         if level == "read":
-            base = rng.choice([b for b in self.bases if b.kind in ("dense", "gguf", "pack")])
-            target = rng.choice([t for t in base.targets if not t.endswith(".json")])
+            base = rng.choice([b for b in self.bases if b.kind in ("dense", "gguf", "pack", *TOKENIZER_KINDS)])
+            targets = base.targets if base.kind in TOKENIZER_KINDS else [t for t in base.targets
+                                                                         if not t.endswith(".json")]
+            target = rng.choice(targets)
         elif level == "forward":
             base = rng.choice([b for b in self.bases if b.kind in self.forward_kinds])
             target = rng.choice(base.targets)
@@ -366,17 +519,21 @@ class Fuzzer:
             target = rng.choice(base.targets)
         data = self.originals[(base.kind, target)]
         data_only = level == "forward" and rng.random() < 0.3
-        pos = -1
+        pos, path = -1, None
         if target.endswith(".json"):
-            focus = "quantization_config" if base.kind == "quark" and rng.random() < 0.7 else None
-            out, what = mutate_json(rng, data, focus)
+            focus = "quantization_config" if base.kind in QUANT_KINDS and rng.random() < 0.7 else None
+            out, what, path = mutate_json(rng, data, focus)
         elif target.endswith(".safetensors"):
             out, what, pos = mutate_safetensors(rng, data, data_only)
         elif target.endswith(".gguf"):
             out, what, pos = mutate_gguf(rng, data, self.layouts[base.kind], data_only)
+        elif target.endswith(".jinja"):
+            out, what = mutate_template(rng, data)
+        elif target == "tiktoken.model":
+            out, what = mutate_tiktoken(rng, data)
         else:
             out, what, pos = mutate_pack(rng, data, data_only)
-        return base, target, out, what, pos
+        return base, target, out, what, pos, path
 
     def run(self, counts: dict[str, int]) -> Report:
         rep = Report()
@@ -391,41 +548,56 @@ class Fuzzer:
         return rep
 
     def one(self, level: str, rep: Report) -> None:
-        base, target, data, what, pos = self.case(level)
+        base, target, data, what, pos, path = self.case(level)
         if level == "forward":
             base.reference()  # the base's own logits, once, outside the case's clock
+        # a changed value the base read must be read (validated) again; deleting a key is "absent"
+        lenient_check = path is not None and level != "forward" and not what.startswith("delete")
+        if lenient_check:
+            base.reads(level)  # the base's own reads, once, outside the case's clock
         self.n += 1
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         root = self.copies[base.kind]
         (root / target).unlink()
         (root / target).write_bytes(data)
         label = f"#{self.n} {level} {base.kind}/{target}: {what[:150]}"
         t0 = time.perf_counter()
+        seen: set[tuple[str, str]] = set()
         try:
-            with _deadline(self.timeout_s):
+            with _deadline(self.timeout_s), recording_reads() as seen:
                 outcome = self._execute(level, base, root, target, pos)
         except CaseTimeout:
             outcome = "FAIL"
-            rep.failures.append(f"{label}: no result within {self.timeout_s} s")
+            rep.fail("hang", f"{label}: no result within {self.timeout_s} s")
         except QuantplugError as exc:
-            # a plugin's own crash, wrapped by the plugin manager: a QuantplugError naming the plugin,
-            # but not a validated message; counted apart (and listed) so it can be fixed at its source
-            m = _WRAPPED.search(str(exc))
-            outcome = "error-wrapped-plugin-crash" if m else "error"
-            if m:
+            outcome = "error"
+            raw = RAW.search(str(exc))
+            if raw:  # a message carrying raw Python error text: not quantplug's own words
+                outcome = "FAIL"
+                rep.fail("raw-message", f"{label}: {type(exc).__name__}: {str(exc)[:240]} (raw: {raw.group(0)!r})")
                 rep.wrapped.append(f"{label}: {str(exc)[:200]}")
         except MemoryError:
             outcome = "FAIL"
-            rep.failures.append(f"{label}: MemoryError")
+            rep.fail("oom", f"{label}: MemoryError")
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001 (the point: anything but QuantplugError is a finding; a
             outcome = "FAIL"          # Rust library's panic is a BaseException)
             tb = traceback.format_exception(type(exc), exc, exc.__traceback__)[-3:]
-            rep.failures.append(f"{label}: {type(exc).__name__}: {exc} | {''.join(tb).strip()[-400:]}")
+            rep.fail("crash", f"{label}: {type(exc).__name__}: {exc} | {''.join(tb).strip()[-400:]}")
         if isinstance(outcome, tuple):
             outcome, problem = outcome
-            rep.failures.append(f"{label}: {problem}")
+            rep.fail("silent-wrong-load", f"{label}: {problem}")
+        if lenient_check and outcome in ("ok", "same", "explained-data", "explained-declared"):
+            bypassed = _bypassed(base.reads(level), seen, target, path)
+            if bypassed:
+                outcome = "FAIL"
+                rep.fail("lenient", f"{label}: accepted, but {target}: {bypassed} (read by the base) was not read: "
+                                    "the mutated value was skipped unvalidated")
         dt = time.perf_counter() - t0
+        jump = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024
+        if jump > 32:
+            rep.rss_jumps.append((round(jump, 1), label))
         rep.level_seconds[level] += dt
         if dt > rep.max_case_s:
             rep.max_case_s, rep.slowest = dt, label
@@ -435,23 +607,8 @@ class Fuzzer:
         os.link(base.root / target, root / target)
 
     def _execute(self, level: str, base: Base, root: Path, target: str, pos: int) -> Any:
-        path = root / target
-        if level == "read":
-            if target.endswith(".safetensors"):
-                read_header(path)
-            elif target.endswith(".gguf"):
-                read_gguf_header(path)
-                load_tokenizer(root)  # the vocabulary arrays the header reader skips, decoded in full
-            else:
-                from quantplug_expert_pack.pack import ExpertPack
-
-                ExpertPack(path).close()
-            return "ok"
-        if level == "plan":
-            p = build_plan(root)
-            p.checkpoint.close()
-            p.raise_for_problems()
-            return "ok"
+        if level in ("read", "plan"):
+            return _operate(level, base.kind, root, target)
         ref_logits, ref_fp, _ = base.reference()
         out, fp, used = _forward(root)
         if torch.equal(out, ref_logits) or (out.shape == ref_logits.shape

@@ -26,6 +26,8 @@ def main() -> int:
         print("FAIL", f)
     for w in rep.wrapped:
         print("WRAPPED", w)
+    for mb, case in sorted(rep.rss_jumps, reverse=True)[:10]:
+        print(f"RSS +{mb} MB", case)
     return 1 if rep.failures else 0
 
 

@@ -32,3 +32,37 @@ def test_fuzz_ci_budget(tmp_path):
 @pytest.mark.slow
 def test_fuzz_slow_budget(tmp_path):
     _run(tmp_path, seed=1, counts=SLOW)
+
+
+def test_the_lenient_oracle_flags_a_skipped_value(tmp_path, monkeypatch):
+    """A reader that skips a wrong-typed value (the pre-issue-22 ``rope_parameters`` handling:
+    ``isinstance(params, dict)`` else the hub keys) leaves a key the base read unread: flagged."""
+    import json
+
+    import quantplug.models.config as mc
+    from quantplug.plan import build_plan
+    from quantplug.validation import recording_reads
+
+    from . import kit
+    from .engine import _bypassed
+
+    base = kit.dense(tmp_path / "b", shards=1)
+    with recording_reads() as base_reads:
+        build_plan(base)
+    cfg = json.loads((base / "config.json").read_text())
+    cfg["rope_parameters"] = [cfg["rope_parameters"]]  # wrapped in a list
+    mutated = kit.clone(base, tmp_path / "m", changed="config.json")
+    (mutated / "config.json").write_text(json.dumps(cfg))
+    real = mc._rope
+
+    def old_rope(f, mpe):  # the pre-issue-22 lookup: a non-object rope_parameters silently ignored
+        if isinstance(f.data.get("rope_parameters"), dict):
+            return real(f, mpe)
+        return mc.RopeConfig(f.get_float("rope_theta", 1.0, mc.MAX_THETA, 10000.0, open_lo=True), "default")
+    monkeypatch.setattr(mc, "_rope", old_rope)
+    with recording_reads() as seen:
+        build_plan(mutated)
+    assert _bypassed(base_reads, seen, "config.json", ("rope_parameters", 0)) == "rope_parameters"
+    monkeypatch.setattr(mc, "_rope", real)
+    with pytest.raises(Exception, match="rope_parameters = .*expected an object"):
+        build_plan(mutated)

@@ -21,14 +21,16 @@ import torch
 import torch.nn.functional as F
 from quantplug.api import (
     Claim,
-    ConfigError,
     ExportResult,
+    Fields,
     Form,
     LinearScheme,
+    OptionSpec,
     TensorSpec,
     Weights,
     dense_state,
     hookimpl,
+    quant_config_fields,
 )
 from safetensors.torch import save_file
 
@@ -45,14 +47,10 @@ class AcmeConfig:
     ignore: frozenset[str]
 
     @classmethod
-    def parse(cls, qc: Mapping[str, Any]) -> AcmeConfig:
-        bits = qc.get("bits", 8)
-        if bits != 8:
-            raise ConfigError(f"quantization_config.bits = {bits!r}: acme-quant reads 8-bit weights only")
-        ignore = qc.get("ignore", [])
-        if not isinstance(ignore, list) or not all(isinstance(n, str) for n in ignore):
-            raise ConfigError("quantization_config.ignore: expected a list of module names")
-        return cls(bits, frozenset(ignore))
+    def parse(cls, qc: Fields) -> AcmeConfig:
+        # typed readers: a wrong type or value is one ConfigError naming config.json and the key path
+        bits = qc.get_int("bits", 8, 8, 8)  # acme-quant reads 8-bit weights only
+        return cls(bits, frozenset(qc.str_list("ignore")))
 
     def quantized(self, module: str) -> bool:
         return module.removeprefix(PREFIX) not in self.ignore
@@ -85,19 +83,17 @@ class Int8RowScheme(LinearScheme):
         return Weights(Form("INT8", scale="F32"), layer.weight, scale=layer.weight_scale)
 
 
-def _quant_config(config: Mapping[str, Any]) -> Any:
-    qc = config.get("quantization_config")
-    if qc is None and isinstance(config.get("text_config"), dict):
-        qc = config["text_config"].get("quantization_config")
-    return qc
+@hookimpl
+def quantplug_detect(checkpoint: Any) -> Claim | None:
+    qc, _ = quant_config_fields(checkpoint)
+    if qc is None or qc.opt_str("quant_method") != "acme":
+        return None
+    return Claim("acme", AcmeConfig.parse(qc), "quantization_config.quant_method == 'acme'")
 
 
 @hookimpl
-def quantplug_detect(checkpoint: Any) -> Claim | None:
-    qc = _quant_config(checkpoint.config)
-    if not isinstance(qc, dict) or qc.get("quant_method") != "acme":
-        return None
-    return Claim("acme", AcmeConfig.parse(qc), "quantization_config.quant_method == 'acme'")
+def quantplug_options() -> list[OptionSpec]:
+    return []  # acme reads no options: any given option other than the core's is a plan error
 
 
 @hookimpl

@@ -17,14 +17,25 @@ import difflib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from quantplug.api import Claim, ConfigError, Exclusions, Problem, hookimpl, option, refuse
+from quantplug.api import (
+    Claim,
+    ConfigError,
+    Exclusions,
+    Fields,
+    OptionSpec,
+    Problem,
+    config_fields,
+    hookimpl,
+    option,
+    refuse,
+)
 
 from . import fp4
 from .config import FORMATS, LINEAR_CLASSES, CTConfig, Group, is_class_name, match_name
 from .schemes import CTScheme
 
 __version__ = "0.1.0"
-QUANTPLUG_CONTRACT = "1.1"
+QUANTPLUG_CONTRACT = "1.4"
 ACTIVATION_MODES = ("emulate", "none")
 #: values of the ``kernels`` option: "exact" (default) or "fast" (see schemes.CTScheme)
 KERNELS = ("exact", "fast")
@@ -33,30 +44,37 @@ QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_
                   "input_scale", "weight_shape", "weight_g_idx")
 
 
-def _quant_config(config: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str]:
-    top = config.get("quantization_config")
-    text = config.get("text_config")
-    inner = text.get("quantization_config") if isinstance(text, dict) else None
-    if (isinstance(top, dict) and isinstance(inner, dict) and top != inner
-            and "compressed-tensors" in (top.get("quant_method"), inner.get("quant_method"))):
-        raise ConfigError("config.json: quantization_config and text_config.quantization_config differ; "
-                              "quantplug-compressed-tensors will not guess which one the weights follow")
-    if isinstance(top, dict):
-        return top, "quantization_config"
-    if isinstance(inner, dict):
+def _quant_config(checkpoint: Any) -> tuple[Fields | None, str]:
+    top = config_fields(checkpoint)
+    outer = top.get_obj("quantization_config")
+    text = top.get_obj("text_config")
+    inner = text.get_obj("quantization_config") if text is not None else None
+    if (outer is not None and inner is not None and outer.data != inner.data
+            and "compressed-tensors" in (outer.data.get("quant_method"), inner.data.get("quant_method"))):
+        raise ConfigError(f"{top.file}: quantization_config and text_config.quantization_config differ; "
+                          "quantplug-compressed-tensors will not guess which one the weights follow")
+    if outer is not None:
+        return outer, "quantization_config"
+    if inner is not None:
         return inner, "text_config.quantization_config"
     return None, ""
 
 
 @hookimpl
 def quantplug_detect(checkpoint: Any) -> Claim | None:
-    qc, where = _quant_config(checkpoint.config)
-    if qc is None or qc.get("quant_method") != "compressed-tensors":
+    qc, where = _quant_config(checkpoint)
+    if qc is None or qc.opt_str("quant_method") != "compressed-tensors":
         return None
     prefix = "language_model" if any(n.startswith("language_model.") for n in checkpoint.tensors) else ""
     cfg = CTConfig.parse(qc, prefix, where)
     return Claim("compressed_tensors", cfg, f"config.json {where}.quant_method == 'compressed-tensors' "
                  f"(format {cfg.format}, {len(cfg.groups)} config group(s))")
+
+
+@hookimpl
+def quantplug_options() -> list[OptionSpec]:
+    return [OptionSpec("activation_quant", str, "emulate", ACTIVATION_MODES,
+                       "emulate: quantize activations as the config's input_activations say; none: weight-only")]
 
 
 @hookimpl

@@ -17,13 +17,14 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from quantplug.api import ConfigError
+from quantplug.api import Fields
 
 #: class names quantplug maps onto its layers: every linear and routed-expert projection is an
 #: ``nn.Linear`` in the Hugging Face model (the router and the embedding are not)
 LINEAR_CLASSES = ("Linear", "LinearBase")
 #: formats whose weights this plugin decodes
 FORMATS = ("pack-quantized", "naive-quantized", "int-quantized", "float-quantized")
+_BLOCK_TEXT = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
 
 
 @dataclass(frozen=True)
@@ -41,28 +42,40 @@ class QuantArgs:
     raw: tuple[tuple[str, Any], ...]
 
     @classmethod
-    def parse(cls, obj: Any, where: str) -> QuantArgs | None:
+    def parse(cls, obj: Fields | dict[str, Any] | None, where: str = "") -> QuantArgs | None:
+        """Read one QuantizationArgs object, every field typed (compressed-tensors' own defaults
+        for absent ones: 8 bits, int, symmetric, strategy from group_size / block_structure)."""
         if obj is None:
             return None
-        if not isinstance(obj, dict):
-            raise ConfigError(f"quantization_config.{where}: expected an object, got {type(obj).__name__}")
-        try:
-            bits = int(obj.get("num_bits", 8))
-            gs = obj.get("group_size")
-            block = obj.get("block_structure")
-            if isinstance(block, str):  # older configs: "128x128"
-                block = [int(v) for v in block.lower().split("x")]
-            strategy = obj.get("strategy")
-            if strategy is None:  # compressed-tensors infers it: group_size -> group, else tensor
-                strategy = "group" if gs else ("block" if block else "tensor")
-            return cls(num_bits=bits, type=str(obj.get("type", "int")), symmetric=bool(obj.get("symmetric", True)),
-                       strategy=str(strategy), group_size=int(gs) if gs is not None else None,
-                       block_structure=(int(block[0]), int(block[1])) if block else None,
-                       dynamic=obj.get("dynamic", False),
-                       actorder=None if obj.get("actorder") in (None, False) else str(obj.get("actorder")),
-                       raw=tuple(sorted((k, repr(v)) for k, v in obj.items())))
-        except (TypeError, ValueError, IndexError) as exc:
-            raise ConfigError(f"quantization_config.{where}: cannot read {obj!r} ({exc})") from None
+        f = obj if isinstance(obj, Fields) else Fields(obj, "config.json", f"quantization_config.{where}")
+        bits = f.get_int("num_bits", 1, 64, 8)
+        gs = f.opt_int("group_size", -1, 1 << 24)
+        if gs == 0:
+            f.fail("group_size", gs, "a positive group size, -1 (per channel) or null")
+        block: tuple[int, ...] | None
+        if isinstance(f.data.get("block_structure"), str):  # older configs: "128x128"
+            m = _BLOCK_TEXT.match(f.data["block_structure"])
+            if m is None or not all(int(v) > 0 for v in m.groups()):
+                f.fail("block_structure", f.data["block_structure"], "[rows, columns] or 'RxC' with positive sizes")
+            block = (int(m.group(1)), int(m.group(2)))  # type: ignore[union-attr]  # fail() does not return
+        else:
+            block = f.int_list("block_structure", 1, 1 << 16, length=2)
+        strategy = f.opt_str("strategy")
+        if strategy is None:  # compressed-tensors infers it: group_size -> group (-1: channel), block, else tensor
+            strategy = "channel" if gs == -1 else "group" if gs else "block" if block else "tensor"
+        elif gs == -1 and strategy != "channel":
+            f.fail("group_size", gs, f"a positive group size for strategy {strategy!r} (-1 means per channel)")
+        dynamic = f.data.get("dynamic", False)
+        if dynamic not in (True, False, "local"):
+            f.fail("dynamic", dynamic, "true, false or 'local'")
+        act = f.data.get("actorder")
+        if act is not None and type(act) not in (bool, str):
+            f.fail("actorder", act, "a string, a boolean or null")
+        return cls(num_bits=bits, type=f.get_str("type", "int", choices=("int", "float")),
+                   symmetric=f.get_bool("symmetric", True), strategy=strategy,
+                   group_size=gs if gs and gs > 0 else None, block_structure=(block[0], block[1]) if block else None,
+                   dynamic=dynamic, actorder=None if act in (None, False) else "group" if act is True else str(act),
+                   raw=tuple(sorted((k, repr(v)) for k, v in f.data.items())))
 
     def describe(self) -> str:
         kind = f"{self.type}{self.num_bits}" if self.type == "int" else f"fp{self.num_bits}"
@@ -106,35 +119,33 @@ class CTConfig:
     where: str  # "quantization_config" or "text_config.quantization_config"
 
     @classmethod
-    def parse(cls, qc: dict[str, Any], prefix: str, where: str) -> CTConfig:
-        groups_raw = qc.get("config_groups") or {}
-        ignore = qc.get("ignore") or []
-        if not isinstance(groups_raw, dict) or not isinstance(ignore, list):
-            raise ConfigError(f"{where}: config_groups must be an object and ignore a list")
-        fmt = str(qc.get("format") or "dense")
+    def parse(cls, qc: Fields, prefix: str, where: str) -> CTConfig:
+        fmt = qc.opt_str("format") or "dense"
         groups = []
-        for name, g in groups_raw.items():
-            if not isinstance(g, dict):
-                raise ConfigError(f"{where}.config_groups.{name}: expected an object")
-            targets = g.get("targets") or []
-            if isinstance(targets, str):
-                targets = [targets]
-            base = f"config_groups.{name}"
-            groups.append(Group(name, tuple(str(t) for t in targets),
-                                QuantArgs.parse(g.get("weights"), f"{base}.weights"),
-                                QuantArgs.parse(g.get("input_activations"), f"{base}.input_activations"),
-                                QuantArgs.parse(g.get("output_activations"), f"{base}.output_activations"),
-                                str(g.get("format") or fmt)))
-        sparsity = qc.get("sparsity_config") or None
+        for name, g in qc.entries("config_groups"):
+            assert g is not None
+            targets = g.str_list("targets", single=True)
+            for i, t in enumerate(targets):
+                if t.startswith("re:"):
+                    g.regex(f"targets[{i}]", t[3:])
+            groups.append(Group(name, targets, QuantArgs.parse(g.get_obj("weights")),
+                                QuantArgs.parse(g.get_obj("input_activations")),
+                                QuantArgs.parse(g.get_obj("output_activations")),
+                                g.opt_str("format") or fmt))
+        ignore = qc.str_list("ignore")
+        for i, e in enumerate(ignore):
+            if e.startswith("re:"):
+                qc.regex(f"ignore[{i}]", e[3:])
+        sparsity = qc.get_obj("sparsity_config")
         sparse_fmt = None
-        if isinstance(sparsity, dict) and sparsity.get("format") not in (None, "dense"):
-            sparse_fmt = str(sparsity.get("format")) + (
-                f" {sparsity.get('sparsity_structure')}" if sparsity.get("sparsity_structure") else "")
-        return cls(groups=tuple(groups), ignore=tuple(str(x) for x in ignore), format=fmt,
-                   status=str(qc.get("quantization_status") or "compressed"), prefix=prefix,
-                   kv_cache_scheme=qc.get("kv_cache_scheme") is not None,
-                   transforms=bool(qc.get("transform_config")), sparsity=sparse_fmt,
-                   version=qc.get("version"), where=where)
+        if sparsity is not None and sparsity.opt_str("format") not in (None, "dense"):
+            structure = sparsity.opt_str("sparsity_structure")
+            sparse_fmt = str(sparsity.opt_str("format")) + (f" {structure}" if structure else "")
+        return cls(groups=tuple(groups), ignore=ignore, format=fmt,
+                   status=qc.opt_str("quantization_status") or "compressed", prefix=prefix,
+                   kv_cache_scheme=qc.get_obj("kv_cache_scheme") is not None,
+                   transforms=qc.get_obj("transform_config") is not None and bool(qc.data["transform_config"]),
+                   sparsity=sparse_fmt, version=qc.opt_str("version"), where=where)
 
     # -- matching -------------------------------------------------------------------------------
 

@@ -14,17 +14,20 @@ Every GGUF-specific decision is one of this plugin's hook answers:
   contract, the pack against the model and the cache budget;
 * ``quantplug_export`` / ``quantplug_cli_commands``: GGUF writer, ``quantplug expert-pack build``.
 
-Options (``quantplug.load(..., options={...})`` / ``-o KEY=VALUE``): ``expert_cache_mb`` (LRU
-budget for pack-served experts, default 1024), ``dequantize`` (keep a dense copy of every GGUF
-linear after loading: faster forward, more memory; default false), ``kernels`` ("exact", the
-default: bit-exact dequantization + float matmul; "fast": Q4_0 / Q4_1 / Q4_K / Q8_0 linears repacked
-at load for torch's int4 CPU kernel, bfloat16 activations; error documented in the README).
+Options (``quantplug.load(..., options={...})`` / ``-o KEY=VALUE``), declared in
+:func:`quantplug_options`: ``dequantize`` (keep a dense copy of every GGUF linear after loading:
+faster forward, more memory; default false). It reads two of the core's options: ``kernels``
+("exact", the default: bit-exact dequantization + float matmul; "fast": Q4_0 / Q4_1 / Q4_K /
+Q8_0 linears repacked at load for torch's int4 CPU kernel, bfloat16 activations; error
+documented in the README) and ``expert_cache_mb`` (the LRU budget for pack-served experts in
+MiB; 0, the default: every expert of the pack may stay in memory once read).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -36,6 +39,7 @@ from quantplug.api import (
     AttentionLayout,
     CheckpointError,
     Claim,
+    OptionSpec,
     Problem,
     contained,
     ggml,
@@ -44,18 +48,18 @@ from quantplug.api import (
 )
 
 from .build import build_pack
-from .export import export_gguf
+from .export import QUANTIZABLE, export_gguf
 from .names import model_to_gguf
 from .pack import KV_FILE, KV_INDEX_SHA, PACK_NAME, ExpertCache, ExpertPack
 from .schemes import GGMLScheme, PackedExpertsScheme
 
 #: the hook-contract version this plugin is written for (quantplug.api.CONTRACT_VERSION)
-QUANTPLUG_CONTRACT = "1.3"
+QUANTPLUG_CONTRACT = "1.4"
 
 __version__ = "0.1.0"
-DEFAULT_CACHE_MB = 1024
 #: values of the ``kernels`` option: "exact" (default) or "fast" (see schemes.GGMLScheme)
 KERNELS = ("exact", "fast")
+
 _EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)$")
 
 
@@ -69,12 +73,33 @@ class GGUFConfig:
     _caches: dict[int, ExpertCache] = field(default_factory=dict, compare=False, repr=False)
 
     def cache(self, options: Mapping[str, Any]) -> ExpertCache:
-        """The LRU cache for this load's budget (one per budget, shared by every MoE layer)."""
+        """The LRU cache for this load's budget (one per budget, shared by every MoE layer);
+        ``expert_cache_mb`` 0: a slot for every expert of the pack (experts in memory once read)."""
         assert self.pack is not None
-        budget = int(float(options.get("expert_cache_mb", DEFAULT_CACHE_MB)) * (1 << 20))
+        budget = self.budget(options)
         if budget not in self._caches:
             self._caches[budget] = ExpertCache(self.pack, budget)
         return self._caches[budget]
+
+    def budget(self, options: Mapping[str, Any]) -> int:
+        assert self.pack is not None
+        mb = float(options.get("expert_cache_mb", 0.0) or 0.0)
+        if mb > 0:
+            return int(mb * (1 << 20))
+        return self.pack.max_expert_span() * len(self.pack.layers) * self.pack.n_experts
+
+
+@hookimpl
+def quantplug_options() -> list[OptionSpec]:
+    return [
+        OptionSpec("dequantize", bool, False, None,
+                   "keep a dense copy of every GGUF linear after loading: faster forward, more memory"),
+        OptionSpec("type", str, "Q8_0", QUANTIZABLE, "GGUF type of the exported linears", scope="export"),
+        OptionSpec("split_kv", bool, True, None, "export MLA K/V split (attn_k_b / attn_v_b), else legacy attn_kv_b",
+                   scope="export"),
+        OptionSpec("pack", bool, True, None, "also export a copy with the routed experts in an expert pack",
+                   scope="export"),
+    ]
 
 
 def _gguf_files(checkpoint: Any) -> list[Path]:
@@ -167,7 +192,7 @@ def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Seque
     kernels = option(options, "kernels", "exact", KERNELS)
     kv_heads = layer_kind in ("attn_k_b", "attn_v_b")
     cache_kv = kv_heads and kernels == "fast" and not (info.dtype in ggml.NATIVE_TYPES and ggml.native.library() is not None)
-    return GGMLScheme(info.dtype, cache=bool(options.get("dequantize", False)) or cache_kv,
+    return GGMLScheme(info.dtype, cache=bool(options.get("dequantize")) or cache_kv,
                       kernels="exact" if layer_kind == "embedding" or kv_heads else kernels)
 
 
@@ -191,7 +216,7 @@ def quantplug_validate_plan(plan: Any, quant_config: GGUFConfig) -> list[Problem
         problems.append(Problem(f"general.architecture is {arch!r}; quantplug-expert-pack reads llama.cpp "
                                 "'deepseek2' files (DeepSeek-V3 / Kimi)", file=first))
     blocks = meta.get(f"{arch}.block_count")
-    nextn = int(ckpt.config.get("num_nextn_predict_layers", 0) or 0)
+    nextn = cfg.num_nextn_predict_layers  # validated by the core (an integer in [0, 1024])
     if blocks is not None and blocks not in (cfg.num_hidden_layers, cfg.num_hidden_layers + nextn):
         problems.append(Problem(f"GGUF {arch}.block_count = {blocks} contradicts config.json num_hidden_layers = "
                                 f"{cfg.num_hidden_layers}", file=first, kind="metadata"))
@@ -227,12 +252,24 @@ def _check_pack(plan: Any, pack: ExpertPack, qc: GGUFConfig) -> list[Problem]:
     if hashlib.sha256(config.read_bytes()).digest() != pack.config_sha256:
         problems.append(Problem("config.json changed since the expert pack was built", file=name, kind="pack",
                                 severity="warning"))
-    budget = qc.cache(plan.options).budget
+    budget = qc.budget(plan.options)
     largest = pack.max_expert_span()  # one cache slot: an expert's three adjacent, aligned payloads
+    mb = plan.options.get("expert_cache_mb")
     if budget < largest:
-        problems.append(Problem(f"expert_cache_mb = {plan.options.get('expert_cache_mb')} holds less than one "
-                                f"expert ({largest / (1 << 20):.3f} MiB); raise it", file=name, kind="options"))
+        problems.append(Problem(f"expert_cache_mb = {mb} holds less than one expert ({largest / (1 << 20):.3f} "
+                                "MiB); raise it", file=name, kind="options"))
+    elif not mb and budget > _memory_bytes():
+        problems.append(Problem(f"expert_cache_mb = 0 (experts in memory) needs {budget / (1 << 30):.1f} GiB for "
+                                f"the pack's experts, more than this machine's {_memory_bytes() / (1 << 30):.1f} "
+                                "GiB of memory; set expert_cache_mb to a budget in MiB", file=name, kind="options"))
     return problems
+
+
+def _memory_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError):  # not reported on this platform: no bound
+        return 1 << 62
 
 
 @hookimpl
@@ -263,8 +300,9 @@ def quantplug_cli_commands(subparsers: Any) -> None:
     sub = p.add_subparsers(dest="expert_pack_command", required=True)
     b = sub.add_parser("build", help="copy a GGUF checkpoint with its routed experts moved into experts.qpack")
     b.add_argument("path", help="source checkpoint directory (config.json + .gguf files)")
-    b.add_argument("-o", "--output", help="new directory to write (other files hard-linked or copied); SRC is "
-                                          "left byte-identical, even if the build is killed or the disk fills")
+    b.add_argument("-o", "--output", help="new directory to write (other files reflinked where the file system "
+                                          "can, else copied: never hard-linked); SRC is left byte-identical, even "
+                                          "if the build is killed or the disk fills")
     b.add_argument("--in-place", action="store_true", help="rewrite SRC's GGUF files instead (the old behaviour)")
     b.add_argument("--alignment", type=int, default=4096, help="payload alignment in bytes (default 4096)")
     b.set_defaults(fn=_cmd_build)

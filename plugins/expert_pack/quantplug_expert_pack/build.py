@@ -9,27 +9,38 @@ under temporary names and renamed only when everything is written, pack first; a
 leaves the original GGUF untouched.
 
 Out of place (``output=``, the CLI's ``-o``), everything is written into a hidden sibling
-``.DST.partial-PID`` directory (every other file of SRC hard-linked when larger than
-:data:`LINK_MIN_BYTES`, else copied) that is renamed to DST as the very last step: a build killed
-at any point, or failing on a full disk, leaves SRC byte-identical and nothing under DST.
+``.DST.partial-PID`` directory (every other file of SRC cloned: a reflink where the file system
+supports one, else an in-kernel copy; never a hard link, so no write to DST can change SRC) that
+is renamed to DST as the very last step: a build killed at any point, or failing on a full disk,
+leaves SRC byte-identical and nothing under DST.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
-import json
 import os
 import re
 import shutil
 import struct
 import sys
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from quantplug.api import CheckpointError, GGUFHeader, TensorInfo, check_inside, contained, read_gguf_header
+from quantplug.api import (
+    CheckpointError,
+    Fields,
+    GGUFHeader,
+    TensorInfo,
+    check_inside,
+    contained,
+    read_gguf_header,
+    read_json,
+)
 
 from .pack import (
     _HEADER,
@@ -48,9 +59,8 @@ from .pack import (
 MAGIC_GGUF = b"GGUF"
 EXPS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 COPY_CHUNK = 64 << 20
-#: files of SRC at least this large are hard-linked into DST (when the file system allows);
-#: smaller ones (config.json, tokenizer files) are copied, so editing them in DST leaves SRC alone
-LINK_MIN_BYTES = 1 << 20
+#: Linux ``FICLONE`` ioctl (``_IOW(0x94, 9, int)``): share extents copy-on-write (btrfs, XFS, bcachefs)
+FICLONE = 0x40049409
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,8 @@ class BuildResult:
     entries: int
     moved_bytes: int
     gguf_files: tuple[Path, ...]
+    #: ``-o``: how SRC's other files reached DST ({"reflink": n, "copy_file_range": n, "copy": n})
+    mirrored: dict[str, int] = field(default_factory=dict, compare=False)
 
 
 def _align(n: int, a: int) -> int:
@@ -140,7 +152,7 @@ def build_pack(directory: str | Path, output: str | Path | None = None, *, align
         try:
             res = _build(root, partial, alignment, progress)
             written = {p.name for p in (res.pack, *res.gguf_files)}
-            _mirror(root, partial, written)
+            mirrored = _mirror(root, partial, written)
             _fsync_dir(partial)
             os.rename(partial, dst)  # the one step that makes DST appear, whole
             _fsync_dir(dst.parent)
@@ -148,7 +160,7 @@ def build_pack(directory: str | Path, output: str | Path | None = None, *, align
             shutil.rmtree(partial, ignore_errors=True)
             raise
         return BuildResult(dst / res.pack.name, res.layers, res.experts, res.entries, res.moved_bytes,
-                           tuple(dst / p.name for p in res.gguf_files))
+                           tuple(dst / p.name for p in res.gguf_files), dict(mirrored))
 
     return _guarded(dst, run)
 
@@ -171,9 +183,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _mirror(src: Path, dst: Path, skip: set[str]) -> None:
-    """Every file of ``src`` not in ``skip`` (top level) into ``dst``: large ones hard-linked
-    (copied where linking fails), small ones copied. Symlinks must stay inside ``src``."""
+def _mirror(src: Path, dst: Path, skip: set[str]) -> Counter[str]:
+    """Every file of ``src`` not in ``skip`` (top level) into ``dst`` as an independent copy (see
+    :func:`clone_file`; never a hard link: editing DST's tokenizer.json must not edit SRC's).
+    Symlinks must stay inside ``src``. Returns how many files each method copied."""
+    methods: Counter[str] = Counter()
     for dirpath, dirnames, filenames in os.walk(src):
         rel = Path(dirpath).relative_to(src)
         for d in dirnames:
@@ -183,14 +197,46 @@ def _mirror(src: Path, dst: Path, skip: set[str]) -> None:
                 continue
             s = Path(dirpath) / name
             contained(src, str(rel / name), f"{src}: file")
-            target = dst / rel / name
-            if s.stat().st_size >= LINK_MIN_BYTES:
-                try:
-                    os.link(os.path.realpath(s), target)
-                    continue
-                except OSError:
-                    pass  # another file system, or links not allowed: copy
-            shutil.copy2(s, target)
+            methods[clone_file(Path(os.path.realpath(s)), dst / rel / name)] += 1
+    return methods
+
+
+def clone_file(src: Path, dst: Path) -> str:
+    """Write ``dst`` (new) with ``src``'s bytes and times, sharing no inode with it; returns the
+    method: ``"reflink"`` (FICLONE: extents shared copy-on-write, instant; a write to either file
+    leaves the other alone), ``"copy_file_range"`` (an in-kernel copy; some file systems reflink
+    or copy server-side here), or ``"copy"`` (read and write)."""
+    with open(src, "rb") as fi, open(dst, "xb") as fo:
+        method = "copy"
+        if sys.platform.startswith("linux"):
+            try:
+                import fcntl
+
+                fcntl.ioctl(fo.fileno(), FICLONE, fi.fileno())
+                method = "reflink"
+            except OSError:
+                pass  # not supported here (ext4, tmpfs, another file system): copy
+        if method == "copy" and hasattr(os, "copy_file_range"):
+            size = os.fstat(fi.fileno()).st_size
+            try:
+                done = 0
+                while done < size:
+                    n = os.copy_file_range(fi.fileno(), fo.fileno(), min(size - done, 1 << 30))
+                    if n == 0:
+                        break
+                    done += n
+                if done == size:
+                    method = "copy_file_range"
+            except OSError as exc:
+                if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF):
+                    raise
+        if method == "copy":
+            fi.seek(0)
+            fo.seek(0)
+            fo.truncate()
+            shutil.copyfileobj(fi, fo, COPY_CHUNK)
+    shutil.copystat(src, dst)
+    return method
 
 
 def _build(root: Path, out_dir: Path, alignment: int, progress: bool | None) -> BuildResult:
@@ -234,9 +280,9 @@ def _build(root: Path, out_dir: Path, alignment: int, progress: bool | None) -> 
                 raise CheckpointError(f"{t.where()}: {t.shape[0]} experts, others have {n_experts}")
     assert n_experts is not None
     config_bytes = (root / "config.json").read_bytes()
-    config = json.loads(config_bytes)
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    top_k = int(text.get("num_experts_per_tok", 0) or 0)
+    top = Fields(read_json(root / "config.json"), str(root / "config.json"))
+    text = top.get_obj("text_config") or top
+    top_k = text.get_int("num_experts_per_tok", 0, 1 << 16, 0)  # informational, in the pack header
     _, ids = _type_tables()
 
     n_entries = len(layers) * n_experts * len(ROLES)

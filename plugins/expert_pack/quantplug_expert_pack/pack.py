@@ -33,7 +33,8 @@ Index: ``n_entries`` entries of 80 bytes, ordered by (layer, expert, role)::
 Payloads: the expert's rows exactly as the GGUF stored them (ggml blocks), each starting on an
 ``alignment`` boundary; one expert's three payloads are adjacent, so loading an expert is one
 read. Validation on open (header and index only): magic, version, sizes, entry count, index
-order and checksum, every payload inside the file, payload size = rows x row bytes of its type.
+order and checksum, every payload inside the file, payload size = rows x row bytes of its type,
+payloads in index order without overlaps, one expert's three adjacent (up to alignment padding).
 Each payload's sha256 is checked the first time it is read; a mismatch is a
 :class:`~quantplug.errors.CheckpointError` naming the pack, layer, expert and role.
 """
@@ -180,14 +181,24 @@ class ExpertPack:
         for i in np.nonzero((idx["offset"] % alignment != 0) | (idx["offset"] < data_offset) | (ends > file_size))[0][:1]:
             raise self._fail(f"entry {self._entry(idx, int(i), by_id).describe()}: payload {int(idx['offset'][i])}+"
                              f"{int(idx['size'][i])} is misaligned or outside the data region (file {file_size} bytes)")
-        if len(idx) > 1:  # payloads may not share bytes
-            order = np.argsort(idx["offset"], kind="stable")
-            starts, stops = idx["offset"][order].astype(np.int64), ends[order]
-            clash = np.nonzero(starts[1:] < stops[:-1])[0]
+        if len(idx) > 1:
+            # payloads follow the index order (layer, expert, role) without sharing bytes, and one
+            # expert's three are adjacent up to alignment padding: an expert is one read of its span
+            starts = idx["offset"].astype(np.int64)
+            clash = np.nonzero(starts[1:] < ends[:-1])[0]
             if len(clash):
-                a, b = int(order[clash[0]]), int(order[clash[0] + 1])
+                a, b = int(clash[0]), int(clash[0]) + 1
+                what = "overlap" if starts[b] >= starts[a] else "are out of order (payloads must follow the index order)"
                 raise self._fail(f"entries {self._entry(idx, a, by_id).describe()} and {self._entry(idx, b, by_id).describe()}"
-                                 " overlap: the index is corrupt")
+                                 f" {what}: the index is corrupt")
+            padded = -(-ends // alignment) * alignment
+            roles = np.arange(len(idx)) % len(ROLES)
+            gap = np.nonzero((roles[1:] != 0) & (starts[1:] != padded[:-1]))[0]
+            if len(gap):
+                a = int(gap[0])
+                raise self._fail(f"entry {self._entry(idx, a + 1, by_id).describe()} starts at {int(starts[a + 1])}, not "
+                                 f"right after {self._entry(idx, a, by_id).describe()} (ends {int(ends[a])}): one expert's "
+                                 "payloads must be adjacent")
         self._idx, self._by_id = idx, by_id
         self._layer_pos = {layer: i for i, layer in enumerate(self.layers)}
         for i in range(len(idx)):  # per-entry type/size agreement (cheap: ints only)

@@ -18,28 +18,43 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from quantplug.api import Claim, DenseScheme, Problem, hookimpl, option, refuse
+from quantplug.api import (
+    Claim,
+    DenseScheme,
+    OptionSpec,
+    Problem,
+    hookimpl,
+    option,
+    quant_config_fields,
+    refuse,
+)
 
 from .config import FP8Config, matches
 from .scheme import ACTIVATION_MODES, FP8BlockScheme
 
 __version__ = "0.1.0"
-QUANTPLUG_CONTRACT = "1.1"
+QUANTPLUG_CONTRACT = "1.4"
 WRAPPER = "language_model"
 
 
 @hookimpl
 def quantplug_detect(checkpoint: Any) -> Claim | None:
-    cfg = checkpoint.config
-    qc, where = cfg.get("quantization_config"), "quantization_config"
-    text = cfg.get("text_config")
-    if not isinstance(qc, dict) and isinstance(text, dict):
-        qc, where = text.get("quantization_config"), "text_config.quantization_config"
-    if not isinstance(qc, dict) or qc.get("quant_method") != "fp8" or "weight_block_size" not in qc:
+    qc, where = quant_config_fields(checkpoint)
+    if qc is None or qc.opt_str("quant_method") != "fp8" or not qc.has("weight_block_size"):
         return None  # per-tensor FP8 (no weight_block_size) is another format
     parsed = FP8Config.parse(qc, where)
     return Claim("fp8", parsed, f"config.json {where}.quant_method == 'fp8' with weight_block_size "
                                 f"{list(parsed.block)}")
+
+
+@hookimpl
+def quantplug_options() -> list[OptionSpec]:
+    return [
+        OptionSpec("activation_quant", str, "dynamic", ACTIVATION_MODES,
+                   "dynamic: emulate DeepSeek's per-token, per-128 FP8 activation quantization; none: weight-only"),
+        OptionSpec("weight_block_size", list, [128, 128], None, "export: FP8 scale block [rows, columns]",
+                   scope="export"),
+    ]
 
 
 def _stored(checkpoint: Any, module: str) -> tuple[str | None, bool]:

@@ -14,9 +14,8 @@ Kimi ``language_model.`` prefix, or a dotted prefix / suffix of one).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from quantplug.api import ConfigError
+from quantplug.api import Fields
 
 
 @dataclass(frozen=True)
@@ -30,32 +29,14 @@ class FP8Config:
     where: str
 
     @classmethod
-    def parse(cls, qc: dict[str, Any], where: str) -> FP8Config:
-        def bad(field: str, value: Any, expected: str) -> ConfigError:
-            return ConfigError(f"config.json {where}.{field} = {value!r}: {expected} (quantplug-fp8)")
-
-        wbs = qc.get("weight_block_size")
-        if (not isinstance(wbs, list | tuple) or len(wbs) != 2
-                or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in wbs)):
-            raise bad("weight_block_size", wbs, "expected two positive integers [rows, columns], e.g. [128, 128]")
-        fmt = qc.get("fmt", "e4m3")
-        if fmt != "e4m3":
-            raise bad("fmt", fmt, "only e4m3 weights (F8_E4M3) are supported")
-        act = qc.get("activation_scheme", "dynamic")
-        if act != "dynamic":
-            raise bad("activation_scheme", act, "only 'dynamic' activations are supported (static input scales "
-                      "are not)")
-        scale_fmt = qc.get("scale_fmt")
-        if scale_fmt not in (None, "ue8m0"):
-            raise bad("scale_fmt", scale_fmt, "expected absent or 'ue8m0'")
-        skip: list[str] = []
-        for field in ("modules_to_not_convert", "ignored_layers"):
-            entries = qc.get(field)
-            if entries is None:
-                continue
-            if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
-                raise bad(field, entries, "expected a list of module names")
-            skip += entries
+    def parse(cls, qc: Fields, where: str) -> FP8Config:
+        wbs = qc.int_list("weight_block_size", 1, 1 << 16, length=2)
+        if wbs is None:
+            qc.fail("weight_block_size", None, "two positive integers [rows, columns], e.g. [128, 128]")
+        fmt = qc.get_str("fmt", "e4m3", choices=("e4m3",))  # only F8_E4M3 weights
+        act = qc.get_str("activation_scheme", "dynamic", choices=("dynamic",))  # static input scales are not supported
+        scale_fmt = qc.opt_str("scale_fmt", choices=("ue8m0",))
+        skip = qc.str_list("modules_to_not_convert") + qc.str_list("ignored_layers")
         return cls((wbs[0], wbs[1]), fmt, act, scale_fmt, tuple(dict.fromkeys(skip)), where)
 
     def not_converted_by(self, module: str, prefix: str = "") -> str | None:

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from quantplug.api import Claim, ConfigError, Problem, hookimpl, refuse
+from quantplug.api import Claim, ConfigError, OptionSpec, Problem, hookimpl, refuse, sidecar_fields
 
 from .schemes import ACTIVATION_MODES, W4A8Dynamic, W8A8Dynamic, W8A8Static
 
 #: the hook-contract version this plugin is written for (quantplug.api.CONTRACT_VERSION)
-QUANTPLUG_CONTRACT = "1.1"
+QUANTPLUG_CONTRACT = "1.4"
 
 __version__ = "0.1.0"
 GLOBAL_KEYS = {"model_quant_type", "version", "group_size", "metadata", "kv_quant_type", "fa_quant_type",
@@ -48,13 +48,36 @@ def quantplug_detect(checkpoint: Any) -> Claim | None:
     name = _description_file(checkpoint)
     if name is None:
         return None
-    desc = checkpoint.sidecar(name)
-    if not isinstance(desc, dict):
+    if not isinstance(checkpoint.sidecar(name), dict):
         raise ConfigError(f"{checkpoint.path / name}: expected a JSON object of tensor name -> type")
-    types = {k: str(v) for k, v in desc.items() if k not in GLOBAL_KEYS and isinstance(v, str)}
-    cfg = ModelSlimConfig(name, str(desc.get("model_quant_type", "")), MappingProxyType(types),
-                          MappingProxyType({k: desc[k] for k in GLOBAL_KEYS if k in desc}))
+    desc = sidecar_fields(checkpoint, name)
+    assert desc is not None
+    # every key but the global ones names a tensor and must map to a type string (a number or a
+    # list there is an error, never a silently skipped tensor)
+    types = {k: desc.get_str(k) for k in desc.data if k not in GLOBAL_KEYS}
+    globals_: dict[str, Any] = {}
+    for key in GLOBAL_KEYS & set(desc.data):
+        if key == "group_size":
+            globals_[key] = desc.get_int(key, 0, 1 << 20, 0)
+        elif key == "metadata":
+            meta = desc.get_obj(key)
+            globals_[key] = MappingProxyType(dict(meta.data)) if meta is not None else None
+        else:
+            globals_[key] = desc.opt_str(key)
+    cfg = ModelSlimConfig(name, globals_.get("model_quant_type") or "", MappingProxyType(types),
+                          MappingProxyType(globals_))
     return Claim("modelslim", cfg, f"{name} beside config.json (model_quant_type {cfg.model_quant_type or '?'})")
+
+
+@hookimpl
+def quantplug_options() -> list[OptionSpec]:
+    return [
+        OptionSpec("activation_quant", str, "ascend", ACTIVATION_MODES,
+                   "ascend: the activation quantization vllm-ascend computes; msmodelslim: the tool's own numerics"),
+        OptionSpec("recipes", list, ["w8a8", "w4a8"], None, "export: which ModelSlim checkpoints to write",
+                   scope="export"),
+        OptionSpec("calibration", list, None, None, "export: calibration batches (token id tensors)", scope="export"),
+    ]
 
 
 @hookimpl
@@ -89,9 +112,7 @@ def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Seque
         return refuse(layer_name, quant_config.file, "shards have different description types: "
                            + ", ".join(f"{n.rsplit('.', 1)[-1]}={t}" for n, t in types.items()))
     kind = kinds.pop()
-    mode = str(options.get("activation_quant", "ascend"))
-    if mode not in ACTIVATION_MODES:
-        return refuse(layer_name, "options.activation_quant", f"options activation_quant={mode!r}; expected one of {', '.join(ACTIVATION_MODES)}")
+    mode = str(options.get("activation_quant", "ascend"))  # checked against the declared choices by the plan
     if kind == "FLOAT":
         return None  # the core's dense scheme
     if kind == "W8A8":

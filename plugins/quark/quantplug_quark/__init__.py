@@ -9,18 +9,17 @@ matches something in the checkpoint.
 from __future__ import annotations
 
 import fnmatch
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from quantplug.api import Claim, Problem, hookimpl, refuse
+from quantplug.api import Claim, OptionSpec, Problem, hookimpl, quant_config_fields, refuse
 
 from .config import QuarkConfig
 from .export import export_quark
 from .scheme import MXFP4Scheme
 
 #: the hook-contract version this plugin is written for (quantplug.api.CONTRACT_VERSION)
-QUANTPLUG_CONTRACT = "1.1"
+QUANTPLUG_CONTRACT = "1.4"
 
 __version__ = "0.1.0"
 PACKED = {"fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -28,12 +27,16 @@ PACKED = {"fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"], "gate
 
 @hookimpl
 def quantplug_detect(checkpoint: Any) -> Claim | None:
-    qc = checkpoint.config.get("quantization_config")
-    if not isinstance(qc, dict) and isinstance(checkpoint.config.get("text_config"), dict):
-        qc = checkpoint.config["text_config"].get("quantization_config")
-    if not isinstance(qc, dict) or qc.get("quant_method") != "quark":
+    qc, where = quant_config_fields(checkpoint)
+    if qc is None or qc.opt_str("quant_method") != "quark":
         return None
-    return Claim("quark", QuarkConfig.parse(qc), "config.json quantization_config.quant_method == 'quark'")
+    return Claim("quark", QuarkConfig.parse(qc), f"config.json {where}.quant_method == 'quark'")
+
+
+@hookimpl
+def quantplug_options() -> list[OptionSpec]:
+    return [OptionSpec("dequantize", bool, False, None,
+                       "keep a dense copy of every MXFP4 linear after loading: faster forward, more memory")]
 
 
 @hookimpl
@@ -70,7 +73,7 @@ def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Seque
     bad = spec.unsupported()
     if bad:
         return refuse(layer_name, "quantization_config", f"Quark spec not supported by quantplug-quark: {bad} ({why})")
-    return MXFP4Scheme(why, cache=bool(options.get("dequantize", False)))
+    return MXFP4Scheme(why, cache=bool(options.get("dequantize")))
 
 
 def _stored_float(checkpoint: Any, module: str) -> bool:
@@ -97,10 +100,11 @@ def quantplug_validate_plan(plan: Any, quant_config: QuarkConfig) -> list[Proble
                 hint = f"; did you mean {plan.prefix}.{entry}? (the checkpoint names the text model under {plan.prefix}.)"
             problems.append(Problem(f"quantization_config.{section} entry {entry!r} matches no module of the "
                                     f"checkpoint{hint}", layer=entry, kind="quark-name"))
+    compiled = dict(quant_config.exclude_rx)
     for entry, section in quant_config.patterns():
         if entry.startswith("re:"):
-            rx = re.compile(entry[3:])
-            hit = any(rx.fullmatch(m) for m in known)
+            rx = compiled.get(entry)
+            hit = rx is not None and any(rx.fullmatch(m) for m in known)
         else:
             hit = any(fnmatch.fnmatch(m, entry) for m in known)
         if not hit:

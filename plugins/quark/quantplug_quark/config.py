@@ -10,9 +10,8 @@ from __future__ import annotations
 import fnmatch
 import re
 from dataclasses import dataclass
-from typing import Any
 
-from quantplug.api import ConfigError
+from quantplug.api import Fields
 
 
 @dataclass(frozen=True)
@@ -26,33 +25,31 @@ class WeightSpec:
     has_output_quant: bool
 
     @classmethod
-    def parse(cls, spec: Any, where: str) -> WeightSpec | None:
+    def parse(cls, spec: Fields | None) -> WeightSpec | None:
+        """One Quark ``QuantizationConfig`` object (``global_quant_config``, a
+        ``layer_quant_config`` value...). None: the layers it covers are not quantized (null,
+        or no weight, input or output spec). A weight object must name its ``dtype``."""
         if spec is None:
             return None
-        if not isinstance(spec, dict):
-            raise ConfigError(f"quantization_config.{where}: expected an object, got {type(spec).__name__}")
-        w = spec.get("weight") or {}
-        if isinstance(w, list):  # Quark allows a list of specs (double quantization); we take none of those
-            if not all(isinstance(x, dict) for x in w):
-                raise ConfigError(f"config.json: quantization_config.{where}.weight: expected an object or a list "
-                                  "of objects")
-            w = {"dtype": "+".join(str(x.get("dtype")) for x in w)}
-        if not isinstance(w, dict):
-            raise ConfigError(f"config.json: quantization_config.{where}.weight = {w!r:.60}: expected an object")
-        for key, types in (("dtype", str), ("qscheme", str), ("group_size", int), ("ch_axis", int),
-                           ("scale_format", str)):
-            v = w.get(key)
-            if v is not None and (type(v) is not types):
-                raise ConfigError(f"config.json: quantization_config.{where}.weight.{key} = {v!r:.60}: expected "
-                                  f"{'an integer' if types is int else 'a string'} or null")
-        return cls(dtype=w.get("dtype"), qscheme=w.get("qscheme"), group_size=w.get("group_size"),
-                   ch_axis=w.get("ch_axis"), scale_format=w.get("scale_format"),
-                   has_input_quant=bool(spec.get("input_tensors")), has_output_quant=bool(spec.get("output_tensors")))
+        weights = spec.obj_or_list("weight")
+        has_in = spec.obj_or_list("input_tensors") is not None
+        has_out = spec.obj_or_list("output_tensors") is not None
+        if weights is None:
+            if not (has_in or has_out):
+                return None
+            return cls(None, None, None, None, None, has_in, has_out)  # activation-only: refused later
+        if len(weights) > 1:  # Quark allows a list of specs (double quantization); we take none of those
+            dtype = "+".join(w.get_str("dtype") for w in weights)
+            return cls(dtype, None, None, None, None, has_in, has_out)
+        w = weights[0]
+        return cls(dtype=w.get_str("dtype"), qscheme=w.opt_str("qscheme"), group_size=w.opt_int("group_size", 1, 1 << 24),
+                   ch_axis=w.opt_int("ch_axis", -8, 8), scale_format=w.opt_str("scale_format"),
+                   has_input_quant=has_in, has_output_quant=has_out)
 
     def unsupported(self) -> str | None:
         """Why this plugin cannot run the spec, or None when it is MXFP4 weight-only."""
         if self.dtype is None:
-            return None
+            return "activation-only quantization (input / output tensors quantized, weight spec null)"
         if self.has_input_quant or self.has_output_quant:
             return f"activation quantization ({self.dtype} weights with input/output tensors quantized)"
         wanted = {"dtype": "fp4", "qscheme": "per_group", "group_size": 32, "scale_format": "e8m0"}
@@ -76,32 +73,31 @@ class QuarkConfig:
     weight_format: str
     pack_method: str | None
     version: str | None
+    #: the ``re:`` exclude entries, compiled at parse time (an invalid one is a ConfigError there)
+    exclude_rx: tuple[tuple[str, re.Pattern[str]], ...] = ()
 
     @classmethod
-    def parse(cls, qc: dict[str, Any]) -> QuarkConfig:
-        layers = qc.get("layer_quant_config") or {}
-        types = qc.get("layer_type_quant_config") or {}
-        exclude = qc.get("exclude") or []
-        if not isinstance(layers, dict) or not isinstance(types, dict) or not isinstance(exclude, list):
-            raise ConfigError("quantization_config: layer_quant_config / layer_type_quant_config must be objects "
-                              "and exclude a list")
-        export = qc.get("export") or {}
-        if not isinstance(export, dict):
-            raise ConfigError(f"config.json: quantization_config.export = {export!r:.60}: expected an object")
+    def parse(cls, qc: Fields) -> QuarkConfig:
+        exclude = qc.str_list("exclude")
+        rx = tuple((e, qc.regex(f"exclude[{i}]", e[3:])) for i, e in enumerate(exclude) if e.startswith("re:"))
+        export = qc.get_obj("export")
         return cls(
-            global_spec=WeightSpec.parse(qc.get("global_quant_config"), "global_quant_config"),
-            layer_specs=tuple((k, WeightSpec.parse(v, f"layer_quant_config[{k!r}]")) for k, v in layers.items()),
-            type_specs=tuple((k, WeightSpec.parse(v, f"layer_type_quant_config[{k!r}]")) for k, v in types.items()),
-            exclude=tuple(str(x) for x in exclude),
-            weight_format=str(export.get("weight_format", "real_quantized")),
-            pack_method=export.get("pack_method"),
-            version=qc.get("version"),
+            global_spec=WeightSpec.parse(qc.get_obj("global_quant_config")),
+            layer_specs=tuple((k, WeightSpec.parse(v)) for k, v in qc.entries("layer_quant_config", nullable=True)),
+            type_specs=tuple((k, WeightSpec.parse(v)) for k, v in qc.entries("layer_type_quant_config",
+                                                                               nullable=True)),
+            exclude=exclude,
+            weight_format=export.get_str("weight_format", "real_quantized") if export else "real_quantized",
+            pack_method=export.opt_str("pack_method") if export else None,
+            version=qc.opt_str("version"),
+            exclude_rx=rx,
         )
 
     def excluded_by(self, name: str) -> str | None:
+        compiled = dict(self.exclude_rx)
         for entry in self.exclude:
             if entry.startswith("re:"):
-                if re.fullmatch(entry[3:], name):
+                if compiled[entry].fullmatch(name):
                     return entry
             elif entry == name:
                 return entry

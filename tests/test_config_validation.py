@@ -1,0 +1,267 @@
+"""Config validation in the core and through ``quantplug.api.Fields`` (issue 22): every config
+field a plugin reads is typed and range-checked, a failure is one line naming the file and the
+key path, and no plugin sees an unvalidated value (before: raw Python errors wrapped as "plugin X
+failed in quantplug_validate_plan: ValueError: ...", or a wrong-typed value silently replaced by
+a default)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+from conftest import VENDOR
+from quantplug.errors import ConfigError, QuantplugError
+from quantplug.plan import build_plan
+from quantplug.testing import formats, random_state, tiny_config, write_checkpoint
+from quantplug.validation import Fields
+
+RAW = re.compile(r"failed in quantplug_|\b[A-Z]\w*(Error|Exception): |object has no attribute|cannot convert|"
+                 r"invalid literal|not subscriptable|unhashable")
+
+
+def _variant(src: Path, dst: Path, file: str, edit) -> Path:
+    """``dst``: ``src``'s files hard-linked, ``file`` (JSON) rewritten by ``edit(doc)``."""
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name != file:
+            os.link(f, dst / f.name)
+    doc = json.loads((src / file).read_text())
+    edit(doc)
+    (dst / file).write_text(json.dumps(doc))
+    return dst
+
+
+def _refused(path: Path, *patterns: str) -> str:
+    with pytest.raises(QuantplugError) as exc:
+        build_plan(path)
+    msg = str(exc.value)
+    assert isinstance(exc.value, ConfigError), msg
+    assert str(path / "config.json") in msg or path.name in msg, msg
+    for p in patterns:
+        assert re.search(p, msg), (p, msg)
+    assert not RAW.search(msg), msg
+    assert "\n" not in msg
+    return msg
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory):
+    cfg = tiny_config(num_hidden_layers=2)
+    return formats.gguf(tmp_path_factory.mktemp("g") / "gguf", cfg, random_state(cfg))
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    cfg = tiny_config(num_hidden_layers=2)
+    return write_checkpoint(tmp_path_factory.mktemp("d") / "dense", cfg, random_state(cfg))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), [1], "1", -1, 1.5])
+def test_num_nextn_predict_layers_is_validated_by_the_core(gguf_dir, tmp_path, value):
+    path = _variant(gguf_dir, tmp_path / "c", "config.json", lambda d: d.update(num_nextn_predict_layers=value))
+    _refused(path, r"config\.json: num_nextn_predict_layers = .*: expected an integer in \[0, 1024\]")
+
+
+def test_num_nextn_predict_layers_reaches_the_plugin_validated(gguf_dir, tmp_path):
+    path = _variant(gguf_dir, tmp_path / "c", "config.json", lambda d: d.update(num_nextn_predict_layers=1))
+    plan = build_plan(path)
+    assert plan.model_config.num_nextn_predict_layers == 1 and not plan.errors
+
+
+@pytest.mark.parametrize("value", [[{"rope_type": "yarn"}], 3.5, "yarn", True])
+def test_rope_parameters_of_the_wrong_type_are_refused(dense_dir, tmp_path, value):
+    path = _variant(dense_dir, tmp_path / "c", "config.json", lambda d: d.update(rope_parameters=value))
+    _refused(path, r"config\.json: rope_parameters = .*: expected an object")
+
+
+def test_rope_scaling_of_the_wrong_type_is_refused(dense_dir, tmp_path):
+    path = _variant(dense_dir, tmp_path / "c", "config.json", lambda d: d.update(rope_scaling=["yarn"]))
+    _refused(path, r"config\.json: rope_scaling = \['yarn'\]: expected an object")
+
+
+def test_a_zero_yarn_beta_is_refused_not_replaced_by_a_default(dense_dir, tmp_path):
+    # before: beta_fast 0 silently became 32
+    path = _variant(dense_dir, tmp_path / "c", "config.json", lambda d: d["rope_parameters"].update(beta_fast=0))
+    _refused(path, r"config\.json: rope_parameters\.beta_fast = 0: expected a finite number in \[0\.001, 10000\]")
+
+
+def test_quantization_config_must_be_an_object(dense_dir, tmp_path):
+    path = _variant(dense_dir, tmp_path / "c", "config.json", lambda d: d.update(quantization_config=["quark"]))
+    _refused(path, r"config\.json: quantization_config = \['quark'\]: expected an object")
+    path = _variant(dense_dir, tmp_path / "d", "config.json",
+                    lambda d: d.update(quantization_config={"quant_method": 7}))
+    _refused(path, r"quantization_config\.quant_method = 7: expected a string")
+
+
+# -- Quark --------------------------------------------------------------------------------------
+
+QUARK = VENDOR / "quark_mxfp4_dsv3"
+
+
+def _quark(tmp_path, edit):
+    return _variant(QUARK, tmp_path / "q", "config.json", lambda d: edit(d["quantization_config"]))
+
+
+def test_quark_weight_without_dtype_is_refused(tmp_path):
+    # before: accepted, the layer loaded as MXFP4 with dtype None
+    path = _quark(tmp_path, lambda q: q["global_quant_config"]["weight"].pop("dtype"))
+    _refused(path, r"quantization_config\.global_quant_config\.weight\.dtype is missing: expected a string")
+
+
+def test_quark_layer_type_quant_config_as_a_list_is_refused(tmp_path):
+    path = _quark(tmp_path, lambda q: q.update(layer_type_quant_config=[{"weight": {"dtype": "fp4"}}]))
+    _refused(path, r"quantization_config\.layer_type_quant_config = .*: expected an object of objects")
+
+
+def test_quark_invalid_regex_names_file_and_key_path(tmp_path):
+    # before: "plugin quark failed in quantplug_validate_plan: error: unterminated character set at position 0"
+    path = _quark(tmp_path, lambda q: q.update(exclude=["lm_head", "re:["]))
+    _refused(path, r"config\.json: quantization_config\.exclude\[1\] = '\[': expected a valid regular expression "
+                   r"\(unterminated character set at position 0\)")
+
+
+@pytest.mark.parametrize("key,value,pattern", [
+    ("exclude", "lm_head", r"exclude = 'lm_head': expected a list of strings"),
+    ("exclude", [3], r"exclude\[0\] = 3: expected a non-empty string"),
+    ("export", [], r"export = \[\]: expected an object"),
+    ("global_quant_config", "fp4", r"global_quant_config = 'fp4': expected an object"),
+    ("layer_quant_config", {"*q_a_proj": 4}, r"layer_quant_config\.\*q_a_proj = 4: expected an object or null"),
+    ("version", 13, r"version = 13: expected a string"),
+])
+def test_quark_fields_are_typed(tmp_path, key, value, pattern):
+    path = _quark(tmp_path, lambda q: q.update({key: value}))
+    _refused(path, pattern)
+
+
+def test_quark_weight_fields_are_typed(tmp_path):
+    path = _quark(tmp_path, lambda q: q["global_quant_config"]["weight"].update(group_size="32"))
+    _refused(path, r"global_quant_config\.weight\.group_size = '32': expected an integer")
+
+
+# -- compressed-tensors ---------------------------------------------------------------------------
+
+CT = VENDOR / "ct_w4a16_experts_dsv3"
+
+
+def _ct(tmp_path, edit):
+    return _variant(CT, tmp_path / "ct", "config.json", lambda d: edit(d["quantization_config"]))
+
+
+def _group(q):
+    return next(iter(q["config_groups"].values()))
+
+
+@pytest.mark.parametrize("edit,pattern", [
+    (lambda q: _group(q)["weights"].update(group_size="32"), r"weights\.group_size = '32': expected an integer"),
+    (lambda q: _group(q)["weights"].update(num_bits=float("nan")), r"weights\.num_bits = nan: expected an integer"),
+    (lambda q: _group(q)["weights"].update(symmetric="yes"), r"weights\.symmetric = 'yes': expected true or false"),
+    (lambda q: _group(q)["weights"].update(type="posit"), r"weights\.type = 'posit': expected one of 'int', 'float'"),
+    (lambda q: _group(q)["weights"].update(dynamic="sometimes"), r"weights\.dynamic = 'sometimes'"),
+    (lambda q: _group(q)["weights"].update(block_structure=[128]), r"weights\.block_structure = \[128\]"),
+    (lambda q: _group(q).update(targets=[7]), r"targets\[0\] = 7: expected a non-empty string"),
+    (lambda q: _group(q).update(targets=["re:(unclosed"]), r"targets\[0\] = '\(unclosed': expected a valid regular"),
+    (lambda q: q.update(ignore=["re:["]), r"quantization_config\.ignore\[0\] = '\[': expected a valid regular"),
+    (lambda q: q.update(ignore="lm_head"), r"quantization_config\.ignore = 'lm_head': expected a list of strings"),
+    (lambda q: q.update(config_groups=[1]), r"quantization_config\.config_groups = \[1\]: expected an object"),
+    (lambda q: q.update(format=5), r"quantization_config\.format = 5: expected a string"),
+    (lambda q: q.update(sparsity_config="2:4"), r"quantization_config\.sparsity_config = '2:4': expected an object"),
+])
+def test_compressed_tensors_fields_are_typed(tmp_path, edit, pattern):
+    _refused(_ct(tmp_path, edit), pattern)
+
+
+def test_compressed_tensors_group_size_minus_one_means_per_channel():
+    from quantplug_compressed_tensors.config import QuantArgs
+
+    args = QuantArgs.parse({"num_bits": 4, "group_size": -1}, "w")
+    assert args.strategy == "channel" and args.group_size is None
+    with pytest.raises(ConfigError, match="group_size = -1: expected a positive group size for strategy 'group'"):
+        QuantArgs.parse({"num_bits": 4, "group_size": -1, "strategy": "group"}, "w")
+
+
+# -- FP8 ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fp8_dir(tmp_path_factory):
+    cfg = tiny_config(num_hidden_layers=2)
+    return formats.fp8(tmp_path_factory.mktemp("f") / "fp8", cfg, random_state(cfg))
+
+
+@pytest.mark.parametrize("key,value,pattern", [
+    ("weight_block_size", [128, True], r"weight_block_size = \[128, True\]: expected a list of 2 integers"),
+    ("weight_block_size", [2**40, 128], r"weight_block_size = .*: expected a list of 2 integers in \[1, 65536\]"),
+    ("scale_fmt", 8, r"scale_fmt = 8: expected one of 'ue8m0'"),
+    ("modules_to_not_convert", "lm_head", r"modules_to_not_convert = 'lm_head': expected a list of strings"),
+    ("activation_scheme", "static", r"activation_scheme = 'static': expected one of 'dynamic'"),
+])
+def test_fp8_fields_are_typed(fp8_dir, tmp_path, key, value, pattern):
+    path = _variant(fp8_dir, tmp_path / "c", "config.json", lambda d: d["quantization_config"].update({key: value}))
+    _refused(path, pattern)
+
+
+# -- ModelSlim ------------------------------------------------------------------------------------
+
+def test_modelslim_description_values_are_typed(tmp_path):
+    src = VENDOR / "modelslim_w8a8_dsv3"
+    doc = json.loads((src / "quant_model_description.json").read_text())
+    key = next(k for k, v in doc.items() if v == "W8A8")
+
+    def edit(d):
+        d[key] = 8  # before: the tensor's entry was silently dropped
+
+    path = _variant(src, tmp_path / "m", "quant_model_description.json", edit)
+    with pytest.raises(ConfigError) as exc:
+        build_plan(path)
+    assert f"quant_model_description.json: {key} = 8: expected a string" in str(exc.value)
+    path = _variant(src, tmp_path / "n", "quant_model_description.json", lambda d: d.update(group_size="x"))
+    with pytest.raises(ConfigError, match=r"quant_model_description\.json: group_size = 'x': expected an integer"):
+        build_plan(path)
+
+
+# -- Fields --------------------------------------------------------------------------------------
+
+def test_fields_readers_name_file_and_key_path():
+    f = Fields({"a": {"b": ["y", 3], "c": {"d": None}}, "s": "re:("}, "/x/config.json")
+    a = f.get_obj("a")
+    assert a is not None and a.sub("b") == "a.b"
+    with pytest.raises(ConfigError, match=r"^/x/config\.json: a\.b\[1\] = 3: expected a non-empty string$"):
+        a.str_list("b")
+    with pytest.raises(ConfigError, match=r"a\.c\.d = None: expected an object$"):
+        a.entries("c")
+    assert a.entries("c", nullable=True) == [("d", None)]
+    with pytest.raises(ConfigError, match=r"/x/config\.json: s = '\(': expected a valid regular expression"):
+        f.regex("s", f.data["s"][3:])
+    with pytest.raises(ConfigError, match=r"a = .*: expected an object or a non-empty list of objects"):
+        Fields({"a": []}, "f").obj_or_list("a")
+    assert Fields({"a": "x"}, "f").str_list("a", single=True) == ("x",)
+    with pytest.raises(ConfigError, match=r"^f: \(top level\): expected an object, got a list$"):
+        Fields([], "f")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("file,value,pattern", [
+    ("generation_config.json", "two", r"generation_config\.json: eos_token_id = 'two': expected an integer"),
+    ("generation_config.json", [1, float("nan")], r"generation_config\.json: eos_token_id = .*: expected a list of"),
+    ("config.json", -3, r"config\.json: eos_token_id = -3: expected an integer"),
+])
+def test_eos_ids_are_typed(dense_dir, tmp_path, file, value, pattern):
+    import quantplug
+    import torch
+
+    root = tmp_path / "c"
+    root.mkdir()
+    for f in dense_dir.iterdir():
+        os.link(f, root / f.name)
+    if file == "generation_config.json":
+        (root / file).write_text(json.dumps({"eos_token_id": value}))
+    else:
+        (root / file).unlink()
+        doc = json.loads((dense_dir / file).read_text())
+        doc["eos_token_id"] = value
+        (root / file).write_text(json.dumps(doc))
+    model = quantplug.load(root, progress=False)
+    # before: int('two') / int(nan) raised a raw ValueError from generate
+    with pytest.raises(ConfigError, match=pattern):
+        model.generate(torch.tensor([[1, 2]]), 2)
