@@ -72,10 +72,22 @@ def build(root: Path, llama_py: str | None) -> dict[str, Path]:
         write_checkpoint(dense, {**cfg, "architectures": ["DeepseekV3ForCausalLM"]}, state)
     model = None
     pm = get_plugin_manager()
-    exports = {"gguf-F32": ("expert_pack", {"type": "F32", "pack": False}),
-               "gguf-Q8_0": ("expert_pack", {"type": "Q8_0", "pack": False}),
-               "gguf-Q4_0": ("expert_pack", {"type": "Q4_0", "pack": False}),
-               "fp8": ("fp8", {}), "ct-w4a16": ("compressed_tensors", {}),
+    for t in ("F32", "Q8_0", "Q4_0"):   # the GGUF backend's writer, with a vocabulary llama.cpp can load
+        d = root / f"gguf-{t}"
+        if (d / "model.gguf").exists():
+            continue
+        if model is None:
+            model = quantplug.load(dense, progress=False)
+        from quantplug_expert_pack.export import gguf_state, model_state, write_gguf
+
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "config.json").write_text(json.dumps(cfg))
+        mc = model.quantplug_plan.model_config
+        write_gguf(d / "model.tmp.gguf", gguf_state(model_state(model, model.quantplug_plan), mc), mc,
+                   default_type=t, vocab=VOCAB)
+        _gguf_with_merges(d / "model.tmp.gguf", d / "model.gguf")
+        (d / "model.tmp.gguf").unlink()
+    exports = {"fp8": ("fp8", {}), "ct-w4a16": ("compressed_tensors", {}),
                "modelslim-w4a8": ("modelslim", {"recipes": ["w4a8"]}), "quark-mxfp4": ("quark", {})}
     for name, (backend, opts) in exports.items():
         d = root / name
@@ -90,12 +102,6 @@ def build(root: Path, llama_py: str | None) -> dict[str, Path]:
         results = res if isinstance(res, list | tuple) else [res]
         os.replace(results[0].path, d)
         print(f"exported {name}: {results[0].format}", file=sys.stderr)
-    for name in ("gguf-F32", "gguf-Q8_0", "gguf-Q4_0"):   # llama.cpp refuses a gpt2 vocabulary without merges
-        g = root / name / "model.gguf"
-        if not (root / name / ".merged").exists():
-            _gguf_with_merges(g, g.with_suffix(".tmp"))
-            os.replace(g.with_suffix(".tmp"), g)
-            (root / name / ".merged").touch()
     km = root / "gguf-Q4_K_M"
     if not (km / "model.gguf").exists() and llama_py:
         km.mkdir(exist_ok=True)
@@ -105,6 +111,8 @@ def build(root: Path, llama_py: str | None) -> dict[str, Path]:
                 "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))")
         subprocess.run([llama_py, "-c", code, str(root / "gguf-F32" / "model.gguf"), str(km / "model.gguf")], check=True,
                        capture_output=True)
+        if not (km / "model.gguf").exists():
+            raise SystemExit("llama_model_quantize wrote no Q4_K_M file")
     return {k: v for k, v in dirs.items() if (v / "config.json").exists() and any(v.iterdir())}
 
 

@@ -49,9 +49,10 @@ def _buffer(n: int) -> torch.Tensor:
     return buf[:n]
 
 
-def _first_param(layer: torch.nn.Module) -> torch.Tensor | None:
-    for t in layer.parameters(recurse=False):
-        return t
+def _first_param(layer: torch.nn.Module) -> tuple[str, torch.Tensor] | None:
+    for name, t in layer._parameters.items():
+        if t is not None:
+            return name, t
     return None
 
 
@@ -71,22 +72,31 @@ def bind(layer: Any, slots: int | None = None) -> Bound | None:
               f"{getattr(layer, 'qp_ckpt', '?')} ({type(scheme).__name__})")
     if not b.device_ok or not b.native_shapes():
         return None  # shapes the C code does not take (e.g. inputs not a multiple of 32): torch path
-    sentinel = _first_param(layer)
-    b.sentinel = (sentinel.data_ptr(), sentinel.device.type) if sentinel is not None else None  # type: ignore[attr-defined]
+    first = _first_param(layer)
+    # what bound() checks per call, in two dictionary reads and a pointer compare: the layer's
+    # first parameter is still the same tensor object with the same data (model.to() swaps the
+    # data of the same Parameter object)
+    b.sentinel = None if first is None else (first[0], first[1], first[1].data_ptr())
     return b
 
 
 def bound(layer: Any) -> Bound | None:
     """The layer's live binding: None when there is none, the library is unavailable, or the
-    layer's tensors moved off the CPU or were replaced since binding (then it is dropped)."""
-    b: Bound | None = getattr(layer, "qp_native", None)
-    if b is None or native.library() is None:
+    layer's tensors moved off the CPU or were replaced since binding (then it is dropped, and
+    bound again where the new tensors are on the CPU)."""
+    b: Bound | None = layer.__dict__.get("qp_native")
+    if b is None or native._lib is None and native.library() is None:
         return None
-    s = _first_param(layer)
-    if s is not None and getattr(b, "sentinel", None) != (s.data_ptr(), s.device.type):
-        layer.qp_native = b = None
-        if s.device.type == "cpu":
-            layer.qp_native = b = bind(layer, layer.n if getattr(layer, "qp_stacked", False) else None)
+    sent = b.sentinel
+    if sent is None:
+        return b
+    p = layer._parameters.get(sent[0])
+    if p is sent[1] and p.data_ptr() == sent[2]:
+        return b
+    layer.qp_native = b = None
+    first = _first_param(layer)
+    if first is not None and first[1].device.type == "cpu":
+        layer.qp_native = b = bind(layer, layer.n if getattr(layer, "qp_stacked", False) else None)
     return b
 
 
@@ -99,9 +109,12 @@ def _out(y: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _many(b: Bound) -> bool:
-    """Whether a many-row product may take the decode-and-matmul path (exact float products)."""
+    """Whether a many-row product may take the decode-and-matmul path (exact float products):
+    not for float weights already in the model dtype (their own matmul is best)."""
     act = b.form.act
-    return b.mode == "exact" and b.form.dtype not in ("F32", "F16", "BF16") and (act is None or act.integer == "float")
+    f = b.form.dtype
+    same = (f, b.model_dtype) in (("F32", torch.float32), ("BF16", torch.bfloat16), ("F16", torch.float16))
+    return b.mode == "exact" and not same and (act is None or act.integer == "float")
 
 
 def _dequant_mm(b: Bound, x2: torch.Tensor, slot: int | None, out: torch.Tensor) -> torch.Tensor:

@@ -341,6 +341,8 @@ class Bound:
                 m.act.epi, m.act.floor = INTEGER[act.integer], act.floor
                 m.act.scale, m.act.offset = ins[i], ino[i]
         self.ptrs = [ctypes.pointer(self.mats[i]) for i in range(count)]
+        #: (parameter name, tensor, data pointer) that compute.bound() checks; set by compute.bind
+        self.sentinel: tuple[str, torch.Tensor, int] | None = None
 
     def native_shapes(self) -> bool:
         """The C code's shape rules (``mat_ok``), decided here whether or not the library is loaded,

@@ -253,7 +253,13 @@ class LinearScheme(abc.ABC):
 
 
 class DenseScheme(LinearScheme):
-    """Unquantized weight [out, in]; F32 / F16 / BF16 on disk, model dtype in memory."""
+    """Unquantized weight [out, in]; F32 / F16 / BF16 on disk, computed in the model dtype.
+
+    A weight whose stored values the model dtype holds exactly (BF16 or F16 on disk, a float32
+    model) stays as stored: the conversion is exact, so products on the stored values are the
+    model dtype's products, and memory and bytes read per token are the file's (DeepSeek's and
+    Kimi's bf16 embeddings and lm_head: half the float32 copy). Otherwise the weight is converted
+    to the model dtype at load, as before."""
 
     name = "dense"
     weight_only = True
@@ -261,9 +267,19 @@ class DenseScheme(LinearScheme):
     def tensor_specs(self, out_features: int, in_features: int) -> list[TensorSpec]:
         return [TensorSpec("weight", FLOATS, (out_features, in_features))]
 
+    def target_dtype(self, spec: TensorSpec, model_dtype: torch.dtype, stored: str) -> torch.dtype:
+        if model_dtype == torch.float32 and stored in ("BF16", "F16"):
+            return torch.bfloat16 if stored == "BF16" else torch.float16
+        return super().target_dtype(spec, model_dtype, stored)
+
     def dequantize(self, layer: nn.Module, index: int | None = None) -> torch.Tensor:
         w: torch.Tensor = layer.weight  # type: ignore[assignment]
-        return w if index is None else w[index]
+        w = w if index is None else w[index]
+        return w if w.dtype == layer.model_dtype else w.to(layer.model_dtype)  # type: ignore[arg-type]
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(ids, layer.weight)  # type: ignore[arg-type]
+        return rows if rows.dtype == layer.model_dtype else rows.to(layer.model_dtype)  # type: ignore[arg-type]
 
     def split(self, direction: str, out_features: int, in_features: int) -> Mapping[str, SplitRule]:
         return {"weight": SplitRule(0 if direction == "out" else 1)}
