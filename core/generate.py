@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import QuantplugError
+from .memory import gc_paused
 
 if TYPE_CHECKING:
     from .models.config import ModelConfig
@@ -72,6 +73,22 @@ class LatentCache:
             new = old.new_empty(old.shape[0], 1, cap, old.shape[3])
             new[:, :, :self.length] = old[:, :, :self.length]
             setattr(self, name, new)
+
+    def reserve(self, t: int = 1) -> int:
+        """Room for ``t`` more tokens (grown as :meth:`append` grows); returns the first new row's
+        index and counts the rows as cached: the caller writes them (a native decode step writes
+        its token's latent and key in place). :meth:`unreserve` takes them back on failure."""
+        need = self.length + t
+        if need > self.limit:
+            raise GenerationError(f"sequence of {need} tokens exceeds the model's context of {self.limit} "
+                                  "(max_position_embeddings, yarn included)")
+        if need > self.capacity:
+            self._grow(need)
+        pos, self.length = self.length, need
+        return pos
+
+    def unreserve(self, t: int = 1) -> None:
+        self.length -= t
 
     def append(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """latent [B, 1, t, kv_lora], k_rope [B, 1, t, rope] -> all cached [B, 1, L, ...] (L = past + t)."""
@@ -257,13 +274,13 @@ class Generation:
         eos = torch.tensor(self.eos, dtype=torch.long, device=self.input_ids.device)
         finished = torch.zeros(b, dtype=torch.bool, device=self.input_ids.device)
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), gc_paused():
             tok = self._pick(self.lm.next_logits(self.input_ids, self.cache), 0)
         self.prefill_seconds = time.perf_counter() - t0
         for step in range(self.max_new_tokens):
             if step:
                 t0 = time.perf_counter()
-                with torch.inference_mode():
+                with torch.inference_mode(), gc_paused():
                     tok = self._pick(self.lm.next_logits(tok[:, None], self.cache), step)
             if len(self.eos):
                 tok = torch.where(finished, eos[0], tok)

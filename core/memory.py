@@ -11,7 +11,10 @@ went from 0.32 s to 1.8 s); ``MAP_POPULATE`` pre-faulting was slower than faulti
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,3 +30,22 @@ def read_into(fd: int, offset: int, out: torch.Tensor) -> None:
         if r <= 0:
             raise OSError(f"short read at offset {offset + got}: file truncated?")
         got += r
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector for the block (plan building; each generation step).
+
+    A DeepSeek-V3 plan allocates ~100,000 small objects (tensor infos, sources, modules) that all
+    stay alive; with the collector on, its repeated full-heap passes took half of the 351-shard
+    plan time (0.65 s -> 0.35 s measured). A decode step allocates only acyclic objects (freed by
+    reference counting), while a collection pass would walk the whole model's object graph (5% of
+    a small model's decode time, measured with perf). The collector runs normally afterwards.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()

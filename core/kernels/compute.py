@@ -319,6 +319,7 @@ class MLAStep:
         self.spec, self.keep, self.nh, self.kv_lora, self.rope, self.v, self.h = spec, keep, nh, kv_lora, rope, v, hidden
         self.gated, self.reduce = gated, reduce
         self.wround = 0
+        self.ref: Any = None
 
     @staticmethod
     def build(*, q_a: Any, kv_a: Any, q_b: Any, kv_b: Any, k_b: Any, v_b: Any, o: Any, g: Any,
@@ -368,6 +369,7 @@ class MLAStep:
             st.v_b = ctypes.cast(va, ctypes.POINTER(ctypes.POINTER(native.Mat)))
         st.q_a_norm, st.kv_a_norm = norms[0].data_ptr(), norms[1].data_ptr()
         step = MLAStep(st, keep, nh, kv_lora, rope, v, hidden, g is not None, reduce)
+        step.ref = ctypes.byref(st)
         step.wround = next(b.wround for b in bs.values() if b is not None)
         # the C code's own check of the whole layer, once
         lib = native.library()
@@ -388,39 +390,34 @@ class MLAStep:
         (``roped = x @ rot``), ``cache`` the layer's ``LatentCache``: appends each sequence's latent
         and key and returns the attention output after ``o_proj`` [B, 1, hidden]; None when the
         inputs or the cache are of a kind the native step does not take."""
-        import ctypes
-
-        lib = native.library()
+        lib = native._lib
         b = x.shape[0]
         if lib is None or not native.native_ok(x) or x.numel() != b * self.h or b > NATIVE_ROWS:
             return None
         bs, _, mods = self.keep[0], self.keep[1], self.keep[2]
         if any(bound(m) is not bs[k] for k, m in mods.items()):
             return None  # a layer's tensors were replaced or moved since the step was built
-        if cache.latent.dtype not in (torch.float32, torch.bfloat16):
+        lat, kr = cache.latent, cache.k_rope
+        if lat.dtype not in (torch.float32, torch.bfloat16) or lat.shape[0] != b or lat.device.type != "cpu":
             return None
-        x2 = native._as_f32_rows(x, self.h)
-        r = rot.reshape(-1, self.rope, self.rope).to(torch.float32)
-        if r.shape[0] == 1 and b > 1:
-            r = r.expand(b, -1, -1)
-        r = r.contiguous()
-        if r.shape[0] != b:
-            return None
-        kl, rp, nh = self.kv_lora, self.rope, self.nh
-        qcat = torch.empty(b, nh, kl + rp)
-        kvrow = torch.empty(b, kl + rp)
-        gate = torch.empty(b, nh * self.v) if self.gated else None
-        ref = ctypes.byref(self.spec)
-        native.check(lib.qp_mla_pre(ref, b, x2.data_ptr(), r.data_ptr(), qcat.data_ptr(), kvrow.data_ptr(),
-                                    gate.data_ptr() if gate is not None else None, self.wround), "mla_pre")
-        dt = cache.latent.dtype
-        lat, kr = cache.append(kvrow[:, :kl].to(dt).view(b, 1, 1, kl), kvrow[:, kl:].to(dt).view(b, 1, 1, rp))
-        n = lat.shape[2]
-        out = torch.empty(b, self.h)
-        native.check(lib.qp_mla_post(ref, b, qcat.data_ptr(), lat.data_ptr(), lat.stride(2), lat.stride(0),
-                                     kr.data_ptr(), kr.stride(2), kr.stride(0), n, int(dt == torch.bfloat16),
-                                     gate.data_ptr() if gate is not None else None, out.data_ptr(), self.wround),
-                     "mla_post")
-        y = out.view(b, 1, self.h)
-        y = y if x.dtype == torch.float32 else y.to(x.dtype)
+        x2 = x.reshape(b, self.h)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
+        r = rot
+        if r.dtype != torch.float32 or r.dim() != 2 or b != 1 or not r.is_contiguous():
+            r = rot.reshape(-1, self.rope, self.rope).to(torch.float32)
+            if r.shape[0] == 1 and b > 1:
+                r = r.expand(b, -1, -1)
+            r = r.contiguous()
+            if r.shape[0] != b:
+                return None
+        pos = cache.reserve(1)
+        out = torch.empty(b, 1, self.h)
+        rc = lib.qp_mla_step(self.ref, b, x2.data_ptr(), r.data_ptr(), lat.data_ptr(), lat.stride(2), lat.stride(0),
+                             kr.data_ptr(), kr.stride(2), kr.stride(0), pos, int(lat.dtype == torch.bfloat16),
+                             out.data_ptr(), self.wround)
+        if rc != 0:
+            cache.unreserve(1)
+            native.check(rc, "mla_step")
+        y = out if x.dtype == torch.float32 else out.to(x.dtype)
         return self.reduce(y) if self.reduce is not None else y

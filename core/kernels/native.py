@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from ..errors import QuantplugError
-from .forms import ACT_KINDS, FORMS, INTEGER, SCALE_ENCODINGS, Weights
+from .forms import ACT_KINDS, FORMS, INTEGER, SCALE_ENCODINGS, Weights, scale_values
 
 SOURCE = Path(__file__).with_name("qp_kernels.c")
 ISA_NAMES = {3: "AVX512 + VNNI", 4: "AVX512", 2: "AVX2", 0: "portable C"}
@@ -52,7 +52,7 @@ MODES = {"exact": 0, "fast": 1}
 FAST_FORMS = frozenset({"Q4_0", "Q8_0"})
 #: the symbols this module calls; a library missing one is rebuilt, then refused
 SYMBOLS = ("qp_form_info", "qp_isa", "qp_check", "qp_dequant", "qp_act_rows", "qp_gemm", "qp_mlp",
-           "qp_mla_pre", "qp_mla_post")
+           "qp_mla_pre", "qp_mla_post", "qp_mla_step")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -172,7 +172,7 @@ class Mat(ctypes.Structure):
         ("type", ctypes.c_int32), ("sdt", ctypes.c_int32), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
         ("w", ctypes.c_void_p), ("ldw", ctypes.c_int64), ("s", ctypes.c_void_p), ("lds", ctypes.c_int64),
         ("gk", ctypes.c_int64), ("gn", ctypes.c_int64), ("z", ctypes.c_void_p), ("gs", ctypes.c_float),
-        ("mode", ctypes.c_int32), ("nan", ctypes.c_int32), ("pad", ctypes.c_int32),
+        ("mode", ctypes.c_int32), ("nan", ctypes.c_int32), ("big", ctypes.c_int32),
         ("rowsum", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("os", ctypes.c_void_p), ("act", Act)]
 
 
@@ -204,6 +204,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "qp_mlp": ([mpp, mpp, mpp, i32, i64, p, i64, i32, p, p, p, p, i64, i32], i32),
         "qp_mla_pre": ([ctypes.POINTER(MLA), i64, p, p, p, p, p, i32], i32),
         "qp_mla_post": ([ctypes.POINTER(MLA), i64, p, p, i64, i64, p, i64, i64, i64, i32, p, p, i32], i32),
+        "qp_mla_step": ([ctypes.POINTER(MLA), i64, p, p, p, i64, i64, p, i64, i64, i64, i32, p, i32], i32),
     }
     for name, (args, res) in sig.items():
         fn = getattr(lib, name)
@@ -314,13 +315,14 @@ class Bound:
         ino = (weights.input_offset.to(torch.float32).reshape(-1).tolist()
                if weights.input_offset is not None else [0.0] * count)
         nan = int(f.dtype == "FP8" and _has_nan_codes(weights.weight))
+        big = int(f.dtype == "FP8" and scale is not None and bool(scale_values(scale, f.scale).abs().nan_to_num(0.0).max() >= 2.0 ** 119))
         self.mats = (Mat * count)()
         base = weights.weight.data_ptr()
         for i in range(count):
             m = self.mats[i]
             m.type, m.n, m.k = FORMS[f.dtype][0], out_features, in_features
             m.w, m.ldw = base + i * slot_w, rb
-            m.mode, m.nan = MODES[self.mode], nan
+            m.mode, m.nan, m.big = MODES[self.mode], nan, big
             if f.scaled:
                 assert scale is not None
                 m.sdt = SCALE_ENCODINGS[f.scale]

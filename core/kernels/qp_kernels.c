@@ -123,7 +123,7 @@ typedef struct {
     float gs;                      /* global multiplier after the scale (1: none) */
     int32_t mode;                  /* 0 exact, 1 fast (Q4_0 / Q8_0) */
     int32_t nan;                   /* FP8: may hold NaN codes */
-    int32_t pad;
+    int32_t big;                   /* FP8: some scale >= 2^119 (its fold by 256 would overflow) */
     const int32_t *rowsum;         /* INT8 integer path: sum of each row's codes */
     const int32_t *bias;           /* QE_STATIC: integer bias per row */
     const float *os;               /* QE_STATIC: output scale per row */
@@ -276,7 +276,7 @@ static void scale_min_k4(const uint8_t *q, uint8_t *sc, uint8_t *mn) {
 
 /* Q4_K: d, dmin (f16), scales[12], qs[128]; sub-block s of 32: dl * q - ml with dl = d * sc[s],
  * ml = dmin * mn[s]; bytes 32j..32j+31 hold sub-blocks 2j (low nibbles) and 2j + 1 (high) */
-static void deq_q4_k_sb(const uint8_t *b, float *o) {
+static QP_IQ_UNUSED void deq_q4_k_sb(const uint8_t *b, float *o) {  /* the portable build's */
     const float d = f16_to_f32(b), dmin = f16_to_f32(b + 2);
     uint8_t sc[8], mn[8];
     scale_min_k4(b + 4, sc, mn);
@@ -292,7 +292,7 @@ static void deq_q4_k_sb(const uint8_t *b, float *o) {
 }
 
 /* Q5_K: d, dmin, scales[12], qh[32], qs[128]: as Q4_K with bit s of qh[l] as the 5th bit */
-static void deq_q5_k_sb(const uint8_t *b, float *o) {
+static QP_IQ_UNUSED void deq_q5_k_sb(const uint8_t *b, float *o) {  /* the portable build's */
     const float d = f16_to_f32(b), dmin = f16_to_f32(b + 2);
     uint8_t sc[8], mn[8];
     scale_min_k4(b + 4, sc, mn);
@@ -313,7 +313,7 @@ static void deq_q5_k_sb(const uint8_t *b, float *o) {
 /* Q6_K: ql[128], qh[64], scales int8[16], d: value 128h + t of half h: low 4 bits from
  * ql[64h + t % 64] (nibble t / 64), high 2 from qh[32h + t % 32] (bits 2 * (t / 32)), minus 32;
  * times d * scales[v / 16] (that product first, as gguf-py) */
-static void deq_q6_k_sb(const uint8_t *b, float *o) {
+static QP_IQ_UNUSED void deq_q6_k_sb(const uint8_t *b, float *o) {  /* the portable build's */
     const float d = f16_to_f32(b + 208);
     const int8_t *scales = (const int8_t *)(b + 192);
     float dl[16];
@@ -376,6 +376,64 @@ static void deq_q3_k_sb(const uint8_t *b, float *o) {
             }
 }
 
+#ifdef QP_AVX512
+/* AVX512 versions of the K-quant decoders above, the same float32 operations in the same order
+ * (so bit-equal): 16 values per vector, each vector within one sub-block of 16 or 32 */
+static inline __m512 i8x16_ps(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
+
+static void deq_q6_k_sb512(const uint8_t *b, float *o) {
+    const float d = f16_to_f32(b + 208);
+    const int8_t *scales = (const int8_t *)(b + 192);
+    const __m128i m4 = _mm_set1_epi8(15), m3 = _mm_set1_epi8(3), c32 = _mm_set1_epi8(32);
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+        for (int part = 0; part < 2; part++) {       /* l in [16 part, 16 part + 16) */
+            const int l = 16 * part, is = l / 16;
+            __m128i lq0 = _mm_loadu_si128((const __m128i *)(ql + l)), lq1 = _mm_loadu_si128((const __m128i *)(ql + l + 32));
+            __m128i hq = _mm_loadu_si128((const __m128i *)(qh + l));
+            __m128i q0 = _mm_or_si128(_mm_and_si128(lq0, m4), _mm_slli_epi16(_mm_and_si128(hq, m3), 4));
+            __m128i q1 = _mm_or_si128(_mm_and_si128(lq1, m4), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hq, 2), m3), 4));
+            __m128i q2 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(lq0, 4), m4), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hq, 4), m3), 4));
+            __m128i q3 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(lq1, 4), m4), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hq, 6), m3), 4));
+            /* the OR of a 4-bit and a shifted 2-bit field never carries across bytes */
+            float *y = o + 128 * h;
+            const float s0 = d * (float)scales[8 * h + is], s1 = d * (float)scales[8 * h + is + 2];
+            const float s2 = d * (float)scales[8 * h + is + 4], s3 = d * (float)scales[8 * h + is + 6];
+            _mm512_storeu_ps(y + l, _mm512_mul_ps(i8x16_ps(_mm_sub_epi8(q0, c32)), _mm512_set1_ps(s0)));
+            _mm512_storeu_ps(y + l + 32, _mm512_mul_ps(i8x16_ps(_mm_sub_epi8(q1, c32)), _mm512_set1_ps(s1)));
+            _mm512_storeu_ps(y + l + 64, _mm512_mul_ps(i8x16_ps(_mm_sub_epi8(q2, c32)), _mm512_set1_ps(s2)));
+            _mm512_storeu_ps(y + l + 96, _mm512_mul_ps(i8x16_ps(_mm_sub_epi8(q3, c32)), _mm512_set1_ps(s3)));
+        }
+    }
+}
+
+/* Q4_K / Q5_K: sub-block s of 32 values, dl * q - ml (a product then a difference, two roundings) */
+static void deq_q45_k_sb512(const uint8_t *b, float *o, int five) {
+    const float d = f16_to_f32(b), dmin = f16_to_f32(b + 2);
+    uint8_t sc[8], mn[8];
+    scale_min_k4(b + 4, sc, mn);
+    const uint8_t *qh = b + 16, *qs = b + (five ? 48 : 16);
+    const __m128i m4 = _mm_set1_epi8(15), one = _mm_set1_epi8(1);
+    for (int j = 0; j < 4; j++)
+        for (int half = 0; half < 2; half++) {          /* bytes 32j + 16 half .. + 16 */
+            const int l = 16 * half;
+            __m128i q = _mm_loadu_si128((const __m128i *)(qs + 32 * j + l));
+            __m128i lo = _mm_and_si128(q, m4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
+            if (five) {
+                __m128i h = _mm_loadu_si128((const __m128i *)(qh + l));
+                /* bit s0 = 2j of qh[l] is the 5th bit of the low nibble, bit s1 = 2j + 1 of the high */
+                lo = _mm_or_si128(lo, _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 2 * j), one), 4));
+                hi = _mm_or_si128(hi, _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 2 * j + 1), one), 4));
+            }
+            const int s0 = 2 * j, s1 = 2 * j + 1;
+            const __m512 dl0 = _mm512_set1_ps(d * (float)sc[s0]), ml0 = _mm512_set1_ps(dmin * (float)mn[s0]);
+            const __m512 dl1 = _mm512_set1_ps(d * (float)sc[s1]), ml1 = _mm512_set1_ps(dmin * (float)mn[s1]);
+            _mm512_storeu_ps(o + 64 * j + l, _mm512_sub_ps(_mm512_mul_ps(dl0, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo))), ml0));
+            _mm512_storeu_ps(o + 64 * j + 32 + l, _mm512_sub_ps(_mm512_mul_ps(dl1, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi))), ml1));
+        }
+}
+#endif
+
 static int is_ggml_block(int t) {
     switch (t) {
         case QP_Q4_0: case QP_Q4_1: case QP_Q5_0: case QP_Q5_1: case QP_Q8_0: case QP_MXFP4:
@@ -394,9 +452,15 @@ static void deq_block(int type, const uint8_t *b, float *o) {
         case QP_MXFP4: deq_mxfp4_block(b, o); break;
         case QP_Q2_K: deq_q2_k_sb(b, o); break;
         case QP_Q3_K: deq_q3_k_sb(b, o); break;
+#ifdef QP_AVX512
+        case QP_Q4_K: deq_q45_k_sb512(b, o, 0); break;
+        case QP_Q5_K: deq_q45_k_sb512(b, o, 1); break;
+        case QP_Q6_K: deq_q6_k_sb512(b, o); break;
+#else
         case QP_Q4_K: deq_q4_k_sb(b, o); break;
         case QP_Q5_K: deq_q5_k_sb(b, o); break;
         case QP_Q6_K: deq_q6_k_sb(b, o); break;
+#endif
         default: qp_iq_deq_block(type, b, o); break;
     }
 }
@@ -416,6 +480,21 @@ static inline __m512 fp8x16(const uint8_t *p, int nan) {
     }
     return v;
 }
+/* 16 e4m3 values divided by 256 (exact: a power of two), NaN codes NaN: the fused FP8 kernel
+ * multiplies by the scale times 256, which rounds once to the same value as (value * scale) */
+static inline __m512 fp8x16_div256(const uint8_t *p, int nan) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m256i y = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16((short)0xBFFF));
+    __m512 v = _mm512_cvtph_ps(y);
+    if (nan) {
+        __mmask16 k = _mm_cmpeq_epi8_mask(_mm_and_si128(b, _mm_set1_epi8(0x7F)), _mm_set1_epi8(0x7F));
+        v = _mm512_mask_blend_ps(k, v, _mm512_set1_ps(NAN));
+    }
+    return v;
+}
+/* the FP8 scale times 256: exact for the scales the fused kernel is given (m->big: no scale
+ * >= 2^119, else the generic path runs) */
+static inline float fp8_fold(float s) { return s * 256.f; }
 static inline __m512 round_vec(__m512 v, int wround) {
     if (wround == QR_BF16) {
         __m512i b = _mm512_castps_si512(v);
@@ -440,36 +519,59 @@ static inline void round_buf(float *o, int64_t len, int wround) {
     for (; i < len; i++) o[i] = wround == QR_BF16 ? round_bf16(o[i]) : round_f16(o[i]);
 }
 
+#ifdef QP_AVX512
+/* 16 values of a scaled form at element i of a row, before the scale: one function per form, so
+ * each decode loop below is specialized (no per-element branch) */
+static inline __m512 raw16_int8(const uint8_t *row, int64_t i) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + i))));
+}
+static inline __m512i nib16(const uint8_t *row, int64_t i) {  /* 16 nibbles from 8 bytes, element order */
+    __m128i b = _mm_loadl_epi64((const __m128i *)(row + i / 2)), f = _mm_set1_epi8(15);
+    return _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(_mm_and_si128(b, f), _mm_and_si128(_mm_srli_epi16(b, 4), f)));
+}
+static inline __m512 raw16_int4(const uint8_t *row, int64_t i) {
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(nib16(row, i), _mm512_set1_epi32(8)));
+}
+#endif
+
 /* elements [c0, c0 + len) of row r of an INT4 / INT8 / FP8 / FP4 matrix (c0, len multiples of 32;
  * gk a multiple of 16 or >= k), exactly: ((q - z) * s) * gs as float32 ops */
-static void deq_seg_scaled(const qp_mat *m, int64_t r, int64_t c0, int64_t len, float *o) {
-    const uint8_t *row = m->w + r * m->ldw;
-    const int64_t srow = (r / m->gn) * m->lds;
-    const int t = m->type;
+static void deq_seg_scaled(const qp_mat *m, int64_t r, int64_t c0, int64_t len, float *restrict o) {
+    const uint8_t *restrict row = m->w + r * m->ldw;
+    const int64_t srow = (r / m->gn) * m->lds, gk = m->gk;
+    const int t = m->type, nan = m->nan;
+    const float *restrict zp = m->z;
+    const float gs = m->gs;
+    const int has_g = gs != 1.f;
     int64_t c = c0;
     while (c < c0 + len) {
-        const int64_t j = c / m->gk, end0 = (j + 1) * m->gk, end = end0 < c0 + len ? end0 : c0 + len;
-        const float s = scale_at(m, srow + j), z = m->z ? m->z[srow + j] : 0.f, gs = m->gs;
+        const int64_t j = c / gk, end0 = (j + 1) * gk, end = end0 < c0 + len ? end0 : c0 + len;
+        const float s = scale_at(m, srow + j), z = zp ? zp[srow + j] : 0.f;
         int64_t i = c;
 #ifdef QP_AVX512
         const __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z), vg = _mm512_set1_ps(gs);
-        const int has_z = m->z != NULL, has_g = gs != 1.f;
-        for (; i + 16 <= end; i += 16) {
-            __m512 v;
-            if (t == QP_INT8) v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + i))));
-            else if (t == QP_FP8) v = fp8x16(row + i, m->nan);
-            else {  /* 16 nibbles from 8 bytes, in element order */
-                __m128i b = _mm_loadl_epi64((const __m128i *)(row + i / 2)), f = _mm_set1_epi8(15);
-                __m128i e = _mm_unpacklo_epi8(_mm_and_si128(b, f), _mm_and_si128(_mm_srli_epi16(b, 4), f));
-                __m512i q = _mm512_cvtepu8_epi32(e);
-                if (t == QP_INT4) v = _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(8)));
-                else v = _mm512_permutexvar_ps(q, _mm512_loadu_ps(E2M1));
+        /* one loop per (form, zero point, global scale): the compiler keeps them branch-free */
+#define QP_SCALED_LOOP(RAW)                                                                 \
+        if (zp) { for (; i + 16 <= end; i += 16) {                                          \
+            __m512 v = _mm512_mul_ps(_mm512_sub_ps(RAW, vz), vs);                           \
+            _mm512_storeu_ps(o + (i - c0), has_g ? _mm512_mul_ps(v, vg) : v); } }           \
+        else if (has_g) { for (; i + 16 <= end; i += 16)                                    \
+            _mm512_storeu_ps(o + (i - c0), _mm512_mul_ps(_mm512_mul_ps(RAW, vs), vg)); }   \
+        else { for (; i + 16 <= end; i += 16)                                               \
+            _mm512_storeu_ps(o + (i - c0), _mm512_mul_ps(RAW, vs)); }
+        switch (t) {
+            case QP_INT8: QP_SCALED_LOOP(raw16_int8(row, i)) break;
+            case QP_INT4: QP_SCALED_LOOP(raw16_int4(row, i)) break;
+            case QP_FP8:
+                if (nan) { QP_SCALED_LOOP(fp8x16(row + i, 1)) }
+                else { QP_SCALED_LOOP(fp8x16(row + i, 0)) }
+                break;
+            default: {
+                const __m512 lut = _mm512_loadu_ps(E2M1);
+                QP_SCALED_LOOP(_mm512_permutexvar_ps(nib16(row, i), lut))
             }
-            if (has_z) v = _mm512_sub_ps(v, vz);
-            v = _mm512_mul_ps(v, vs);
-            if (has_g) v = _mm512_mul_ps(v, vg);
-            _mm512_storeu_ps(o + (i - c0), v);
         }
+#undef QP_SCALED_LOOP
 #endif
         for (; i < end; i++) {
             float q;
@@ -479,8 +581,8 @@ static void deq_seg_scaled(const qp_mat *m, int64_t r, int64_t c0, int64_t len, 
                 int nib = (row[i / 2] >> (4 * (i & 1))) & 15;
                 q = t == QP_INT4 ? (float)(nib - 8) : E2M1[nib];
             }
-            float v = m->z ? (q - z) * s : q * s;
-            o[i - c0] = gs != 1.f ? v * gs : v;
+            float v = zp ? (q - z) * s : q * s;
+            o[i - c0] = has_g ? v * gs : v;
         }
         c = end;
     }
@@ -900,11 +1002,90 @@ static void int_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, i
     }
 }
 
+#ifdef QP_AVX512
+/* The scaled forms (INT4 / INT8 / FP8 / FP4) fused: each 16 weights decoded in a register, scaled
+ * (and rounded to the model dtype) exactly as deq_seg_scaled does, and multiplied into float32
+ * sums; the weights never go through memory. One function per form (no per-element branch), 32
+ * weights per step with two accumulators per x row; groups of 16 (NVFP4) step 16. */
+#define QP_SCALE16(RAW, V)                                                                          \
+    {                                                                                               \
+        V = RAW;                                                                                    \
+        if (zp) V = _mm512_sub_ps(V, vz);                                                           \
+        V = _mm512_mul_ps(V, vs);                                                                   \
+        if (has_g) V = _mm512_mul_ps(V, vg);                                                        \
+        if (wround) V = round_vec(V, wround);                                                       \
+    }
+#define QP_FUSED_SCALED(NAME, RAWI)                                                                 \
+static void NAME(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy, int wround) { \
+    y -= r0;                                                                                        \
+    const int64_t K = m->k, gk = m->gk, ldx = in->ldx, ldw = m->ldw, step = gk % 32 ? 16 : 32;       \
+    const float *restrict zp = m->z;                                                                \
+    const float gs = m->gs;                                                                         \
+    const int has_g = gs != 1.f, nan = m->nan;                                                      \
+    const __m512 lut = _mm512_loadu_ps(E2M1), vg = _mm512_set1_ps(gs);                            \
+    (void)lut; (void)nan;                                                                           \
+    for (int64_t r = r0; r < r1; r++) {                                                             \
+        const uint8_t *restrict row = m->w + r * ldw;                                               \
+        const int64_t srow = (r / m->gn) * m->lds;                                                  \
+        for (int i0 = 0; i0 < xm; i0 += 2) {                                                        \
+            const int two = xm - i0 >= 2;                                                           \
+            const float *restrict x0 = in->x + (int64_t)i0 * ldx, *restrict x1 = x0 + (two ? ldx : 0); \
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;                              \
+            for (int64_t c0 = 0; c0 < K; c0 += gk) {                                                \
+                const int64_t j = c0 / gk, end = c0 + gk < K ? c0 + gk : K;                         \
+                float sj = scale_at(m, srow + j);                                                   \
+                if (m->type == QP_FP8) sj = fp8_fold(sj);                                           \
+                const __m512 vs = _mm512_set1_ps(sj);                                               \
+                const __m512 vz = _mm512_set1_ps(zp ? zp[srow + j] : 0.f);                          \
+                if (step == 32) {                                                                   \
+                    for (int64_t i = c0; i < end; i += 32) {                                        \
+                        __m512 v0, v1;                                                              \
+                        { const int64_t ii = i; (void)ii; QP_SCALE16(RAWI(i), v0) }                 \
+                        { QP_SCALE16(RAWI(i + 16), v1) }                                            \
+                        a0 = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x0 + i), a0);                       \
+                        a1 = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x0 + i + 16), a1);                  \
+                        if (two) { b0 = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x1 + i), b0);            \
+                                   b1 = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x1 + i + 16), b1); }     \
+                    }                                                                               \
+                } else {                                                                            \
+                    for (int64_t i = c0; i < end; i += 16) {                                        \
+                        __m512 v0;                                                                  \
+                        QP_SCALE16(RAWI(i), v0)                                                     \
+                        a0 = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x0 + i), a0);                       \
+                        if (two) b0 = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x1 + i), b0);              \
+                    }                                                                               \
+                }                                                                                   \
+            }                                                                                       \
+            y[(int64_t)i0 * ldy + r] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));                 \
+            if (two) y[(int64_t)(i0 + 1) * ldy + r] = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1));   \
+        }                                                                                           \
+    }                                                                                               \
+}
+#define RAW_INT8(i) raw16_int8(row, i)
+#define RAW_INT4(i) raw16_int4(row, i)
+#define RAW_FP8(i) fp8x16_div256(row + (i), nan)
+#define RAW_FP4(i) _mm512_permutexvar_ps(nib16(row, i), lut)
+QP_FUSED_SCALED(fused_int8, RAW_INT8)
+QP_FUSED_SCALED(fused_int4, RAW_INT4)
+QP_FUSED_SCALED(fused_fp8, RAW_FP8)
+QP_FUSED_SCALED(fused_fp4, RAW_FP4)
+#undef QP_FUSED_SCALED
+#undef QP_SCALE16
+#endif
+
 static void rows_any(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy, int wround) {
     if (is_fast(m)) fast_rows(m, in, r0, r1, xm, y, ldy);
     else if (is_int_path(m)) int_rows(m, in, r0, r1, xm, y, ldy);
 #ifdef QP_AVX512
     else if ((m->type == QP_Q4_0 || m->type == QP_Q8_0) && wround == QR_NONE) exact_rows_q40(m, in, r0, r1, xm, y, ldy);
+    else if (m->type >= QP_INT4 && (m->gk % 16 == 0) && m->k % 16 == 0 && !m->big) {
+        switch (m->type) {
+            case QP_INT8: fused_int8(m, in, r0, r1, xm, y, ldy, wround); break;
+            case QP_INT4: fused_int4(m, in, r0, r1, xm, y, ldy, wround); break;
+            case QP_FP8: fused_fp8(m, in, r0, r1, xm, y, ldy, wround); break;
+            default: fused_fp4(m, in, r0, r1, xm, y, ldy, wround); break;
+        }
+    }
 #endif
     else generic_rows(m, in, r0, r1, xm, y, ldy, wround);
 }
@@ -1032,6 +1213,77 @@ done:
 
 static inline float silu(float v) { return v / (1.f + expf(-v)); }
 
+/* float32 dot product in 64 lanes (the reduction order is fixed, so results do not depend on
+ * the thread that computes them) */
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float s = 0.f;
+#ifdef QP_AVX512
+    __m512 c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps(), c2 = _mm512_setzero_ps(), c3 = _mm512_setzero_ps();
+    for (; i + 64 <= n; i += 64) {
+        c0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), c0);
+        c1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), c1);
+        c2 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 32), _mm512_loadu_ps(b + i + 32), c2);
+        c3 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 48), _mm512_loadu_ps(b + i + 48), c3);
+    }
+    for (; i + 16 <= n; i += 16) c0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), c0);
+    s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)));
+#else
+    float acc[8] = {0.f};
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
+    for (int j = 0; j < 8; j++) s += acc[j];
+#endif
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* y[i] += a * x[i] */
+static inline void axpy_f32(float a, const float *x, float *y, int64_t n) {
+    int64_t i = 0;
+#ifdef QP_AVX512
+    const __m512 va = _mm512_set1_ps(a);
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+#ifdef QP_AVX512
+/* e^x for 16 floats: x = n ln2 + r (Cody-Waite), e^r by its degree-6 Taylor-Horner polynomial on
+ * |r| <= ln2 / 2 (relative error below 2 ulp), times 2^n; overflow to inf, underflow to 0 */
+static inline __m512 exp512(__m512 x) {
+    const __m512 hi = _mm512_set1_ps(88.72283f), lo = _mm512_set1_ps(-103.97208f);
+    __mmask16 big = _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), small = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    __m512 y = _mm512_scalef_ps(p, n);
+    y = _mm512_mask_blend_ps(big, y, _mm512_set1_ps(INFINITY));
+    return _mm512_mask_blend_ps(small, y, _mm512_setzero_ps());
+}
+#endif
+
+/* g[i] = silu(g[i]) * u[i] = g / (1 + e^-g) * u over n values (NaN propagates) */
+static void silu_mul(float *g, const float *u, int64_t n) {
+    int64_t i = 0;
+#ifdef QP_AVX512
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_loadu_ps(g + i);
+        __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), v));
+        _mm512_storeu_ps(g + i, _mm512_mul_ps(_mm512_div_ps(v, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; i++) g[i] = silu(g[i]) * u[i];
+}
+
 /* out[prow[p]] = sum over pairs p (in order) of pw[p] * down_e(silu(gate_e x) * up_e x), x = row
  * prow[p] of x, e = pe[p]; pairs must come grouped by expert (pe non-decreasing). gate / up / down:
  * E experts' mats (gate / up: I x H; down: H x I). A row no pair names is set to zero. */
@@ -1086,7 +1338,7 @@ int qp_mlp(const qp_mat *const *gate, const qp_mat *const *up, const qp_mat *con
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < P; p++) {
             float *g = hg + p * I, *u = hu + p * I;
-            for (int64_t i = 0; i < I; i++) g[i] = silu(g[i]) * u[i];
+            silu_mul(g, u, I);
         }
         #pragma omp single
         prepare(down[0], P, I, hg, I, &sh, &inh);
@@ -1144,8 +1396,7 @@ static inline float norm_w(const qp_mla *m, const void *w, int64_t i) {
 }
 
 static void rms_norm_row(const qp_mla *m, float *x, int64_t n, const void *w, float eps) {
-    float ss = 0.f;
-    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    float ss = dot_f32(x, x, n);
     float r = 1.f / sqrtf(ss / (float)n + eps);
     for (int64_t i = 0; i < n; i++) x[i] = norm_w(m, w, i) * (x[i] * r);
 }
@@ -1282,7 +1533,9 @@ int qp_mla_post(const qp_mla *m, int64_t B, const float *qcat, const void *lat, 
     /* the latent as kv_b's activation quantization makes it: the expanded form quantizes kv_b's
      * input (the latent, per token), so the absorbed form attends on the quantized rows */
     const int latent_act = m->kv_dense && m->kv_b->act.kind != QA_NONE;
-    float *lf = (float *)malloc(sizeof(float) * (size_t)(B * n * (kl + rp)));
+    /* float32 cache rows without a quantization to apply are read in place; otherwise copied */
+    const int copy = lat_bf16 || latent_act;
+    float *lf = (float *)malloc(sizeof(float) * (size_t)(copy ? B * n * (kl + rp) : 1));
     float *sc = (float *)malloc(sizeof(float) * (size_t)(B * nh * (n + kl + vd)));
     qp_scratch so, sl, sv;
     int oo = scratch_alloc(&so, B, nh * vd), ol_ = latent_act ? scratch_alloc(&sl, n, kl) : 0;
@@ -1290,7 +1543,7 @@ int qp_mla_post(const qp_mla *m, int64_t B, const float *qcat, const void *lat, 
     int rc = 0;
     if (!lf || !sc || !oo || (latent_act && !ol_) || (!m->kv_dense && !ov_)) { rc = -2; goto done; }
     /* float copies of the cached rows: [B, n, kl + rp] (latent ‖ key) */
-    for (int64_t b = 0; b < B; b++) {
+    for (int64_t b = 0; b < B && copy; b++) {
         for (int64_t j = 0; j < n; j++) {
             float *dst = lf + (b * n + j) * (kl + rp);
             if (lat_bf16) {
@@ -1321,24 +1574,21 @@ int qp_mla_post(const qp_mla *m, int64_t B, const float *qcat, const void *lat, 
     {
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < B * nh; t++) {
-            const int64_t b = t / nh, ldl = kl + rp;
-            const float *q = qcat + t * (kl + rp), *lb = lf + b * n * ldl;
+            const int64_t b = t / nh;
+            const float *q = qcat + t * (kl + rp);
+            const float *lb = copy ? lf + b * n * (kl + rp) : (const float *)lat + b * lds_b;
+            const float *kb = copy ? lb + kl : (const float *)kr + b * krs_b;
+            const int64_t ldl = copy ? kl + rp : ld_lat, ldk = copy ? kl + rp : ld_kr;
             float *s = sc + t * n, mx = -INFINITY, sum = 0.f;
             for (int64_t j = 0; j < n; j++) {
-                const float *lj = lb + j * ldl;
-                float a = 0.f, c = 0.f;
-                for (int64_t i = 0; i < kl; i++) a += q[i] * lj[i];
-                for (int64_t i = 0; i < rp; i++) c += q[kl + i] * lj[kl + i];
+                const float a = dot_f32(q, lb + j * ldl, kl), c = dot_f32(q + kl, kb + j * ldk, rp);
                 s[j] = a * m->scale + c * m->scale;
                 mx = s[j] > mx ? s[j] : mx;
             }
             for (int64_t j = 0; j < n; j++) { s[j] = expf(s[j] - mx); sum += s[j]; }
             float inv = 1.f / sum, *o = ol + t * kl;
             for (int64_t i = 0; i < kl; i++) o[i] = 0.f;
-            for (int64_t j = 0; j < n; j++) {
-                const float p = s[j] * inv, *lj = lb + j * ldl;
-                for (int64_t i = 0; i < kl; i++) o[i] += p * lj[i];
-            }
+            for (int64_t j = 0; j < n; j++) axpy_f32(s[j] * inv, lb + j * ldl, o, kl);
         }
         if (!m->kv_dense) {
             #pragma omp single
@@ -1377,3 +1627,33 @@ done:
     free(lf); free(sc);
     return rc;
 }
+
+/* One whole decode step for B sequences at position pos: qp_mla_pre, the token's latent and key
+ * written into each sequence's cache row pos (float32, or bfloat16 rounded to nearest even, as
+ * torch's conversion), then qp_mla_post over the pos + 1 cached tokens. */
+int qp_mla_step(const qp_mla *m, int64_t B, const float *x, const float *rot, void *lat, int64_t ld_lat, int64_t lds_b,
+                void *kr, int64_t ld_kr, int64_t krs_b, int64_t pos, int lat_bf16, float *out, int wround) {
+    if (!mla_ok(m) || B <= 0 || pos < 0) return -1;
+    const int64_t kl = m->kv_lora, rp = m->rope, gw = m->g ? m->nh * m->v : 0;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(B * (m->nh * (kl + rp) + kl + rp + gw) + 1));
+    if (!buf) return -2;
+    float *qcat = buf, *kvrow = qcat + B * m->nh * (kl + rp), *gate = kvrow + B * (kl + rp);
+    int rc = qp_mla_pre(m, B, x, rot, qcat, kvrow, m->g ? gate : NULL, wround);
+    if (rc == 0) {
+        for (int64_t b = 0; b < B; b++) {
+            const float *row = kvrow + b * (kl + rp);
+            if (lat_bf16) {
+                uint16_t *l = (uint16_t *)lat + b * lds_b + pos * ld_lat, *k = (uint16_t *)kr + b * krs_b + pos * ld_kr;
+                for (int64_t i = 0; i < kl; i++) l[i] = (uint16_t)(f32_bits(round_bf16(row[i])) >> 16);
+                for (int64_t i = 0; i < rp; i++) k[i] = (uint16_t)(f32_bits(round_bf16(row[kl + i])) >> 16);
+            } else {
+                memcpy((float *)lat + b * lds_b + pos * ld_lat, row, sizeof(float) * (size_t)kl);
+                memcpy((float *)kr + b * krs_b + pos * ld_kr, row + kl, sizeof(float) * (size_t)rp);
+            }
+        }
+        rc = qp_mla_post(m, B, qcat, lat, ld_lat, lds_b, kr, ld_kr, krs_b, pos + 1, lat_bf16, m->g ? gate : NULL, out, wround);
+    }
+    free(buf);
+    return rc;
+}
+
