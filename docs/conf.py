@@ -133,7 +133,8 @@ def _fix_docstring(app: Any, what: str, name: str, obj: Any, options: Any, lines
 
 
 def _check_api_reference(app: Any, env: Any) -> None:
-    """Every name quantplug.api exports is documented (the reference is the public API, all of it)."""
+    """Every name quantplug.api exports, and every hook of the contract, is documented (the
+    reference is the public API, all of it)."""
     from sphinx.util import logging
 
     documented = env.get_domain("py").objects
@@ -141,6 +142,11 @@ def _check_api_reference(app: Any, env: Any) -> None:
     if missing:
         logging.getLogger(__name__).warning(
             "quantplug.api exports names docs/reference/api.md does not document: %s", ", ".join(missing))
+    hooks = importlib.import_module("quantplug.api").HOOKS
+    missing = sorted(h for h in hooks if f"quantplug.hookspecs.{h}" not in documented)
+    if missing:
+        logging.getLogger(__name__).warning(
+            "hooks of the contract docs/reference/hooks.md does not document: %s", ", ".join(missing))
 
 
 def setup(app: Any) -> None:
