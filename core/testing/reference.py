@@ -39,7 +39,7 @@ def hf_logits(cfg: Mapping[str, Any], state: Mapping[str, torch.Tensor], ids: to
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| (0 when both are zero)."""
+    """``max |a - b| / max |b|`` (0 when both are zero)."""
     denom = float(b.abs().max()) if b.numel() else 0.0
     diff = float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
     return diff / denom if denom else diff
