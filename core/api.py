@@ -26,8 +26,14 @@ Groups:
 * exporting: :func:`dense_state` (a loaded model back to dense tensors, hub layout),
   :func:`named_linears`, :func:`convert_expert_layout`, :func:`plan_of`;
 * adding an architecture (``quantplug_architectures``): :class:`ArchSpec`, :class:`PlanOracle`
-  and the planned layers a model is built from (:class:`QuantLinear`, :class:`StackedLinear`,
-  :class:`Embedding`, :class:`RMSNorm`, :class:`FloatParams`, :class:`Rotary`);
+  and the planned layers a model is built from (:class:`QuantLinear`, :class:`StackedLinear` with
+  its :class:`StackLayout`, :class:`Embedding`, :class:`RMSNorm`, :class:`FloatParams`,
+  :class:`Rotary`); what the architecture declares for the core to read (1.5): its
+  tensor-parallel plan ``qp_tp_plan`` (:class:`ColumnParallel`, :class:`RowParallel`,
+  :class:`FeatureParallel`, :class:`HeadParallel`, :class:`ExpertParallel`,
+  :class:`VocabParallel`, with the module interfaces :class:`HeadGroup`, :class:`ExpertGroup`,
+  :class:`TiedModule`) and its dense-state mapping ``qp_dense_state`` (:class:`Unstack`,
+  :class:`FoldHeads`);
 * errors: :class:`QuantplugError` and its subclasses.
 """
 
@@ -56,15 +62,20 @@ from .exclusions import ALIASES, Exclusions, modules_of
 from .hookspecs import BACKEND_HOOKS, CONTRACT_VERSION, GLOBAL_HOOKS, hookimpl
 from .kernels import ggml, native
 from .kernels.forms import ActQuant, Form, Weights
+from .layers.embedding import Embedding
 from .layers.linear import (
     FLOATS,
     DenseScheme,
     FloatParams,
+    FusedLayout,
     LinearScheme,
+    PerIndexLayout,
     QuantLinear,
     RefusedScheme,
     SplitRule,
+    StackedLayout,
     StackedLinear,
+    StackLayout,
     fuse_attention,
     fuse_int4_packs,
     fuse_mlp,
@@ -74,7 +85,24 @@ from .layers.norm import RMSNorm
 from .layers.rope import Rotary
 from .memory import read_into
 from .models.config import ModelConfig, RopeConfig
-from .models.deepseek import MLA, Embedding, Experts, PlanOracle
+from .models.declarations import (
+    ColumnParallel,
+    DeclarationError,
+    ExpertGroup,
+    ExpertParallel,
+    FeatureParallel,
+    FoldHeads,
+    HeadGroup,
+    HeadParallel,
+    HeadPart,
+    RowParallel,
+    TiedModule,
+    Unstack,
+    VocabParallel,
+    ckpt_name,
+    declared,
+)
+from .models.deepseek import PlanOracle
 from .models.registry import ArchSpec
 from .plan import LoadPlan
 from .types import (
@@ -123,37 +151,29 @@ def dense_state(model: nn.Module, dtype: torch.dtype = torch.float32) -> dict[st
     """The loaded model's weights as dense tensors, in the Hugging Face hub layout.
 
     Names are the checkpoint's text-model names (Kimi wrappers keep ``language_model.``;
-    GGUF checkpoints come back under Hugging Face names), routed experts one tensor per
-    expert and projection (``...experts.{k}.gate_proj.weight``), split MLA ``k_b`` / ``v_b``
-    folded back into ``kv_b_proj``. Every quantized weight goes through its scheme's
+    GGUF checkpoints come back under Hugging Face names). Stacked layers follow the
+    architecture's ``qp_dense_state`` declaration (:mod:`quantplug.models.declarations`): for
+    DeepSeek-V3, routed experts one tensor per expert and projection
+    (``...experts.{k}.gate_proj.weight``, :class:`Unstack`), split MLA ``k_b`` / ``v_b`` folded
+    back into ``kv_b_proj`` (:class:`FoldHeads`). Every quantized weight goes through its scheme's
     ``dequantize``; exporters quantize these tensors into their own format.
     """
+    rules = {id(mod): (name, mod, rule) for name, mod, rule in declared(model, "qp_dense_state", (Unstack, FoldHeads))}
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for mod in model.modules():
         if id(mod) in seen:
             continue
-        if isinstance(mod, Experts):
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                lin: StackedLinear = getattr(mod, proj)
-                seen.add(id(lin))
-                base = lin.qp_ckpt.rsplit(".", 1)[0]
-                for k in range(lin.n):
-                    w = lin.scheme.dequantize(lin, k)
-                    out[f"{base}.{k}.{proj}.weight"] = w.detach().to(dtype).contiguous()
-        elif isinstance(mod, MLA) and mod.layout.kind == "split_kv":
-            seen.update((id(mod.k_b), id(mod.v_b)))
-            base = mod.o_proj.qp_ckpt.rsplit(".", 1)[0]
-            heads: list[torch.Tensor] = []
-            for h in range(mod.k_b.n):
-                wk = mod.k_b.scheme.dequantize(mod.k_b, h).to(dtype).t()  # [nope, kv_lora]
-                wv = mod.v_b.scheme.dequantize(mod.v_b, h).to(dtype)      # [v, kv_lora]
-                heads += [wk, wv]
-            out[f"{base}.kv_b_proj.weight"] = torch.cat(heads).contiguous()
+        if id(mod) in rules:
+            name, _, rule = rules[id(mod)]
+            for stack in _stacks(mod, rule, name):
+                seen.add(id(stack))
+            _dense_declared(out, name, mod, rule, dtype)
         elif isinstance(mod, QuantLinear | Embedding):
             out[f"{mod.qp_ckpt}.weight"] = mod.scheme.dequantize(mod).detach().to(dtype).contiguous()
         elif isinstance(mod, StackedLinear):
-            raise QuantplugError(f"dense_state: stacked linear {mod.qp_ckpt} is neither routed experts nor MLA K/V")
+            raise QuantplugError(f"dense_state: stacked linear {mod.qp_ckpt} is named by no qp_dense_state entry of "
+                                 "its architecture (Unstack / FoldHeads)")
         elif isinstance(mod, FloatParams):
             for local, sources in mod.qp_sources.items():
                 t = getattr(mod, local, None)
@@ -161,6 +181,37 @@ def dense_state(model: nn.Module, dtype: torch.dtype = torch.float32) -> dict[st
                     continue
                 out[sources[0].tensor] = t.detach().to(dtype).contiguous()
     return out
+
+
+def _stacks(mod: nn.Module, rule: Unstack | FoldHeads, name: str) -> list[StackedLinear]:
+    children = dict(mod.named_children())
+    members = rule.stacks if isinstance(rule, Unstack) else tuple(p.member for p in rule.parts)
+    out = []
+    for m in members:
+        child = children.get(m)
+        if not isinstance(child, StackedLinear):
+            raise DeclarationError(f"qp_dense_state: {name}.{m} is {type(child).__name__}, expected a StackedLinear")
+        out.append(child)
+    return out
+
+
+def _dense_declared(out: dict[str, torch.Tensor], name: str, mod: nn.Module, rule: Unstack | FoldHeads,
+                    dtype: torch.dtype) -> None:
+    stacks = _stacks(mod, rule, name)
+    if isinstance(rule, Unstack):
+        for lin in stacks:
+            base, proj = lin.qp_ckpt.rsplit(".", 1)
+            for k in range(lin.n):
+                out[f"{base}.{k}.{proj}.weight"] = lin.scheme.dequantize(lin, k).detach().to(dtype).contiguous()
+        return
+    if len({s.n for s in stacks}) != 1:
+        raise DeclarationError(f"qp_dense_state: {name}: FoldHeads parts hold {[s.n for s in stacks]} heads")
+    heads: list[torch.Tensor] = []
+    for h in range(stacks[0].n):
+        for stack, part in zip(stacks, rule.parts):
+            w = stack.scheme.dequantize(stack, h).detach().to(dtype)
+            heads.append(w.t() if part.transpose else w)
+    out[f"{ckpt_name(mod, name)}.{rule.into}.weight"] = torch.cat(heads).contiguous()
 
 
 def named_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -264,6 +315,10 @@ __all__ = [
     "convert_expert_layout", "dense_state", "named_linears", "option", "plan_of", "unsplit_features",
     # adding an architecture
     "ArchSpec", "Embedding", "FloatParams", "PlanOracle", "QuantLinear", "RMSNorm", "Rotary", "StackedLinear",
+    "FusedLayout", "PerIndexLayout", "StackLayout", "StackedLayout",
+    # ... and declaring its tensor-parallel plan (qp_tp_plan) and dense-state mapping (qp_dense_state)
+    "ColumnParallel", "DeclarationError", "ExpertGroup", "ExpertParallel", "FeatureParallel", "FoldHeads", "HeadGroup",
+    "HeadParallel", "HeadPart", "RowParallel", "TiedModule", "Unstack", "VocabParallel",
     # errors
     "AmbiguousBackendError", "CheckpointError", "ConfigError", "LoadError", "NoBackendError", "PlanError",
     "PluginLoadError", "QuantplugError", "UnknownArchitectureError",

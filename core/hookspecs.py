@@ -68,7 +68,15 @@ PROJECT = "quantplug"
 #:   the core's own (``kernels``, ``strict_split``, ``mmap``, ``expert_cache_mb``,
 #:   ``tp_timeout_s``); ``quantplug.api.Fields`` (typed config readers with key paths) and
 #:   ``quantplug.api.quant_config_fields``.
-CONTRACT_VERSION = "1.4"
+#: * 1.5: an architecture declares what the core reads of it: its tensor-parallel plan
+#:   (``qp_tp_plan``: module pattern -> ``ColumnParallel`` / ``RowParallel`` /
+#:   ``FeatureParallel`` / ``HeadParallel`` / ``ExpertParallel`` / ``VocabParallel``, with the
+#:   module interfaces ``HeadGroup`` / ``ExpertGroup`` / ``TiedModule``) and its dense-state
+#:   mapping (``qp_dense_state``: ``Unstack`` / ``FoldHeads``), so an architecture added through
+#:   ``quantplug_architectures`` loads tensor-parallel and exports with no core change;
+#:   ``StackedLinear`` layouts as ``FusedLayout`` / ``PerIndexLayout`` / ``StackedLayout`` (the
+#:   tagged tuples are deprecated).
+CONTRACT_VERSION = "1.5"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
@@ -135,7 +143,13 @@ def quantplug_architectures() -> Mapping[str, ArchSpec] | None:
     (DeepSeek-V3-style keys); an architecture with other keys reads them from
     ``model_config.raw``.
 
+    The model class declares, for the core to read, how it splits over tensor-parallel ranks
+    (class attribute ``qp_tp_plan``) and how its stacked layers go back to dense tensors
+    (``qp_dense_state``); see :mod:`quantplug.models.declarations`. Without ``qp_tp_plan`` it
+    loads under tensor parallelism with every module replicated.
+
     .. versionadded:: 1.1
+    .. versionchanged:: 1.5 ``qp_tp_plan`` / ``qp_dense_state`` declarations.
 
     Example::
 

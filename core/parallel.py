@@ -2,25 +2,29 @@
 
 Under an initialized default process group of world size N > 1 (or ``load(..., group=g)``),
 the plan is rewritten for this rank (:func:`shard_plan`): every parameter's sources become the
-byte ranges of the rank's slice, and the model's modules get their collectives. The split is
-the one serving engines use:
+byte ranges of the rank's slice, and the model's modules get their collectives. What splits how
+is the architecture's declaration (``qp_tp_plan``, :mod:`quantplug.models.declarations`), read
+here with no knowledge of any model class; DeepSeek-V3 / Kimi declare the split serving engines
+use:
 
-* MLA: heads over ranks. ``q_b_proj`` (or ``q_proj``), ``kv_b_proj``, the Kimi-K3 ``g_proj`` and
-  the split ``k_b`` / ``v_b`` stacks hold this rank's heads; ``o_proj`` is row-parallel with an
-  all-reduce; ``q_a_proj``, ``kv_a_proj_with_mqa`` and the norms are replicated. (vLLM
-  ``models/deepseek_v2.py`` DeepseekV2MLAAttention: ColumnParallelLinear q_b_proj / kv_b_proj,
-  RowParallelLinear o_proj, ReplicatedLinear q_a_proj / kv_a_proj_with_mqa,
-  ``num_local_heads = num_heads // tp_size``; DeepSeek-V3 ``inference/model.py`` MLA:
-  ``n_local_heads = n_heads // world_size``, wq / wkv_b column-, wo row-parallel.)
-* Dense MLP and shared experts: gate / up by output rows, down by input columns + all-reduce
-  (vLLM DeepseekV2MLP MergedColumnParallelLinear + RowParallelLinear; DeepSeek MLP w1 / w3
-  column-, w2 row-parallel).
-* Routed experts, expert-parallel: rank r computes a contiguous block of experts, the router is
-  replicated, the routed output is all-reduced once (DeepSeek ``inference/model.py`` MoE:
+* MLA (``HeadParallel``): heads over ranks. ``q_b_proj`` (or ``q_proj``), ``kv_b_proj``, the
+  Kimi-K3 ``g_proj`` and the split ``k_b`` / ``v_b`` stacks hold this rank's heads; ``o_proj`` is
+  row-parallel with an all-reduce; ``q_a_proj``, ``kv_a_proj_with_mqa`` and the norms are
+  replicated. (vLLM ``models/deepseek_v2.py`` DeepseekV2MLAAttention: ColumnParallelLinear
+  q_b_proj / kv_b_proj, RowParallelLinear o_proj, ReplicatedLinear q_a_proj /
+  kv_a_proj_with_mqa, ``num_local_heads = num_heads // tp_size``; DeepSeek-V3
+  ``inference/model.py`` MLA: ``n_local_heads = n_heads // world_size``, wq / wkv_b column-, wo
+  row-parallel.)
+* Dense MLP and shared experts (``FeatureParallel``): gate / up by output rows, down by input
+  columns + all-reduce (vLLM DeepseekV2MLP MergedColumnParallelLinear + RowParallelLinear;
+  DeepSeek MLP w1 / w3 column-, w2 row-parallel).
+* Routed experts (``ExpertParallel``): rank r computes a contiguous block of experts, the router
+  is replicated, the routed output is all-reduced once (DeepSeek ``inference/model.py`` MoE:
   ``experts_start_idx = rank * n_local_experts``, gate replicated, ``dist.all_reduce(y)``).
-* Embedding vocab-parallel: masked lookup + all-reduce (DeepSeek ParallelEmbedding, vLLM
-  VocabParallelEmbedding); ``lm_head`` by vocab rows + one all-gather of the logits (DeepSeek
-  ``Transformer.forward``: ``dist.all_gather(all_logits, logits)``).
+* Embedding (``VocabParallel``): masked lookup + all-reduce (DeepSeek ParallelEmbedding, vLLM
+  VocabParallelEmbedding); ``lm_head`` (``ColumnParallel(gather=True)``) by vocab rows + one
+  all-gather of the logits (DeepSeek ``Transformer.forward``: ``dist.all_gather(all_logits,
+  logits)``).
 
 How a quantized tensor follows a split is the scheme's answer (``LinearScheme.split``); a
 split the scheme does not declare, or one that would cut a block or group, replicates that
@@ -56,14 +60,30 @@ from torch import nn
 from .checkpoint import TORCH_DTYPES, storage_shape
 from .checkpoint.gguf_index import GGUF_FLOATS
 from .errors import LoadError, ParallelError, QuantplugError
+from .layers.embedding import Embedding
 from .layers.linear import LinearScheme, PlannedModule, QuantLinear, Source, SplitRule, StackedLinear
 from .memory import read_into
+from .models.declarations import (
+    ColumnParallel,
+    DeclarationError,
+    ExpertGroup,
+    ExpertParallel,
+    FeatureParallel,
+    HeadGroup,
+    HeadParallel,
+    RowParallel,
+    TiedModule,
+    VocabParallel,
+    ckpt_name,
+    declared,
+)
 from .types import CORE, Decision, Problem, TensorInfo
 
 if TYPE_CHECKING:
     from .plan import LoadPlan, ParamPlan
 
 HOOK = "tensor_parallel"
+TP_STYLES = (ColumnParallel, RowParallel, FeatureParallel, HeadParallel, ExpertParallel, VocabParallel)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -416,7 +436,30 @@ def source_bytes(src: Source, info: TensorInfo) -> int:
     return item * math.prod(shape)
 
 
+@dataclass(frozen=True)
+class Split:
+    """A split that works: each parameter's rewrite (by ``id`` of its :class:`ParamPlan`) and the
+    (module, parameter) terms only rank 0 keeps (``SplitRule.once``)."""
+
+    rewrites: dict[int, Rewrite]
+    once: tuple[tuple[nn.Module, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Unsplit:
+    """Why a module cannot split: it is replicated, with this reason."""
+
+    reason: str
+
+
+#: what planning one module's split returns
+SplitResult = Split | Unsplit
+
+
 class _Sharder:
+    """Applies the architecture's declared plan (``qp_tp_plan``, :mod:`quantplug.models.declarations`)
+    to one rank: rewrites the parameters' sources, sets the modules' collectives, records why."""
+
     def __init__(self, plan: LoadPlan, world: int, rank: int, comm: Comm | None) -> None:
         self.plan, self.world, self.rank = plan, world, rank
         self.comm = comm if comm is not None else Comm(world, rank)
@@ -427,7 +470,8 @@ class _Sharder:
         self.rewrites: dict[int, Rewrite] = {}
         self.pp_by_id: dict[int, ParamPlan] = {id(pp): pp for pp in plan.params}
         self.out = ParallelPlan(world, rank)
-        self.pending_once: list[tuple[nn.Module, str]] = []
+        #: id(embedding) -> its vocabulary blocks, for the heads tied to it
+        self.vocab_ranges: dict[int, list[tuple[int, int]]] = {}
 
     # -- recording ------------------------------------------------------------------------------
 
@@ -444,37 +488,38 @@ class _Sharder:
     # -- linears --------------------------------------------------------------------------------
 
     def try_linear(self, mod: PlannedModule, scheme: Any, direction: str, out_f: int, in_f: int,
-                   ranges: Sequence[tuple[int, int]]) -> dict[int, Rewrite] | str:
-        """Rewrites of ``mod``'s parameters for a split of ``direction`` into ``ranges`` (features
-        per rank), or why it cannot split."""
+                   ranges: Sequence[tuple[int, int]]) -> SplitResult:
+        """The rewrites of ``mod``'s parameters for a split of ``direction`` into ``ranges``
+        (features per rank), or why it cannot split."""
         rules = scheme.split(direction, out_f, in_f)
         if rules is None:
-            return f"scheme {scheme.name} declares no split rule"
+            return Unsplit(f"scheme {scheme.name} declares no split rule")
         if isinstance(rules, str):
-            return rules
+            return Unsplit(rules)
         full = out_f if direction == "out" else in_f
         rewrites: dict[int, Rewrite] = {}
         once: list[tuple[nn.Module, str]] = []
         for pp in self.params.get(id(mod), []):
             rule: SplitRule | None = rules.get(pp.local)
             if rule is None:
-                return f"scheme {scheme.name} declares no split rule for {pp.local}"
+                return Unsplit(f"scheme {scheme.name} declares no split rule for {pp.local}")
             if rule.axis is None:
                 if rule.once and direction == "in":
                     once.append((mod, pp.local))
                 continue
             if len(pp.sources) != 1 or pp.sources[0][0].slot is not None:
-                return f"{pp.local} is fed by {len(pp.sources)} tensors; only a single stored tensor splits"
+                return Unsplit(f"{pp.local} is fed by {len(pp.sources)} tensors; only a single stored tensor splits")
             src, info = pp.sources[0]
             shape = _eff_shape(src, info)
             axis, f, u = rule.axis, rule.features, rule.units
             if axis >= len(shape) or shape[axis] * f != full * u:
-                return (f"{pp.local}: stored axis {axis} of {info.label} has {shape[axis] if axis < len(shape) else '-'}"
-                        f" entries, the split rule expects {full} / {f} * {u}")
+                return Unsplit(f"{pp.local}: stored axis {axis} of {info.label} has "
+                               f"{shape[axis] if axis < len(shape) else '-'} entries, the split rule expects "
+                               f"{full} / {f} * {u}")
             for start, length in ranges:
                 if start % f or length % f:
-                    return (f"{pp.local}: this rank's slice [{start}, {start + length}) of {full} {direction} features "
-                            f"would cut its {f}-feature blocks / groups")
+                    return Unsplit(f"{pp.local}: this rank's slice [{start}, {start + length}) of {full} {direction} "
+                                   f"features would cut its {f}-feature blocks / groups")
 
             def rw(r: int, src: Source = src, info: TensorInfo = info, pp: ParamPlan = pp,
                    axis: int = axis, f: int = f, u: int = u) -> tuple[list[tuple[Source, TensorInfo]], tuple[int, ...]]:
@@ -483,34 +528,34 @@ class _Sharder:
                 return s, _param_shape(pp, s)
 
             rewrites[id(pp)] = rw
-        self.pending_once = once
-        return rewrites
+        return Split(rewrites, tuple(once))
 
     def linear(self, mod: QuantLinear, direction: str, ranges: Sequence[tuple[int, int]],
-               gather: bool = False, res: dict[int, Rewrite] | str | None = None) -> bool:
-        """Split ``mod`` or replicate it (recorded); sets its forward. True when split."""
+               gather: bool = False, res: SplitResult | None = None) -> bool:
+        """Split ``mod`` (``res``: as already planned) or replicate it (recorded); sets its
+        forward. True when split."""
         if res is None:
             res = self.try_linear(mod, mod.scheme, direction, mod.out_features, mod.in_features, ranges)
         sizes = [n for _, n in ranges]
         start, length = ranges[self.rank]
-        sharded = not isinstance(res, str)
-        if isinstance(res, str):
-            self.replicated(mod.qp_ckpt, res)
+        if isinstance(res, Unsplit):
+            self.replicated(mod.qp_ckpt, res.reason)
         else:
-            self.rewrites.update(res)
-            self.out.zero_off_rank0 += self.pending_once
+            self.rewrites.update(res.rewrites)
+            self.out.zero_off_rank0 += res.once
             self.decide(mod.qp_ckpt, f"{'column' if direction == 'out' else 'row'}-parallel",
                         f"{direction} features split {sizes}")
             if direction == "out":
                 mod.out_features = length
             else:
                 mod.in_features = length
+        sharded = isinstance(res, Split)
         mod.qp_parallel = (Column(self.comm, start, length, sizes, sharded, gather) if direction == "out"
                            else Row(self.comm, sizes, sharded))
         return sharded
 
-    def stacked(self, mod: StackedLinear, ranges: Sequence[tuple[int, int]]) -> dict[int, Rewrite] | str:
-        """Rewrites splitting a stacked module's slots (experts, heads) into ``ranges``."""
+    def stacked(self, mod: StackedLinear, ranges: Sequence[tuple[int, int]]) -> SplitResult:
+        """The rewrites splitting a stacked module's slots (experts, heads) into ``ranges``."""
         rewrites: dict[int, Rewrite] = {}
         for pp in self.params.get(id(mod), []):
             src0, info0 = pp.sources[0]
@@ -523,10 +568,10 @@ class _Sharder:
                 rewrites[id(pp)] = rw_slots
                 continue
             if len(pp.sources) != 1:
-                return f"{pp.local} is fed by {len(pp.sources)} tensors"
+                return Unsplit(f"{pp.local} is fed by {len(pp.sources)} tensors")
             shape = _eff_shape(src0, info0)
             if not shape or shape[0] != mod.n:
-                return f"{pp.local}: {info0.label} has no leading axis of {mod.n} slots"
+                return Unsplit(f"{pp.local}: {info0.label} has no leading axis of {mod.n} slots")
 
             def rw(r: int, pp: ParamPlan = pp, src: Source = src0,
                    info: TensorInfo = info0) -> tuple[list[tuple[Source, TensorInfo]], tuple[int, ...]]:
@@ -534,138 +579,184 @@ class _Sharder:
                 s = [(_with_slice(src, 0, start, length), info)]
                 return s, _param_shape(pp, s)
             rewrites[id(pp)] = rw
-        return rewrites
+        return Split(rewrites)
 
-    # -- model parts ----------------------------------------------------------------------------
+    # -- the declared roles ---------------------------------------------------------------------
 
     def even(self, n: int) -> list[tuple[int, int]]:
         return [(r * (n // self.world), n // self.world) for r in range(self.world)]
 
-    def attention(self, attn: Any) -> None:
-        cfg = attn.cfg
-        nh = cfg.num_attention_heads
-        name = attn.o_proj.qp_ckpt.rsplit(".", 1)[0]
-        if nh % self.world:
-            self.replicated(name, f"{nh} attention heads do not divide over {self.world} ranks: "
-                                  "attention is replicated in this layer")
-            return
-        hl = nh // self.world
-        heads = self.even(nh)
-        # (module, direction, per-head features): every one must split, or the whole layer's
-        # attention is replicated (the decode path and the K/V stacks see one head count)
-        parts: list[tuple[QuantLinear, str, int]] = [
-            (attn.q_proj if attn.q_lora is None else attn.q_b_proj, "out", cfg.qk_head_dim)]
-        if attn.layout.kind == "dense":
-            parts.append((attn.kv_b_proj, "out", cfg.qk_nope_head_dim + cfg.v_head_dim))
-        if cfg.mla_use_output_gate:
-            parts.append((attn.g_proj, "out", cfg.v_head_dim))
-        parts.append((attn.o_proj, "in", cfg.v_head_dim))
-        planned = []
-        once: list[tuple[nn.Module, str]] = []
-        for lin, direction, per in parts:
-            ranges = [(s * per, n * per) for s, n in heads]
-            res = self.try_linear(lin, lin.scheme, direction, lin.out_features, lin.in_features, ranges)
-            if isinstance(res, str):
-                self.replicated(name, f"{lin.qp_ckpt.rsplit('.', 1)[-1]}: {res}; attention is replicated in this layer")
-                return
-            once += self.pending_once
-            planned.append((lin, direction, ranges, res))
-        stacks = []
-        if attn.layout.kind == "split_kv":
-            for stack in (attn.k_b, attn.v_b):
-                sres = self.stacked(stack, heads)
-                if isinstance(sres, str):
-                    self.replicated(name, f"{stack.qp_ckpt}: {sres}; attention is replicated in this layer")
-                    return
-                stacks.append((stack, sres))
-        for lin, direction, ranges, res in planned:
-            self.pending_once = [(m, n) for m, n in once if m is lin]
-            self.linear(lin, direction, ranges, res=res)
-        for stack, sres in stacks:
-            self.rewrites.update(sres)
-            stack.n = hl
-            self.decide(stack.qp_ckpt, "head-parallel", f"heads split {[n for _, n in heads]}")
-        attn.num_heads = hl
+    def blocks(self, n: int) -> list[tuple[int, int]]:
+        return [block(n, self.world, r) for r in range(self.world)]
 
-    def mlp(self, mlp: Any) -> None:
-        inter = mlp.gate_proj.out_features
-        name = mlp.down_proj.qp_ckpt.rsplit(".", 1)[0]
+    @staticmethod
+    def members(mod: nn.Module, names: Sequence[str], where: str, kind: type[PlannedModule]) -> list[Any]:
+        """The members ``names`` that ``mod`` holds (absent ones skipped), each a ``kind``."""
+        children = dict(mod.named_children())
+        out = []
+        for n in names:
+            child = children.get(n)
+            if child is None:
+                continue
+            if not isinstance(child, kind):
+                raise DeclarationError(f"tensor-parallel plan: {where}.{n} is {type(child).__name__}, "
+                                       f"expected a {kind.__name__}")
+            out.append(child)
+        return out
+
+    def heads(self, name: str, mod: nn.Module, entry: HeadParallel) -> None:
+        """:class:`HeadParallel`: all or nothing over the layer's head group."""
+        if not isinstance(mod, HeadGroup):
+            raise DeclarationError(f"tensor-parallel plan: {name} ({type(mod).__name__}) is split by HeadParallel "
+                                   "but does not implement qp_heads / qp_hold_heads")
+        target = ckpt_name(mod, name)
+        nh = mod.qp_heads()
+        if nh % self.world:
+            self.replicated(target, f"{nh} attention heads do not divide over {self.world} ranks: "
+                                    "attention is replicated in this layer")
+            return
+        heads = self.even(nh)
+        planned: list[tuple[QuantLinear, str, list[tuple[int, int]], Split]] = []
+        for names, direction in ((entry.column, "out"), (entry.row, "in")):
+            for lin in self.members(mod, names, name, QuantLinear):
+                width = lin.out_features if direction == "out" else lin.in_features
+                if width % nh:
+                    raise DeclarationError(f"tensor-parallel plan: {lin.qp_ckpt} has {width} {direction} features, "
+                                           f"not a multiple of {nh} heads")
+                per = width // nh
+                ranges = [(s * per, n * per) for s, n in heads]
+                res = self.try_linear(lin, lin.scheme, direction, lin.out_features, lin.in_features, ranges)
+                if isinstance(res, Unsplit):
+                    self.replicated(target, f"{lin.qp_ckpt.rsplit('.', 1)[-1]}: {res.reason}; "
+                                            "attention is replicated in this layer")
+                    return
+                planned.append((lin, direction, ranges, res))
+        stacks: list[tuple[StackedLinear, Split]] = []
+        for stack in self.members(mod, entry.stacks, name, StackedLinear):
+            if stack.n != nh:
+                raise DeclarationError(f"tensor-parallel plan: {stack.qp_ckpt} stacks {stack.n} slots for {nh} heads")
+            sres = self.stacked(stack, heads)
+            if isinstance(sres, Unsplit):
+                self.replicated(target, f"{stack.qp_ckpt}: {sres.reason}; attention is replicated in this layer")
+                return
+            stacks.append((stack, sres))
+        for lin, direction, ranges, res in planned:
+            self.linear(lin, direction, ranges, res=res)
+        start, count = heads[self.rank]
+        for stack, sres in stacks:
+            self.rewrites.update(sres.rewrites)
+            stack.qp_hold_slots(count)
+            self.decide(stack.qp_ckpt, "head-parallel", f"heads split {[n for _, n in heads]}")
+        mod.qp_hold_heads(start, count)
+
+    def features(self, name: str, mod: nn.Module, entry: FeatureParallel) -> None:
+        """:class:`FeatureParallel`: columns by output, rows by input, around one inner width."""
+        target = ckpt_name(mod, name)
+        cols = self.members(mod, entry.column, name, QuantLinear)
+        rows = self.members(mod, entry.row, name, QuantLinear)
+        inter = cols[0].out_features
+        if any(c.out_features != inter for c in cols) or any(r.in_features != inter for r in rows):
+            raise DeclarationError(f"tensor-parallel plan: {name}: the column outputs "
+                                   f"{[c.out_features for c in cols]} and row inputs {[r.in_features for r in rows]} "
+                                   "are not one inner width")
         if inter % self.world:
-            self.replicated(name, f"intermediate size {inter} does not divide over {self.world} ranks")
+            self.replicated(target, f"intermediate size {inter} does not divide over {self.world} ranks")
             return
         ranges = self.even(inter)
         probe = [(lin, d, self.try_linear(lin, lin.scheme, d, lin.out_features, lin.in_features, ranges))
-                 for lin, d in ((mlp.gate_proj, "out"), (mlp.up_proj, "out"), (mlp.down_proj, "in"))]
-        if all(isinstance(res, str) for _, _, res in probe):
-            # nothing splits: the whole MLP stays whole here, with no collective at all
-            self.replicated(name, "; ".join(f"{lin.qp_ckpt.rsplit('.', 1)[-1]}: {res}" for lin, _, res in probe))
+                 for lins, d in ((cols, "out"), (rows, "in")) for lin in lins]
+        unsplit = [(lin, res) for lin, _, res in probe if isinstance(res, Unsplit)]
+        if len(unsplit) == len(probe):
+            # nothing splits: the whole group stays whole here, with no collective at all
+            self.replicated(target, "; ".join(f"{lin.qp_ckpt.rsplit('.', 1)[-1]}: {res.reason}" for lin, res in unsplit))
             return
-        for lin, d, _ in probe:  # probed again: each call leaves its own pending once-terms
-            self.linear(lin, d, ranges)
+        for lin, d, res in probe:
+            self.linear(lin, d, ranges, res=res)
 
-    def experts(self, ex: Any) -> None:
-        ranges = [block(ex.n, self.world, r) for r in range(self.world)]
-        name = ex.gate_proj.qp_ckpt.rsplit(".", 1)[0]
-        if ex.n < self.world:
-            self.replicated(name, f"{ex.n} routed experts are fewer than {self.world} ranks")
+    def experts(self, name: str, mod: nn.Module, entry: ExpertParallel) -> None:
+        """:class:`ExpertParallel`: contiguous blocks of experts, one all-reduce of the output."""
+        if not isinstance(mod, ExpertGroup):
+            raise DeclarationError(f"tensor-parallel plan: {name} ({type(mod).__name__}) is split by ExpertParallel "
+                                   "but does not implement qp_hold_experts")
+        target = ckpt_name(mod, name)
+        stacks = self.members(mod, entry.stacks, name, StackedLinear)
+        e = stacks[0].n
+        if any(s.n != e for s in stacks):
+            raise DeclarationError(f"tensor-parallel plan: {name}: its stacks hold {[s.n for s in stacks]} experts")
+        if e < self.world:
+            self.replicated(target, f"{e} routed experts are fewer than {self.world} ranks")
             return
+        ranges = self.blocks(e)
         rewrites: dict[int, Rewrite] = {}
         backed = []
-        for lin in (ex.gate_proj, ex.up_proj, ex.down_proj):
+        for lin in stacks:
             res = self.stacked(lin, ranges)
-            if isinstance(res, str):
-                self.replicated(name, f"routed experts cannot split by expert: {res}")
+            if isinstance(res, Unsplit):
+                self.replicated(target, f"routed experts cannot split by expert: {res.reason}")
                 return
-            rewrites.update(res)
+            rewrites.update(res.rewrites)
             backed.append(bool(self.params.get(id(lin))))
         if any(backed) and not all(backed):
-            self.replicated(name, "some expert projections are stored tensors and others are served by the scheme")
+            self.replicated(target, "some expert projections are stored tensors and others are served by the scheme")
             return
         self.rewrites.update(rewrites)
         first, count = ranges[self.rank]
-        ex.first, ex.count = first, count
-        if all(backed):
-            ex.slot_base = first
-            for lin in (ex.gate_proj, ex.up_proj, ex.down_proj):
-                lin.n = count
-        ex.qp_parallel = Reduce(self.comm)
-        self.decide(name, "expert-parallel", f"experts per rank {[n for _, n in ranges]} (contiguous blocks); "
-                                             "router replicated; one all-reduce")
+        if all(backed):  # the stacks hold this rank's slots only
+            for lin in stacks:
+                lin.qp_hold_slots(count)
+        mod.qp_hold_experts(first, count, first if all(backed) else 0, Reduce(self.comm))
+        self.decide(target, "expert-parallel", f"experts per rank {[n for _, n in ranges]} (contiguous blocks); "
+                                               "router replicated; one all-reduce")
 
-    def embedding(self, emb: Any, head: Any) -> None:
-        ranges = [block(emb.vocab, self.world, r) for r in range(self.world)]
+    def vocab(self, name: str, emb: nn.Module, entry: VocabParallel) -> None:
+        """:class:`VocabParallel`: the embedding's rows in blocks, masked lookup + all-reduce."""
+        if not isinstance(emb, Embedding):
+            raise DeclarationError(f"tensor-parallel plan: {name} ({type(emb).__name__}) is split by VocabParallel "
+                                   "but is not an Embedding")
+        ranges = self.blocks(emb.vocab)
         res = self.try_linear(emb, emb.scheme, "out", emb.vocab, emb.dim, ranges)
-        start, length = ranges[self.rank]
-        if isinstance(res, str):
-            self.replicated(emb.qp_ckpt, res)
+        if isinstance(res, Unsplit):
+            self.replicated(emb.qp_ckpt, res.reason)
             return
-        self.rewrites.update(res)
+        start, length = ranges[self.rank]
+        self.rewrites.update(res.rewrites)
         emb.qp_parallel = VocabEmbedding(self.comm, start, length)
+        self.vocab_ranges[id(emb)] = ranges
         self.decide(emb.qp_ckpt, "vocab-parallel", f"rows per rank {[n for _, n in ranges]}; masked lookup + all-reduce")
-        if head is not None:  # tied lm_head: the same rows, logits gathered
-            head.qp_parallel = Column(self.comm, start, length, [n for _, n in ranges], True, gather=True)
+
+    def single(self, name: str, mod: nn.Module, entry: ColumnParallel | RowParallel) -> None:
+        """:class:`ColumnParallel` / :class:`RowParallel` of one linear, in blocks."""
+        if isinstance(mod, TiedModule) and isinstance(entry, ColumnParallel):
+            ranges = self.vocab_ranges.get(id(mod.qp_tied_embedding()))
+            if ranges is not None:  # the tied embedding's rows; whole where the embedding is whole
+                start, length = ranges[self.rank]
+                mod.qp_parallel = Column(self.comm, start, length, [n for _, n in ranges], True, gather=entry.gather)
+            return
+        if not isinstance(mod, QuantLinear):
+            raise DeclarationError(f"tensor-parallel plan: {name} ({type(mod).__name__}) is split by "
+                                   f"{type(entry).__name__} but is not a QuantLinear")
+        if isinstance(entry, ColumnParallel):
+            self.linear(mod, "out", self.blocks(mod.out_features), gather=entry.gather)
+        else:
+            self.linear(mod, "in", self.blocks(mod.in_features))
 
     def run(self) -> ParallelPlan:
-        from .models.deepseek import MLA, MLP, DeepseekV3ForCausalLM, Embedding, Experts, TiedHead
-
-        model = self.plan.model
-        for mod in model.modules():
-            if isinstance(mod, MLA):
-                self.attention(mod)
-            elif isinstance(mod, MLP):
-                self.mlp(mod)
-            elif isinstance(mod, Experts):
-                self.experts(mod)
-        for mod in model.modules():
-            if isinstance(mod, DeepseekV3ForCausalLM):
-                tied = mod.lm_head if isinstance(mod.lm_head, TiedHead) else None
-                emb: Embedding = mod.model.embed_tokens
-                self.embedding(emb, tied)
-                if tied is None:
-                    head = mod.lm_head
-                    assert isinstance(head, QuantLinear)
-                    self.linear(head, "out", [block(head.out_features, self.world, r) for r in range(self.world)],
-                                gather=True)
+        tied: list[tuple[str, nn.Module, ColumnParallel]] = []
+        for name, mod, entry in declared(self.plan.model, "qp_tp_plan", TP_STYLES):
+            if isinstance(entry, HeadParallel):
+                self.heads(name, mod, entry)
+            elif isinstance(entry, FeatureParallel):
+                self.features(name, mod, entry)
+            elif isinstance(entry, ExpertParallel):
+                self.experts(name, mod, entry)
+            elif isinstance(entry, VocabParallel):
+                self.vocab(name, mod, entry)
+            elif isinstance(mod, TiedModule):
+                tied.append((name, mod, entry))  # after its embedding, wherever that is declared
+            else:
+                self.single(name, mod, entry)
+        for name, mod, entry in tied:
+            self.single(name, mod, entry)
         # bytes per rank, from headers alone
         totals = [0] * self.world
         for pp in self.plan.params:

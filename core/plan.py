@@ -312,16 +312,16 @@ def _collect_params(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype,
                                             f"(scheme of {mod.qp_ckpt}: {_scheme_name(mod)})",
                                             tensor=info.label, file=info.file.name, kind="shape"))
                     continue
-                if src.narrow is not None and src.narrow[2] < 0:
-                    # a fused tensor whose spec left the shape open: part ``start`` of ``-length`` equal parts
-                    axis, part, parts = src.narrow[0], src.narrow[1], -src.narrow[2]
+                if src.part is not None:
+                    # a fused tensor whose spec left the shape open: an equal part of a stored axis
+                    axis, nth, parts = src.part
                     if axis >= len(info.shape) or info.shape[axis] % parts:
                         problems.append(Problem(f"shape {list(info.shape)}: axis {axis} does not split into {parts} "
                                                 f"equal parts (fused tensor feeding {mname}.{local})",
                                                 tensor=info.label, file=info.file.name, kind="shape"))
                         continue
                     rows = info.shape[axis] // parts
-                    src = src._replace(narrow=(axis, part * rows, rows))
+                    src = src._replace(narrow=(axis, nth * rows, rows), part=None)
                 resolved.append((src, info))
                 found.setdefault(local, info)
             if len(resolved) != len(sources) and not all(s.optional for s in sources):

@@ -227,23 +227,15 @@ def test_refuse_is_one_plan_problem_naming_layer_and_field(ckpt):
 # -- architectures --------------------------------------------------------------------------------
 
 def test_plugin_adds_an_architecture(tmp_path):
-    from quantplug.models.deepseek import DeepseekV3ForCausalLM
-    from quantplug.models.registry import ArchSpec
-
-    class MyMLA(DeepseekV3ForCausalLM):
-        pass
-
-    class Arch:
-        @api.hookimpl
-        def quantplug_architectures(self):
-            return {"MyMLAForCausalLM": ArchSpec("MyMLAForCausalLM", MyMLA, False, ())}
+    """The test architecture (tests/archs.py; under 2-rank tensor parallelism in tests/parallel)."""
+    from archs import MyMLA, MyMLAPlugin
 
     cfg = tiny_config(architectures=["MyMLAForCausalLM"])
     path = write_checkpoint(tmp_path / "my", cfg, random_state(cfg))
     pm = PluginManager(entry_points=False, env={})
     with pytest.raises(api.UnknownArchitectureError, match="MyMLAForCausalLM"):
         build_plan(path, plugin_manager=pm)
-    pm.register(Arch(), "arch")
+    pm.register(MyMLAPlugin(), "arch")
     model = quantplug.load(path, plugin_manager=pm, progress=False)
     assert isinstance(model, MyMLA)
     assert model(torch.tensor([[1, 2, 3]])).shape == (1, 3, cfg["vocab_size"])

@@ -9,13 +9,16 @@ interface: :class:`DenseScheme` is the core's default answer to ``quantplug_line
 from __future__ import annotations
 
 import abc
+import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import QuantplugError
 from ..kernels import compute
 from ..kernels.forms import Form, Weights
 from ..types import FLOAT_DTYPES, SAFETENSORS_DTYPES, Problem, TensorInfo, TensorSpec
@@ -23,13 +26,24 @@ from ..types import FLOAT_DTYPES, SAFETENSORS_DTYPES, Problem, TensorInfo, Tenso
 FLOATS = tuple(sorted(FLOAT_DTYPES))
 
 
+class Part(NamedTuple):
+    """Part ``nth`` (from 0) of ``parts`` equal parts of stored axis ``axis``, for a fused tensor
+    whose length the plan learns only from the header (a scheme that leaves its spec's shape
+    open): the plan resolves it into :attr:`Source.narrow` once the header is read."""
+
+    axis: int
+    nth: int
+    parts: int
+
+
 class Source(NamedTuple):
     """One checkpoint tensor feeding (part of) one parameter.
 
     ``narrow`` = (axis, start, length) selects a slice of the stored tensor (transformers 5 fused
-    ``gate_up_proj``); ``slot`` writes into that slot of the parameter's leading (stacked)
-    dimension (hub per-expert tensors). ``shape`` is the stored shape the plan expects. A named
-    tuple, not a dataclass: a DeepSeek-V3 plan creates ~45,000 of them.
+    ``gate_up_proj``); ``part`` asks for such a slice before its length is known (:class:`Part`,
+    resolved into ``narrow`` by the plan); ``slot`` writes into that slot of the parameter's
+    leading (stacked) dimension (hub per-expert tensors). ``shape`` is the stored shape the plan
+    expects. A named tuple, not a dataclass: a DeepSeek-V3 plan creates ~45,000 of them.
     """
 
     tensor: str
@@ -42,6 +56,8 @@ class Source(NamedTuple):
     #: set by :func:`quantplug.parallel.shard_plan` (``narrow`` folded in): the loader reads
     #: exactly those byte ranges, never the whole tensor
     slices: tuple[tuple[int, int, int], ...] | None = None
+    #: an equal part of a stored axis whose length the header gives (resolved into ``narrow``)
+    part: Part | None = None
 
 
 class SplitRule(NamedTuple):
@@ -402,52 +418,122 @@ class QuantLinear(PlannedModule):
         return f"in={self.in_features}, out={self.out_features}, scheme={self.scheme.describe()}"
 
 
+@dataclass(frozen=True)
+class StackLayout(abc.ABC):
+    """Where a :class:`StackedLinear`'s stacked tensors come from (one of the subclasses)."""
+
+    @staticmethod
+    def of(layout: StackLayout | tuple) -> StackLayout:
+        """``layout`` as a :class:`StackLayout`; the tagged tuples of contract 1.1 - 1.4
+        (``("fused", name, (part, parts))``, ``("per_index", names)``, ``("stacked", name)``) are
+        converted with a DeprecationWarning."""
+        if isinstance(layout, StackLayout):
+            return layout
+        warnings.warn("StackedLinear layouts as tagged tuples are deprecated; pass FusedLayout, PerIndexLayout or "
+                      "StackedLayout (quantplug.api)", DeprecationWarning, stacklevel=3)
+        if isinstance(layout, tuple) and len(layout) == 3 and layout[0] == "fused":
+            part, parts = layout[2]
+            return FusedLayout(layout[1], part, parts)
+        if isinstance(layout, tuple) and len(layout) == 2 and layout[0] == "per_index":
+            return PerIndexLayout(tuple(layout[1]))
+        if isinstance(layout, tuple) and len(layout) == 2 and layout[0] == "stacked":
+            return StackedLayout(layout[1])
+        raise QuantplugError(f"StackedLinear layout {layout!r}: expected FusedLayout, PerIndexLayout or StackedLayout")
+
+    @property
+    @abc.abstractmethod
+    def stored(self) -> tuple[str, ...]:
+        """The checkpoint modules (or fused tensors) this layout reads."""
+
+
+@dataclass(frozen=True)
+class FusedLayout(StackLayout):
+    """One stored tensor per spec holding every slot, named ``name`` (spec ``weight``) or
+    ``name_<suffix>``; slot rows are part ``part`` of ``parts`` equal parts of axis 1
+    (transformers 5 ``gate_up_proj`` [E, 2I, H] holds gate rows then up rows: parts 2)."""
+
+    name: str
+    part: int = 0
+    parts: int = 1
+
+    @property
+    def stored(self) -> tuple[str, ...]:
+        return (self.name,)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.part < self.parts:
+            raise QuantplugError(f"FusedLayout {self.name}: part {self.part} of {self.parts}")
+
+
+@dataclass(frozen=True)
+class PerIndexLayout(StackLayout):
+    """One stored module per slot: slot ``i`` reads ``names[i].<suffix>`` (hub per-expert tensors)."""
+
+    names: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "names", tuple(self.names))
+
+    @property
+    def stored(self) -> tuple[str, ...]:
+        return self.names
+
+
+@dataclass(frozen=True)
+class StackedLayout(StackLayout):
+    """One stored module ``name.<suffix>`` whose tensors hold all slots on their leading axis
+    (GGUF ``ffn_*_exps``, ``attn_k_b`` / ``attn_v_b``)."""
+
+    name: str
+
+    @property
+    def stored(self) -> tuple[str, ...]:
+        return (self.name,)
+
+
 class StackedLinear(PlannedModule):
     """``n`` linears of one shape stored as one stacked tensor per spec: routed experts
-    (``[E, out, in]``) or split MLA K/V per head.
-
-    ``layout`` says where the stacked tensors come from:
-    * ``("fused", name, half)``: one stored tensor per spec named ``name`` (``weight``) or
-      ``name_<suffix>``; ``half`` = (part, parts) picks rows part*len/parts.. of axis 1
-      (transformers 5 ``gate_up_proj`` holds gate rows then up rows);
-    * ``("per_index", [names])``: one stored module per slot, ``names[i].<suffix>``;
-    * ``("stacked", name)``: one stored module ``name.<suffix>`` holding all slots (GGUF k_b/v_b).
-    """
+    (``[E, out, in]``) or split MLA K/V per head. ``layout`` (a :class:`StackLayout`) says where
+    the stacked tensors come from."""
 
     def __init__(self, n: int, in_features: int, out_features: int, scheme: LinearScheme, ckpt: str,
-                 layout: tuple, model_dtype: torch.dtype) -> None:
+                 layout: StackLayout | tuple, model_dtype: torch.dtype) -> None:
         super().__init__()
         self.n, self.in_features, self.out_features = n, in_features, out_features
         self.full_features = (out_features, in_features)  # stacks split by slot, never by features
         self.scheme = scheme
         self.model_dtype = model_dtype
+        self.layout = StackLayout.of(layout)
         self.qp_init(ckpt)
         self.specs = {s.suffix: s for s in scheme.tensor_specs(out_features, in_features)}
         for s in self.specs.values():
-            # shape None: the scheme checks shapes itself (``check``); the plan checks none here
-            known = s.shape is not None
-            shape = s.shape if s.shape is not None else ()
-            if layout[0] == "stacked":
-                self.qp_sources[s.suffix] = [Source(f"{layout[1]}.{s.suffix}", (n, *shape) if known else (),
-                                                    s.dtypes, optional=s.optional)]
-            elif layout[0] == "per_index":
-                self.qp_sources[s.suffix] = [Source(f"{name}.{s.suffix}", shape, s.dtypes, slot=i, optional=s.optional)
-                                             for i, name in enumerate(layout[1])]
-            else:
-                _, name, (part, parts) = layout
-                tensor = name if s.suffix == "weight" else f"{name}_{s.suffix}"
-                if parts == 1:
-                    self.qp_sources[s.suffix] = [Source(tensor, (n, *shape) if known else (), s.dtypes,
-                                                        optional=s.optional)]
-                elif known:
-                    rows = shape[0]
-                    stored = (n, rows * parts, *shape[1:])
-                    self.qp_sources[s.suffix] = [Source(tensor, stored, s.dtypes, narrow=(1, part * rows, rows),
-                                                        optional=s.optional)]
-                else:
-                    # rows unknown until the header is read: the plan resolves (axis, part, -parts)
-                    self.qp_sources[s.suffix] = [Source(tensor, (), s.dtypes, narrow=(1, part, -parts),
-                                                        optional=s.optional)]
+            self.qp_sources[s.suffix] = self._sources(s, n)
+
+    def _sources(self, s: TensorSpec, n: int) -> list[Source]:
+        # shape None: the scheme checks shapes itself (``check``); the plan checks none here
+        known = s.shape is not None
+        shape = s.shape if s.shape is not None else ()
+        lay = self.layout
+        if isinstance(lay, StackedLayout):
+            return [Source(f"{lay.name}.{s.suffix}", (n, *shape) if known else (), s.dtypes, optional=s.optional)]
+        if isinstance(lay, PerIndexLayout):
+            return [Source(f"{name}.{s.suffix}", shape, s.dtypes, slot=i, optional=s.optional)
+                    for i, name in enumerate(lay.names)]
+        assert isinstance(lay, FusedLayout)
+        tensor = lay.name if s.suffix == "weight" else f"{lay.name}_{s.suffix}"
+        if lay.parts == 1:
+            return [Source(tensor, (n, *shape) if known else (), s.dtypes, optional=s.optional)]
+        if known:
+            rows = shape[0]
+            return [Source(tensor, (n, rows * lay.parts, *shape[1:]), s.dtypes, narrow=(1, lay.part * rows, rows),
+                           optional=s.optional)]
+        # rows unknown until the header is read: the plan resolves the part into ``narrow``
+        return [Source(tensor, (), s.dtypes, part=Part(1, lay.part, lay.parts), optional=s.optional)]
+
+    def qp_hold_slots(self, count: int) -> None:
+        """From now on this stack holds ``count`` slots (``quantplug.parallel``: this rank's
+        experts or heads, its tensors already sliced to them)."""
+        self.n = count
 
     def qp_target_dtype(self, name: str, stored: str, model_dtype: torch.dtype) -> torch.dtype:
         return self.scheme.target_dtype(self.specs[name], model_dtype, stored)

@@ -12,8 +12,8 @@ Kimi-K3 output gate (``mla_use_output_gate``): each MLA layer has ``self_attn.g_
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -22,13 +22,16 @@ from torch import nn
 from ..generate import GenerationMixin, LatentCache, MLACache
 from ..kernels import compute
 from ..kernels.compute import NATIVE_ROWS, MLAStep, MLPStep
+from ..layers.embedding import Embedding, TiedHead
 from ..layers.linear import (
     FloatParams,
+    FusedLayout,
     LinearScheme,
-    PlannedModule,
+    PerIndexLayout,
     QuantLinear,
-    Source,
+    StackedLayout,
     StackedLinear,
+    StackLayout,
     fuse_attention,
     fuse_mlp,
     fuse_projections,
@@ -37,6 +40,18 @@ from ..layers.norm import RMSNorm
 from ..layers.rope import Rotary, softmax_scale
 from ..types import AttentionLayout
 from .config import ModelConfig
+from .declarations import (
+    ColumnParallel,
+    DenseRule,
+    ExpertParallel,
+    FeatureParallel,
+    FoldHeads,
+    HeadParallel,
+    HeadPart,
+    TPStyle,
+    Unstack,
+    VocabParallel,
+)
 
 
 class PlanOracle(Protocol):
@@ -76,52 +91,6 @@ def _lin(d: Decisions, rel: str, i: int, o: int) -> QuantLinear:
     return QuantLinear(i, o, d.scheme(name), name, d.model_dtype)
 
 
-class Embedding(PlannedModule):
-    """Token embedding [vocab, dim], stored as its scheme says (layer kind ``"embedding"``):
-    float for most formats; GGUF files often store ``token_embd`` block-quantized, and the
-    scheme's ``embed`` then dequantizes only the rows looked up."""
-
-    def __init__(self, vocab: int, dim: int, scheme: LinearScheme, ckpt: str, model_dtype: torch.dtype) -> None:
-        super().__init__()
-        self.vocab, self.dim, self.scheme, self.model_dtype = vocab, dim, scheme, model_dtype
-        self.qp_init(ckpt)
-        self.specs = {s.suffix: s for s in scheme.tensor_specs(vocab, dim)}
-        for s in self.specs.values():
-            self.qp_sources[s.suffix] = [Source(f"{ckpt}.{s.suffix}", s.shape or (), s.dtypes, optional=s.optional)]
-
-    def qp_target_dtype(self, name: str, stored: str, model_dtype: torch.dtype) -> torch.dtype:
-        return self.scheme.target_dtype(self.specs[name], model_dtype, stored)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.qp_parallel is not None:
-            return self.qp_parallel(self, ids)  # vocab-parallel: masked lookup + all-reduce
-        return self.scheme.embed(self, ids)
-
-    def product(self, x: torch.Tensor) -> torch.Tensor:
-        """``x E^T`` (a tied lm_head): natively on the embedding's form where bound."""
-        y = compute.linear(self, x)
-        return self.scheme.apply(self, x) if y is None else y
-
-    def qp_finish(self) -> None:
-        self.scheme.process_after_loading(self)
-        self.qp_native = compute.bind(self)
-
-
-class TiedHead(nn.Module):
-    """lm_head sharing the embedding matrix (tie_word_embeddings)."""
-
-    def __init__(self, embed: Embedding) -> None:
-        super().__init__()
-        self._embed = [embed]  # a list, so the embedding is not registered twice
-        self.qp_parallel: Any = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        e = self._embed[0]
-        if self.qp_parallel is not None:
-            return self.qp_parallel(e, x)  # this rank's vocab rows, logits all-gathered
-        return e.product(x)
-
-
 def _step_reduce(columns: Sequence[nn.Module], rows: Sequence[nn.Module]) -> tuple[bool, Any]:
     """Whether a fused step may run on these layers as this rank holds them, and the all-reduce of
     its partial output: every layer unsplit (no reduce), or the ``columns`` split by output rows
@@ -149,6 +118,7 @@ class MLA(nn.Module):
     def __init__(self, cfg: ModelConfig, i: int, d: Decisions, rotary: Rotary) -> None:
         super().__init__()
         base = f"model.layers.{i}.self_attn"
+        self.qp_ckpt = d.ck(base)
         self.cfg = cfg
         self.rotary = [rotary]
         h, nh = cfg.hidden_size, cfg.num_attention_heads
@@ -167,15 +137,15 @@ class MLA(nn.Module):
         else:
             assert self.layout.k_b and self.layout.v_b
             self.k_b = StackedLinear(nh, cfg.qk_nope_head_dim, cfg.kv_lora_rank, d.scheme(self.layout.k_b, "attn_k_b"),
-                                     self.layout.k_b, ("stacked", self.layout.k_b), d.model_dtype)
+                                     self.layout.k_b, StackedLayout(self.layout.k_b), d.model_dtype)
             self.v_b = StackedLinear(nh, cfg.kv_lora_rank, cfg.v_head_dim, d.scheme(self.layout.v_b, "attn_v_b"),
-                                     self.layout.v_b, ("stacked", self.layout.v_b), d.model_dtype)
+                                     self.layout.v_b, StackedLayout(self.layout.v_b), d.model_dtype)
         if cfg.mla_use_output_gate:
             self.g_proj = _lin(d, f"{base}.g_proj", h, nh * cfg.v_head_dim)
         self.o_proj = _lin(d, f"{base}.o_proj", nh * cfg.v_head_dim, h)
         self.scale = softmax_scale(cfg.rope, cfg.qk_head_dim)
         #: heads computed here: all of them, or this rank's share under tensor parallelism
-        #: (``quantplug.parallel``: q/kv_b/g_proj/k_b/v_b hold these heads, o_proj all-reduces)
+        #: (:meth:`qp_hold_heads`: q/kv_b/g_proj/k_b/v_b hold these heads, o_proj all-reduces)
         self.num_heads = nh
         #: latent dims the cache holds per token (not split over ranks)
         self.kv_lora_rank, self.qk_rope_head_dim = cfg.kv_lora_rank, cfg.qk_rope_head_dim
@@ -186,6 +156,14 @@ class MLA(nn.Module):
         self.step: MLAStep | None = None
         #: a decode step in one call from o_proj's scheme (deprecated :meth:`LinearScheme.fuse_attention`)
         self.one: Any = None
+
+    def qp_heads(self) -> int:
+        """All heads of the layer (``HeadParallel``: the tensor-parallel plan splits them)."""
+        return self.cfg.num_attention_heads
+
+    def qp_hold_heads(self, start: int, count: int) -> None:
+        """This rank computes heads ``[start, start + count)`` (its linears and stacks hold them)."""
+        self.num_heads = count
 
     def qp_fuse(self) -> None:
         if self.q_lora is not None:
@@ -344,6 +322,7 @@ class MLA(nn.Module):
 class MLP(nn.Module):
     def __init__(self, d: Decisions, base: str, hidden: int, inter: int) -> None:
         super().__init__()
+        self.qp_ckpt = d.ck(base)
         self.gate_proj = _lin(d, f"{base}.gate_proj", hidden, inter)
         self.up_proj = _lin(d, f"{base}.up_proj", hidden, inter)
         self.down_proj = _lin(d, f"{base}.down_proj", inter, hidden)
@@ -443,7 +422,7 @@ class Experts(nn.Module):
         e, h, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.n = e
         #: routed experts [first, first + count) are computed here (expert parallelism:
-        #: ``quantplug.parallel`` gives each rank a contiguous block); stacked slot = k - slot_base
+        #: :meth:`qp_hold_experts` gives each rank a contiguous block); stacked slot = k - slot_base
         #: (0 for schemes that address experts themselves, e.g. an expert pack)
         self.first, self.count, self.slot_base = 0, e, 0
         #: expert-parallel all-reduce of the routed output (``quantplug.parallel``), None: unsplit
@@ -451,19 +430,20 @@ class Experts(nn.Module):
         self.gate_proj: StackedLinear
         self.up_proj: StackedLinear
         self.down_proj: StackedLinear
-        ckb = d.ck(base)
+        ckb = self.qp_ckpt = d.ck(base)
         layout = d.expert_layout(ckb)
         for proj, (i, o) in (("gate_proj", (h, inter)), ("up_proj", (h, inter)), ("down_proj", (inter, h))):
             name = f"{ckb}.{proj}"
+            src: StackLayout
             if layout in ("hub", "none"):
-                src: tuple = ("per_index", [f"{ckb}.{k}.{proj}" for k in range(e)])
+                src = PerIndexLayout(tuple(f"{ckb}.{k}.{proj}" for k in range(e)))
             elif layout == "stacked":
-                src = ("stacked", name)
+                src = StackedLayout(name)
             elif proj == "down_proj":
-                src = ("fused", f"{ckb}.down_proj", (0, 1))
+                src = FusedLayout(f"{ckb}.down_proj")
             else:
-                src = ("fused", f"{ckb}.gate_up_proj", (0 if proj == "gate_proj" else 1, 2))
-            shards = [] if layout == "none" else src[1] if src[0] == "per_index" else [src[1]]
+                src = FusedLayout(f"{ckb}.gate_up_proj", 0 if proj == "gate_proj" else 1, 2)
+            shards = [] if layout == "none" else list(src.stored)
             setattr(self, proj, StackedLinear(e, i, o, d.scheme(name, "experts", shards), name, src, d.model_dtype))
         #: gate and up in one grouped call when their scheme fuses them (:meth:`LinearScheme.fuse`)
         self.gate_up: Any = None
@@ -471,6 +451,14 @@ class Experts(nn.Module):
         self.step: MLPStep | None = None
         #: a token's experts in one call from the scheme (deprecated :meth:`LinearScheme.fuse_mlp`)
         self.one: Any = None
+
+    def qp_hold_experts(self, start: int, count: int, slot_base: int,
+                        reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """This rank computes routed experts ``[start, start + count)``, expert k in stacked slot
+        ``k - slot_base``, its output summed over the ranks by ``reduce`` (``ExpertParallel``: the
+        tensor-parallel plan splits them)."""
+        self.first, self.count, self.slot_base = start, count, slot_base
+        self.qp_parallel = reduce
 
     def qp_fuse(self) -> None:
         self.gate_up = fuse_projections([self.gate_proj, self.up_proj])
@@ -645,6 +633,23 @@ class DeepseekV3ForCausalLM(GenerationMixin, nn.Module):
     packed_modules_mapping = {
         "fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"],
         "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    #: how the model splits over tensor-parallel ranks (``quantplug.parallel`` reads it); the
+    #: split serving engines use (vLLM ``models/deepseek_v2.py``, DeepSeek-V3 ``inference/model.py``)
+    qp_tp_plan: ClassVar[Mapping[str, TPStyle]] = {
+        "model.embed_tokens": VocabParallel(),
+        "model.layers.*.self_attn": HeadParallel(column=("q_proj", "q_b_proj", "kv_b_proj", "g_proj"),
+                                                 row=("o_proj",), stacks=("k_b", "v_b")),
+        "model.layers.*.mlp": FeatureParallel(column=("gate_proj", "up_proj"), row=("down_proj",)),
+        "model.layers.*.mlp.shared_experts": FeatureParallel(column=("gate_proj", "up_proj"), row=("down_proj",)),
+        "model.layers.*.mlp.experts": ExpertParallel(stacks=("gate_proj", "up_proj", "down_proj")),
+        "lm_head": ColumnParallel(gather=True),
+    }
+    #: stacked layers back to the hub layout (``quantplug.api.dense_state`` reads it)
+    qp_dense_state: ClassVar[Mapping[str, DenseRule]] = {
+        "model.layers.*.mlp.experts": Unstack(stacks=("gate_proj", "up_proj", "down_proj")),
+        "model.layers.*.self_attn": FoldHeads("kv_b_proj", (HeadPart("k_b", transpose=True), HeadPart("v_b"))),
     }
 
     def __init__(self, cfg: ModelConfig, d: Decisions) -> None:

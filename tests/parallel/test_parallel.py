@@ -34,6 +34,7 @@ from quantplug.testing import (
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
+import archs  # noqa: E402
 from conftest import VENDOR  # noqa: E402
 
 WORKER = Path(__file__).with_name("worker.py")
@@ -201,16 +202,30 @@ def build_cases(root: Path) -> dict[str, list[dict]]:
     odd4 = tiny_config(num_attention_heads=6, num_key_value_heads=6, n_routed_experts=6, vocab_size=162)
     paths["uneven-4"] = (write_checkpoint(root / "uneven4", odd4, random_state(odd4, seed=4)), {})
 
+    # architectures added by plugins (tests/archs.py): the DeepSeek skeleton under a plugin's name
+    # (test_contract's test architecture) and TinyMoE, no DeepSeek class, its own declared plan
+    plugins = {"plugin-arch-mymla": "MyMLAPlugin", "plugin-arch-tinymoe": "TinyMoEPlugin"}
+    mcfg = tiny_config(architectures=["MyMLAForCausalLM"])
+    paths["plugin-arch-mymla"] = (write_checkpoint(root / "mymla", mcfg, random_state(mcfg, seed=10)), {})
+    tcfg = tiny_config(architectures=["TinyMoEForCausalLM"])
+    paths["plugin-arch-tinymoe"] = (write_checkpoint(root / "tinymoe", tcfg, archs.tiny_moe_state(tcfg, seed=11)), {})
+
     cases: dict[str, dict] = {}
     for name, (path, options) in paths.items():
-        model = _loaded(path, options=options)
+        pm = None
+        if name in plugins:
+            from quantplug.plugins import PluginManager
+
+            pm = PluginManager()
+            pm.register(archs.PLUGINS[plugins[name]](), plugins[name].lower())
+        model = _loaded(path, options=options, plugin_manager=pm)
         ids = _ids(model.quantplug_plan.model_config.vocab_size)
         with torch.no_grad():
             logits = model(ids)
         ref = root / f"{name}.ref.safetensors"
         save_file({"ids": ids, "logits": logits.contiguous()}, str(ref))
         cases[name] = {"name": name, "path": str(path), "options": options, "ref": str(ref),
-                       "weight_bytes": model.load_report["bytes_read"]}
+                       "weight_bytes": model.load_report["bytes_read"], "plugin": plugins.get(name)}
     fail = dict(cases["dense-fused-hubrope"], name="rank-1-fails", fail_on=[1])
     group = dict(cases["dense-fused-hubrope"], name="explicit-group", group="new")
     two = [cases[n] for n in paths if n != "uneven-4"] + [fail, group]
@@ -285,7 +300,7 @@ def _results(runs, world: int, name: str) -> list[dict]:
 CASES = ["dense-hub-bf16", "dense-fused-hubrope", "kimi-k3-gate-tied-qproj", "quark-vendor", "modelslim-vendor",
          "quark-export", "modelslim-w4a8-export", "gguf-kquants", "expert-pack", "ct-fp8-block-vendor",
          "ct-w4a16-experts-vendor", "ct-int4-packed", "ct-int4-asym", "ct-w8a8-token", "fp8-block",
-         "gguf-iq-unsloth-vendor", "ct-nvfp4-vendor", "ct-mxfp4-vendor"]
+         "gguf-iq-unsloth-vendor", "ct-nvfp4-vendor", "ct-mxfp4-vendor", "plugin-arch-mymla", "plugin-arch-tinymoe"]
 CASES += [c for c, mod in (("modelopt-nvfp4-vendor", "quantplug_modelopt"), ("modelopt-mixed-vendor", "quantplug_modelopt"),
                            ("gptq-vendor", "quantplug_gptq_awq"), ("autoround-awq-vendor", "quantplug_gptq_awq"))
           if _installed(mod)]
@@ -339,6 +354,36 @@ def test_split_decisions(runs):
     # GGUF: split K/V stacks follow the heads
     gg = {d["target"]: d["value"] for d in _results(runs, 2, "gguf-kquants")[0]["parallel"]["decisions"]}
     assert gg["model.layers.0.self_attn.k_b_proj"] == "head-parallel"
+
+
+def test_plugin_architectures_split_as_declared(runs):
+    """An architecture added by a plugin splits as its ``qp_tp_plan`` says, with no core change:
+    TinyMoE (no DeepSeek class, its own module names) and the DeepSeek skeleton under a plugin's
+    name; logits equal one process (test_every_rank_matches_single_process)."""
+    recs = _results(runs, 2, "plugin-arch-tinymoe")
+    dec = {d["target"]: d["value"] for d in recs[0]["parallel"]["decisions"]}
+    assert dec["embed"] == "vocab-parallel" and dec["head"] == "column-parallel"
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        assert dec[f"model.layers.0.attn.{proj}"] == "column-parallel", proj
+    assert dec["model.layers.0.attn.o_proj"] == "row-parallel"
+    assert dec["model.layers.0.ffn.gate_proj"] == "column-parallel" and dec["model.layers.0.ffn.down_proj"] == "row-parallel"
+    assert dec["model.layers.1.ffn.experts"] == "expert-parallel"
+    _split_bytes(recs)
+    mymla = {d["target"]: d["value"] for d in _results(runs, 2, "plugin-arch-mymla")[0]["parallel"]["decisions"]}
+    assert mymla["model.layers.0.self_attn.q_b_proj"] == "column-parallel"
+    assert mymla["model.layers.1.mlp.experts"] == "expert-parallel" and mymla["lm_head"] == "column-parallel"
+
+
+def test_the_parallel_loader_imports_no_architecture():
+    """``quantplug.parallel`` reads declarations: it imports no model module."""
+    import ast
+
+    import quantplug.parallel as par
+
+    mods = {n.module or "" for n in ast.walk(ast.parse(Path(par.__file__).read_text())) if isinstance(n, ast.ImportFrom)}
+    mods |= {a.name for n in ast.walk(ast.parse(Path(par.__file__).read_text())) if isinstance(n, ast.Import)
+             for a in n.names}
+    assert not [m for m in mods if "deepseek" in m or m.endswith("models.registry")], mods
 
 
 def _split_bytes(recs: list[dict]) -> None:

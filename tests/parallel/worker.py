@@ -1,7 +1,7 @@
 """One rank of a tensor-parallel test run (launched by test_parallel.py, gloo on CPU).
 
 argv: cases.json out_dir. Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT. For each
-case: load under the default process group, run the forward, compare with the single-process
+case: load under the default process group (``plugin``: with that plugin of tests/archs.py registered), run the forward, compare with the single-process
 logits the parent saved, record decisions, planned and actually read bytes; write
 ``rank{R}.json``. A case may expect this rank to fail (``fail_on``: the ranks given a broken
 path) and every other rank to raise rather than hang.
@@ -39,6 +39,15 @@ def run_case(case: dict, rank: int) -> dict:
     kw = {}
     if case.get("group") == "new":  # an explicit group= (a new group object over every rank)
         kw["group"] = dist.new_group(list(range(dist.get_world_size())))
+    if case.get("plugin"):  # an architecture added by a plugin (tests/archs.py)
+        from quantplug.plugins import PluginManager
+
+        sys.path.insert(0, str(Path(__file__).parents[1]))
+        import archs
+
+        pm = PluginManager()
+        pm.register(archs.PLUGINS[case["plugin"]](), case["plugin"].lower())
+        kw["plugin_manager"] = pm
     try:
         model = quantplug.load(path, options=case.get("options", {}), progress=False, **kw)
     except Exception as exc:  # noqa: BLE001 (recorded for the parent to check)

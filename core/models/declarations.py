@@ -1,0 +1,265 @@
+"""What an architecture declares for the core to read: its tensor-parallel plan and its dense-state mapping.
+
+A model class (the text model's root, e.g. ``DeepseekV3ForCausalLM``) carries two class attributes,
+each a mapping from a module-name pattern (relative to that class's instance, ``*`` standing for
+one name component, as in transformers' ``base_model_tp_plan``) to a typed entry:
+
+* ``qp_tp_plan``: how the modules it names split over tensor-parallel ranks
+  (:class:`ColumnParallel`, :class:`RowParallel`, :class:`FeatureParallel`,
+  :class:`HeadParallel`, :class:`ExpertParallel`, :class:`VocabParallel`). Read by
+  :func:`quantplug.parallel.shard_plan`; a module no entry names is replicated.
+* ``qp_dense_state``: how stacked layers go back to the hub layout's dense tensors
+  (:class:`Unstack`, :class:`FoldHeads`). Read by :func:`quantplug.api.dense_state`; plain
+  linears, embeddings and float parameters need no entry.
+
+An entry applies to the modules its pattern names that hold its members (``FeatureParallel``'s
+``gate_proj`` / ``up_proj`` / ``down_proj``...): a pattern such as ``model.layers.*.mlp`` names
+both dense MLPs and MoE blocks, and only the former hold those members. A module holding only
+some of an entry's required members, or named by two entries, is a :class:`DeclarationError`
+naming the class, the pattern and the module.
+
+A module an entry of the tensor-parallel plan splits by heads or experts implements the small
+interface of :class:`HeadGroup` / :class:`ExpertGroup`, so the parallel loader never sets an
+architecture's fields itself; every module a group entry names has ``qp_ckpt``, its checkpoint
+name (decisions and dense-state names use it).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from ..errors import QuantplugError
+
+
+class DeclarationError(QuantplugError):
+    """An architecture's ``qp_tp_plan`` / ``qp_dense_state`` does not fit the modules it names."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor-parallel plan entries
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ColumnParallel:
+    """One linear (``QuantLinear``) split by output features into contiguous blocks (the first
+    ``out % N`` ranks hold one more); ``gather``: every rank's slice is all-gathered after the
+    product (``lm_head``: the logits). On a tied head (:class:`TiedModule`) it follows its
+    embedding's :class:`VocabParallel` rows. transformers: ``"colwise"`` / ``"colwise_rep"``."""
+
+    gather: bool = False
+
+
+@dataclass(frozen=True)
+class RowParallel:
+    """One linear split by input features into contiguous blocks; the partial products are
+    all-reduced. transformers: ``"rowwise"``."""
+
+
+@dataclass(frozen=True)
+class FeatureParallel:
+    """A pair of column- and row-parallel linears around one inner width (a gated MLP: ``gate``
+    and ``up`` by output, ``down`` by input), split into equal parts. Inner width not divisible
+    by the ranks, or no member splitting: the whole group stays whole with no collective (one
+    decision); otherwise each member splits or, where its scheme cannot, computes whole with a
+    gather (exact either way). transformers: ``"colwise"`` on gate / up and ``"rowwise"`` on
+    down."""
+
+    column: tuple[str, ...]
+    row: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class HeadParallel:
+    """Attention heads over ranks: the ``column`` linears hold this rank's heads' output features
+    (MLA ``q_b_proj`` / ``q_proj``, ``kv_b_proj``, the Kimi-K3 ``g_proj``), the ``row`` linears
+    their input features (``o_proj``, all-reduced), the ``stacks`` (``StackedLinear`` with one
+    slot per head: split MLA ``k_b`` / ``v_b``) their slots. Absent members are skipped (a layout
+    without ``kv_b_proj``, a config without ``q_lora``); each present linear's width must be a
+    multiple of the head count. All or nothing: if the heads do not divide over the ranks or any
+    member cannot split, the layer's attention is replicated. The module implements
+    :class:`HeadGroup`. transformers: ``"colwise"`` / ``"rowwise"`` on q / k / v / o, with the head
+    count read from the local shapes."""
+
+    column: tuple[str, ...] = ()
+    row: tuple[str, ...] = ()
+    stacks: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """Routed experts, expert-parallel: every ``stacks`` member (``StackedLinear`` with one slot per
+    expert) keeps a contiguous block of experts per rank (the first ``E % N`` ranks hold one
+    more), the router stays replicated and the module's output is all-reduced once (its
+    ``qp_parallel`` is set to that reduce). The module implements :class:`ExpertGroup`.
+    transformers: ``base_model_ep_plan`` ``"grouped_gemm"`` on the experts with ``"ep_router"``."""
+
+    stacks: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class VocabParallel:
+    """The token embedding (``Embedding``) by vocabulary rows: masked lookup + all-reduce; a
+    :class:`ColumnParallel` ``gather`` entry on its tied head then uses the same rows.
+    transformers: ``"embedding_rowwise"`` (vLLM ``VocabParallelEmbedding``)."""
+
+
+TPStyle = ColumnParallel | RowParallel | FeatureParallel | HeadParallel | ExpertParallel | VocabParallel
+
+
+@runtime_checkable
+class HeadGroup(Protocol):
+    """A module split by :class:`HeadParallel`."""
+
+    qp_ckpt: str
+
+    def qp_heads(self) -> int:
+        """The layer's whole head count."""
+        ...
+
+    def qp_hold_heads(self, start: int, count: int) -> None:
+        """From now on this module computes heads ``[start, start + count)`` only (its members
+        already hold just those heads' features)."""
+        ...
+
+
+@runtime_checkable
+class ExpertGroup(Protocol):
+    """A module split by :class:`ExpertParallel`."""
+
+    qp_ckpt: str
+
+    def qp_hold_experts(self, start: int, count: int, slot_base: int,
+                        reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """From now on this module computes routed experts ``[start, start + count)`` only;
+        expert ``k`` is slot ``k - slot_base`` of its stacks (``slot_base`` = ``start`` when the
+        stacks hold only this rank's slots, 0 when the scheme addresses experts itself), and its
+        output (this rank's experts' share) goes through ``reduce`` (the sum over the ranks)."""
+        ...
+
+
+@runtime_checkable
+class TiedModule(Protocol):
+    """An output head that computes with an embedding's rows (``tie_word_embeddings``); under
+    tensor parallelism the core sets its ``qp_parallel`` (called as ``qp_parallel(embedding, x)``)."""
+
+    qp_parallel: Any
+
+    def qp_tied_embedding(self) -> nn.Module:
+        """The embedding module whose rows this head multiplies by."""
+        ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense-state entries
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Unstack:
+    """Each ``stacks`` member (a ``StackedLinear`` named ``<parent>.<proj>``) goes back to one
+    dense tensor per slot, ``<parent>.<slot>.<proj>.weight`` (routed experts in the hub layout)."""
+
+    stacks: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class HeadPart:
+    """One per-head stack folded by :class:`FoldHeads`; ``transpose``: the slot is stored
+    transposed relative to its rows in the folded tensor (llama.cpp ``attn_k_b``)."""
+
+    member: str
+    transpose: bool = False
+
+
+@dataclass(frozen=True)
+class FoldHeads:
+    """Per-head stacks (one slot per head, every part the same head count) folded into one dense
+    tensor ``<module qp_ckpt>.<into>.weight``: for each head, every part's slot in order, rows
+    concatenated (split MLA ``k_b`` / ``v_b`` back into ``kv_b_proj``)."""
+
+    into: str
+    parts: tuple[HeadPart, ...]
+
+
+DenseRule = Unstack | FoldHeads
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the declarations
+# ---------------------------------------------------------------------------------------------
+
+def _compile(pattern: str) -> re.Pattern[str]:
+    parts = pattern.split(".")
+    if not pattern or any(not p for p in parts):
+        raise DeclarationError(f"module pattern {pattern!r}: expected dotted names, '*' for one component")
+    return re.compile(r"\.".join(r"[^.]+" if p == "*" else re.escape(p) for p in parts) + r"\Z")
+
+
+def _entry_members(entry: object) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(required, optional) member names of an entry."""
+    if isinstance(entry, FeatureParallel):
+        return (*entry.column, *entry.row), ()
+    if isinstance(entry, HeadParallel):
+        return (), (*entry.column, *entry.row, *entry.stacks)
+    if isinstance(entry, ExpertParallel | Unstack):
+        return entry.stacks, ()
+    if isinstance(entry, FoldHeads):
+        return tuple(p.member for p in entry.parts), ()
+    return (), ()
+
+
+def declared(model: nn.Module, attr: str, kinds: tuple[type, ...]) -> Iterator[tuple[str, nn.Module, Any]]:
+    """``(module name in model, module, entry)`` for every module an entry of the declaration
+    ``attr`` (``"qp_tp_plan"`` or ``"qp_dense_state"``) of a module in ``model`` applies to,
+    in module order. Entries must be instances of ``kinds``."""
+    roots = [(name, mod) for name, mod in model.named_modules() if getattr(type(mod), attr, None)]
+    seen: dict[int, str] = {}
+    for root_name, root in roots:
+        plan: Mapping[str, Any] = getattr(type(root), attr)
+        cls = type(root).__name__
+        if not isinstance(plan, Mapping):
+            raise DeclarationError(f"{cls}.{attr} must be a mapping of module patterns to entries, "
+                                   f"not {type(plan).__name__}")
+        compiled = []
+        for pattern, entry in plan.items():
+            if not isinstance(entry, kinds):
+                raise DeclarationError(f"{cls}.{attr}[{pattern!r}] is {type(entry).__name__}; expected one of "
+                                       f"{', '.join(k.__name__ for k in kinds)}")
+            compiled.append((pattern, _compile(pattern), entry))
+        for rel, mod in root.named_modules():
+            hits = [(p, e) for p, rx, e in compiled if rel and rx.match(rel)]
+            applies = []
+            for pattern, entry in hits:
+                required, _ = _entry_members(entry)
+                held = [n for n in required if isinstance(mod._modules.get(n), nn.Module)]
+                if required and not held:
+                    continue  # not this role (a MoE block where dense MLPs are declared)
+                if len(held) != len(required):
+                    raise DeclarationError(f"{cls}.{attr}[{pattern!r}]: {rel} holds {held} of its members "
+                                           f"{list(required)}")
+                applies.append((pattern, entry))
+            if len(applies) > 1:
+                raise DeclarationError(f"{cls}.{attr}: {rel} is named by {[p for p, _ in applies]}; "
+                                       "one entry per module")
+            if not applies:
+                continue
+            name = f"{root_name}.{rel}" if root_name else rel
+            if id(mod) in seen and attr == "qp_tp_plan":
+                raise DeclarationError(f"{attr}: {name} is declared twice ({seen[id(mod)]} and {cls})")
+            seen[id(mod)] = cls
+            yield name, mod, applies[0][1]
+
+
+def ckpt_name(mod: nn.Module, where: str) -> str:
+    """The checkpoint name of a module a group entry names (its ``qp_ckpt``)."""
+    name = getattr(mod, "qp_ckpt", None)
+    if not isinstance(name, str):
+        raise DeclarationError(f"{where} ({type(mod).__name__}) is named by a group entry but has no qp_ckpt "
+                               "(its checkpoint name)")
+    return name
+
