@@ -199,10 +199,12 @@ def _dense_declared(out: dict[str, torch.Tensor], name: str, mod: nn.Module, rul
                     dtype: torch.dtype) -> None:
     stacks = _stacks(mod, rule, name)
     if isinstance(rule, Unstack):
+        store = getattr(mod, "qp_store", None)  # experts served from the checkpoint's files
         for lin in stacks:
             base, proj = lin.qp_ckpt.rsplit(".", 1)
             for k in range(lin.n):
-                out[f"{base}.{k}.{proj}.weight"] = lin.scheme.dequantize(lin, k).detach().to(dtype).contiguous()
+                w = store.dequantize(lin, k) if store is not None else lin.scheme.dequantize(lin, k)
+                out[f"{base}.{k}.{proj}.weight"] = w.detach().to(dtype).contiguous()
         return
     if len({s.n for s in stacks}) != 1:
         raise DeclarationError(f"qp_dense_state: {name}: FoldHeads parts hold {[s.n for s in stacks]} heads")

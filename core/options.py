@@ -40,8 +40,11 @@ CORE_OPTIONS: tuple[OptionSpec, ...] = (
                "true: weights used as stored are zero-copy views of the mapped file; false: copied into "
                "private memory (network / changing file systems: a file truncated later cannot SIGBUS)"),
     OptionSpec("expert_cache_mb", float, 0.0, None,
-               "MiB of memory for routed experts served from SSD (expert packs); 0: experts held in memory",
-               minimum=0.0, maximum=float(1 << 30)),
+               "MiB of memory for routed experts read on demand from the checkpoint's files (any format) or "
+               "an expert pack; 0: experts held in memory", minimum=0.0, maximum=float(1 << 30)),
+    OptionSpec("expert_prefetch", bool, True, None,
+               "with expert_cache_mb: a decode step starts reading the next MoE layer's likely experts (its "
+               "router on the current hidden state) while this layer computes"),
     OptionSpec("tp_timeout_s", float, 60.0, None,
                "tensor parallel: seconds a rank waits in a forward collective for the others before raising, "
                "naming the ranks that did not arrive", minimum=0.001, maximum=1e6),

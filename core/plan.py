@@ -393,7 +393,30 @@ def build_plan(path: str | Path, *, backend: str | None = None, options: Mapping
             t0 = time.perf_counter()
             shard_plan(p, world_size, rank, comm)
             p.plan_seconds += time.perf_counter() - t0
+        p.problems += _memory_problems(p)
         return p
+
+
+def _memory_problems(plan: LoadPlan) -> list[Problem]:
+    """The routed experts against the memory they may use: with ``expert_cache_mb`` the cache must
+    hold one step's experts of a layer; without it, what the load copies into memory of its own
+    (everything not a zero-copy view of the files: converted tensors, stacked experts) must fit
+    this machine's available memory. Both from headers, before any tensor data is read."""
+    from . import experts, memory
+
+    if plan.problems:
+        return []
+    budget = float(plan.options.get("expert_cache_mb") or 0.0)
+    if budget > 0:
+        why = experts.check_budget(plan, int(budget * (1 << 20)))
+        return [Problem(why, kind="options")] if why else []
+    owned = sum(pp.nbytes for pp in plan.params if not pp.zero_copy)
+    avail = memory.available_memory()
+    if owned > avail:
+        return [Problem(f"loading copies {owned / (1 << 30):.1f} GiB into memory (routed experts and converted tensors) "
+                        f"but this machine has {avail / (1 << 30):.1f} GiB available: set expert_cache_mb to a budget "
+                        "in MiB to read the routed experts from the checkpoint's files on demand", kind="options")]
+    return []
 
 
 def _build_plan(path: str | Path, backend: str | None, options: Mapping[str, Any] | None,
