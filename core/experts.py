@@ -386,7 +386,8 @@ class ExpertStore:
         return layer.scheme.dequantize(layer, 0)
 
 
-def attach(plan: Any, model: nn.Module, budget_bytes: int) -> tuple[set[int], ExpertCache | None, list[str]]:
+def attach(plan: Any, model: nn.Module, budget_bytes: int,
+           readers: int = READERS) -> tuple[set[int], ExpertCache | None, list[str]]:
     """Serve the routed experts of ``plan``'s model from its files: one :class:`ExpertStore` per
     MoE layer whose experts the plan reads per expert (``module.store``), sharing one cache of
     ``budget_bytes``. Returns the ids of the parameter plans the loader must not load, the cache,
@@ -398,7 +399,7 @@ def attach(plan: Any, model: nn.Module, budget_bytes: int) -> tuple[set[int], Ex
         by_module.setdefault(id(pp.module), {})[pp.local] = pp
     skip: set[int] = set()
     kept: list[str] = []
-    cache = ExpertCache(budget_bytes)
+    cache = ExpertCache(budget_bytes, readers)
     stores = 0
     smallest = 1 << 62
     for mod in model.modules():

@@ -66,8 +66,8 @@ PROJECT = "quantplug"
 #:   ``quantplug_options`` (backend): the options a backend reads, as
 #:   :class:`~quantplug.types.OptionSpec`; the plan checks every given option against them and
 #:   the core's own (``kernels``, ``strict_split``, ``mmap``, ``expert_cache_mb``,
-#:   ``tp_timeout_s``); ``quantplug.api.Fields`` (typed config readers with key paths) and
-#:   ``quantplug.api.quant_config_fields``.
+#:   ``expert_prefetch``, ``expert_readers``, ``tp_timeout_s``); ``quantplug.api.Fields``
+#:   (typed config readers with key paths) and ``quantplug.api.quant_config_fields``.
 #: * 1.5: an architecture declares what the core reads of it: its tensor-parallel plan
 #:   (``qp_tp_plan``: module pattern -> ``ColumnParallel`` / ``RowParallel`` /
 #:   ``FeatureParallel`` / ``HeadParallel`` / ``ExpertParallel`` / ``VocabParallel``, with the
@@ -180,9 +180,9 @@ def quantplug_options() -> Sequence[OptionSpec] | None:
     converted to the declared types (a ``-o`` string ``"true"`` arrives as ``True``), with the
     default of every declared option that was not given; read them with ``options[name]``.
     Do not declare the core's own options (``kernels``, ``strict_split``, ``mmap``,
-    ``expert_cache_mb``, ``tp_timeout_s``): read them. A backend that does not implement this
-    hook (written for contract 1.3 or older) gets undeclared options unchecked, with a plan
-    warning.
+    ``expert_cache_mb``, ``expert_prefetch``, ``expert_readers``, ``tp_timeout_s``): read them.
+    A backend that does not implement this hook (written for contract 1.3 or older) gets
+    undeclared options unchecked, with a plan warning.
 
     .. versionadded:: 1.4
 

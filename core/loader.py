@@ -119,7 +119,8 @@ def execute(plan: LoadPlan, *, device: str | torch.device = "cpu",
     cache = None
     budget = float(plan.options.get("expert_cache_mb") or 0.0)
     if budget > 0:  # routed experts read on demand from the checkpoint's files (quantplug.experts)
-        served, cache, kept = experts.attach(plan, model, int(budget * (1 << 20)))
+        served, cache, kept = experts.attach(plan, model, int(budget * (1 << 20)),
+                                             readers=int(plan.options.get("expert_readers", experts.READERS)))
         for why in kept:
             warnings.warn(f"expert_cache_mb: routed experts of {why}; they are loaded into memory", stacklevel=3)
         prefetch = bool(plan.options.get("expert_prefetch", True))

@@ -45,6 +45,9 @@ CORE_OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("expert_prefetch", bool, True, None,
                "with expert_cache_mb: a decode step starts reading the next MoE layer's likely experts (its "
                "router on the current hidden state) while this layer computes"),
+    OptionSpec("expert_readers", int, 4, None,
+               "with expert_cache_mb: threads reading missing experts in parallel (positional reads; 1: one "
+               "read at a time)", minimum=1, maximum=64),
     OptionSpec("tp_timeout_s", float, 60.0, None,
                "tensor parallel: seconds a rank waits in a forward collective for the others before raising, "
                "naming the ranks that did not arrive", minimum=0.001, maximum=1e6),
