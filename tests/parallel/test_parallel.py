@@ -467,7 +467,8 @@ def test_explicit_group(runs):
     recs = _results(runs, 2, "explicit-group")
     for rank, rec in enumerate(recs):
         assert "error" not in rec and rec["rel_err"] <= TOL, rec
-        assert rec["report"] == {"rank": rank, "world_size": 2, "bytes_read": rec["parallel"]["rank_bytes"][rank]}
+        assert rec["report"] == {"rank": rank, "world_size": 2, "bytes_read": rec["parallel"]["rank_bytes"][rank],
+                                 "experts_on_demand_bytes": 0}
 
 
 @pytest.mark.parametrize("world", WORLDS)
