@@ -357,12 +357,17 @@ def quant_config_fields(config: Mapping[str, Any], file: str) -> tuple[Fields | 
     """``quantization_config`` of config.json (or, Kimi wrappers, of its ``text_config``) as
     :class:`Fields`, with where it was found (``"quantization_config"`` or
     ``"text_config.quantization_config"``); ``(None, "")`` when there is none. A value that is not
-    an object, or a ``quant_method`` that is not a string, is a :class:`ConfigError`."""
+    an object, or a ``quant_method`` that is not a string, is a :class:`ConfigError`; so are both
+    places holding different configs (Kimi releases repeat the same one in both; which of two
+    different ones the weights follow cannot be told)."""
     top = Fields(config, file)
     text = top.get_obj("text_config")
-    found: Fields | None = top.get_obj("quantization_config")
-    if found is None and text is not None:
-        found = text.get_obj("quantization_config")
+    outer = top.get_obj("quantization_config")
+    inner = text.get_obj("quantization_config") if text is not None else None
+    if outer is not None and inner is not None and outer.data != inner.data:
+        raise ConfigError(f"{file}: quantization_config and text_config.quantization_config differ; quantplug will "
+                          "not guess which one the weights follow")
+    found = outer if outer is not None else inner
     if found is None:
         return None, ""
     found.opt_str("quant_method")

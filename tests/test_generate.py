@@ -332,7 +332,6 @@ def test_every_exporting_backend_cache_equals_recompute(tmp_path):
     """Each installed backend that can export (the demo's path: quark, modelslim, expert_pack, fp8,
     ...) writes a tiny model in its format; cached decode equals full recompute on each."""
     from quantplug.plugins import get_plugin_manager
-    from quantplug.types import ExportResult
 
     cfg = tiny_config(vocab_size=256, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
                       q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
@@ -344,12 +343,7 @@ def test_every_exporting_backend_cache_equals_recompute(tmp_path):
     for rec in pm.records():
         if not pm.implements(rec.name, "quantplug_export"):
             continue
-        answers = pm.call("quantplug_export", [rec.name], firstresult=True, model=dense,
-                          model_config=dense.quantplug_plan.model_config, destination=tmp_path / rec.name,
-                          options={}, plan=dense.quantplug_plan)
-        results = answers[0][0] if answers else []
-        for res in results if isinstance(results, list | tuple) else [results]:
-            assert isinstance(res, ExportResult)
+        for res in pm.export(rec.name, model=dense, destination=tmp_path / rec.name, plan=dense.quantplug_plan):
             for options, tol in LOAD_CASES.get(rec.name, [({}, 1e-4)]):
                 model = quantplug.load(res.path, backend=rec.name, progress=False, options=options)
                 check_cached_equals_recompute(model, IDS, steps=3, tol=tol)

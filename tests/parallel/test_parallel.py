@@ -77,11 +77,7 @@ def _export(dense: Path, backend: str, dest: Path, options: dict) -> list:
 
     model = _loaded(dense)
     pm = get_plugin_manager()
-    answers = pm.call("quantplug_export", [backend], firstresult=True, model=model,
-                      model_config=model.quantplug_plan.model_config, destination=dest, options=options,
-                      plan=model.quantplug_plan)
-    res = answers[0][0]
-    return list(res) if isinstance(res, list | tuple) else [res]
+    return pm.export(backend, model=model, destination=dest, options=options, plan=model.quantplug_plan)
 
 
 def _fp8_blocks(path: Path, cfg: dict, state: dict, block: tuple[int, int]) -> Path:

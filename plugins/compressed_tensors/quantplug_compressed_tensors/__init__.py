@@ -19,14 +19,12 @@ from typing import Any
 
 from quantplug.api import (
     Claim,
-    ConfigError,
     Exclusions,
-    Fields,
     OptionSpec,
     Problem,
-    config_fields,
     hookimpl,
     option,
+    quant_config_fields,
     refuse,
 )
 
@@ -44,25 +42,9 @@ QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_
                   "input_scale", "weight_shape", "weight_g_idx")
 
 
-def _quant_config(checkpoint: Any) -> tuple[Fields | None, str]:
-    top = config_fields(checkpoint)
-    outer = top.get_obj("quantization_config")
-    text = top.get_obj("text_config")
-    inner = text.get_obj("quantization_config") if text is not None else None
-    if (outer is not None and inner is not None and outer.data != inner.data
-            and "compressed-tensors" in (outer.data.get("quant_method"), inner.data.get("quant_method"))):
-        raise ConfigError(f"{top.file}: quantization_config and text_config.quantization_config differ; "
-                          "quantplug-compressed-tensors will not guess which one the weights follow")
-    if outer is not None:
-        return outer, "quantization_config"
-    if inner is not None:
-        return inner, "text_config.quantization_config"
-    return None, ""
-
-
 @hookimpl
 def quantplug_detect(checkpoint: Any) -> Claim | None:
-    qc, where = _quant_config(checkpoint)
+    qc, where = quant_config_fields(checkpoint)
     if qc is None or qc.opt_str("quant_method") != "compressed-tensors":
         return None
     prefix = "language_model" if any(n.startswith("language_model.") for n in checkpoint.tensors) else ""
