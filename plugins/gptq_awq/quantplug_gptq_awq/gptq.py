@@ -8,18 +8,23 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from quantplug.api import Claim, Problem, hookimpl
+from quantplug.api import Claim, OptionSpec, Problem, hookimpl
 
 from . import hooks
 from .config import IntConfig
 
 __version__ = "0.1.0"
-QUANTPLUG_CONTRACT = "1.1"
+QUANTPLUG_CONTRACT = "1.4"
 
 
 @hookimpl
 def quantplug_detect(checkpoint: Any) -> Claim | None:
     return hooks.detect(checkpoint, "gptq")
+
+
+@hookimpl
+def quantplug_options() -> list[OptionSpec]:
+    return list(hooks.EXPORT_OPTIONS)  # no load options of its own (the core's apply)
 
 
 @hookimpl

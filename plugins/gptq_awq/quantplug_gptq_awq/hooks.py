@@ -4,10 +4,10 @@ answers for its own packing: AutoRound's ``packing_format`` picks which one clai
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from quantplug.api import Claim, ConfigError, DenseScheme, Problem, refuse
+from quantplug.api import Claim, DenseScheme, OptionSpec, Problem, quant_config_fields, refuse
 
 from .config import IntConfig, packing_of
 from .kernels import AWQ, gptq
@@ -18,32 +18,25 @@ QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 LINEAR = re.compile(r"\.(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|gate_proj|up_proj|down_proj)$")
 
 
-def _quant_config(config: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str]:
-    top = config.get("quantization_config")
-    text = config.get("text_config")
-    inner = text.get("quantization_config") if isinstance(text, dict) else None
-    if isinstance(top, dict) and isinstance(inner, dict) and top != inner:
-        raise ConfigError("config.json: quantization_config and text_config.quantization_config differ; "
-                          "quantplug-gptq-awq will not guess which one the weights follow")
-    if isinstance(top, dict):
-        return top, "quantization_config"
-    if isinstance(inner, dict):
-        return inner, "text_config.quantization_config"
-    return None, ""
-
-
 def detect(checkpoint: Any, backend: str) -> Claim | None:
-    qc, where = _quant_config(checkpoint.config)
-    if qc is None:
-        return None
-    if packing_of(qc) != backend:
+    qc, where = quant_config_fields(checkpoint)
+    if qc is None or packing_of(qc) != backend:
         return None
     prefix = "language_model" if any(n.startswith("language_model.") for n in checkpoint.tensors) else ""
     cfg = IntConfig.parse(qc, where, prefix)
     if cfg is None:
         return None
-    how = f", packing_format {qc.get('packing_format')}" if cfg.method == "auto-round" else ""
+    how = f", packing_format {qc.get_str('packing_format', 'auto_round:auto_gptq')}" if cfg.method == "auto-round" else ""
     return Claim(backend, cfg, f"config.json {where}.quant_method == {cfg.method!r}{how} ({cfg.default.describe()})")
+
+
+#: the export options both backends declare (``quantplug_options``)
+EXPORT_OPTIONS = [
+    OptionSpec("group_size", int, 32, None, "export: inputs per int4 group (scales and zero points per group)",
+               minimum=1, maximum=1 << 20, scope="export"),
+    OptionSpec("sym", bool, False, None, "export: symmetric int4 (zero point 8) instead of per-group zero points",
+               scope="export"),
+]
 
 
 def _stored(checkpoint: Any, module: str) -> tuple[str | None, bool]:

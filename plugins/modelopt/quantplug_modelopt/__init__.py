@@ -9,8 +9,9 @@ per-layer algorithm (``exclude_modules`` / ``ignore`` resolved through
 prefix), the scheme (what the checkpoint stores for the layer), plan-time refusals of algorithms
 this plugin does not compute, and the checks of the exclusion list against the checkpoint.
 
-Option ``activation_quant``: ``emulate`` (default: NVFP4 / FP8 activations quantized from the
-stored ``input_scale`` as the deployed kernels do) or ``none`` (weight-only).
+Options (declared in :func:`quantplug_options`): ``activation_quant`` = ``emulate`` (default: NVFP4
+/ FP8 activations quantized from the stored ``input_scale`` as the deployed kernels do) or ``none``
+(weight-only); export: ``algo`` and ``input_amax``.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from quantplug.api import Claim, DenseScheme, Problem, hookimpl, option, refuse
+from quantplug.api import Claim, DenseScheme, OptionSpec, Problem, hookimpl, refuse
 
 from .config import SUPPORTED, LayerAlgo, ModelOptConfig
+from .export import ALGOS
 from .schemes import ACTIVATION_MODES, FP8Scheme, NVFP4Scheme
 
 __version__ = "0.1.0"
-QUANTPLUG_CONTRACT = "1.1"
+QUANTPLUG_CONTRACT = "1.4"
 #: tensors that only a quantized module stores
 QUANT_SUFFIXES = ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale")
 QUANTIZED_DTYPES = ("U8", "F8_E4M3", "I8")
@@ -36,6 +38,17 @@ def quantplug_detect(checkpoint: Any) -> Claim | None:
     if cfg is None:
         return None
     return Claim("modelopt", cfg, f"{cfg.where}.quant_algo == {cfg.algo!r} ({cfg.producer})")
+
+
+@hookimpl
+def quantplug_options() -> list[OptionSpec]:
+    return [
+        OptionSpec("activation_quant", str, "emulate", ACTIVATION_MODES,
+                   "emulate: NVFP4 / FP8 activations quantized from the stored input_scale; none: weight-only"),
+        OptionSpec("algo", str, "W4A16_NVFP4", ALGOS, "export: the quant_algo written", scope="export"),
+        OptionSpec("input_amax", float, 16.0, None, "export: the activation amax the input scales assume",
+                   minimum=1e-6, maximum=1e30, scope="export"),
+    ]
 
 
 @hookimpl
@@ -56,7 +69,7 @@ def _stored(checkpoint: Any, module: str) -> tuple[str | None, bool]:
 def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Sequence[str],
                             quant_config: ModelOptConfig, checkpoint: Any, options: Mapping[str, Any]) -> Any:
     qc = quant_config
-    mode = option(options, "activation_quant", "emulate", ACTIVATION_MODES)
+    mode = options["activation_quant"]
     if layer_kind == "embedding":
         dtype, _ = _stored(checkpoint, layer_name)
         if dtype in QUANTIZED_DTYPES:
