@@ -23,7 +23,7 @@ import re
 import stat
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn
 
 from .errors import CheckpointError, ConfigError
 
@@ -32,7 +32,6 @@ MAX_JSON_BYTES = 64 << 20
 #: deepest nesting of objects / arrays accepted in any JSON file
 MAX_JSON_DEPTH = 32
 _STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
-T = TypeVar("T")
 
 
 def json_depth_ok(text: str, limit: int = MAX_JSON_DEPTH) -> bool:
@@ -244,15 +243,6 @@ class Fields:
         if not isinstance(v, dict):
             self.fail(key, v, "an object")
         return Fields(v, self.file, self.sub(key))
-
-    def get_list(self, key: str, item: type[T]) -> list[T]:
-        self._note(key)
-        v = self.data.get(key)
-        if v is None:
-            return []
-        if not isinstance(v, list) or not all(type(x) is item for x in v):
-            self.fail(key, v, f"a list of {item.__name__}")
-        return v
 
     # -- readers for plugin configs (contract 1.4) -------------------------------------------------
 

@@ -256,6 +256,17 @@ class BackendConformance:
                   f"{claim.reason!r}: return None unless the checkpoint is in your format, or every user who "
                   "installs the backend loses dense loading")
 
+    def test_declares_the_contract_of_the_features_it_uses(self) -> None:
+        """QUANTPLUG_CONTRACT is at least the version of every hook, ``quantplug.api`` name and
+        optional ``LinearScheme`` member the backend's package uses (``quantplug.testing.contract``):
+        an older declaration lets an older quantplug accept a plugin it cannot run."""
+        from .contract import shortfall
+
+        missing = shortfall(self.plugin_object())
+        if missing:
+            _fail(f"[contract version] backend {self.backend!r}: " + "; ".join(missing[:6])
+                  + f"; declare QUANTPLUG_CONTRACT = {max(m.split('needs contract ')[1].split(',')[0] for m in missing)!r}")
+
     @pytest.mark.parametrize("fmt", sorted(FORMATS))
     def test_does_not_claim_other_formats(self, quantplug_kit: _Kit, fmt: str) -> None:
         """The tiny fixtures of the bundled formats are not claimed (two claims are ambiguous)."""

@@ -31,8 +31,6 @@ BITS = (4, 8)
 #: AutoRound ``packing_format`` values -> the layout they store
 PACKING_FORMATS = {"auto_round:auto_gptq": "gptq", "auto_round:gptq": "gptq", "auto_gptq": "gptq",
                    "auto_round:auto_awq": "awq", "auto_round:awq": "awq", "auto_awq": "awq"}
-#: the override keys read from GPTQModel ``dynamic`` / auto-round ``extra_config`` entries
-OVERRIDES = ("bits", "group_size", "sym", "desc_act")
 #: auto-round ``data_type`` values of a layer left in float
 FLOAT_TYPES = ("float", "fp", "bf16", "fp16")
 
