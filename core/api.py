@@ -23,6 +23,8 @@ Groups:
 * reading: :func:`read_gguf_header` / :class:`GGUFHeader`, :data:`GGUF_FLOATS`,
   :data:`TORCH_DTYPES`, :data:`SAFETENSORS_DTYPES`, :func:`read_into`; :func:`contained` /
   :func:`check_inside` (a file name read from checkpoint metadata must stay inside its directory);
+* run-time statistics (1.5): :class:`StatsSource` (``stats() -> Mapping[str, float]``),
+  :func:`expose_stats` (a backend registers one on the loaded model), :func:`stats_sources`;
 * exporting: :func:`dense_state` (a loaded model back to dense tensors, hub layout),
   :func:`named_linears`, :func:`convert_expert_layout`, :func:`plan_of`;
 * adding an architecture (``quantplug_architectures``): :class:`ArchSpec`, :class:`PlanOracle`
@@ -77,6 +79,7 @@ from .models.config import ModelConfig, RopeConfig
 from .models.deepseek import MLA, Embedding, Experts, PlanOracle
 from .models.registry import ArchSpec
 from .plan import LoadPlan
+from .stats import StatsSource, expose_stats, stats_sources
 from .types import (
     FLOAT_DTYPES,
     SAFETENSORS_DTYPES,
@@ -260,6 +263,8 @@ __all__ = [
     "check_inside", "contained", "ggml_types", "read_gguf_header", "read_into", "storage_shape",
     # validated config reading (1.4)
     "Fields", "config_fields", "quant_config_fields", "read_json", "sidecar_fields",
+    # run-time statistics (1.5)
+    "StatsSource", "expose_stats", "stats_sources",
     # exporting
     "convert_expert_layout", "dense_state", "named_linears", "option", "plan_of", "unsplit_features",
     # adding an architecture

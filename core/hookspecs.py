@@ -76,11 +76,14 @@ PROJECT = "quantplug"
 #:   in quantplug 0.4.0, the release of 1.3): ``Exclusions`` / ``ALIASES`` / ``modules_of``
 #:   (exclusion lists), ``ggml`` / ``native`` (the core's kernels), ``read_json``,
 #:   ``config_fields``, ``sidecar_fields``.
+#: * 1.5: ``quantplug.api.StatsSource`` / ``expose_stats`` / ``stats_sources``: counters a backend
+#:   exposes on a loaded model (from ``quantplug_process_after_loading``), read by ``quantplug
+#:   generate`` and users through a declared protocol instead of a backend's attributes.
 #:
 #: A plugin declares at least the version of every feature it uses (:data:`API_SINCE`,
 #: :data:`SCHEME_SINCE`, each hook's ``versionadded``); ``quantplug.testing.contract`` checks it
 #: and the conformance kit runs that check.
-CONTRACT_VERSION = "1.4"
+CONTRACT_VERSION = "1.5"
 #: When each name of ``quantplug.api`` entered the contract; names not listed date from 1.1, when
 #: ``quantplug.api`` itself was added.
 API_SINCE: dict[str, str] = {
@@ -89,6 +92,7 @@ API_SINCE: dict[str, str] = {
     "ActQuant": "1.4", "Form": "1.4", "Weights": "1.4", "OptionSpec": "1.4", "Fields": "1.4", "config_fields": "1.4",
     "quant_config_fields": "1.4", "sidecar_fields": "1.4", "read_json": "1.4", "ALIASES": "1.4", "Exclusions": "1.4",
     "modules_of": "1.4", "ggml": "1.4", "native": "1.4",
+    "StatsSource": "1.5", "expose_stats": "1.5", "stats_sources": "1.5",
 }
 #: When each optional ``LinearScheme`` member a scheme may define entered the contract (members
 #: not listed: 1.0).
@@ -412,15 +416,18 @@ def quantplug_process_after_loading(model: torch.nn.Module, quant_config: Any, o
     """Post-process the whole model after every tensor is loaded (and each scheme's own
     ``process_after_loading`` has run).
 
-    Backend hook, called once per load on the selected backend; return value ignored.
+    Backend hook, called once per load on the selected backend; return value ignored. A backend
+    that serves weights at run time exposes its counters here with
+    ``quantplug.api.expose_stats(model, name, source)`` (1.5): ``quantplug generate`` reports them
+    (``expert_reads`` / ``bytes_read`` with a meaning it relies on, see ``quantplug.stats``).
 
     .. versionadded:: 1.0
 
     Example::
 
         @hookimpl
-        def quantplug_process_after_loading(model):
-            model.language_model.config_note = "mxfp4"
+        def quantplug_process_after_loading(model, quant_config, options):
+            expose_stats(model, "expert_cache", quant_config.cache(options))  # .stats() -> counters
     """
 
 

@@ -382,7 +382,10 @@ class ExpertCache:
         return len(self._items) * self.slot_bytes
 
     def stats(self) -> dict[str, int]:
+        """Counters (``quantplug.api.StatsSource``): ``expert_reads`` (= ``misses``, experts read
+        from the pack) and ``bytes_read`` are the ones ``quantplug generate`` reports."""
         return {"budget_bytes": self.budget, "slot_bytes": self.slot_bytes, "slots": self.n_slots,
                 "resident_bytes": self.resident, "hits": self.hits, "misses": self.misses,
+                "expert_reads": self.misses,
                 "evictions": self.evictions, "bytes_read": self.bytes_read, "experts_cached": len(self._items),
                 "unpinned_reads": self.unpinned_reads}
