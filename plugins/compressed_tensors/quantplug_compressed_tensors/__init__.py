@@ -138,11 +138,13 @@ def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Seque
     kernels = option(options, "kernels", "exact", KERNELS)
     if layer_kind == "embedding":
         group, why = qc.group_for(layer_name)
-        hit = group is not None and any(not t.startswith("re:") and t not in LINEAR_CLASSES
-                                        or t.startswith("re:") and match_name(layer_name, t) for t in group.targets)
+        if group is None:
+            return None
+        hit = any(not t.startswith("re:") and t not in LINEAR_CLASSES
+                  or t.startswith("re:") and match_name(layer_name, t) for t in group.targets)
         info = checkpoint.get(f"{layer_name}.weight")
         if hit and (info is None or not info.is_float):
-            return refuse(layer_name, f"config_groups.{group.name}.targets",  # type: ignore[union-attr]
+            return refuse(layer_name, f"config_groups.{group.name}.targets",
                           "quantized embeddings are not supported by quantplug-compressed-tensors")
         return None
     if layer_kind not in ("linear", "experts"):

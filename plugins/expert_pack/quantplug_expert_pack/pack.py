@@ -262,7 +262,7 @@ class ExpertPack:
         start, length = self.expert_span(layer, expert)
         if out is None:
             out = torch.empty(length, dtype=torch.uint8)
-        view = memoryview(out.numpy()).cast("B")[:length]  # type: ignore[arg-type]  # numpy arrays are buffers
+        view = out.numpy().data.cast("B")[:length]
         got = 0
         fd = self._fileno()
         while got < length:
