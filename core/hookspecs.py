@@ -78,7 +78,8 @@ PROJECT = "quantplug"
 #:   ``config_fields``, ``sidecar_fields``.
 #: * 1.5: ``quantplug.api.StatsSource`` / ``expose_stats`` / ``stats_sources``: counters a backend
 #:   exposes on a loaded model (from ``quantplug_process_after_loading``), read by ``quantplug
-#:   generate`` and users through a declared protocol instead of a backend's attributes.
+#:   generate`` and users through a declared protocol instead of a backend's attributes;
+#:   ``quantplug.api.stored_dtype`` (what a module's weight is stored as, fused experts included).
 #:
 #: A plugin declares at least the version of every feature it uses (:data:`API_SINCE`,
 #: :data:`SCHEME_SINCE`, each hook's ``versionadded``); ``quantplug.testing.contract`` checks it
@@ -92,7 +93,7 @@ API_SINCE: dict[str, str] = {
     "ActQuant": "1.4", "Form": "1.4", "Weights": "1.4", "OptionSpec": "1.4", "Fields": "1.4", "config_fields": "1.4",
     "quant_config_fields": "1.4", "sidecar_fields": "1.4", "read_json": "1.4", "ALIASES": "1.4", "Exclusions": "1.4",
     "modules_of": "1.4", "ggml": "1.4", "native": "1.4",
-    "StatsSource": "1.5", "expose_stats": "1.5", "stats_sources": "1.5",
+    "StatsSource": "1.5", "expose_stats": "1.5", "stats_sources": "1.5", "stored_dtype": "1.5",
 }
 #: When each optional ``LinearScheme`` member a scheme may define entered the contract (members
 #: not listed: 1.0).

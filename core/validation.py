@@ -46,19 +46,29 @@ def json_depth_ok(text: str, limit: int = MAX_JSON_DEPTH) -> bool:
     return True
 
 
-def read_json(path: Path, *, error: type[Exception] = ConfigError, max_bytes: int = MAX_JSON_BYTES) -> Any:
-    """Parse a JSON file with its size and nesting bounded first; failures name the file."""
+def read_bounded(path: Path, max_bytes: int, *, error: type[Exception] = ConfigError, what: str = "") -> bytes:
+    """A file's bytes, its size checked against ``max_bytes`` before it is read; failures name the file."""
     try:
         size = path.stat().st_size
         if size > max_bytes:
-            raise error(f"{path}: {size:,} bytes, more than the {max_bytes:,} accepted for a JSON file")
-        raw = path.read_bytes()
+            raise error(f"{path}: {size:,} bytes, more than the {max_bytes:,} accepted{what}")
+        return path.read_bytes()
     except OSError as exc:
         raise error(f"{path}: cannot read ({exc.strerror})") from None
+
+
+def read_text(path: Path, max_bytes: int, *, error: type[Exception] = ConfigError, what: str = "") -> str:
+    """:func:`read_bounded`, decoded as UTF-8 (an invalid byte: ``error`` naming the file and its offset)."""
+    raw = read_bounded(path, max_bytes, error=error, what=what)
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise error(f"{path}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def read_json(path: Path, *, error: type[Exception] = ConfigError, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """Parse a JSON file with its size and nesting bounded first; failures name the file."""
+    text = read_text(path, max_bytes, error=error, what=" for a JSON file")
     if not json_depth_ok(text):
         raise error(f"{path}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
     try:

@@ -418,3 +418,12 @@ def test_api_since_names_exist():
 
     assert set(hookspecs.API_SINCE) <= set(api.__all__)
     assert all(hasattr(LinearScheme, m) for m in hookspecs.SCHEME_SINCE if m != "reason")
+
+
+def test_stored_dtype_reads_weights_and_fused_expert_stacks(tmp_path):
+    cfg = tiny_config(num_hidden_layers=2)
+    path = write_checkpoint(tmp_path / "f", cfg, random_state(cfg, layout="fused"))
+    ckpt = api.Checkpoint.open(path)
+    assert api.stored_dtype(ckpt, "model.layers.0.self_attn.q_a_proj") == ("F32", False)
+    assert api.stored_dtype(ckpt, "model.layers.1.mlp.experts.gate_up_proj") == ("F32", True)
+    assert api.stored_dtype(ckpt, "model.layers.1.mlp.experts.0.gate_proj") == (None, False)

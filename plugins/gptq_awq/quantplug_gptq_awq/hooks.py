@@ -1,18 +1,31 @@
-"""The hook implementations shared by the ``gptq`` and ``awq`` backends (each entry-point module
-answers for its own packing: AutoRound's ``packing_format`` picks which one claims)."""
+"""The hook implementations shared by the ``gptq`` and ``awq`` backends: each entry-point module
+imports the shared hooks below and answers ``quantplug_detect`` / ``quantplug_export`` for its own
+packing (AutoRound's ``packing_format`` picks which one claims)."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from quantplug.api import Claim, DenseScheme, OptionSpec, Problem, quant_config_fields, refuse
+from quantplug.api import (
+    Claim,
+    DenseScheme,
+    OptionSpec,
+    Problem,
+    hookimpl,
+    quant_config_fields,
+    refuse,
+    stored_dtype,
+)
 
 from .config import IntConfig, packing_of
 from .kernels import AWQ, gptq
 from .scheme import IntPackScheme
 
+#: the hook-contract version both backends are written for
+CONTRACT = "1.5"
 #: tensors only a quantized module stores (an excluded module holding one is a plan error)
 QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 LINEAR = re.compile(r"\.(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|gate_proj|up_proj|down_proj)$")
@@ -43,15 +56,22 @@ def _stored(checkpoint: Any, module: str) -> tuple[str | None, bool]:
     """(what ``module`` stores: "packed" | a float dtype | None, whether it is a fused expert tensor)."""
     if checkpoint.get(f"{module}.qweight") is not None:
         return "packed", False
-    info = checkpoint.get(f"{module}.weight")
-    if info is not None:
-        return info.dtype, False
-    info = checkpoint.get(module)
-    return (info.dtype, True) if info is not None else (None, False)
+    return stored_dtype(checkpoint, module)
 
 
-def linear_scheme(layer_name: str, layer_kind: str, shard_names: Sequence[str], quant_config: IntConfig,
-                  checkpoint: Any) -> Any:
+@hookimpl
+def quantplug_options() -> list[OptionSpec]:
+    return list(EXPORT_OPTIONS)  # no load options of their own (the core's apply)
+
+
+@hookimpl
+def quantplug_resolve_prefix(quant_config: IntConfig) -> str:
+    return quant_config.prefix
+
+
+@hookimpl
+def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Sequence[str], quant_config: IntConfig,
+                            checkpoint: Any) -> Any:
     qc = quant_config
     if layer_kind == "embedding":
         if _stored(checkpoint, layer_name)[0] == "packed":
@@ -95,7 +115,9 @@ def linear_scheme(layer_name: str, layer_kind: str, shard_names: Sequence[str], 
     return IntPackScheme(pack, lq, why)
 
 
-def validate_plan(plan: Any, qc: IntConfig, kind: str) -> list[Problem]:
+@hookimpl
+def quantplug_validate_plan(plan: Any, quant_config: IntConfig) -> list[Problem]:
+    qc, kind = quant_config, f"{quant_config.packing}-name"
     tensors = plan.checkpoint.tensors
     problems = qc.exclude.problems(tensors, QUANT_SUFFIXES, kind=kind)
     for name, info in tensors.items():
@@ -110,3 +132,23 @@ def validate_plan(plan: Any, qc: IntConfig, kind: str) -> list[Problem]:
                                     f"({lq.describe()}); it loads as stored (is an exclusion missing?)",
                                     layer=module, severity="warning", kind=f"{kind}-float"))
     return problems
+
+
+def backend(packing: str) -> dict[str, Any]:
+    """The namespace of entry-point module ``packing`` ("gptq" | "awq"): its contract version, the
+    shared hooks, and ``quantplug_detect`` / ``quantplug_export`` for this packing."""
+
+    @hookimpl
+    def quantplug_detect(checkpoint: Any) -> Claim | None:
+        return detect(checkpoint, packing)
+
+    @hookimpl
+    def quantplug_export(model: Any, destination: Path, options: Mapping[str, Any], plan: Any) -> Any:
+        from .export import export_int
+
+        return export_int(model, plan, destination, options, packing)
+
+    return {"QUANTPLUG_CONTRACT": CONTRACT, "__version__": "0.1.0", "quantplug_detect": quantplug_detect,
+            "quantplug_export": quantplug_export, "quantplug_options": quantplug_options,
+            "quantplug_resolve_prefix": quantplug_resolve_prefix, "quantplug_linear_scheme": quantplug_linear_scheme,
+            "quantplug_validate_plan": quantplug_validate_plan}
