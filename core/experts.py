@@ -151,8 +151,11 @@ class _Entry:
 class ExpertCache:
     """The model's experts in memory: at most ``budget`` bytes of them, least recently used out.
 
-    Statistics (``stats()``): requests, hits, misses, bytes read, evictions, prefetches issued,
-    prefetched experts later requested, the most bytes ever resident (``peak_bytes``)."""
+    Statistics (``stats()``, exposed on the model as ``quantplug.api.stats_sources(model)
+    ["expert_cache"]``): requests, hits, misses, ``expert_reads`` and ``bytes_read`` (experts read
+    from the files, prefetches included), evictions, prefetches issued, prefetched experts later
+    requested, prefetches dropped for want of room, the most bytes ever resident
+    (``peak_bytes``)."""
 
     def __init__(self, budget: int, workers: int = READERS) -> None:
         self.budget = budget
@@ -163,7 +166,8 @@ class ExpertCache:
         self._lock = threading.RLock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="quantplug-experts")
         self._local = threading.local()
-        self.counts = {"requests": 0, "hits": 0, "misses": 0, "bytes_read": 0, "evictions": 0, "prefetched": 0,
+        self.counts = {"requests": 0, "hits": 0, "misses": 0, "expert_reads": 0, "bytes_read": 0, "evictions": 0,
+                       "prefetched": 0,
                        "prefetch_hits": 0, "prefetch_dropped": 0, "peak_bytes": 0}
 
     def stats(self) -> dict[str, float]:
@@ -225,7 +229,6 @@ class ExpertCache:
                 self._make_room(nbytes)
                 e = self._lru[key] = _Entry(layers, nbytes)
                 self.used += nbytes
-                self.counts["bytes_read"] += store.slot_bytes
                 self.counts["peak_bytes"] = max(self.counts["peak_bytes"], self.used)
             return e
 
@@ -322,6 +325,9 @@ class ExpertStore:
             lin.qp_finish()
             nbytes += sum(t.numel() * t.element_size() for t in (*lin.parameters(), *lin.buffers()))
             layers.append(lin)
+        with self.cache._lock:
+            self.cache.counts["expert_reads"] += 1
+            self.cache.counts["bytes_read"] += self.slot_bytes
         return (layers[0], layers[1], layers[2]), nbytes
 
     # -- compute --------------------------------------------------------------------------------
