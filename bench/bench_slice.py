@@ -4,6 +4,8 @@
     python bench/bench_slice.py /tmp/dsv3-slice4 --cache-gb 4 --tokens 16
     python bench/bench_slice.py /tmp/dsv3-slice4 --cache-gb 4 --compare readers   # 1 vs 4 reader threads
     python bench/bench_slice.py /tmp/dsv3-slice4 --cache-gb 4 --compare prefetch  # expert_prefetch on / off
+    python bench/make_dsv3_slice.py --out /tmp/dsv3-slice2 --layers 2      # 15.8 GB: fits in memory
+    python bench/bench_slice.py /tmp/dsv3-slice2 --cache-gb 0 --tokens 8   # all in memory: vs memory bandwidth
 
 Each run is a fresh process: plan (headers only), load with ``expert_cache_mb`` (bfloat16 model),
 a forward of the prompt, then greedy decode of ``--tokens`` tokens through the latent cache. The
@@ -14,6 +16,9 @@ cache's hit rate, bytes the cache requested per decode token, and bytes the proc
 device per decode token (``/proc/self/io`` ``read_bytes``). The physical bound to compare with is
 ``device bytes per token / disk bandwidth``; the bandwidth is measured here too, reading the
 checkpoint's expert tensors cold with positional reads of one expert tensor each (1 and N threads).
+``--cache-gb 0`` loads every weight into memory instead (no page-cache drop needed: the weights are
+read at load) and reports decode against the memory-bandwidth bound: weight bytes one token reads
+(``token_bytes``) / the bandwidth of ``torch.dot`` over 2 GB in the same process.
 ``--compare`` runs two settings alternately (A B A B ...), each in a fresh process.
 """
 
@@ -28,6 +33,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 GB = 1e9
 
@@ -116,10 +122,95 @@ def _rss_gib() -> float:
     return _status_kb("VmRSS") / (1 << 20)
 
 
+def token_bytes(lm: Any) -> tuple[int, dict[str, int]]:
+    """Weight bytes one decoded token reads from memory: every parameter and buffer once (shared
+    storage once), the routed experts' stacks at ``top_k / n_routed_experts`` of their bytes (one
+    token runs top_k experts per MoE layer), the embedding table not at all (one row)."""
+    cfg = lm.config
+    frac = cfg.num_experts_per_tok / cfg.n_routed_experts
+    seen: set[int] = set()
+    parts = {"lm_head": 0, "routed experts": 0, "other": 0}
+    for name, t in [*lm.named_parameters(), *lm.named_buffers()]:
+        key = int(t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size())
+        if key in seen or "embed_tokens" in name:
+            continue
+        seen.add(key)
+        n = t.numel() * t.element_size()
+        if ".experts." in name and "shared_experts" not in name:
+            parts["routed experts"] += int(n * frac)
+        elif "lm_head" in name:
+            parts["lm_head"] += n
+        else:
+            parts["other"] += n
+    return sum(parts.values()), parts
+
+
+def memory_bandwidth(gbytes: float = 2.0, reps: int = 7) -> float:
+    """GB/s of this process streaming a float32 tensor of ``gbytes`` through ``torch.dot(x, x)``
+    (BLAS, torch's threads; each element read once): the best of ``reps``. The fastest streaming
+    read found in torch here (2 threads: dot 27 GB/s, ``sum`` 14.5, ``max`` 11.8), so the bound it
+    gives is the tightest."""
+    import torch
+
+    x = torch.ones(int(gbytes * GB) // 4)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.dot(x, x)
+        best = min(best, time.perf_counter() - t0)
+    del x
+    return gbytes / best
+
+
+def child_in_memory(args: argparse.Namespace) -> dict:
+    """Every weight in memory (no ``expert_cache_mb``), warm: decode against the memory bound."""
+    import quantplug
+    import torch
+
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    model = quantplug.load(args.root, dtype=torch.bfloat16, progress=False)
+    load_s = time.perf_counter() - t0
+    rss_load = _rss_gib()
+    lm = model.text_lm()
+    per_token, parts = token_bytes(lm)
+    ids = torch.randint(0, lm.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(args.seed))
+    from quantplug.generate import new_cache
+
+    kv = new_cache(lm, 1, args.prompt + args.tokens)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        logits = lm.next_logits(ids, kv)
+        prefill_s = time.perf_counter() - t0
+        toks, steps = [], []
+        for _ in range(args.tokens):
+            t = int(logits.argmax())
+            toks.append(t)
+            t0 = time.perf_counter()
+            logits = lm.next_logits(torch.tensor([[t]]), kv)
+            steps.append(time.perf_counter() - t0)
+    bw = memory_bandwidth()
+    steps.sort()
+    median = steps[len(steps) // 2]
+    bound = bw / (per_token / GB)
+    return {
+        "mode": "in-memory", "threads": args.threads, "prompt": args.prompt, "tokens": args.tokens,
+        "load_s": round(load_s, 2), "rss_after_load_gib": round(rss_load, 2),
+        "peak_rss_gib": round(_status_kb("VmHWM") / (1 << 20), 2), "prefill_s": round(prefill_s, 2),
+        "decode_ms_median": round(median * 1e3, 1), "tokens_per_s": round(1 / median, 3),
+        "gb_per_token": round(per_token / GB, 3), **{f"gb_per_token_{k.replace(' ', '_')}": round(v / GB, 3)
+                                                     for k, v in parts.items()},
+        "memory_GBps": round(bw, 2), "bound_tokens_per_s": round(bound, 3),
+        "fraction_of_bound": round(1 / median / bound, 3), "tokens_out": toks,
+    }
+
+
 def child(args: argparse.Namespace) -> dict:
     import quantplug
     import torch
 
+    if args.cache_gb <= 0:
+        return child_in_memory(args)
     torch.set_num_threads(args.threads)
     opts = {"expert_cache_mb": args.cache_gb * 1024, "expert_readers": args.readers,
             "expert_prefetch": not args.no_prefetch}
@@ -189,7 +280,8 @@ def run_child(args: argparse.Namespace, extra: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("root", type=Path)
-    ap.add_argument("--cache-gb", type=float, default=4.0)
+    ap.add_argument("--cache-gb", type=float, default=4.0,
+                    help="expert cache budget, GB; 0: every weight in memory, warm, against the memory-bandwidth bound")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=8)
     ap.add_argument("--readers", type=int, default=4)
@@ -205,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(args)))
         return 0
     res: dict = {"root": str(args.root)}
-    if args.bandwidth_gb > 0:
+    if args.bandwidth_gb > 0 and args.cache_gb > 0:
         res["disk_GBps_1_thread"] = round(bandwidth(args.root, args.bandwidth_gb, 1), 3)
         res["disk_GBps_4_threads"] = round(bandwidth(args.root, args.bandwidth_gb, 4, seed=1), 3)
     settings = {"readers": [["--readers", "1"], ["--readers", "4"]],
@@ -219,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(r)
     res["runs"] = runs
     bw = res.get("disk_GBps_4_threads")
-    if bw:
+    if bw and args.cache_gb > 0:
         for r in runs:  # the physical bound: the bytes each token had to read at the disk's bandwidth
             r["bound_tokens_per_s"] = round(bw / r["device_gb_per_token"], 3) if r["device_gb_per_token"] else None
     print(json.dumps(res, indent=1))

@@ -48,7 +48,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -867,22 +867,6 @@ def materialize_sliced(plan: LoadPlan, pp: ParamPlan, device: torch.device, stag
         dst = out if src.slot is None else out[src.slot]
         read_slices(plan.checkpoint.fd(info.file), info, src.slices or (), dst, stage, stage_bytes)
     return out if device.type == "cpu" else out.to(device)
-
-
-def describe(par: ParallelPlan | Mapping[str, Any]) -> str:
-    """Text for ``quantplug plan --tp N``: per-rank bytes and every split decision."""
-    d = par.to_dict() if isinstance(par, ParallelPlan) else par
-    lines = [f"tensor parallel: {d['world_size']} ranks; replicated {d['replicated_bytes']:,} bytes, "
-             f"split {d['sharded_bytes']:,} bytes (bound per rank {d['bound_bytes']:,})"]
-    for r, b in enumerate(d["rank_bytes"]):
-        lines.append(f"  rank {r}: reads {b:,} bytes")
-    counts: dict[str, int] = {}
-    for dec in d["decisions"]:
-        counts[dec["value"]] = counts.get(dec["value"], 0) + 1
-    lines.append("  splits: " + ", ".join(f"{v} x{n}" for v, n in sorted(counts.items())))
-    for dec in d["decisions"]:
-        lines.append(f"  {dec['target']}: {dec['value']} ({dec['reason']})")
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------

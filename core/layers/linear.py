@@ -494,7 +494,9 @@ class StackedLayout(StackLayout):
 class StackedLinear(PlannedModule):
     """``n`` linears of one shape stored as one stacked tensor per spec: routed experts
     (``[E, out, in]``) or split MLA K/V per head. ``layout`` (a :class:`StackLayout`) says where
-    the stacked tensors come from."""
+    the stacked tensors come from. Routed experts served from the checkpoint's files
+    (``expert_cache_mb``) keep this module's specs and layout but load no stacked tensors: the
+    expert cache (:mod:`quantplug.experts`) reads one expert's slices at a time."""
 
     def __init__(self, n: int, in_features: int, out_features: int, scheme: LinearScheme, ckpt: str,
                  layout: StackLayout | tuple, model_dtype: torch.dtype) -> None:

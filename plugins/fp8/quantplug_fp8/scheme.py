@@ -14,8 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-from quantplug.api import ActQuant, Form, LinearScheme, SplitRule, TensorSpec, Weights
-from torch import nn
+from quantplug.api import ActQuant, Form, Layer, LinearScheme, SplitRule, TensorSpec, Weights
 
 from . import kernels
 
@@ -70,16 +69,16 @@ class FP8BlockScheme(LinearScheme):
             return {"weight": SplitRule(0, bn, bn), "weight_scale_inv": SplitRule(0, bn, 1)}
         return {"weight": SplitRule(1, bk, bk), "weight_scale_inv": SplitRule(1, bk, 1)}
 
-    def _parts(self, layer: nn.Module, index: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        w: torch.Tensor = layer.weight  # type: ignore[assignment]
-        s: torch.Tensor = layer.weight_scale_inv  # type: ignore[assignment]
+    def _parts(self, layer: Layer, index: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        w: torch.Tensor = layer.weight
+        s: torch.Tensor = layer.weight_scale_inv
         return (w, s) if index is None else (w[index], s[index])
 
-    def dequantize(self, layer: nn.Module, index: int | None = None) -> torch.Tensor:
+    def dequantize(self, layer: Layer, index: int | None = None) -> torch.Tensor:
         w, s = self._parts(layer, index)
-        return kernels.dequantize(w, s, self.block, layer.model_dtype)  # type: ignore[arg-type]
+        return kernels.dequantize(w, s, self.block, layer.model_dtype)
 
-    def form(self, layer: nn.Module) -> Weights:
+    def form(self, layer: Layer) -> Weights:
         """FP8 E4M3 codes with float32 scales per [block[0], block[1]] tile; DeepSeek's act_quant
         (per token, groups of block[1], amax floor 1e-4, ue8m0 as configured) as the form's
         activation quantization."""
@@ -89,8 +88,8 @@ class FP8BlockScheme(LinearScheme):
         return Weights(Form("FP8", scale="F32", group=bk, rows=bn, act=act), layer.weight,
                        scale=layer.weight_scale_inv)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
+    def apply(self, layer: Layer, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
         if self.activation_quant == "dynamic":
             x = kernels.act_quant(x, self.block[1], self.scale_fmt)
         w, s = self._parts(layer, index)
-        return kernels.linear(x, w, s, self.block, layer.model_dtype)  # type: ignore[arg-type]
+        return kernels.linear(x, w, s, self.block, layer.model_dtype)

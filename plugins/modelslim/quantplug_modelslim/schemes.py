@@ -1,6 +1,9 @@
 """msModelSlim linear schemes, int8 / int4 weights kept packed in memory.
 
-Numerics (FORMATS.md; reproduce msmodelslim's fake-quant logits): weight
+Numerics (msmodelslim 26.1.0: ``msmodelslim/core/quant_service/modelslim_v1/save/ascendv1.py`` and
+``.../save/utils/pack.py`` for the stored tensors, its fake-quant modules for the activations;
+vllm-ascend ``vllm_ascend/quantization/modelslim_config.py``; checked by reproducing
+msmodelslim's fake-quant logits on the vendor fixtures): weight
 w = (w_q - weight_offset) * weight_scale. W8A8 static activations
 q = clamp(round(x / input_scale + input_offset), -128, 127). Dynamic activations per token,
 either "msmodelslim" (asymmetric: lo = min(min x, 0), hi = max(max x, 0), s = (hi - lo) / 255,
