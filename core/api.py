@@ -23,6 +23,7 @@ Groups:
 * reading: :func:`read_gguf_header` / :class:`GGUFHeader`, :data:`GGUF_FLOATS`,
   :data:`TORCH_DTYPES`, :data:`SAFETENSORS_DTYPES`, :func:`read_into`; :func:`contained` /
   :func:`check_inside` (a file name read from checkpoint metadata must stay inside its directory);
+  :data:`qpack` (the version-2 expert pack of safetensors checkpoints: its layout and reader);
 * exporting: :func:`dense_state` (a loaded model back to dense tensors, hub layout),
   :func:`named_linears`, :func:`convert_expert_layout`, :func:`plan_of`;
 * adding an architecture (``quantplug_architectures``): :class:`ArchSpec`, :class:`PlanOracle`
@@ -45,7 +46,7 @@ from typing import Any, TypeAlias
 import torch
 from torch import nn
 
-from .checkpoint import TORCH_DTYPES, Checkpoint, storage_shape
+from .checkpoint import TORCH_DTYPES, Checkpoint, qpack, storage_shape
 from .checkpoint.gguf_index import GGUF_FLOATS, GGUFHeader, SkippedArray, ggml_types, read_gguf_header
 from .errors import (
     AmbiguousBackendError,
@@ -310,7 +311,7 @@ __all__ = [
     "Checkpoint", "LoadPlan", "ModelConfig", "RopeConfig",
     # reading
     "FLOAT_DTYPES", "GGUF_FLOATS", "GGUFHeader", "SAFETENSORS_DTYPES", "SkippedArray", "TORCH_DTYPES",
-    "check_inside", "contained", "ggml_types", "read_gguf_header", "read_into", "storage_shape",
+    "check_inside", "contained", "ggml_types", "qpack", "read_gguf_header", "read_into", "storage_shape",
     # validated config reading (1.4)
     "Fields", "config_fields", "quant_config_fields", "read_json", "sidecar_fields",
     # exporting
