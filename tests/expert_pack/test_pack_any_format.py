@@ -223,7 +223,7 @@ def test_cli_builds_a_safetensors_checkpoint(tmp_path, capsys):
     assert main(["expert-pack", "build", str(src), "-o", str(tmp_path / "dst")]) == 0
     out = capsys.readouterr().out
     assert "experts.qpack: 2 MoE layers x 8 experts, 96 payloads (pack version 2)" in out
-    assert "model.safetensors, model.safetensors.index.json" in out
+    assert "written: model.safetensors, model.safetensors.index.json" in out
     assert main(["plan", str(tmp_path / "dst")]) == 0
 
 

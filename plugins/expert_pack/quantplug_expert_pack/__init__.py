@@ -291,10 +291,13 @@ def _cmd_build(args: argparse.Namespace) -> int:
               "--in-place (rewrite SRC's weight files)", file=sys.stderr)
         return 2
     res = build_pack(args.path, None if args.in_place else args.output, alignment=args.alignment)
-    rewritten = [p.name for p in (*res.gguf_files, *res.shards)] + [f"{d} (dropped)" for d in res.dropped]
-    print(f"{res.pack}: {res.layers} MoE layers x {res.experts} experts, {res.entries} payloads "
-          f"(pack version {1 if res.format == 'gguf' else 2}), {res.moved_bytes:,} bytes moved out of "
-          f"{', '.join(rewritten)}")
+    if res.format == "gguf":
+        print(f"{res.pack}: {res.layers} MoE layers x {res.experts} experts x 3 roles = {res.entries} entries, "
+              f"{res.moved_bytes:,} bytes moved out of {', '.join(p.name for p in res.gguf_files)}")
+        return 0
+    rewritten = [p.name for p in res.shards] + [f"{d} (dropped)" for d in res.dropped]
+    print(f"{res.pack}: {res.layers} MoE layers x {res.experts} experts, {res.entries} payloads (pack version 2), "
+          f"{res.moved_bytes:,} bytes moved out of the shards; written: {', '.join(rewritten)}")
     return 0
 
 
