@@ -130,7 +130,9 @@ def child(args: argparse.Namespace) -> dict:
     model = quantplug.load(args.root, options=opts, dtype=torch.bfloat16, progress=False)
     load_s = time.perf_counter() - t0
     rss_load = _rss_gib()
-    cache = model.expert_cache
+    from quantplug.api import stats_sources
+
+    cache = stats_sources(model)["expert_cache"]
     lm = model.text_lm()
     vocab = lm.config.vocab_size
     ids = torch.randint(0, vocab, (1, args.prompt), generator=torch.Generator().manual_seed(args.seed))

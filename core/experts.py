@@ -63,15 +63,20 @@ class _Piece:
         return n if self.info.format != "gguf" or self.info.dtype in GGUF_FLOATS else self.info.nbytes
 
 
-def _slot_piece(pp: Any, slot: int) -> _Piece | str:
-    """The bytes of stacked parameter ``pp``'s slot ``slot`` as one piece, or why not."""
+def _slot_pieces(pp: Any, n: int) -> list[_Piece] | str:
+    """The bytes of each of stacked parameter ``pp``'s ``n`` slots as one piece each, or why not."""
     sources = pp.sources
-    per_slot = [(s, i) for s, i in sources if s.slot is not None]
-    if per_slot:
-        hit = [(s, i) for s, i in per_slot if s.slot == slot]
-        if len(hit) != 1 or hit[0][0].slices is not None or hit[0][0].narrow is not None:
-            return f"slot {slot} is not one whole stored tensor"
-        return _Piece(hit[0][1], pp.dtype)
+    if any(s.slot is not None for s, _ in sources):  # one stored tensor per expert
+        by_slot: dict[int, list[tuple[Any, TensorInfo]]] = {}
+        for s, i in sources:
+            by_slot.setdefault(s.slot, []).append((s, i))
+        out = []
+        for slot in range(n):
+            hit = by_slot.get(slot, [])
+            if len(hit) != 1 or hit[0][0].slices is not None or hit[0][0].narrow is not None:
+                return f"slot {slot} is not one whole stored tensor"
+            out.append(_Piece(hit[0][1], pp.dtype))
+        return out
     if len(sources) != 1:
         return f"{len(sources)} stored tensors feed it"
     src, info = sources[0]
@@ -84,16 +89,16 @@ def _slot_piece(pp: Any, slot: int) -> _Piece | str:
     if not shape or info.nbytes % shape[0]:
         return f"stored shape {list(info.shape)} has no expert axis"
     slab = info.nbytes // shape[0]
-    offset, rest = info.offset + (first + slot) * slab, list(info.shape[1:])
-    nbytes = slab
+    rest, start, nbytes = list(info.shape[1:]), 0, slab
     if src.narrow is not None:  # a fused gate / up half: its rows, contiguous within the slab
         axis, start, length = src.narrow
         if axis != 1 or len(shape) < 3:
             return f"a narrow {src.narrow} along an axis other than the rows"
         row = slab // shape[1]
-        offset, nbytes, rest[0] = offset + start * row, length * row, length
-    return _Piece(dataclasses.replace(info, name=f"{info.name}[{first + slot}]", shape=tuple(rest), offset=offset,
-                                      nbytes=nbytes), pp.dtype)
+        start, nbytes, rest[0] = start * row, length * row, length
+    return [_Piece(dataclasses.replace(info, name=f"{info.name}[{first + slot}]", shape=tuple(rest),
+                                       offset=info.offset + (first + slot) * slab + start, nbytes=nbytes), pp.dtype)
+            for slot in range(n)]
 
 
 def _read(ckpt: Any, piece: _Piece) -> torch.Tensor:
@@ -147,8 +152,11 @@ class _Entry:
 class ExpertCache:
     """The model's experts in memory: at most ``budget`` bytes of them, least recently used out.
 
-    Statistics (``stats()``): requests, hits, misses, bytes read, evictions, prefetches issued,
-    prefetched experts later requested, the most bytes ever resident (``peak_bytes``)."""
+    Statistics (``stats()``, exposed on the model as ``quantplug.api.stats_sources(model)
+    ["expert_cache"]``): requests, hits, misses, ``expert_reads`` and ``bytes_read`` (experts read
+    from the files, prefetches included), evictions, prefetches issued, prefetched experts later
+    requested, prefetches dropped for want of room, the most bytes ever resident
+    (``peak_bytes``)."""
 
     def __init__(self, budget: int, workers: int = READERS) -> None:
         self.budget = budget
@@ -159,7 +167,8 @@ class ExpertCache:
         self._lock = threading.RLock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="quantplug-experts")
         self._local = threading.local()
-        self.counts = {"requests": 0, "hits": 0, "misses": 0, "bytes_read": 0, "evictions": 0, "prefetched": 0,
+        self.counts = {"requests": 0, "hits": 0, "misses": 0, "expert_reads": 0, "bytes_read": 0, "evictions": 0,
+                       "prefetched": 0,
                        "prefetch_hits": 0, "prefetch_dropped": 0, "peak_bytes": 0}
 
     def stats(self) -> dict[str, float]:
@@ -221,7 +230,6 @@ class ExpertCache:
                 self._make_room(nbytes)
                 e = self._lru[key] = _Entry(layers, nbytes)
                 self.used += nbytes
-                self.counts["bytes_read"] += store.slot_bytes
                 self.counts["peak_bytes"] = max(self.counts["peak_bytes"], self.used)
             return e
 
@@ -318,6 +326,9 @@ class ExpertStore:
             lin.qp_finish()
             nbytes += sum(t.numel() * t.element_size() for t in (*lin.parameters(), *lin.buffers()))
             layers.append(lin)
+        with self.cache._lock:
+            self.cache.counts["expert_reads"] += 1
+            self.cache.counts["bytes_read"] += self.slot_bytes
         return (layers[0], layers[1], layers[2]), nbytes
 
     # -- compute --------------------------------------------------------------------------------
@@ -416,12 +427,11 @@ def attach(plan: Any, model: nn.Module, budget_bytes: int,
                 break
             pieces[proj] = {}
             for local, pp in params.items():
-                got = [_slot_piece(pp, s) for s in range(lin.n)]
-                bad = next((g for g in got if isinstance(g, str)), None)
-                if bad is not None:
-                    why = f"{pp.param}: {bad}"
+                got = _slot_pieces(pp, lin.n)
+                if isinstance(got, str):
+                    why = f"{pp.param}: {got}"
                     break
-                pieces[proj][local] = got  # type: ignore[assignment]
+                pieces[proj][local] = got
             if why:
                 break
         if why:

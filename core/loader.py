@@ -30,6 +30,7 @@ from .layers.linear import PlannedModule
 from .memory import read_into
 from .plan import LoadPlan, ParamPlan, build_plan
 from .plugins import PluginManager, get_plugin_manager
+from .stats import expose_stats
 from .types import TensorInfo
 
 #: bytes read per ``preadv`` when a tensor is converted (bounded staging: peak memory stays at
@@ -166,7 +167,7 @@ def execute(plan: LoadPlan, *, device: str | torch.device = "cpu",
                    options=plan.options)
     model.eval()
     if cache is not None:
-        model.expert_cache = cache  # type: ignore[assignment]
+        expose_stats(model, "expert_cache", cache)
     model.qp_served_params = served  # type: ignore[assignment]  # plan entries read on demand, not loaded
     model.quantplug_plan = plan  # type: ignore[assignment]
     model.decisions = plan.decisions  # type: ignore[assignment]

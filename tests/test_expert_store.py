@@ -15,6 +15,7 @@ import pytest
 import quantplug
 import torch
 from quantplug import experts
+from quantplug.api import stats_sources
 from quantplug.errors import LoadError, PlanError
 from quantplug.loader import model_bytes
 from quantplug.testing import formats, random_state, tiny_config, to_layout, wrap_kimi, write_checkpoint
@@ -148,7 +149,7 @@ def test_served_experts_equal_the_in_memory_load(built, name):
     # room for one step and a half of one layer's experts: every forward evicts
     mb = 1.5 * need / (1 << 20)
     served = quantplug.load(path, progress=False, options={**opts, "expert_cache_mb": mb})
-    cache = served.expert_cache
+    cache = stats_sources(served)["expert_cache"]
     stores = [m.qp_store for m in served.modules() if getattr(m, "qp_store", None) is not None]
     moe_layers = [m for m in ref.modules() if type(m).__name__ == "Experts"]
     assert len(stores) == len(moe_layers) > 0
@@ -258,7 +259,7 @@ def test_prefetch_reads_the_next_layers_experts_ahead(built):
     off = quantplug.load(path, progress=False, options={"expert_cache_mb": 4, "expert_prefetch": False})
     _greedy(on, IDS[:1], 6)
     _greedy(off, IDS[:1], 6)
-    s_on, s_off = on.expert_cache.stats(), off.expert_cache.stats()
+    s_on, s_off = stats_sources(on)["expert_cache"].stats(), stats_sources(off)["expert_cache"].stats()
     assert s_off["prefetched"] == 0 and s_on["prefetched"] > 0
     assert s_on["prefetch_hits"] > 0
     assert s_on["requests"] == s_off["requests"]
@@ -273,11 +274,12 @@ def test_a_format_whose_scheme_serves_experts_itself_keeps_its_own_cache(tmp_pat
     pack = kit.packed(tmp_path / "pack")
     model = quantplug.load(pack, progress=False, options={"expert_cache_mb": 0.05})
     assert all(getattr(m, "qp_store", None) is None for m in model.modules())
-    assert model.expert_cache.stats()["budget_bytes"] == int(0.05 * 2**20)  # the pack's own cache
+    assert stats_sources(model)["expert_cache"].stats()["budget_bytes"] == int(0.05 * 2**20)  # the pack's own cache
 
 
 RSS_CHILD = textwrap.dedent("""
     import json, sys, torch, quantplug
+    from quantplug.api import stats_sources
     from quantplug.loader import model_bytes
 
     def rss():
@@ -297,7 +299,7 @@ RSS_CHILD = textwrap.dedent("""
     peak = rss()
     stores = [m for m in model.modules() if getattr(m, "qp_store", None) is not None]
     print(json.dumps({"base": base, "after_load": after_load, "peak": peak, "model_bytes": model_bytes(model),
-                      "cache_used": model.expert_cache.used if stores else 0}))
+                      "cache_used": stats_sources(model)["expert_cache"].used if stores else 0}))
 """)
 
 

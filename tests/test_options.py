@@ -207,3 +207,36 @@ def test_api_option_helper_keeps_working():
     assert option({"kernels": "fast"}, "kernels", "exact", ("exact", "fast")) == "fast"
     with pytest.raises(ConfigError, match="option x='z'"):
         option({"x": "z"}, "x", "a", ("a",))
+
+
+# -- the backends added with contract 1.4 forms: ModelOpt, GPTQ, AWQ --------------------------------
+
+def test_gptq_and_awq_declare_their_options():
+    """GPTQ / AWQ read no load option of their own (before: they declared nothing, so any option
+    passed unchecked with a warning) and declare their export options."""
+    from conftest import VENDOR
+
+    for fixture, backend in (("gptq_autoround_dsv3", "gptq"), ("awq_autoround_dsv3", "awq")):
+        with pytest.raises(ConfigError, match=rf"unknown option 'activation_quant' for backend {backend} .*"
+                                              r"'activation_quant' is an option of backend .*modelopt"):
+            build_plan(VENDOR / fixture, options={"activation_quant": "none"})
+        plan = build_plan(VENDOR / fixture)
+        assert not [p for p in plan.problems if p.kind == "options"]
+
+
+def test_modelopt_declares_activation_quant():
+    from conftest import VENDOR
+
+    with pytest.raises(ConfigError, match=r"option activation_quant='dynamic': expected one of 'emulate', 'none' "
+                                          r"\(declared by modelopt \(quantplug-modelopt"):
+        build_plan(VENDOR / "modelopt_nvfp4_dsv3", options={"activation_quant": "dynamic"})
+    plan = build_plan(VENDOR / "modelopt_nvfp4_dsv3", options={"activation_quant": "none"})
+    assert plan.option_owners["activation_quant"] == "modelopt"
+
+
+def test_plugins_options_lists_the_new_backends(capsys):
+    assert main(["plugins", "--options", "--json"]) == 0
+    rows = {(r["owner"], r["scope"], r["name"]) for r in json.loads(capsys.readouterr().out)}
+    assert {("modelopt", "load", "activation_quant"), ("modelopt", "export", "algo"),
+            ("modelopt", "export", "input_amax"), ("gptq", "export", "group_size"), ("gptq", "export", "sym"),
+            ("awq", "export", "group_size"), ("awq", "export", "sym")} <= rows

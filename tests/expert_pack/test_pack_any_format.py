@@ -19,7 +19,7 @@ import quantplug_expert_pack.build as b
 import quantplug_expert_pack.build_st as bst
 import torch
 from quantplug import experts
-from quantplug.api import dense_state, qpack
+from quantplug.api import dense_state, qpack, stats_sources
 from quantplug.checkpoint import Checkpoint
 from quantplug.cli import main
 from quantplug.errors import CheckpointError
@@ -132,11 +132,11 @@ def test_packed_logits_equal_the_original_in_memory_and_served(packed, name):
     served_src, l_src = _logits(src, opts, expert_cache_mb=mb)
     served, l_dst = _logits(dst, opts, expert_cache_mb=mb)
     assert torch.equal(l_dst, l_src), name
-    assert served.expert_cache.stats()["evictions"] > 0
+    assert stats_sources(served)["expert_cache"].stats()["evictions"] > 0
     stores = [m.qp_store for m in served.modules() if getattr(m, "qp_store", None) is not None]
     assert stores and all(p.info.file == dst / PACK for s in stores for proj in s.pieces.values()
                           for per in proj.values() for p in per)
-    assert served.expert_cache.stats()["bytes_read"] == served_src.expert_cache.stats()["bytes_read"]
+    assert stats_sources(served)["expert_cache"].stats()["bytes_read"] == stats_sources(served_src)["expert_cache"].stats()["bytes_read"]
 
 
 def _source_tensors(src: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:

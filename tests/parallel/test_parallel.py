@@ -78,11 +78,7 @@ def _export(dense: Path, backend: str, dest: Path, options: dict) -> list:
 
     model = _loaded(dense)
     pm = get_plugin_manager()
-    answers = pm.call("quantplug_export", [backend], firstresult=True, model=model,
-                      model_config=model.quantplug_plan.model_config, destination=dest, options=options,
-                      plan=model.quantplug_plan)
-    res = answers[0][0]
-    return list(res) if isinstance(res, list | tuple) else [res]
+    return pm.export(backend, model=model, destination=dest, options=options, plan=model.quantplug_plan)
 
 
 def _fp8_blocks(path: Path, cfg: dict, state: dict, block: tuple[int, int]) -> Path:
@@ -467,7 +463,8 @@ def test_explicit_group(runs):
     recs = _results(runs, 2, "explicit-group")
     for rank, rec in enumerate(recs):
         assert "error" not in rec and rec["rel_err"] <= TOL, rec
-        assert rec["report"] == {"rank": rank, "world_size": 2, "bytes_read": rec["parallel"]["rank_bytes"][rank]}
+        assert rec["report"] == {"rank": rank, "world_size": 2, "bytes_read": rec["parallel"]["rank_bytes"][rank],
+                                 "experts_on_demand_bytes": 0}
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -634,8 +631,8 @@ def test_cli_plan_tp(tmp_path, capsys):
     path = write_checkpoint(tmp_path / "d", cfg, random_state(cfg))
     assert main(["plan", str(path), "--tp", "2"]) == 0
     out = capsys.readouterr().out
-    assert "tensor parallel: 2 ranks" in out and "rank 1: reads" in out
-    assert "model.layers.1.mlp.experts: expert-parallel" in out
+    assert "tensor parallel: 2 ranks" in out and "ranks 0-1: reads 533,248 bytes each" in out
+    assert "model.layers.{1-2}.mlp.experts: expert-parallel" in out  # layers with equal splits: one line
 
 
 def test_torchrun_forward_prints_the_single_process_argmax(tmp_path):

@@ -62,7 +62,9 @@ def run_case(case: dict, rank: int) -> dict:
     rec["shape"] = list(out.shape)
     plan = model.quantplug_plan
     rec["report"] = model.load_report
-    cache = getattr(model, "expert_cache", None)
+    from quantplug.api import stats_sources
+
+    cache = stats_sources(model).get("expert_cache")
     if cache is not None and hasattr(cache, "counts"):  # routed experts served from the files
         rec["expert_cache"] = cache.stats()
         rec["served_layers"] = {m.qp_ckpt: list(range(m.first, m.first + m.count)) for m in model.modules()
