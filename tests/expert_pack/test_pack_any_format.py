@@ -488,3 +488,21 @@ def test_build_killed_at_any_point_leaves_source_intact(tmp_path, point):
     assert not dst.exists()
     leftovers = [p.name for p in tmp_path.iterdir() if p.name != "src"]
     assert all(name.startswith(".dst.partial-") for name in leftovers), leftovers
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise")
+def test_pack_reads_advise_random_access_shards_not(packed, monkeypatch):
+    """The pack is read by explicit ranges: its descriptor gets POSIX_FADV_RANDOM (no readahead of
+    the next experts); a shard's descriptor keeps the kernel's default."""
+    _, dst, _, _ = packed("fp8")
+    advised: list[tuple[int, int]] = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, adv: (advised.append((fd, adv)), real(fd, off, n, adv)))
+    ckpt = Checkpoint.open(dst)
+    try:
+        pack_fd, shard_fd = ckpt.fd(dst / PACK), ckpt.fd(dst / "model.safetensors")
+        assert advised == [(pack_fd, os.POSIX_FADV_RANDOM)] and shard_fd != pack_fd
+        ckpt.fd(dst / PACK)  # opened once, advised once
+        assert len(advised) == 1
+    finally:
+        ckpt.close()
