@@ -312,6 +312,34 @@ def test_truncated_extended_or_foreign_pack_is_a_plan_time_error(packed, tmp_pat
         quantplug.plan(root)
 
 
+def test_pack_truncated_after_plan_or_while_served_names_the_file_and_the_expert(packed, tmp_path):
+    """A pack cut short after its index was validated: between plan and load, a LoadError naming
+    the pack; while experts are served from it, a LoadError naming the pack and the expert whose
+    read came up short (a QuantplugError either way, never a bare OSError)."""
+    from quantplug.errors import LoadError, QuantplugError
+    from quantplug.loader import execute
+    from quantplug.plan import build_plan
+
+    _, dst, _, _ = packed("fp8")
+    root = tmp_path / "cut"
+    shutil.copytree(dst, root)
+    size = (root / PACK).stat().st_size
+    last = [p for p in qpack.QPack(root / PACK).payloads if p.name.endswith(".weight")][-1]
+    plan = build_plan(root)
+    os.truncate(root / PACK, size - 10)
+    with pytest.raises(LoadError, match=rf"{root / PACK}: changed since the plan was made \(size .*first tensor in it"):
+        execute(plan, progress=False)
+    plan.checkpoint.close()
+    shutil.rmtree(root)
+    shutil.copytree(dst, root)
+    model = quantplug.load(root, progress=False, options={"expert_cache_mb": 0.05})
+    os.truncate(root / PACK, last.offset + last.size // 2)  # the last expert's down_proj weight cut
+    with pytest.raises(QuantplugError, match=rf"{last.name} in experts\.qpack \({root / PACK}\): cannot read "
+                                             rf"expert {last.expert} of model\.layers\.{last.layer}\.mlp\.experts\."
+                                             r"down_proj \(short read"):
+        dense_state(model)
+
+
 def _write_raw_pack(path: Path, entries: list[tuple[str, int, int, int, bytes]], alignment: int = 4096) -> None:
     """A v2 pack written by hand: (name, layer, expert, role, payload) each F32 [len/4]."""
     import numpy as np
