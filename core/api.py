@@ -24,6 +24,7 @@ Groups:
   :func:`read_gguf_header` / :class:`GGUFHeader`, :data:`GGUF_FLOATS`,
   :data:`TORCH_DTYPES`, :data:`SAFETENSORS_DTYPES`, :func:`read_into`; :func:`contained` /
   :func:`check_inside` (a file name read from checkpoint metadata must stay inside its directory);
+  :data:`qpack` (the version-2 expert pack of safetensors checkpoints: its layout and reader);
 * run-time statistics (1.5): :class:`StatsSource` (``stats() -> Mapping[str, float]``),
   :func:`expose_stats` (a backend registers one on the loaded model), :func:`stats_sources`;
 * exporting: :func:`dense_state` (a loaded model back to dense tensors, hub layout),
@@ -48,7 +49,7 @@ from typing import Any, TypeAlias
 import torch
 from torch import nn
 
-from .checkpoint import TORCH_DTYPES, Checkpoint, storage_shape
+from .checkpoint import TORCH_DTYPES, Checkpoint, qpack, storage_shape
 from .checkpoint.gguf_index import GGUF_FLOATS, GGUFHeader, SkippedArray, ggml_types, read_gguf_header
 from .errors import (
     AmbiguousBackendError,
@@ -328,7 +329,8 @@ __all__ = [
     "Checkpoint", "LoadPlan", "ModelConfig", "RopeConfig",
     # reading
     "FLOAT_DTYPES", "GGUF_FLOATS", "GGUFHeader", "SAFETENSORS_DTYPES", "SkippedArray", "TORCH_DTYPES",
-    "check_inside", "contained", "ggml_types", "read_gguf_header", "read_into", "storage_shape", "stored_dtype",
+    "check_inside", "contained", "ggml_types", "qpack", "read_gguf_header", "read_into", "storage_shape",
+    "stored_dtype",
     # validated config reading (1.4)
     "Fields", "config_fields", "quant_config_fields", "read_json", "sidecar_fields",
     # run-time statistics (1.5)

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import TORCH_DTYPES, storage_shape
+from .checkpoint import TORCH_DTYPES, qpack, storage_shape
 from .checkpoint.gguf_index import GGUF_FLOATS, gguf_view
 from .errors import LoadError
 from .kernels import compute
@@ -106,6 +106,7 @@ def _read(ckpt: Any, piece: _Piece) -> torch.Tensor:
     raw = torch.empty(info.nbytes, dtype=torch.uint8)
     if info.nbytes:
         read_into(ckpt.fd(info.file), info.offset, raw)
+        qpack.verify(ckpt, info, raw)  # an expert pack's payload: sha256 checked on first read
     t = gguf_view(raw, info) if info.format == "gguf" else raw.view(TORCH_DTYPES[info.dtype]).view(info.shape)
     return t if t.dtype == piece.dtype else t.to(piece.dtype)
 

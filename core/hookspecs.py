@@ -87,7 +87,8 @@ PROJECT = "quantplug"
 #:   ``stats_sources``: counters a backend exposes on a loaded model (from
 #:   ``quantplug_process_after_loading``), read by ``quantplug generate`` and users through a
 #:   declared protocol instead of a backend's attributes; ``quantplug.api.stored_dtype`` (what a
-#:   module's weight is stored as, fused experts included).
+#:   module's weight is stored as, fused experts included); ``quantplug.api.qpack`` (the
+#:   version-2 expert pack of safetensors checkpoints: layout constants and reader).
 #:
 #: A plugin declares at least the version of every feature it uses (:data:`API_SINCE`,
 #: :data:`SCHEME_SINCE`, each hook's ``versionadded``); ``quantplug.testing.contract`` checks it
@@ -102,6 +103,7 @@ API_SINCE: dict[str, str] = {
     "quant_config_fields": "1.4", "sidecar_fields": "1.4", "read_json": "1.4", "ALIASES": "1.4", "Exclusions": "1.4",
     "modules_of": "1.4", "ggml": "1.4", "native": "1.4",
     "StatsSource": "1.5", "expose_stats": "1.5", "stats_sources": "1.5", "stored_dtype": "1.5",
+    "qpack": "1.5",
     **dict.fromkeys(("ColumnParallel", "RowParallel", "FeatureParallel", "HeadParallel", "ExpertParallel",
                      "VocabParallel", "HeadGroup", "ExpertGroup", "TiedModule", "Unstack", "FoldHeads", "HeadPart",
                      "DeclarationError", "FusedLayout", "PerIndexLayout", "StackedLayout", "StackLayout"), "1.5"),

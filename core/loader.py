@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from . import experts, parallel
-from .checkpoint import TORCH_DTYPES
+from .checkpoint import TORCH_DTYPES, qpack
 from .checkpoint.gguf_index import GGUF_FLOATS
 from .errors import CheckpointError, LoadError
 from .layers.linear import PlannedModule
@@ -85,6 +85,8 @@ def _private(plan: LoadPlan, info: TensorInfo) -> torch.Tensor:
 def _materialize(plan: LoadPlan, pp: ParamPlan, device: torch.device, stage: _Stage) -> torch.Tensor:
     ckpt = plan.checkpoint
     mapped = bool(plan.options.get("mmap", True))
+    for _, info in pp.sources:  # an expert pack's payloads: sha256 checked on first read
+        qpack.verify(ckpt, info)
     if pp.sources[0][0].slices is not None:  # a tensor-parallel slice: read only its byte ranges
         return parallel.materialize_sliced(plan, pp, device, stage, STAGE_BYTES)
     if pp.zero_copy and device.type == "cpu":
@@ -141,6 +143,8 @@ def execute(plan: LoadPlan, *, device: str | torch.device = "cpu",
     for pp in order:
         try:
             t = _materialize(plan, pp, dev, stage)
+        except qpack.ChecksumError:
+            raise  # names the pack, the tensor and the expert already
         except (RuntimeError, OSError, CheckpointError) as exc:
             src, info = pp.sources[0]
             raise LoadError(f"{info.where()} ({info.file}): cannot load into {pp.param} ({exc})") from None

@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 from ..errors import CheckpointError
 from ..types import TORCH_DTYPE_NAMES, TensorInfo
 from ..validation import check_inside, contained, read_json
+from . import qpack
 
 #: the one dtype table: safetensors dtype name -> torch dtype (``types.SAFETENSORS_DTYPES`` names
 #: the keys, for code that must not import torch; GGUF's float / int types reuse these names)
@@ -70,12 +71,26 @@ def read_index(root: Path) -> dict[str, str]:
     return weight_map
 
 
-def index_safetensors(root: Path) -> tuple[dict[str, TensorInfo], list[Path]]:
-    """All tensors of the safetensors files in ``root``, checked against the shard index if any."""
+def _pack_tensors(root: Path, shard: str, listed: set[str]) -> tuple[dict[str, TensorInfo], qpack.QPack]:
+    """The tensors of the expert pack the index names as shard ``shard`` (``quantplug expert-pack
+    build``): exactly the names the index maps to it."""
+    pack = qpack.QPack(root / shard)
+    tensors = pack.tensors()
+    extra = sorted(set(tensors) - listed)
+    if extra:
+        raise CheckpointError(f"tensor {extra[0]} is in {shard} but {INDEX_NAME} does not map it there "
+                              f"({len(extra)} such tensor(s)): the pack does not belong to this index")
+    return tensors, pack
+
+
+def index_safetensors(root: Path) -> tuple[dict[str, TensorInfo], list[Path], dict[Path, qpack.QPack]]:
+    """All tensors of the safetensors files in ``root``, checked against the shard index if any,
+    and the expert packs (``QPXPACK`` v2) the index names as shards, by file."""
     files = sorted(root.glob("*.safetensors"))
     check_inside(root, files, str(root))
     index_path = root / INDEX_NAME
     tensors: dict[str, TensorInfo] = {}
+    packs: dict[Path, qpack.QPack] = {}
     if index_path.is_file() or index_path.is_symlink():
         weight_map = read_index(root)
         shards = sorted(set(weight_map.values()))
@@ -86,7 +101,11 @@ def index_safetensors(root: Path) -> tuple[dict[str, TensorInfo], list[Path]]:
         if unlisted:
             raise CheckpointError(f"{root}: file(s) not in {INDEX_NAME}: {', '.join(unlisted)}")
         for shard in shards:
-            for name, info in read_header(root / shard).items():
+            if qpack.is_qpack(root / shard):
+                found, packs[root / shard] = _pack_tensors(root, shard, {n for n, s in weight_map.items() if s == shard})
+            else:
+                found = read_header(root / shard)
+            for name, info in found.items():
                 listed = weight_map.get(name)
                 if listed is None:
                     raise CheckpointError(f"tensor {name} is in {shard} but not in {INDEX_NAME}")
@@ -99,10 +118,10 @@ def index_safetensors(root: Path) -> tuple[dict[str, TensorInfo], list[Path]]:
         if absent:
             raise CheckpointError(f"{INDEX_NAME} lists tensor {absent[0]} in {weight_map[absent[0]]}, "
                                   f"but that shard does not hold it ({len(absent)} such tensor(s))")
-        return tensors, [root / s for s in shards]
+        return tensors, [root / s for s in shards], packs
     for file in files:
         for name, info in read_header(file).items():
             if name in tensors:
                 raise CheckpointError(f"tensor {name} is in two files: {tensors[name].file.name} and {file.name}")
             tensors[name] = info
-    return tensors, files
+    return tensors, files, packs

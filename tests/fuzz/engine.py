@@ -1,7 +1,8 @@
 """Seeded mutation fuzzing of everything quantplug parses itself.
 
 Bases: a sharded dense safetensors checkpoint (with index), a GGUF checkpoint, the same GGUF after
-``expert-pack build``, the vendor fixtures of amd-quark MXFP4, msmodelslim W8A8, llm-compressor
+``expert-pack build`` (pack version 1), a DeepSeek-native block-FP8 checkpoint after ``expert-pack
+build`` (version 2: experts.qpack named by the safetensors index), the vendor fixtures of amd-quark MXFP4, msmodelslim W8A8, llm-compressor
 (compressed-tensors W4A16 experts, FP8 block), auto-round's compressed-tensors NVFP4 / MXFP4,
 nvidia-modelopt NVFP4 and MIXED_PRECISION (hf_quant_config.json + config.json, and the
 config.json-only form), auto-round's GPTQ, AWQ and AutoRound (GPTQ and AWQ packing) exports, a
@@ -21,7 +22,8 @@ is a failure too ("lenient": the mutated value was skipped, a default silently t
 that succeeds must give the base's logits bit for bit unless the difference is explained:
 
 * ``data``: the mutated bytes lie inside the data of a tensor the plan uses (safetensors and GGUF
-  carry no data checksum; the expert pack does, and its payload mutations must raise);
+  carry no data checksum; the expert pack does, and its payload mutations must raise: a forward
+  of a mutated version-2 pack that loads with different logits is a failure, never explained);
 * ``declared``: the mutated header / config declares a different but valid model (the plan's
   fingerprint: parsed config, schemes, every used tensor's dtype / shape / byte range, differs
   from the base's); when only the config differs the logits must still be finite.
@@ -185,6 +187,7 @@ def make_bases(work: Path) -> list[Base]:
                               "model-00002-of-00002.safetensors"]),
         ("gguf", kit.gguf, ["config.json", "model.gguf"]),
         ("pack", kit.packed, ["model.gguf", "experts.qpack"]),
+        ("pack2", kit.packed_st, ["experts.qpack", "model.safetensors.index.json", "model.safetensors"]),
         ("quark", lambda p: kit.vendor(p, "quark_mxfp4_dsv3"), ["config.json"]),
         ("modelslim", lambda p: kit.vendor(p, "modelslim_w8a8_dsv3"), ["config.json", "quant_model_description.json"]),
         ("ct", lambda p: kit.vendor(p, "ct_w4a16_experts_dsv3"), ["config.json"]),
@@ -442,15 +445,21 @@ def mutate_gguf(rng: random.Random, data: bytes, layout: Any, data_only: bool) -
     return bytes(b), f"metadata {key}: value bytes", -1
 
 
-def mutate_pack(rng: random.Random, data: bytes, data_only: bool) -> tuple[bytes, str, int]:
-    (data_offset,) = struct.unpack_from("<Q", data, 56)
+#: (offset of data_offset, the header's field offsets, the first 8-byte field) per pack version
+PACK_HEADERS = {1: (56, [8, 12, 16, 20, 24, 28, 32, 36, 40, 48, 56, 64], 40),
+                2: (68, [8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 52, 60, 68, 76], 44)}
+
+
+def mutate_pack(rng: random.Random, data: bytes, data_only: bool, version: int = 1) -> tuple[bytes, str, int]:
+    at, fields, wide = PACK_HEADERS[version]
+    (data_offset,) = struct.unpack_from("<Q", data, at)
     if data_only:
         out, what, pos = _bytes_op(rng, data, data_offset, len(data))
         return out, f"payload: {what}", pos
     if rng.random() < 0.5:
         b = bytearray(data)
-        pos = rng.choice([8, 12, 16, 20, 24, 28, 32, 36, 40, 48, 56, 64])
-        width = 8 if pos >= 40 else 4
+        pos = rng.choice(fields)
+        width = 8 if pos >= wide else 4
         v = rng.choice(INTERESTING_U64) % (2 ** (8 * width))
         b[pos:pos + width] = v.to_bytes(width, "little")
         return bytes(b), f"header field @{pos} = {v}", -1
@@ -493,6 +502,10 @@ def _operate(level: str, kind: str, root: Path, target: str) -> str:
     elif target.endswith(".gguf"):
         read_gguf_header(path)
         load_tokenizer(root)  # the vocabulary arrays the header reader skips, decoded in full
+    elif target.endswith(".qpack") and kind == "pack2":
+        from quantplug.checkpoint.qpack import QPack
+
+        QPack(path)
     elif target.endswith(".qpack"):
         from quantplug_expert_pack.pack import ExpertPack
 
@@ -512,7 +525,7 @@ def _bypassed(base_reads: set[tuple[str, str]], seen: set[tuple[str, str]], file
 
 class Fuzzer:
     def __init__(self, work: Path, seed: int, timeout_s: float = 20.0, log: bool = False,
-                 forward_kinds: tuple[str, ...] = ("dense", "gguf", "pack", "quark", "modelslim", "modelopt", "gptq",
+                 forward_kinds: tuple[str, ...] = ("dense", "gguf", "pack", "pack2", "quark", "modelslim", "modelopt", "gptq",
                                                    "awq", "autoround_gptq")) -> None:
         self.work, self.rng, self.timeout_s, self.keep_log = work, random.Random(seed), timeout_s, log
         self.forward_kinds = forward_kinds
@@ -527,7 +540,7 @@ class Fuzzer:
         rng = self.rng
         base = rng.choice([b for b in self.bases if b.kind not in TOKENIZER_KINDS])
         if level == "read":
-            base = rng.choice([b for b in self.bases if b.kind in ("dense", "gguf", "pack", *TOKENIZER_KINDS)])
+            base = rng.choice([b for b in self.bases if b.kind in ("dense", "gguf", "pack", "pack2", *TOKENIZER_KINDS)])
             targets = base.targets if base.kind in TOKENIZER_KINDS else [t for t in base.targets
                                                                          if not t.endswith(".json")]
             target = rng.choice(targets)
@@ -551,7 +564,7 @@ class Fuzzer:
         elif target == "tiktoken.model":
             out, what = mutate_tiktoken(rng, data)
         else:
-            out, what, pos = mutate_pack(rng, data, data_only)
+            out, what, pos = mutate_pack(rng, data, data_only, 2 if base.kind == "pack2" else 1)
         return base, target, out, what, pos, path
 
     def run(self, counts: dict[str, int]) -> Report:
@@ -637,6 +650,8 @@ class Fuzzer:
                                             and torch.equal(out.nan_to_num(), ref_logits.nan_to_num())):
             return "same"
         if pos >= 0 and fp == ref_fp and any(lo <= pos < hi for lo, hi in used.get(target, [])):
+            if base.kind == "pack2" and target == "experts.qpack":  # every payload carries its sha256
+                return "FAIL", "a changed pack payload loaded without a checksum error"
             return "explained-data"
         if fp != ref_fp:
             only_config = fp[1:] == ref_fp[1:]

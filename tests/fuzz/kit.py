@@ -41,6 +41,16 @@ def packed(root: Path) -> Path:
     return root
 
 
+def packed_st(root: Path) -> Path:
+    """:func:`fp8` after ``expert-pack build``: its routed experts in a version-2 pack
+    (``experts.qpack`` named by ``model.safetensors.index.json``, sha256 per payload)."""
+    from quantplug_expert_pack.build import build_pack
+
+    fp8(root)
+    build_pack(root, progress=False)
+    return root
+
+
 def vendor(root: Path, name: str, drop: tuple[str, ...] = ()) -> Path:
     """A copy of vendor fixture ``name`` (``drop``: files left out, e.g. ModelOpt's sidecar)."""
     shutil.copytree(VENDOR / name, root, ignore=lambda _d, names: [n for n in names if n in drop])

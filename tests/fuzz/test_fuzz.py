@@ -1,7 +1,7 @@
 """The fuzz suite: seeded mutations of every parsed input, through read / plan / load + forward.
 
 Default run (CI): 2,036 cases, most of them reader- and plan-level (cheap), 16 through load and
-forward (on the small dense / GGUF / expert-pack bases). ``pytest -m slow``: 20,000 cases. ``python -m fuzz.run`` (from tests/) runs any budget
+forward (on the small dense / GGUF / expert-pack v1 and v2 bases). ``pytest -m slow``: 20,000 cases. ``python -m fuzz.run`` (from tests/) runs any budget
 and prints the report. Seeds are fixed: a failure reproduces with the same seed and budget.
 """
 
@@ -26,7 +26,7 @@ def _run(tmp_path, seed: int, counts: dict[str, int], **kw) -> None:
 
 
 def test_fuzz_ci_budget(tmp_path):
-    _run(tmp_path, seed=20261130, counts=CI, forward_kinds=("dense", "gguf", "pack"))
+    _run(tmp_path, seed=20261130, counts=CI, forward_kinds=("dense", "gguf", "pack", "pack2"))
 
 
 @pytest.mark.slow

@@ -14,7 +14,9 @@ Every GGUF-specific decision is one of this plugin's hook answers:
   contract, the pack against the model and the cache budget;
 * ``quantplug_process_after_loading``: the expert cache's counters exposed as statistics
   ``expert_cache`` (``quantplug.api.stats_sources(model)``; ``quantplug generate`` reports them);
-* ``quantplug_export`` / ``quantplug_cli_commands``: GGUF writer, ``quantplug expert-pack build``.
+* ``quantplug_export`` / ``quantplug_cli_commands``: GGUF writer, ``quantplug expert-pack build``
+  (GGUF checkpoints: pack version 1, served by this backend; safetensors checkpoints of every
+  format with per-expert tensors: version 2, read by the core for whichever backend claims them).
 
 Options (``quantplug.load(..., options={...})`` / ``-o KEY=VALUE``), declared in
 :func:`quantplug_options`: ``dequantize`` (keep a dense copy of every GGUF linear after loading:
@@ -290,23 +292,30 @@ def quantplug_export(model: Any, plan: Any, destination: Path, options: Mapping[
 def _cmd_build(args: argparse.Namespace) -> int:
     if (args.output is None) == (not args.in_place):
         print("error: expert-pack build needs exactly one of -o DST (write a new directory, SRC untouched) or "
-              "--in-place (rewrite SRC's GGUF files)", file=sys.stderr)
+              "--in-place (rewrite SRC's weight files)", file=sys.stderr)
         return 2
     res = build_pack(args.path, None if args.in_place else args.output, alignment=args.alignment)
-    print(f"{res.pack}: {res.layers} MoE layers x {res.experts} experts x 3 roles = {res.entries} entries, "
-          f"{res.moved_bytes:,} bytes moved out of {', '.join(p.name for p in res.gguf_files)}")
+    if res.format == "gguf":
+        print(f"{res.pack}: {res.layers} MoE layers x {res.experts} experts x 3 roles = {res.entries} entries, "
+              f"{res.moved_bytes:,} bytes moved out of {', '.join(p.name for p in res.gguf_files)}")
+        return 0
+    rewritten = [p.name for p in res.shards] + [f"{d} (dropped)" for d in res.dropped]
+    print(f"{res.pack}: {res.layers} MoE layers x {res.experts} experts, {res.entries} payloads (pack version 2), "
+          f"{res.moved_bytes:,} bytes moved out of the shards; written: {', '.join(rewritten)}")
     return 0
 
 
 @hookimpl
 def quantplug_cli_commands(subparsers: Any) -> None:
-    p = subparsers.add_parser("expert-pack", help="expert packs: routed experts served from SSD (GGUF)")
+    p = subparsers.add_parser("expert-pack", help="expert packs: routed experts in one SSD-resident file")
     sub = p.add_subparsers(dest="expert_pack_command", required=True)
-    b = sub.add_parser("build", help="copy a GGUF checkpoint with its routed experts moved into experts.qpack")
-    b.add_argument("path", help="source checkpoint directory (config.json + .gguf files)")
+    b = sub.add_parser("build", help="copy a checkpoint (GGUF, or safetensors of any format with per-expert "
+                                     "tensors) with its routed experts moved into experts.qpack")
+    b.add_argument("path", help="source checkpoint directory (config.json + .gguf or .safetensors files)")
     b.add_argument("-o", "--output", help="new directory to write (other files reflinked where the file system "
                                           "can, else copied: never hard-linked); SRC is left byte-identical, even "
                                           "if the build is killed or the disk fills")
-    b.add_argument("--in-place", action="store_true", help="rewrite SRC's GGUF files instead (the old behaviour)")
+    b.add_argument("--in-place", action="store_true", help="rewrite SRC's weight files instead (not atomic across "
+                                                           "files: a build killed midway can leave SRC unloadable)")
     b.add_argument("--alignment", type=int, default=4096, help="payload alignment in bytes (default 4096)")
     b.set_defaults(fn=_cmd_build)

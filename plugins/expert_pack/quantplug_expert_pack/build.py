@@ -1,5 +1,8 @@
-"""``quantplug expert-pack build SRC -o DST``: a copy of a GGUF checkpoint with its routed experts
+"""``quantplug expert-pack build SRC -o DST``: a copy of a checkpoint with its routed experts
 moved into an expert pack (``--in-place``: rewrite SRC itself, the original behaviour).
+
+A directory with ``.gguf`` files gets the GGUF build below (pack version 1); a safetensors
+checkpoint of any format with per-expert hub tensors gets :mod:`.build_st` (pack version 2).
 
 Reads the GGUF headers with quantplug's header reader, copies every ``blk.N.ffn_{gate,up,down}_exps``
 tensor expert by expert into ``experts.qpack`` (format: :mod:`.pack`), then rewrites each GGUF
@@ -73,6 +76,17 @@ class BuildResult:
     gguf_files: tuple[Path, ...]
     #: ``-o``: how SRC's other files reached DST ({"reflink": n, "copy_file_range": n, "copy": n})
     mirrored: dict[str, int] = field(default_factory=dict, compare=False)
+    #: safetensors builds: the rewritten shards and ``model.safetensors.index.json``
+    shards: tuple[Path, ...] = ()
+    #: safetensors builds: shards that held only routed experts (not written; removed in place)
+    dropped: tuple[str, ...] = ()
+    #: "gguf" (pack version 1) or "safetensors" (version 2)
+    format: str = "gguf"
+
+    @property
+    def written(self) -> set[str]:
+        """Top-level names the build wrote or dropped (not copied from SRC by ``-o``)."""
+        return {p.name for p in (self.pack, *self.gguf_files, *self.shards)} | set(self.dropped)
 
 
 def _align(n: int, a: int) -> int:
@@ -135,7 +149,7 @@ def build_pack(directory: str | Path, output: str | Path | None = None, *, align
     """
     root = Path(directory)
     if output is None:
-        return _guarded(root, lambda: _build(root, root, alignment, progress))
+        return _guarded(root, lambda: _build_any(root, root, alignment, progress, False))
     dst = Path(output)
     if dst.exists() or dst.is_symlink():
         raise CheckpointError(f"{dst}: already exists; `expert-pack build -o` writes a new directory")
@@ -150,9 +164,8 @@ def build_pack(directory: str | Path, output: str | Path | None = None, *, align
         dst.parent.mkdir(parents=True, exist_ok=True)
         partial.mkdir()
         try:
-            res = _build(root, partial, alignment, progress)
-            written = {p.name for p in (res.pack, *res.gguf_files)}
-            mirrored = _mirror(root, partial, written)
+            res = _build_any(root, partial, alignment, progress, True)
+            mirrored = _mirror(root, partial, res.written)
             _fsync_dir(partial)
             os.rename(partial, dst)  # the one step that makes DST appear, whole
             _fsync_dir(dst.parent)
@@ -160,7 +173,8 @@ def build_pack(directory: str | Path, output: str | Path | None = None, *, align
             shutil.rmtree(partial, ignore_errors=True)
             raise
         return BuildResult(dst / res.pack.name, res.layers, res.experts, res.entries, res.moved_bytes,
-                           tuple(dst / p.name for p in res.gguf_files), dict(mirrored))
+                           tuple(dst / p.name for p in res.gguf_files), dict(mirrored),
+                           tuple(dst / p.name for p in res.shards), res.dropped, res.format)
 
     return _guarded(dst, run)
 
@@ -237,6 +251,18 @@ def clone_file(src: Path, dst: Path) -> str:
             shutil.copyfileobj(fi, fo, COPY_CHUNK)
     shutil.copystat(src, dst)
     return method
+
+
+def _build_any(root: Path, out_dir: Path, alignment: int, progress: bool | None, out_of_place: bool) -> BuildResult:
+    """GGUF files in ``root``: :func:`_build` (pack version 1); else the safetensors build (version 2)."""
+    if not (root / "config.json").is_file():
+        raise CheckpointError(f"{root}: config.json is missing (expected a checkpoint directory)")
+    if any(root.glob("*.gguf")):
+        return _build(root, out_dir, alignment, progress)
+    from .build_st import build_safetensors
+
+    result: BuildResult = build_safetensors(root, out_dir, alignment, progress, out_of_place)
+    return result
 
 
 def _build(root: Path, out_dir: Path, alignment: int, progress: bool | None) -> BuildResult:

@@ -1,4 +1,17 @@
-"""The expert pack: routed experts moved out of a GGUF into one SSD-resident file, read on demand.
+"""The expert pack: a checkpoint's routed experts in one SSD-resident file, read on demand.
+
+Two versions, one magic (``QPXPACK``), both our own (in the spirit of sglang's
+SGLANG-EXPERTPACK-v1, not byte-compatible), both little-endian, both with a 256-byte header, a
+fixed-size index checked by its sha256, payloads on an ``alignment`` boundary (4096), one
+expert's payloads adjacent, a sha256 per payload checked the first time it is read, and the
+exact file size in the header (truncation is a plan-time error):
+
+* version 1 (:class:`ExpertPack`, this module): the routed experts of a GGUF checkpoint
+  (``blk.N.ffn_{gate,up,down}_exps`` slabs as ggml blocks), named by the stripped GGUF's
+  metadata and served by this backend's :class:`ExpertCache`;
+* version 2 (``quantplug.api.qpack``, read by the core): the routed experts of a safetensors
+  checkpoint in any format, each expert's stored tensors verbatim under their checkpoint names,
+  named by ``model.safetensors.index.json``; every backend reads them as it reads a shard.
 
 Format ``QPXPACK`` version 1 (our own; in the spirit of sglang's SGLANG-EXPERTPACK-v1, not
 byte-compatible). Little-endian throughout.
@@ -36,7 +49,52 @@ read. Validation on open (header and index only): magic, version, sizes, entry c
 order and checksum, every payload inside the file, payload size = rows x row bytes of its type,
 payloads in index order without overlaps, one expert's three adjacent (up to alignment padding).
 Each payload's sha256 is checked the first time it is read; a mismatch is a
-:class:`~quantplug.errors.CheckpointError` naming the pack, layer, expert and role.
+:class:`~quantplug.errors.LoadError` naming the pack, the GGUF tensor, the expert and the role.
+
+Format ``QPXPACK`` version 2 (safetensors checkpoints, any format). Header, 256 bytes::
+
+    off  size  field
+      0     8  magic            b"QPXPACK\\0"
+      8     4  version          u32 = 2
+     12     4  header_size      u32 = 256
+     16     4  entry_size       u32 = 128
+     20     4  alignment        u32, power of two (4096): every payload starts on a multiple
+     24     4  n_layers         u32  MoE layers with experts in the pack
+     28     4  n_experts        u32  (layer, expert) pairs in the pack
+     32     4  top_k            u32  experts per token (informational, from config.json)
+     36     4  reserved         u32 = 0
+     40     8  n_entries        u64  payloads (= index entries)
+     48     8  index_offset     u64 = header_size
+     56     8  names_offset     u64 = index_offset + n_entries * entry_size
+     64     8  names_size       u64  bytes of the names block
+     72     8  data_offset      u64  first payload (aligned, after the names)
+     80     8  file_size        u64  exact size of the file (truncation check)
+     88    32  config_sha256    sha256 of config.json's bytes
+    120    32  source_sha256    sha256 of the source shards' headers (length prefix + JSON, by file name)
+    152    32  index_sha256     sha256 of the index bytes followed by the names block
+    184    72  reserved (zero)
+
+Index: ``n_entries`` entries of 128 bytes, ordered by (layer, expert, role, name)::
+
+    u32 layer | u32 expert | u32 role (0 gate_proj, 1 up_proj, 2 down_proj) | u32 ndim (<= 4)
+    u64 shape[4] (PyTorch order; dims past ndim zero)
+    u64 offset (absolute) | u64 size
+    u64 name_offset (in the names block) | u32 name_len | u32 reserved (0)
+    16 B safetensors dtype name, ASCII, NUL padded ("F8_E4M3", "I32", "BF16", ...)
+    32 B sha256 of the payload
+
+Names: each entry's tensor name as the checkpoint stored it (``model.layers.3.mlp.experts.17.
+down_proj.weight_scale_inv``, ``language_model.model.layers.1.mlp.experts.0.gate_proj.qweight``),
+UTF-8, back to back; each must be a routed expert's tensor whose layer, expert and projection
+are the entry's. Payloads: every stored tensor of every routed expert (weights, scales, zero
+points, ``g_idx``, global scales, shape records: whatever the format stores per expert) byte for
+byte, each on an ``alignment`` boundary, an expert's payloads adjacent (each starts at the
+previous one's end rounded up to the alignment), experts in index order. Size = numel x the
+dtype's item size. ``build`` rewrites the shards without those tensors and maps them to the pack
+in ``model.safetensors.index.json``; the core's checkpoint reader (``quantplug.api.qpack``)
+validates header and index on open (as for version 1, plus names, dtypes and sizes) and checks
+each payload's sha256 on first read (the in-memory loader and the expert cache alike): a
+mismatch is a :class:`~quantplug.errors.CheckpointError` naming the pack, tensor, layer and expert.
 """
 
 from __future__ import annotations
