@@ -105,7 +105,7 @@ def _read(ckpt: Any, piece: _Piece) -> torch.Tensor:
     info = piece.info
     raw = torch.empty(info.nbytes, dtype=torch.uint8)
     if info.nbytes:
-        read_into(ckpt.fd(info.file), info.offset, raw)
+        read_into(ckpt.fd(info.file, random_access=True), info.offset, raw)
         qpack.verify(ckpt, info, raw)  # an expert pack's payload: sha256 checked on first read
     t = gguf_view(raw, info) if info.format == "gguf" else raw.view(TORCH_DTYPES[info.dtype]).view(info.shape)
     return t if t.dtype == piece.dtype else t.to(piece.dtype)

@@ -177,6 +177,27 @@ def test_served_experts_equal_the_in_memory_load(built, name):
     assert cache.stats()["peak_bytes"] <= cache.budget
 
 
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise")
+def test_served_experts_are_read_through_a_random_access_descriptor(built, monkeypatch):
+    """Experts are scattered ranges: they are read through a second descriptor of the shard advised
+    POSIX_FADV_RANDOM (readahead would pull in the neighbouring experts); the load's own
+    descriptor is not advised."""
+    path, opts = built[CASES[0]]
+    advised: list[tuple[int, int]] = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, adv: (advised.append((fd, adv)), real(fd, off, n, adv)))
+    need = experts.step_bytes(quantplug.plan(path, options=opts))
+    model = quantplug.load(path, progress=False, options={**opts, "expert_cache_mb": 2 * need / (1 << 20)})
+    assert advised == []  # the load read no expert
+    ckpt = model.quantplug_plan.checkpoint
+    with torch.no_grad():
+        model(IDS[:, :3] % model.quantplug_plan.model_config.vocab_size)
+    random_fds = set(ckpt._files.random_fds.values())
+    assert random_fds and {fd for fd, _ in advised} == random_fds
+    assert {adv for _, adv in advised} == {os.POSIX_FADV_RANDOM}
+    assert not random_fds & set(ckpt._files.fds.values())
+
+
 def test_dense_state_of_a_served_model_is_the_in_memory_one(built):
     from quantplug.api import dense_state
 

@@ -178,20 +178,26 @@ class Checkpoint:
             return torch.frombuffer(mm, dtype=dtype, count=info.numel, offset=info.offset).view(info.shape)
         return raw.clone().view(dtype).view(info.shape)  # unaligned: one copy, still correct
 
-    def fd(self, file: Path) -> int:
-        """A read-only file descriptor for ``file`` (for ``preadv``), opened once."""
-        fd = self._files.fds.get(file)
+    def fd(self, file: Path, random_access: bool = False) -> int:
+        """A read-only file descriptor for ``file`` (for ``preadv``), opened once.
+
+        ``random_access``: a second descriptor of the file advised ``POSIX_FADV_RANDOM``, for reads
+        of scattered ranges (experts served on demand): readahead state is per open file, so the
+        load's sequential reads through the first descriptor keep the kernel's readahead. An expert
+        pack's descriptor is always advised random."""
+        fds = self._files.random_fds if random_access and file not in self.packs else self._files.fds
+        fd = fds.get(file)
         if fd is None:
             try:
-                fd = self._files.fds[file] = os.open(file, os.O_RDONLY)
+                fd = fds[file] = os.open(file, os.O_RDONLY)
             except OSError as exc:
                 raise CheckpointError(f"{file}: cannot open ({exc.strerror})") from None
-            if file in self.packs and hasattr(os, "posix_fadvise"):
-                # an expert pack is read by explicit ranges (a payload, an expert's tensors); the
-                # kernel's readahead, which grows on the pack's sequential layout, would read the next
-                # experts too. Measured on a device with 8 MiB read-ahead, experts served cold: 66 MB
-                # read from the device per token for 27 MB requested without this advice, 31 MB with
-                # it (bench/bench_pack.py serve --size moderate --cold)
+            if (random_access or file in self.packs) and hasattr(os, "posix_fadvise"):
+                # served experts are read by explicit ranges (a payload, an expert's tensors); the
+                # kernel's readahead, which grows on sequential reads, would read the next experts
+                # too. Measured on a device with 8 MiB read-ahead, experts served cold from an expert
+                # pack: 66 MB read from the device per token for 27 MB requested without this advice,
+                # 31 MB with it (bench/bench_pack.py serve --size moderate --cold)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         return fd
 
@@ -222,11 +228,12 @@ class _OpenFiles:
     def __init__(self) -> None:
         self.maps: dict[Path, mmap.mmap] = {}
         self.fds: dict[Path, int] = {}
+        self.random_fds: dict[Path, int] = {}
 
     def close(self) -> None:
         self.maps.clear()  # views of a map keep it alive until they are freed
-        fds, self.fds = self.fds, {}
-        for fd in fds.values():
+        fds, self.fds, rfds, self.random_fds = self.fds, {}, self.random_fds, {}
+        for fd in [*fds.values(), *rfds.values()]:
             os.close(fd)
 
     def __del__(self) -> None:
