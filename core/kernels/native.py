@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from ..errors import QuantplugError
-from .forms import ACT_KINDS, FORMS, INTEGER, SCALE_ENCODINGS, Weights, scale_values
+from .forms import ACT_KINDS, FORMS, GLOBAL_MODES, INTEGER, SCALE_ENCODINGS, Weights, scale_values
 
 SOURCE = Path(__file__).with_name("qp_kernels.c")
 ISA_NAMES = {3: "AVX512 + VNNI", 4: "AVX512", 2: "AVX2", 0: "portable C"}
@@ -172,8 +172,8 @@ class Mat(ctypes.Structure):
         ("type", ctypes.c_int32), ("sdt", ctypes.c_int32), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
         ("w", ctypes.c_void_p), ("ldw", ctypes.c_int64), ("s", ctypes.c_void_p), ("lds", ctypes.c_int64),
         ("gk", ctypes.c_int64), ("gn", ctypes.c_int64), ("z", ctypes.c_void_p), ("gs", ctypes.c_float),
-        ("mode", ctypes.c_int32), ("nan", ctypes.c_int32), ("big", ctypes.c_int32),
-        ("rowsum", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("os", ctypes.c_void_p), ("act", Act)]
+        ("mode", ctypes.c_int32), ("nan", ctypes.c_int32), ("big", ctypes.c_int32), ("gmode", ctypes.c_int32),
+        ("zi8", ctypes.c_int32), ("rowsum", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("os", ctypes.c_void_p), ("act", Act)]
 
 
 class MLA(ctypes.Structure):
@@ -315,7 +315,8 @@ class Bound:
         ino = (weights.input_offset.to(torch.float32).reshape(-1).tolist()
                if weights.input_offset is not None else [0.0] * count)
         nan = int(f.dtype == "FP8" and _has_nan_codes(weights.weight))
-        big = int(f.dtype == "FP8" and scale is not None and bool(scale_values(scale, f.scale).abs().nan_to_num(0.0).max() >= 2.0 ** 119))
+        big = int(f.dtype == "FP8" and scale is not None and bool(_effective_scales(scale, f.scale, f.global_mode, gs, count)
+                                                                   .abs().nan_to_num(0.0).max() >= 2.0 ** 119))
         self.mats = (Mat * count)()
         base = weights.weight.data_ptr()
         for i in range(count):
@@ -331,8 +332,10 @@ class Bound:
                 m.gk = f.group if f.group else in_features
                 m.gn = f.rows if f.rows else out_features
                 if zero is not None:
-                    m.z = zero.data_ptr() + i * slot_s * 4
+                    m.z = zero.data_ptr() + i * slot_s * zero.element_size()
+                    m.zi8 = int(zero.dtype == torch.int8)
                 m.gs = gs[i]
+                m.gmode = GLOBAL_MODES[f.global_mode] if f.global_scale else 0
             if rowsum is not None:
                 m.rowsum = rowsum.data_ptr() + i * out_features * 4
             if bias is not None and oscale is not None:
@@ -376,6 +379,15 @@ class Bound:
 
     def ptr(self, slot: int | None = None) -> Any:
         return self.ptrs[slot or 0]
+
+
+def _effective_scales(scale: torch.Tensor, encoding: str, mode: str, gs: list[float], count: int) -> torch.Tensor:
+    """The scales as the kernels multiply by them (a global scale folded in by ``mode``)."""
+    sv = scale_values(scale, encoding)
+    if mode == "after" or sv.numel() == 1 and count > 1:
+        return sv
+    g = torch.tensor(gs, dtype=torch.float32).reshape(count, *[1] * max(sv.dim() - 1, 0)) if count > 1 else torch.tensor(gs[0])
+    return sv * g if mode == "times_scale" else sv / g
 
 
 def _has_nan_codes(q: torch.Tensor) -> bool:

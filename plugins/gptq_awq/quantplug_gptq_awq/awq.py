@@ -14,7 +14,7 @@ from . import hooks
 from .config import IntConfig
 
 __version__ = "0.1.0"
-QUANTPLUG_CONTRACT = "1.1"
+QUANTPLUG_CONTRACT = "1.4"
 
 
 @hookimpl

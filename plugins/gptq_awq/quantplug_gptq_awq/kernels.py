@@ -17,6 +17,14 @@ Storage facts (:class:`IntPack`, one per packing):
 Arithmetic (what auto-round's own dequantizers compute, in float32; one rounding to the model
 dtype): ``w[j, k] = (q[k, j] - z[g(k), j]) * float32(s[g(k), j])`` with ``g(k) = g_idx[k]``
 (GPTQ) or ``k // group`` (AWQ); ``q - z`` is an exact integer, so one float32 rounding.
+
+Compute form (:func:`repack`, once at load, unless g_idx is a real act-order permutation): the
+core's INT4 form (rows = outputs, byte j = inputs 2j low / 2j+1 high nibble, code = q, which the
+form reads as q - 8) or INT8 (int8 code = q - 128), scales transposed to [out, groups] in their
+stored dtype, zero points z' = z - 8 (INT4) / z - 128 (INT8), so that the form's
+``((code - offset) - z') * s`` is ``(q - z) * s`` with the same float32 operations: every weight
+bit for bit. GPTQ's words read as little-endian bytes are already that byte order along the
+input: its repack is a transpose.
 """
 
 from __future__ import annotations
@@ -122,6 +130,70 @@ def dequantize_rows_f32(pack: IntPack, bits: int, qweight: torch.Tensor, zeros: 
         v.sub_(z[:, :full, None]).mul_(s[:, :full, None])
     if full * group < n:  # a last, partial group
         w[:, full * group:].sub_(z[:, full:full + 1]).mul_(s[:, full:full + 1])
+    return w
+
+
+def repack(pack: IntPack, bits: int, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+           out_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Stored ``qweight`` / ``qzeros`` / ``scales`` (plain group order; a leading slot dim for
+    stacked experts) -> (codes, scales [.., out, G] in the stored dtype, zero points [.., out, G]
+    or None when all are zero): INT4 codes uint8 [.., out, in/2] (nibble = q), INT8 codes int8
+    [.., out, in] (q - 128); zero points int8 when they fit, else float32. One slot at a time
+    (the temporaries stay one matrix)."""
+    per = 32 // bits
+    lead = qweight.shape[:-2]
+    in_f = qweight.shape[-2] * per if pack.weight_axis == "in" else qweight.shape[-2]
+    flat_w = qweight.reshape(-1, *qweight.shape[-2:])
+    width = in_f // 2 if bits == 4 else in_f
+    codes = torch.empty(flat_w.shape[0], out_features, width, dtype=torch.uint8)
+    for i, words in enumerate(flat_w):
+        if pack.weight_axis == "in" and sys.byteorder == "little":
+            # value v of a word sits at bits * v: as bytes, input 2j / 2j+1 in byte j's low / high nibble
+            codes[i] = words.t().contiguous().view(torch.uint8)[:out_features]
+            continue
+        q = unpack_gptq_weight(words, bits) if pack.weight_axis == "in" else _unpack_last(words, bits, pack.order)
+        qt = q[:, :out_features].t()  # [out, in]
+        codes[i] = (qt[:, 0::2] | (qt[:, 1::2] << 4)).to(torch.uint8) if bits == 4 else qt.to(torch.uint8)
+    codes = codes.reshape(*lead, out_features, width)
+    if bits == 8:
+        codes = (codes ^ 0x80).view(torch.int8)  # q - 128
+    z = zeros_f32(pack, qzeros, bits, out_features) - (8 if bits == 4 else 128)
+    zt = z.transpose(-1, -2).contiguous()
+    if not bool(zt.any()):
+        zero = None
+    elif bool(((zt >= -128) & (zt <= 127)).all()):
+        zero = zt.to(torch.int8)
+    else:
+        zero = zt
+    return codes, scales.transpose(-1, -2).contiguous(), zero
+
+
+def dequantize_codes_f32(bits: int, codes: torch.Tensor, zero: torch.Tensor | None, scales: torch.Tensor, group: int,
+                         r0: int, r1: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows r0:r1 of the dense weight from :func:`repack`'s tensors, float32 [r1 - r0, in]:
+    ``((code - offset) - z') * f32(s)`` = ``(q - z) * f32(s)``, the same float32 operations as
+    :func:`dequantize_rows_f32` (``q - z`` is exact)."""
+    c = codes[r0:r1]
+    r = c.shape[0]
+    n = c.shape[1] * 2 if bits == 4 else c.shape[1]
+    w = out if out is not None else torch.empty(r, n, dtype=torch.float32, device=codes.device)
+    if bits == 4:
+        w.copy_(torch.stack((c & 0xF, c >> 4), dim=-1).view(r, n)).sub_(8)
+    else:
+        w.copy_(c)
+    s = scales[r0:r1].to(torch.float32)
+    z = zero[r0:r1].to(torch.float32) if zero is not None else None
+    full = n // group
+    if full:
+        v = w[:, :full * group].view(r, full, group)
+        if z is not None:
+            v.sub_(z[:, :full, None])
+        v.mul_(s[:, :full, None])
+    if full * group < n:  # a last, partial group
+        v = w[:, full * group:]
+        if z is not None:
+            v.sub_(z[:, full:full + 1])
+        v.mul_(s[:, full:full + 1])
     return w
 
 

@@ -24,7 +24,7 @@ from .config import SUPPORTED, LayerAlgo, ModelOptConfig
 from .schemes import ACTIVATION_MODES, FP8Scheme, NVFP4Scheme
 
 __version__ = "0.1.0"
-QUANTPLUG_CONTRACT = "1.1"
+QUANTPLUG_CONTRACT = "1.4"
 #: tensors that only a quantized module stores
 QUANT_SUFFIXES = ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale")
 QUANTIZED_DTYPES = ("U8", "F8_E4M3", "I8")
