@@ -1095,11 +1095,53 @@ static void int_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, i
     }
 }
 
+/* the most scale groups per row the fused kernels take (their scales decoded into a stack buffer
+ * once per row; 65536 inputs in groups of 16) */
+#define QP_NG_MAX 4096
+
+/* groups [0, ng) of row r: effective scales (global scale folded as gmode says, FP8's 256 folded
+ * in) and zero points as float32, one loop per encoding: the per-group decoding leaves the product
+ * loop (the same float32 values as eff_scale_at / zero_at) */
+static QP_IQ_UNUSED void row_scales(const qp_mat *m, int64_t r, int64_t ng, float *restrict sv, float *restrict zv) {
+    const int64_t srow = (r / m->gn) * m->lds;
+    const uint8_t *s8 = (const uint8_t *)m->s + srow;
+    switch (m->sdt) {
+        case QS_F32: memcpy(sv, (const float *)m->s + srow, sizeof(float) * (size_t)ng); break;
+        case QS_BF16: {
+            const uint16_t *p = (const uint16_t *)m->s + srow;
+            for (int64_t j = 0; j < ng; j++) sv[j] = bits_f32((uint32_t)p[j] << 16);
+            break;
+        }
+        case QS_F16: for (int64_t j = 0; j < ng; j++) sv[j] = f16_to_f32((const uint8_t *)m->s + 2 * (srow + j)); break;
+        case QS_E8M0: for (int64_t j = 0; j < ng; j++) sv[j] = e8m0_to_f32(s8[j]); break;
+        default: {
+            int64_t j = 0;
+#ifdef QP_AVX512
+            for (; j + 16 <= ng; j += 16) _mm512_storeu_ps(sv + j, fp8x16(s8 + j, 1));  /* exact, NaN codes NaN */
+#endif
+            for (; j < ng; j++) sv[j] = e4m3_to_f32(s8[j]);
+        }
+    }
+    const float gs = m->gs;
+    if (m->gmode == QG_TIMES) for (int64_t j = 0; j < ng; j++) sv[j] = sv[j] * gs;
+    else if (m->gmode == QG_OVER) for (int64_t j = 0; j < ng; j++) sv[j] = sv[j] / gs;
+#ifdef QP_AVX512
+    if (m->type == QP_FP8) for (int64_t j = 0; j < ng; j++) sv[j] = fp8_fold(sv[j]);
+#endif
+    if (m->z) {
+        if (m->zi8) { const int8_t *z = (const int8_t *)m->z + srow; for (int64_t j = 0; j < ng; j++) zv[j] = (float)z[j]; }
+        else memcpy(zv, (const float *)m->z + srow, sizeof(float) * (size_t)ng);
+    }
+}
+
 #ifdef QP_AVX512
 /* The scaled forms (INT4 / INT8 / FP8 / FP4) fused: each 16 weights decoded in a register, scaled
  * (and rounded to the model dtype) exactly as deq_seg_scaled does, and multiplied into float32
  * sums; the weights never go through memory. One function per form (no per-element branch), 32
- * weights per step with two accumulators per x row; groups of 16 (NVFP4) step 16. */
+ * weights per step with two accumulators per x row; groups of 16 (NVFP4) two groups a step (K is
+ * a multiple of 32: mat_ok), other groups not a multiple of 32 (48, ...) 16 weights a step. The
+ * row's scales and zero points are decoded once per row (row_scales), at most QP_NG_MAX groups:
+ * wider rows take the generic path. */
 #define QP_SCALE16(RAW, V)                                                                          \
     {                                                                                               \
         V = RAW;                                                                                    \
@@ -1116,20 +1158,20 @@ static void NAME(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int x
     const float gs = m->gs;                                                                         \
     const int has_g = m->gmode == QG_AFTER && gs != 1.f, nan = m->nan;                              \
     const __m512 lut = _mm512_loadu_ps(E2M1), vg = _mm512_set1_ps(gs);                            \
+    const int64_t ng = (K + gk - 1) / gk;                                                           \
+    float sv[QP_NG_MAX], zv[QP_NG_MAX];                                                             \
     (void)lut; (void)nan;                                                                           \
     for (int64_t r = r0; r < r1; r++) {                                                             \
         const uint8_t *restrict row = m->w + r * ldw;                                               \
-        const int64_t srow = (r / m->gn) * m->lds;                                                  \
+        row_scales(m, r, ng, sv, zv);                                                               \
         for (int i0 = 0; i0 < xm; i0 += 2) {                                                        \
             const int two = xm - i0 >= 2;                                                           \
             const float *restrict x0 = in->x + (int64_t)i0 * ldx, *restrict x1 = x0 + (two ? ldx : 0); \
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;                              \
             for (int64_t c0 = 0; c0 < K; c0 += gk) {                                                \
                 const int64_t j = c0 / gk, end = c0 + gk < K ? c0 + gk : K;                         \
-                float sj = eff_scale_at(m, srow + j);                                               \
-                if (m->type == QP_FP8) sj = fp8_fold(sj);                                           \
-                const __m512 vs = _mm512_set1_ps(sj);                                               \
-                const __m512 vz = _mm512_set1_ps(zp ? zero_at(m, srow + j) : 0.f);                  \
+                const __m512 vs = _mm512_set1_ps(sv[j]);                                            \
+                const __m512 vz = _mm512_set1_ps(zp ? zv[j] : 0.f);                                 \
                 if (step == 32) {                                                                   \
                     for (int64_t i = c0; i < end; i += 32) {                                        \
                         __m512 v0, v1;                                                              \
@@ -1140,6 +1182,18 @@ static void NAME(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int x
                         if (two) { b0 = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x1 + i), b0);            \
                                    b1 = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x1 + i + 16), b1); }     \
                     }                                                                               \
+                } else if (gk == 16 && !(K & 31)) {  /* NVFP4: two groups a step, two sums */       \
+                    const int64_t i = c0;                                                           \
+                    __m512 v0, v1;                                                                  \
+                    { const __m512 vs = _mm512_set1_ps(sv[j]), vz = _mm512_set1_ps(zp ? zv[j] : 0.f); \
+                      (void)vz; QP_SCALE16(RAWI(i), v0) }                                           \
+                    { const __m512 vs = _mm512_set1_ps(sv[j + 1]), vz = _mm512_set1_ps(zp ? zv[j + 1] : 0.f); \
+                      (void)vz; QP_SCALE16(RAWI(i + 16), v1) }                                      \
+                    a0 = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x0 + i), a0);                           \
+                    a1 = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x0 + i + 16), a1);                      \
+                    if (two) { b0 = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x1 + i), b0);                \
+                               b1 = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x1 + i + 16), b1); }         \
+                    c0 += 16;  /* the second group done too */                                      \
                 } else {                                                                            \
                     for (int64_t i = c0; i < end; i += 16) {                                        \
                         __m512 v0;                                                                  \
@@ -1171,7 +1225,7 @@ static void rows_any(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, i
     else if (is_int_path(m)) int_rows(m, in, r0, r1, xm, y, ldy);
 #ifdef QP_AVX512
     else if ((m->type == QP_Q4_0 || m->type == QP_Q8_0) && wround == QR_NONE) exact_rows_q40(m, in, r0, r1, xm, y, ldy);
-    else if (m->type >= QP_INT4 && (m->gk % 16 == 0) && m->k % 16 == 0 && !m->big) {
+    else if (m->type >= QP_INT4 && (m->gk % 16 == 0) && m->k % 16 == 0 && !m->big && (m->k + m->gk - 1) / m->gk <= QP_NG_MAX) {
         switch (m->type) {
             case QP_INT8: fused_int8(m, in, r0, r1, xm, y, ldy, wround); break;
             case QP_INT4: fused_int4(m, in, r0, r1, xm, y, ldy, wround); break;

@@ -23,6 +23,7 @@ import os
 import platform
 import subprocess
 import sys
+import types
 import zlib
 from pathlib import Path
 
@@ -201,6 +202,37 @@ def test_scaled_forms_multiply_within_float32_rounding(case, m):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     y = native.gemm(x, [b.ptr()])
     assert ((y.double() - x.double() @ dense.double().t()).abs() <= f64_bound(x, dense)).all()
+
+
+def _g16_cases(n: int, k: int) -> dict[str, tuple[Form, torch.Tensor, dict]]:
+    g = torch.Generator().manual_seed(k)
+    cases = {c: v for c, v in _scaled_cases(n, k).items() if "g16" in c}
+    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), dtype=torch.int32, generator=g)
+    r = torch.rand(n, k // 16, generator=g) * 1e-2 + 1e-3
+    cases["int4 g16 zero"] = (Form("INT4", group=16, zero=True), words,
+                              {"scale": r, "zero": torch.randn(n, k // 16, generator=g)})
+    cases["int4 g16 int8 zero"] = (Form("INT4", scale="BF16", group=16, zero=True), words,
+                                   {"scale": r.to(torch.bfloat16),
+                                    "zero": torch.randint(-8, 9, (n, k // 16), dtype=torch.int8, generator=g)})
+    if k % 48 == 0:  # groups of 48: every other one starts mid 32-column step
+        cases["int4 g48 zero"] = (Form("INT4", group=48, zero=True), words,
+                                  {"scale": r[:, ::3].contiguous(), "zero": torch.randn(n, k // 48, generator=g)})
+    return cases
+
+
+@needs_native
+@pytest.mark.parametrize("k", [288, 65536, 65568])
+def test_groups_of_16_multiply_at_every_length(k):
+    """Groups of 16 (NVFP4, INT4 g16: two groups a step, K being a multiple of 32) and of 48 (16
+    columns a step), and the widest rows whose scales the fused kernel decodes at once (4096 groups;
+    4098 go through the generic path): within float32 rounding of the definition."""
+    n = 3
+    for case, (form, w, tensors) in _g16_cases(n, k).items():
+        b = bound(form, w, n, k, **tensors)
+        dense = reference_dequantize(b.weights, n, k)
+        x = torch.randn(2, k, generator=torch.Generator().manual_seed(k))
+        y = native.gemm(x, [b.ptr()])
+        assert ((y.double() - x.double() @ dense.double().t()).abs() <= f64_bound(x, dense)).all(), case
 
 
 @needs_native
@@ -389,7 +421,7 @@ def _int_packs(bits: int, group: int, out_f: int, in_f: int, seed: int) -> tuple
 @needs_native
 @pytest.mark.parametrize(("packing", "bits", "group"), [("gptq", 4, 32), ("gptq", 4, 128), ("gptq", 4, -1),
                                                         ("gptq_v2", 4, 64), ("gptq", 8, 32), ("awq", 4, 64)])
-def test_gptq_awq_repack_is_bit_exact_with_their_dequantizer(packing, bits, group):
+def test_gptq_awq_repack_is_bit_exact_with_their_dequantizer(packing, bits, group, monkeypatch):
     """GPTQ (v1 zeros - 1, v2), 8-bit GPTQ, AWQ's interleaved words, per channel and a partial last
     group: repacked once into the INT4 / INT8 form with integer zero points, every weight decodes
     (native and torch, f32 / bf16) to the backend's own dequantizer's value, bit for bit, and the
@@ -422,6 +454,19 @@ def test_gptq_awq_repack_is_bit_exact_with_their_dequantizer(packing, bits, grou
     st_codes, st_scales, st_zero = ik.repack(pack, bits, torch.stack([qweight, qweight]), torch.stack([qzeros, qzeros]),
                                               torch.stack([s, s * 2]), out_f)
     assert torch.equal(st_codes[1], codes) and torch.equal(st_zero[0], zero) and torch.equal(st_scales[1], scales * 2)
+    # GPTQ's transpose shortcut reads the words as little-endian bytes: the unpacking path (other
+    # byte orders, and AWQ's) gives the same codes, a chunk of slots at a time
+    monkeypatch.setattr(ik, "sys", types.SimpleNamespace(byteorder="big"))  # ik's own view of sys only
+    monkeypatch.setattr(ik, "REPACK_CHUNK", out_f * in_f)
+    again = ik.repack(pack, bits, torch.stack([qweight, qweight, qweight]), torch.stack([qzeros] * 3),
+                      torch.stack([s] * 3), out_f)
+    assert all(torch.equal(again[0][i], codes) for i in range(3))
+    monkeypatch.undo()
+    # words stored column-major (transposing them gives a contiguous view of the same storage):
+    # the repack does not write into them (the INT8 shift works on a fresh copy)
+    cm = qweight.t().contiguous().t()
+    before = cm.clone()
+    assert torch.equal(ik.repack(pack, bits, cm, qzeros, s, out_f)[0], codes) and torch.equal(cm, before)
 
 
 @needs_native

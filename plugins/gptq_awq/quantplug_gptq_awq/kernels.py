@@ -42,6 +42,8 @@ AWQ_REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)
 #: dense weight elements materialized at once by :func:`linear` (4 MiB of float32: fewer, larger steps measured
 #: 17 vs 21 ms for a [2048, 7168] int4 layer and one input row, 1 thread)
 LINEAR_CHUNK = 1 << 20
+#: values unpacked at once by :func:`repack` (int16 temporaries of 32 MiB)
+REPACK_CHUNK = 1 << 24
 _SCRATCH = threading.local()
 
 
@@ -76,11 +78,11 @@ def _unpack_last(words: torch.Tensor, bits: int, order: tuple[int, ...] | None =
 
 
 def unpack_gptq_weight(qweight: torch.Tensor, bits: int) -> torch.Tensor:
-    """GPTQ qweight [in * bits / 32, cols] -> int16 [in, cols] (packed along in)."""
+    """GPTQ qweight [.., in * bits / 32, cols] -> int16 [.., in, cols] (packed along in)."""
     per = 32 // bits
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=qweight.device)
-    v = torch.bitwise_right_shift(qweight.unsqueeze(1), shifts[None, :, None]).bitwise_and_((1 << bits) - 1)
-    return v.to(torch.int16).reshape(qweight.shape[0] * per, qweight.shape[1])
+    v = torch.bitwise_right_shift(qweight.unsqueeze(-2), shifts[:, None]).bitwise_and_((1 << bits) - 1)
+    return v.to(torch.int16).reshape(*qweight.shape[:-2], qweight.shape[-2] * per, qweight.shape[-1])
 
 
 def zeros_f32(pack: IntPack, qzeros: torch.Tensor, bits: int, out_features: int) -> torch.Tensor:
@@ -138,25 +140,29 @@ def repack(pack: IntPack, bits: int, qweight: torch.Tensor, qzeros: torch.Tensor
     """Stored ``qweight`` / ``qzeros`` / ``scales`` (plain group order; a leading slot dim for
     stacked experts) -> (codes, scales [.., out, G] in the stored dtype, zero points [.., out, G]
     or None when all are zero): INT4 codes uint8 [.., out, in/2] (nibble = q), INT8 codes int8
-    [.., out, in] (q - 128); zero points int8 when they fit, else float32. One slot at a time
-    (the temporaries stay one matrix)."""
-    per = 32 // bits
-    lead = qweight.shape[:-2]
-    in_f = qweight.shape[-2] * per if pack.weight_axis == "in" else qweight.shape[-2]
-    flat_w = qweight.reshape(-1, *qweight.shape[-2:])
-    width = in_f // 2 if bits == 4 else in_f
-    codes = torch.empty(flat_w.shape[0], out_features, width, dtype=torch.uint8)
-    for i, words in enumerate(flat_w):
-        if pack.weight_axis == "in" and sys.byteorder == "little":
-            # value v of a word sits at bits * v: as bytes, input 2j / 2j+1 in byte j's low / high nibble
-            codes[i] = words.t().contiguous().view(torch.uint8)[:out_features]
-            continue
-        q = unpack_gptq_weight(words, bits) if pack.weight_axis == "in" else _unpack_last(words, bits, pack.order)
-        qt = q[:, :out_features].t()  # [out, in]
-        codes[i] = (qt[:, 0::2] | (qt[:, 1::2] << 4)).to(torch.uint8) if bits == 4 else qt.to(torch.uint8)
-    codes = codes.reshape(*lead, out_features, width)
+    [.., out, in] (q - 128); zero points int8 when they fit, else float32. Temporaries beyond the
+    result stay below :data:`REPACK_CHUNK` values (AWQ's unpacking, a few slots at a time)."""
+    if pack.weight_axis == "in" and sys.byteorder == "little":
+        # value v of a word sits at bits * v: read as bytes, inputs 2j / 2j+1 are byte j's low / high
+        # nibble (4 bits), input j byte j (8 bits): the repack is a transpose (into a fresh tensor:
+        # the INT8 shift below works in place, and contiguous() may return qweight itself)
+        t = qweight.transpose(-1, -2)[..., :out_features, :]
+        codes = torch.empty(t.shape, dtype=qweight.dtype).copy_(t).view(torch.uint8)
+    else:
+        lead = qweight.shape[:-2]
+        flat = qweight.reshape(-1, *qweight.shape[-2:])
+        in_f = flat.shape[-2] * (32 // bits) if pack.weight_axis == "in" else flat.shape[-2]
+        width = in_f // 2 if bits == 4 else in_f
+        out = torch.empty(flat.shape[0], out_features, width, dtype=torch.uint8)
+        step = max(1, REPACK_CHUNK // max(in_f * out_features, 1))
+        for i in range(0, flat.shape[0], step):
+            words = flat[i:i + step]
+            q = unpack_gptq_weight(words, bits) if pack.weight_axis == "in" else _unpack_last(words, bits, pack.order)
+            qt = q[..., :out_features].transpose(-1, -2)  # [slots, out, in]
+            out[i:i + step] = (qt[..., 0::2] | (qt[..., 1::2] << 4)).to(torch.uint8) if bits == 4 else qt.to(torch.uint8)
+        codes = out.reshape(*lead, out_features, width)
     if bits == 8:
-        codes = (codes ^ 0x80).view(torch.int8)  # q - 128
+        codes = codes.bitwise_xor_(0x80).view(torch.int8)  # q - 128 (codes is a fresh tensor)
     z = zeros_f32(pack, qzeros, bits, out_features) - (8 if bits == 4 else 128)
     zt = z.transpose(-1, -2).contiguous()
     if not bool(zt.any()):
