@@ -52,7 +52,7 @@ MODES = {"exact": 0, "fast": 1}
 FAST_FORMS = frozenset({"Q4_0", "Q8_0"})
 #: the symbols this module calls; a library missing one is rebuilt, then refused
 SYMBOLS = ("qp_form_info", "qp_isa", "qp_check", "qp_dequant", "qp_act_rows", "qp_gemm", "qp_mlp",
-           "qp_mla_pre", "qp_mla_post", "qp_mla_step")
+           "qp_mla_pre", "qp_mla_post", "qp_mla_step", "qp_fp8_has_nan")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -205,6 +205,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "qp_mla_pre": ([ctypes.POINTER(MLA), i64, p, p, p, p, p, i32], i32),
         "qp_mla_post": ([ctypes.POINTER(MLA), i64, p, p, i64, i64, p, i64, i64, i64, i32, p, p, i32], i32),
         "qp_mla_step": ([ctypes.POINTER(MLA), i64, p, p, p, i64, i64, p, i64, i64, i64, i32, p, i32], i32),
+        "qp_fp8_has_nan": ([p, i64], i32),
     }
     for name, (args, res) in sig.items():
         fn = getattr(lib, name)
@@ -314,7 +315,7 @@ class Bound:
                if weights.input_scale is not None else [0.0] * count)
         ino = (weights.input_offset.to(torch.float32).reshape(-1).tolist()
                if weights.input_offset is not None else [0.0] * count)
-        nan = int(f.dtype == "FP8" and _has_nan_codes(weights.weight))
+        nan = int(f.dtype == "FP8" and has_nan_codes(weights.weight))
         big = int(f.dtype == "FP8" and scale is not None and bool(_effective_scales(scale, f.scale, f.global_mode, gs, count)
                                                                    .abs().nan_to_num(0.0).max() >= 2.0 ** 119))
         self.mats = (Mat * count)()
@@ -390,9 +391,30 @@ def _effective_scales(scale: torch.Tensor, encoding: str, mode: str, gs: list[fl
     return sv * g if mode == "times_scale" else sv / g
 
 
-def _has_nan_codes(q: torch.Tensor) -> bool:
-    b = q.contiguous().view(torch.uint8)
-    return bool(((b & 0x7F) == 0x7F).any())
+#: bit 7 of each byte of an int64 (0x8080808080808080 as a signed value)
+_TOP = -0x7F7F7F7F7F7F7F80
+
+
+def has_nan_codes(q: torch.Tensor) -> bool:
+    """Whether float8 e4m3 (or its uint8 bytes) ``q`` holds a NaN code (S.1111.111): natively at
+    memory speed (``qp_fp8_has_nan``, any alignment), else eight bytes per int64 lane in torch,
+    the unaligned head and the tail byte by byte."""
+    b = q.contiguous().view(torch.uint8).reshape(-1)
+    if b.device.type == "cpu":
+        lib = library()
+        if lib is not None:
+            rc = lib.qp_fp8_has_nan(b.data_ptr(), b.numel())
+            check(min(rc, 0), "qp_fp8_has_nan")
+            return rc == 1
+    head = min(-b.storage_offset() % 8, b.numel())  # int64 views need 8-byte aligned offsets
+    n8 = (b.numel() - head) // 8 * 8
+    if n8:
+        w = b[head:head + n8].view(torch.int64)
+        if bool(((w & 0x7F7F7F7F7F7F7F7F) + 0x0101010101010101).bitwise_and_(_TOP).any()):
+            return True
+    rest = torch.cat([b[:head], b[head + n8:]])
+    return bool(((rest & 0x7F) == 0x7F).any())
+
 
 
 def native_ok(x: torch.Tensor) -> bool:

@@ -108,6 +108,47 @@ int qp_isa(void) {
 #endif
 }
 
+/* Whether any of the n bytes at p is an e4m3 NaN code (S.1111.111), at memory speed (binding an
+ * FP8 expert read from disk asks once per weight): 1 yes, 0 no, -1 bad arguments. Any alignment.
+ * Eight bytes a lane: (b & 0x7F) + 1 sets bit 7 exactly for 0x7F (at most 0x80: no carry into the
+ * next byte); the lanes of a 4 KiB block are OR-ed without a branch (the compiler vectorizes it),
+ * the block then tested; the last n % 8 bytes one by one. */
+int qp_fp8_has_nan(const uint8_t *p, int64_t n) {
+    if (n < 0 || (n > 0 && !p)) return -1;
+    const uint64_t low = 0x7F7F7F7F7F7F7F7Full, one = 0x0101010101010101ull, top = 0x8080808080808080ull;
+    int64_t i = 0;
+#ifdef QP_AVX512
+    const __m512i m7f = _mm512_set1_epi8(0x7F);
+    for (; i + 256 <= n; i += 256) {
+        const __m512i a = _mm512_and_si512(_mm512_loadu_si512((const void *)(p + i)), m7f);
+        const __m512i b = _mm512_and_si512(_mm512_loadu_si512((const void *)(p + i + 64)), m7f);
+        const __m512i c = _mm512_and_si512(_mm512_loadu_si512((const void *)(p + i + 128)), m7f);
+        const __m512i d = _mm512_and_si512(_mm512_loadu_si512((const void *)(p + i + 192)), m7f);
+        /* the largest of (b & 0x7F) is 0x7F exactly when one byte is a NaN code */
+        const __m512i mx = _mm512_max_epu8(_mm512_max_epu8(a, b), _mm512_max_epu8(c, d));
+        if (_mm512_cmpeq_epi8_mask(mx, m7f)) return 1;
+    }
+#endif
+    enum { LANES = 512 };  /* 4 KiB */
+    for (; i + 8 * LANES <= n; i += 8 * LANES) {
+        uint64_t acc = 0;
+        for (int j = 0; j < LANES; j++) {
+            uint64_t w;
+            memcpy(&w, p + i + 8 * j, 8);
+            acc |= ((w & low) + one) & top;
+        }
+        if (acc) return 1;
+    }
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, p + i, 8);
+        if (((w & low) + one) & top) return 1;
+    }
+    for (; i < n; i++)
+        if ((p[i] & 0x7F) == 0x7F) return 1;
+    return 0;
+}
+
 typedef struct {
     int32_t kind;      /* QA_* */
     int32_t group;     /* QA_FP8 / QA_*FP4: inputs per group (0: the whole row) */

@@ -469,6 +469,57 @@ def test_gptq_awq_repack_is_bit_exact_with_their_dequantizer(packing, bits, grou
     assert torch.equal(ik.repack(pack, bits, cm, qzeros, s, out_f)[0], codes) and torch.equal(cm, before)
 
 
+def _no_nan_bytes(n: int, seed: int) -> torch.Tensor:
+    """n random e4m3 bytes without a NaN code, holding its neighbours 0x7E, 0xFE and 0x80."""
+    b = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    b[(b & 0x7F) == 0x7F] = 0x7E
+    b[: min(n, 3)] = torch.tensor([0x7E, 0xFE, 0x80], dtype=torch.uint8)[: min(n, 3)]
+    return b
+
+
+@pytest.mark.parametrize("use_native", [True, False])
+def test_fp8_nan_code_scan_finds_every_placement(use_native):
+    """has_nan_codes (the C scan: 256-byte AVX512 blocks or 4 KiB blocks of 8-byte lanes, single
+    lanes, a byte tail; or its torch fallback) against the plain torch expression: a NaN code (0x7F,
+    0xFF) first, last, in the tail, in the lanes after the blocks, in an unaligned view (and one just
+    outside it), none at all; then every length to 300 at every start offset to 8."""
+    if use_native and native.library() is None:
+        pytest.skip(f"native kernels: {native.status()}")
+    n = 3 * 4096 + 256 + 3 * 8 + 5
+
+    def scan(t: torch.Tensor) -> bool:
+        if use_native:
+            return native.has_nan_codes(t)
+        with native.disabled():
+            return native.has_nan_codes(t)
+
+    base = _no_nan_bytes(n, 0)
+    assert not scan(base) and not scan(base.view(torch.float8_e4m3fn)) and not scan(base[:0])
+    for code in (0x7F, 0xFF):
+        for at in (0, n - 1, n - 3, n - 5 - 8, 3 * 4096 + 100, 4096 - 1, 4096, 12345):
+            b = base.clone()
+            b[at] = code
+            assert scan(b) and scan(b.view(torch.float8_e4m3fn)), (hex(code), at)
+        for off in (1, 3, 5):
+            b = base.clone()
+            b[off - 1] = code                       # just before the view
+            b[n - 1] = code                         # just after it
+            view = b[off:n - 1]
+            assert view.storage_offset() == off and not scan(view), (hex(code), off)
+            for at in (0, view.numel() - 1, view.numel() // 2):
+                c = base.clone()
+                c[off + at] = code
+                assert scan(c[off:n - 1]), (hex(code), off, at)
+    g = torch.Generator().manual_seed(1)
+    for length in range(301):
+        for off in range(9):
+            b = _no_nan_bytes(length + off, length * 9 + off)
+            if length and int(torch.randint(0, 2, (1,), generator=g)):
+                b[off + int(torch.randint(0, length, (1,), generator=g))] = int(torch.randint(0, 2, (1,), generator=g)) * 0x80 + 0x7F
+            view = b[off:]
+            assert scan(view) == bool(((view & 0x7F) == 0x7F).any()), (length, off)
+
+
 @needs_native
 def test_integer_w8a8_epilogues_equal_int_mm():
     g = torch.Generator().manual_seed(2)
@@ -598,6 +649,8 @@ def test_avx2_and_portable_builds_compute_the_same(monkeypatch, tmp_path, march,
     test_fp4_activation_quantization_equals_the_backends_torch_emulations()
     test_fp4_weights_decode_bit_exact_with_the_backends(torch.bfloat16)
     test_integer_w8a8_epilogues_equal_int_mm()
+    test_fp8_nan_code_scan_finds_every_placement(True)
+    test_groups_of_16_multiply_at_every_length(288)
 
 
 def test_no_compiler_means_torch_paths_and_a_reason(monkeypatch, tmp_path):
