@@ -7,8 +7,12 @@ experts of 256 (top-4) + 1 shared, MLA q_lora 256 / kv_lora 128, vocab 32000: ~1
 parameters, random weights (std 0.02), written once as a bf16 safetensors checkpoint, then
 exported by each bundled backend's own ``quantplug_export`` (GGUF F32 / Q8_0 / Q4_0 through
 quantplug's gguf-py writer, DeepSeek FP8 block, compressed-tensors W4A16 experts-only, ModelSlim
-W4A8 experts + W8A8 attention, Quark MXFP4). Q4_K_M is made from the F32 GGUF by llama.cpp's own
-``llama_model_quantize`` (llama-cpp-python), the standard mix most GGUF downloads use.
+W4A8 experts + W8A8 attention, Quark MXFP4 (routed experts float, as amd-quark writes them),
+ModelOpt NVFP4 / FP8 (every decoder linear, experts per expert), GPTQ / AWQ int4 group 32 with zero
+points). compressed-tensors has no FP4 exporter: its NVFP4 / MXFP4 rows are written here by
+:func:`write_ct_fp4` with compressed-tensors' quantization rules (every decoder linear, experts
+included). Q4_K_M is made from the F32 GGUF by llama.cpp's own ``llama_model_quantize``
+(llama-cpp-python), the standard mix most GGUF downloads use.
 
 Every contender runs in a fresh process (``--child``), contenders alternate over ``--reps``
 rounds, and the best round is reported. Per contender: load seconds; prefill of 64 tokens; decode
@@ -47,6 +51,13 @@ ROWS = {
     "CT W4A16 experts exact": ("ct-w4a16", {}), "CT W4A16 experts fast": ("ct-w4a16", {"kernels": "fast"}),
     "ModelSlim W4A8 experts": ("modelslim-w4a8", {}),
     "Quark MXFP4": ("quark-mxfp4", {}),
+    # issue 24's formats (closest existing forms: Quark MXFP4 for FP4, CT W4A16 for GPTQ / AWQ)
+    "ModelOpt NVFP4 (weight-only)": ("modelopt-nvfp4", {}),
+    "ModelOpt NVFP4 (nvfp4 activations)": ("modelopt-nvfp4-act", {}),
+    "ModelOpt FP8 (fp8 static activations)": ("modelopt-fp8", {}),
+    "CT NVFP4 (weight-only)": ("ct-nvfp4", {}), "CT MXFP4 (weight-only)": ("ct-mxfp4", {}),
+    "CT MXFP4 (mxfp4 activations)": ("ct-mxfp4-act", {}),
+    "GPTQ int4 g32": ("gptq", {}), "AWQ int4 g32": ("awq", {}),
 }
 LLAMA = {"llama.cpp F32": "gguf-F32", "llama.cpp Q8_0": "gguf-Q8_0", "llama.cpp Q4_0": "gguf-Q4_0",
          "llama.cpp Q4_K_M": "gguf-Q4_K_M"}
@@ -56,6 +67,57 @@ def _gguf_with_merges(src: Path, dst: Path) -> None:
     from quantplug_expert_pack.testing import rewrite_gguf
 
     rewrite_gguf(src, dst, lambda w: w.add_token_merges(["<tok1> <tok2>"]))
+
+
+def write_ct_fp4(model, plan, dest: Path, fmt: str, act: bool) -> None:
+    """compressed-tensors ``nvfp4-pack-quantized`` / ``mxfp4-pack-quantized`` from the dense model,
+    quantized as compressed-tensors does (NVFP4: global scale 448 * 6 / amax, e4m3 block scales
+    per 16; MXFP4: e8m0 scales per 32 by its round_to_power_2); W4A4 (dynamic activation scales;
+    NVFP4's input_global_scale 448 * 6 / 16) when ``act``."""
+    import re
+
+    import torch
+    from quantplug.api import dense_state
+    from quantplug_compressed_tensors import fp4
+    from safetensors.torch import save_file
+
+    linear = re.compile(r"\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|"
+                        r"o_proj|gate_proj|up_proj|down_proj)\.weight$")
+    nv = fmt.startswith("nvfp4")
+    lay = fp4.NVFP4 if nv else fp4.MXFP4
+    tensors = {}
+    for name, w in dense_state(model).items():
+        if not linear.search(name):
+            tensors[name] = (w.float() if name.endswith("e_score_correction_bias") else w.to(torch.bfloat16)).contiguous()
+            continue
+        base = name[: -len(".weight")]
+        g = w.float().unflatten(-1, (-1, lay.group))
+        amax = g.abs().amax(-1)
+        if nv:
+            gs = (448.0 * 6 / w.float().abs().amax()).reshape(1)
+            s = (gs * amax / 6).clamp(max=448).to(torch.float8_e4m3fn)
+            b = s.float() / gs
+            tensors[f"{base}.weight_scale"], tensors[f"{base}.weight_global_scale"] = s, gs
+            if act:
+                tensors[f"{base}.input_global_scale"] = torch.tensor([448.0 * 6 / 16.0])
+        else:
+            e = (127 + torch.floor(torch.log2(fp4._power_of_two(amax))) - 2).clamp(0, 255)
+            b = torch.exp2(e - 127)
+            tensors[f"{base}.weight_scale"] = e.to(torch.uint8)
+        q = fp4.e2m1_round((g / b.unsqueeze(-1)).clamp(-6, 6)).flatten(-2)
+        mag = (q.abs().unsqueeze(-1) == fp4.E2M1[:8]).to(torch.uint8).argmax(-1).to(torch.uint8)
+        codes = mag | (((q < 0) & (mag != 0)).to(torch.uint8) << 3)
+        tensors[f"{base}.weight_packed"] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    weights = {"num_bits": 4, "type": "float", "symmetric": True, "dynamic": False, "group_size": lay.group,
+               "strategy": "tensor_group" if nv else "group"}
+    acts = None if not act else {"num_bits": 4, "type": "float", "symmetric": True, "group_size": lay.group,
+                                 "dynamic": "local" if nv else True, "strategy": "tensor_group" if nv else "group"}
+    qc = {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed", "ignore": ["lm_head"],
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
+                                        "format": fmt}}}
+    dest.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(dest / "model.safetensors"))
+    (dest / "config.json").write_text(json.dumps(dict(plan.checkpoint.config, quantization_config=qc), indent=2))
 
 
 def build(root: Path, llama_py: str | None) -> dict[str, Path]:
@@ -88,7 +150,9 @@ def build(root: Path, llama_py: str | None) -> dict[str, Path]:
         _gguf_with_merges(d / "model.tmp.gguf", d / "model.gguf")
         (d / "model.tmp.gguf").unlink()
     exports = {"fp8": ("fp8", {}), "ct-w4a16": ("compressed_tensors", {}),
-               "modelslim-w4a8": ("modelslim", {"recipes": ["w4a8"]}), "quark-mxfp4": ("quark", {})}
+               "modelslim-w4a8": ("modelslim", {"recipes": ["w4a8"]}), "quark-mxfp4": ("quark", {}),
+               "modelopt-nvfp4": ("modelopt", {}), "modelopt-nvfp4-act": ("modelopt", {"algo": "NVFP4"}),
+               "modelopt-fp8": ("modelopt", {"algo": "FP8"}), "gptq": ("gptq", {}), "awq": ("awq", {})}
     for name, (backend, opts) in exports.items():
         d = root / name
         if (d / "config.json").exists():
@@ -102,6 +166,15 @@ def build(root: Path, llama_py: str | None) -> dict[str, Path]:
         results = res if isinstance(res, list | tuple) else [res]
         os.replace(results[0].path, d)
         print(f"exported {name}: {results[0].format}", file=sys.stderr)
+    for name, fmt, act in (("ct-nvfp4", "nvfp4-pack-quantized", False), ("ct-mxfp4", "mxfp4-pack-quantized", False),
+                           ("ct-mxfp4-act", "mxfp4-pack-quantized", True)):
+        d = root / name
+        if (d / "config.json").exists():
+            continue
+        if model is None:
+            model = quantplug.load(dense, progress=False)
+        write_ct_fp4(model, model.quantplug_plan, d, fmt, act)
+        print(f"wrote {name}: compressed-tensors {fmt}{' W4A4' if act else ''}", file=sys.stderr)
     km = root / "gguf-Q4_K_M"
     if not (km / "model.gguf").exists() and llama_py:
         km.mkdir(exist_ok=True)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -308,6 +308,8 @@ class ExpertStore:
         self.slots = len(pieces[PROJS[0]][next(iter(pieces[PROJS[0]]))])
         self.slot_bytes = sum(p[0].info.nbytes for proj in pieces.values() for p in proj.values())
         self.entry_bytes = sum(p[0].nbytes for proj in pieces.values() for p in proj.values())
+        #: whether an expert of this layer was built (entry_bytes then holds the largest built size)
+        self.built = False
 
     def build(self, slot: int) -> tuple[tuple[StackedLinear, StackedLinear, StackedLinear], int]:
         layers = []
@@ -329,15 +331,24 @@ class ExpertStore:
         with self.cache._lock:
             self.cache.counts["expert_reads"] += 1
             self.cache.counts["bytes_read"] += self.slot_bytes
+            # what an expert holds once built: more than its stored bytes where a scheme's
+            # process_after_loading repacks (GPTQ / AWQ: int8 zero points for 4-bit packed ones), so
+            # the runs of _chunks are sized by the largest built one
+            self.entry_bytes = max(self.entry_bytes, nbytes)
+            self.built = True
         return (layers[0], layers[1], layers[2]), nbytes
 
     # -- compute --------------------------------------------------------------------------------
 
-    def _chunks(self, slots: Sequence[int]) -> list[list[int]]:
-        """``slots`` in ascending order, in runs that fit the cache together."""
-        per = max(1, int(self.cache.budget // max(self.entry_bytes, 1)))
-        s = sorted(slots)
-        return [s[i:i + per] for i in range(0, len(s), per)]
+    def _chunks(self, slots: Sequence[int]) -> Iterator[list[int]]:
+        """``slots`` in ascending order, in runs that fit the cache together, each sized when the
+        caller asks for it by the largest expert built so far: one expert alone until one of this
+        layer's is built (a built expert can hold more than its stored bytes, see :meth:`build`)."""
+        s, i = sorted(slots), 0
+        while i < len(s):
+            per = max(1, int(self.cache.budget // max(self.entry_bytes, 1))) if self.built else 1
+            yield s[i:i + per]
+            i += per
 
     def forward_step(self, x: torch.Tensor, pairs: Sequence[tuple[int, int, float]]) -> torch.Tensor:
         """Few token rows x [M, H] through ``pairs`` = (row, slot, weight), sorted by slot: the sum

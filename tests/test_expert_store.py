@@ -222,6 +222,27 @@ def test_a_cache_smaller_than_one_step_is_a_plan_error_naming_the_numbers(built)
         model(IDS[:, :3])
 
 
+@pytest.mark.parametrize("name", [c for c in ("awq-vendor", "gptq-vendor") if c in CASES])
+def test_experts_built_larger_than_stored_run_in_a_cache_of_one_step(built, name):
+    """GPTQ / AWQ experts are repacked when built (int8 zero points for packed 4-bit ones): an
+    AWQ expert then holds more than its stored bytes. The runs of experts read together are sized
+    by the built size (the first alone), so a cache of one step's stored bytes still serves every
+    step, within its budget, with the in-memory model's results."""
+    path, opts = built[name]
+    ref = quantplug.load(path, progress=False, options=opts)
+    need = experts.step_bytes(ref.quantplug_plan)
+    for mb in (need / (1 << 20), 1.5 * need / (1 << 20)):
+        served = quantplug.load(path, progress=False, options={**opts, "expert_cache_mb": mb})
+        cache = stats_sources(served)["expert_cache"]
+        with torch.no_grad():
+            assert _rel(served(IDS), ref(IDS)) <= TOL
+        stores = [m.qp_store for m in served.modules() if getattr(m, "qp_store", None) is not None]
+        assert all(s.built for s in stores) and cache.stats()["peak_bytes"] <= cache.budget
+        if name == "awq-vendor":
+            assert all(s.entry_bytes > sum(p[0].nbytes for proj in s.pieces.values() for p in proj.values())
+                       for s in stores)
+
+
 def test_experts_larger_than_available_memory_is_a_plan_error(built, monkeypatch):
     from quantplug import memory
 

@@ -18,8 +18,15 @@ ggml        gguf-py's dequantization of the block (``quantplug.kernels.ggml``)
 int         ``(q - zero) * scale``; INT4: q = nibble - 8 (byte j = elements 2j low, 2j+1 high nibble:
             compressed-tensors' pack-quantized words read as bytes); INT8: q = the int8 value
 fp8         ``e4m3(q) * scale`` (E4M3FN, NaN codes decode to NaN)
-fp4         ``e2m1(nibble) * scale [* global_scale]`` (nibbles as INT4)
+fp4         ``e2m1(nibble) * scale`` (nibbles as INT4)
 ==========  ========================================================================================
+
+A ``global_scale`` (one float32 per matrix) enters as ``global_mode`` says, each a float32
+operation in this order: ``"after"`` ``((q - zero) * scale) * global``; ``"times_scale"``
+``(q - zero) * (scale * global)`` (ModelOpt NVFP4: ``weight_scale_2`` multiplies the e4m3 block
+scale first); ``"over_scale"`` ``(q - zero) * (scale / global)`` (compressed-tensors NVFP4:
+``weight_global_scale`` divides it). Zero points are float32, or int8 for integer zero points
+(the same values, a quarter of the bytes).
 
 ``scale`` / ``zero`` hold one value per group of ``group`` inputs (0: the whole row) and per
 block of ``rows`` rows (1: per row; 0: the whole matrix): ``scale[r // rows, c // group]``.
@@ -57,7 +64,13 @@ SCALE_ENCODINGS = {"F32": 0, "BF16": 1, "F16": 2, "E8M0": 3, "E4M3": 4}
 _SCALE_TORCH = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "E8M0": torch.uint8,
                 "E4M3": torch.float8_e4m3fn}
 #: activation quantizations (C: QA_*)
-ACT_KINDS = {"fp8": 1, "fp8_static": 2, "int8_sym": 3, "int8_asym": 4, "int8_static": 5}
+ACT_KINDS = {"fp8": 1, "fp8_static": 2, "int8_sym": 3, "int8_asym": 4, "int8_static": 5,
+             "nvfp4": 6, "nvfp4_inv": 7, "mxfp4": 8}
+#: kinds that read the layer's static input scale (``Weights.input_scale``)
+STATIC_ACTS = ("fp8_static", "int8_static", "nvfp4", "nvfp4_inv")
+FP4_ACTS = ("nvfp4", "nvfp4_inv", "mxfp4")
+#: how a form's global scale combines with its scales (C: QG_*)
+GLOBAL_MODES = {"after": 0, "times_scale": 1, "over_scale": 2}
 #: integer epilogues of INT8 weights with int8 activations (C: QE_*)
 INTEGER = {"float": 0, "static": 1, "dynamic": 2}
 
@@ -74,6 +87,15 @@ class ActQuant:
       dynamic per token). ``int8_asym`` (msmodelslim): lo = min(min x, 0), hi = max(max x, 0),
       s = (hi - lo) / 255, o = round(-128 - lo / s), q = clamp(round(x / s + o)), x' = (q - o) * s.
       ``int8_static``: the layer's input scale and offset, as ``int8_asym`` computes with them.
+    * FP4 E2M1 per ``group`` inputs of a row (``e2m1_rne``: nearest value, ties to the even code,
+      saturating at 6), the group's scale b from its amax: ``nvfp4`` (ModelOpt / TensorRT-LLM, the
+      input scale a multiplier): s = amax / (6 * input_scale) (0 -> 1) clamped to [2^-9, 448],
+      b = e4m3(s) * input_scale, x' = e2m1_rne(x / b) * b; ``nvfp4_inv`` (compressed-tensors,
+      ``input_global_scale`` a divisor): s = e4m3(min(input_scale * (amax / 6), 448)) (0 -> 0.125),
+      b = s / input_scale, x' = e2m1_rne(clamp(x / b, -6, 6)) * b; ``mxfp4`` (compressed-tensors'
+      dynamic MX activations): p = amax rounded to a power of two by its float32 bits (+ 2^21, the
+      mantissa dropped), b = 2^(clamp(log2(p) - 2 + 127, 0, 255) - 127),
+      x' = e2m1_rne(clamp(x / b, -6, 6)) * b.
     * ``integer`` (INT8 weights only): ``"float"`` multiplies x' by the weights; ``"static"``
       computes ``(q . w + bias) * output_scale`` on integers (ModelSlim W8A8: ``quant_bias``,
       ``deq_scale``, which fold the input scale and offset); ``"dynamic"``
@@ -94,8 +116,14 @@ class ActQuant:
             raise QuantplugError(f"ActQuant integer {self.integer!r}: expected one of {', '.join(INTEGER)}")
         if self.group < 0 or self.floor < 0:
             raise QuantplugError(f"ActQuant: group {self.group} and floor {self.floor} must be >= 0")
+        if self.kind in FP4_ACTS and self.integer != "float":
+            raise QuantplugError(f"ActQuant {self.kind}: fp4 activations have no integer products")
 
     def describe(self) -> str:
+        if self.kind in FP4_ACTS:
+            how = {"nvfp4": "e4m3 scales under the static input_scale", "nvfp4_inv": "e4m3 scales under the static "
+                   "input_global_scale (divisor)", "mxfp4": "dynamic e8m0 scales"}[self.kind]
+            return f"{self.kind[:5]} activations (per {self.group or 'row'}, {how})"
         if self.kind.startswith("fp8"):
             how = "static" if self.kind == "fp8_static" else f"per token{f', groups of {self.group}' if self.group else ''}"
             return f"fp8 e4m3 activations ({how}{', ue8m0' if self.ue8m0 else ''})"
@@ -109,8 +137,9 @@ class Form:
 
     ``dtype``: the stored element: a float dtype ("F32", "F16", "BF16"), a ggml type ("Q4_0"...),
     or "INT4" / "INT8" / "FP8" / "FP4". ``scale``: the scale encoding ("F32", "BF16", "F16",
-    "E8M0", "E4M3") and ``group`` / ``rows`` its granularity; ``zero``: float zero points;
-    ``global_scale``: one more multiplier per matrix; ``act``: activation quantization.
+    "E8M0", "E4M3") and ``group`` / ``rows`` its granularity; ``zero``: zero points (float32 or
+    int8 values); ``global_scale``: one more float32 scale per matrix, entering as ``global_mode``
+    says (:data:`GLOBAL_MODES`, the module docstring); ``act``: activation quantization.
     """
 
     dtype: str
@@ -120,6 +149,7 @@ class Form:
     zero: bool = False
     global_scale: bool = False
     act: ActQuant | None = None
+    global_mode: str = "after"
 
     def __post_init__(self) -> None:
         if self.dtype not in FORMS:
@@ -132,6 +162,10 @@ class Form:
             raise QuantplugError(f"form {self.dtype}: scales, zero points and groups belong to INT4 / INT8 / FP8 / FP4")
         if self.act is not None and self.act.integer != "float" and self.dtype != "INT8":
             raise QuantplugError(f"integer activation products need INT8 weights, not {self.dtype}")
+        if self.global_mode not in GLOBAL_MODES:
+            raise QuantplugError(f"form global_mode {self.global_mode!r}: expected one of {', '.join(GLOBAL_MODES)}")
+        if self.global_mode != "after" and not self.global_scale:
+            raise QuantplugError(f"form global_mode {self.global_mode!r} without a global scale")
 
     @property
     def scaled(self) -> bool:
@@ -156,7 +190,8 @@ class Form:
                     f"group {self.group}" if self.group else "per channel")
             s = f"{self.dtype.lower()} {self.scale.lower()} scales {gran}"
             s += " + zero points" if self.zero else ""
-            s += " x global scale" if self.global_scale else ""
+            s += {"after": " x global scale", "times_scale": " (scale x global scale)",
+                  "over_scale": " (scale / global scale)"}[self.global_mode] if self.global_scale else ""
         return s + (f", {self.act.describe()}" if self.act else "")
 
 
@@ -171,7 +206,8 @@ class Weights:
       serve as they are);
     * ``scale``: [.., ceil(out / rows), ceil(in / group)] (rows 0 / group 0: 1), as ``form.scale``
       says (E8M0 as uint8 exponents, E4M3 as float8 or uint8 bytes);
-    * ``zero``: float32 zero points shaped as ``scale`` (``form.zero``);
+    * ``zero``: zero points shaped as ``scale`` (``form.zero``): float32, or int8 when they are
+      integers (e.g. GPTQ / AWQ zero points repacked for INT4);
     * ``global_scale``: float32 [..] or [.., 1] (``form.global_scale``);
     * ``input_scale`` / ``input_offset``: static activation quantization (``fp8_static``,
       ``int8_static``), one value per matrix;
@@ -234,12 +270,12 @@ class Weights:
                 fail("scale must be contiguous")
             if f.zero:
                 z = self.zero
-                if z is None or z.dtype != torch.float32 or z.shape != s.shape or not z.is_contiguous():
-                    fail(f"zero points must be contiguous float32 {list(s.shape)}")
+                if z is None or z.dtype not in (torch.float32, torch.int8) or z.shape != s.shape or not z.is_contiguous():
+                    fail(f"zero points must be contiguous float32 or int8 {list(s.shape)}")
             if f.global_scale and (self.global_scale is None or self.global_scale.numel() != (slots or 1)):
                 fail(f"global_scale: expected {slots or 1} float32 values")
         act = f.act
-        if act is not None and act.kind in ("fp8_static", "int8_static") and (
+        if act is not None and act.kind in STATIC_ACTS and (
                 self.input_scale is None or self.input_scale.numel() != (slots or 1)):
             fail(f"static activation quantization needs input_scale ({slots or 1} values)")
         if act is not None and act.integer == "static" and any(
@@ -312,12 +348,16 @@ def reference_dequantize(w: Weights, out_features: int, in_features: int, slot: 
         z = pick(w.zero)
         assert z is not None
         vals = vals - z.reshape(rows, cols)[r_idx][:, c_idx]
-    out = vals * full
     if f.global_scale:
         g = pick(w.global_scale)
         assert g is not None
-        out = out * g.reshape(()).to(torch.float32)
-    return out.to(dtype)
+        gv = g.reshape(()).to(torch.float32)
+        if f.global_mode == "times_scale":
+            return (vals * (full * gv)).to(dtype)
+        if f.global_mode == "over_scale":
+            return (vals * (full / gv)).to(dtype)
+        return (vals * full * gv).to(dtype)
+    return (vals * full).to(dtype)
 
 
 def reference_act(w: Weights, x: torch.Tensor, slot: int | None = None) -> torch.Tensor:
@@ -333,6 +373,8 @@ def reference_act(w: Weights, x: torch.Tensor, slot: int | None = None) -> torch
         assert t is not None
         return (t.reshape(-1)[slot or 0] if t.numel() > 1 else t.reshape(())).to(torch.float32)
 
+    if act.kind in FP4_ACTS:
+        return _fp4_act(act, xf, value(w.input_scale) if act.kind != "mxfp4" else None)
     if act.kind.startswith("fp8"):
         k = xf.shape[-1]
         g = act.group if 0 < act.group < k else k
@@ -365,3 +407,42 @@ def reference_act(w: Weights, x: torch.Tensor, slot: int | None = None) -> torch
         o = torch.round(-128 - lo / s)
     q = torch.clamp(torch.round(xf / s + o if act.kind != "int8_sym" else xf / s), -128, 127)
     return (q - o) * s
+
+
+_E2M1_MIDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+_E2M1_ODD_TIES = torch.tensor([0.75, 1.75, 3.5])
+
+
+def e2m1_rne(v: torch.Tensor) -> torch.Tensor:
+    """float32 -> the nearest E2M1 value, ties to the even code, |v| > 6 (and NaN) -> 6; negative
+    where v < 0 (-0 -> +0)."""
+    a = v.abs()
+    idx = torch.searchsorted(_E2M1_MIDS, a) + torch.isin(a, _E2M1_ODD_TIES).long()
+    mag = _E2M1[:8][idx.clamp_(max=7)]
+    return torch.where(v < 0, -mag, mag)
+
+
+def _fp4_act(act: ActQuant, xf: torch.Tensor, gs: torch.Tensor | None) -> torch.Tensor:
+    """:class:`ActQuant`'s FP4 kinds, per group of ``act.group`` inputs (the last may be partial)."""
+    k = xf.shape[-1]
+    g = act.group if 0 < act.group < k else k
+    out = torch.empty_like(xf)
+    for c0 in range(0, k, g):
+        part = xf[..., c0:c0 + g]
+        amax = part.abs().amax(-1, keepdim=True)
+        if act.kind == "nvfp4":
+            assert gs is not None
+            s = amax / (6.0 * gs)
+            s = torch.where(s == 0, torch.ones_like(s), s).clamp(2.0 ** -9, 448.0)
+            b = s.to(torch.float8_e4m3fn).to(torch.float32) * gs
+            out[..., c0:c0 + g] = e2m1_rne(part / b) * b
+            continue
+        if act.kind == "nvfp4_inv":
+            assert gs is not None
+            s = (gs * (amax / 6.0)).clamp(max=448.0).to(torch.float8_e4m3fn).to(torch.float32)
+            b = torch.where(s == 0, torch.full_like(s, 0.125), s) / gs
+        else:
+            p = ((amax.contiguous().view(torch.int32) + (1 << 21)) & -(1 << 23)).view(torch.float32)
+            b = torch.exp2((127 + torch.floor(torch.log2(p)) - 2).clamp(0, 255) - 127)
+        out[..., c0:c0 + g] = e2m1_rne((part / b).clamp(-6.0, 6.0)) * b
+    return out

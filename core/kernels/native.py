@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from ..errors import QuantplugError
-from .forms import ACT_KINDS, FORMS, INTEGER, SCALE_ENCODINGS, Weights, scale_values
+from .forms import ACT_KINDS, FORMS, GLOBAL_MODES, INTEGER, SCALE_ENCODINGS, Weights, scale_values
 
 SOURCE = Path(__file__).with_name("qp_kernels.c")
 ISA_NAMES = {3: "AVX512 + VNNI", 4: "AVX512", 2: "AVX2", 0: "portable C"}
@@ -52,7 +52,7 @@ MODES = {"exact": 0, "fast": 1}
 FAST_FORMS = frozenset({"Q4_0", "Q8_0"})
 #: the symbols this module calls; a library missing one is rebuilt, then refused
 SYMBOLS = ("qp_form_info", "qp_isa", "qp_check", "qp_dequant", "qp_act_rows", "qp_gemm", "qp_mlp",
-           "qp_mla_pre", "qp_mla_post", "qp_mla_step")
+           "qp_mla_pre", "qp_mla_post", "qp_mla_step", "qp_fp8_has_nan")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -172,8 +172,8 @@ class Mat(ctypes.Structure):
         ("type", ctypes.c_int32), ("sdt", ctypes.c_int32), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
         ("w", ctypes.c_void_p), ("ldw", ctypes.c_int64), ("s", ctypes.c_void_p), ("lds", ctypes.c_int64),
         ("gk", ctypes.c_int64), ("gn", ctypes.c_int64), ("z", ctypes.c_void_p), ("gs", ctypes.c_float),
-        ("mode", ctypes.c_int32), ("nan", ctypes.c_int32), ("big", ctypes.c_int32),
-        ("rowsum", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("os", ctypes.c_void_p), ("act", Act)]
+        ("mode", ctypes.c_int32), ("nan", ctypes.c_int32), ("big", ctypes.c_int32), ("gmode", ctypes.c_int32),
+        ("zi8", ctypes.c_int32), ("rowsum", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("os", ctypes.c_void_p), ("act", Act)]
 
 
 class MLA(ctypes.Structure):
@@ -205,6 +205,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "qp_mla_pre": ([ctypes.POINTER(MLA), i64, p, p, p, p, p, i32], i32),
         "qp_mla_post": ([ctypes.POINTER(MLA), i64, p, p, i64, i64, p, i64, i64, i64, i32, p, p, i32], i32),
         "qp_mla_step": ([ctypes.POINTER(MLA), i64, p, p, p, i64, i64, p, i64, i64, i64, i32, p, i32], i32),
+        "qp_fp8_has_nan": ([p, i64], i32),
     }
     for name, (args, res) in sig.items():
         fn = getattr(lib, name)
@@ -314,8 +315,9 @@ class Bound:
                if weights.input_scale is not None else [0.0] * count)
         ino = (weights.input_offset.to(torch.float32).reshape(-1).tolist()
                if weights.input_offset is not None else [0.0] * count)
-        nan = int(f.dtype == "FP8" and _has_nan_codes(weights.weight))
-        big = int(f.dtype == "FP8" and scale is not None and bool(scale_values(scale, f.scale).abs().nan_to_num(0.0).max() >= 2.0 ** 119))
+        nan = int(f.dtype == "FP8" and has_nan_codes(weights.weight))
+        big = int(f.dtype == "FP8" and scale is not None and bool(_effective_scales(scale, f.scale, f.global_mode, gs, count)
+                                                                   .abs().nan_to_num(0.0).max() >= 2.0 ** 119))
         self.mats = (Mat * count)()
         base = weights.weight.data_ptr()
         for i in range(count):
@@ -331,8 +333,10 @@ class Bound:
                 m.gk = f.group if f.group else in_features
                 m.gn = f.rows if f.rows else out_features
                 if zero is not None:
-                    m.z = zero.data_ptr() + i * slot_s * 4
+                    m.z = zero.data_ptr() + i * slot_s * zero.element_size()
+                    m.zi8 = int(zero.dtype == torch.int8)
                 m.gs = gs[i]
+                m.gmode = GLOBAL_MODES[f.global_mode] if f.global_scale else 0
             if rowsum is not None:
                 m.rowsum = rowsum.data_ptr() + i * out_features * 4
             if bias is not None and oscale is not None:
@@ -378,9 +382,39 @@ class Bound:
         return self.ptrs[slot or 0]
 
 
-def _has_nan_codes(q: torch.Tensor) -> bool:
-    b = q.contiguous().view(torch.uint8)
-    return bool(((b & 0x7F) == 0x7F).any())
+def _effective_scales(scale: torch.Tensor, encoding: str, mode: str, gs: list[float], count: int) -> torch.Tensor:
+    """The scales as the kernels multiply by them (a global scale folded in by ``mode``)."""
+    sv = scale_values(scale, encoding)
+    if mode == "after" or sv.numel() == 1 and count > 1:
+        return sv
+    g = torch.tensor(gs, dtype=torch.float32).reshape(count, *[1] * max(sv.dim() - 1, 0)) if count > 1 else torch.tensor(gs[0])
+    return sv * g if mode == "times_scale" else sv / g
+
+
+#: bit 7 of each byte of an int64 (0x8080808080808080 as a signed value)
+_TOP = -0x7F7F7F7F7F7F7F80
+
+
+def has_nan_codes(q: torch.Tensor) -> bool:
+    """Whether float8 e4m3 (or its uint8 bytes) ``q`` holds a NaN code (S.1111.111): natively at
+    memory speed (``qp_fp8_has_nan``, any alignment), else eight bytes per int64 lane in torch,
+    the unaligned head and the tail byte by byte."""
+    b = q.contiguous().view(torch.uint8).reshape(-1)
+    if b.device.type == "cpu":
+        lib = library()
+        if lib is not None:
+            rc = lib.qp_fp8_has_nan(b.data_ptr(), b.numel())
+            check(min(rc, 0), "qp_fp8_has_nan")
+            return rc == 1
+    head = min(-b.storage_offset() % 8, b.numel())  # int64 views need 8-byte aligned offsets
+    n8 = (b.numel() - head) // 8 * 8
+    if n8:
+        w = b[head:head + n8].view(torch.int64)
+        if bool(((w & 0x7F7F7F7F7F7F7F7F) + 0x0101010101010101).bitwise_and_(_TOP).any()):
+            return True
+    rest = torch.cat([b[:head], b[head + n8:]])
+    return bool(((rest & 0x7F) == 0x7F).any())
+
 
 
 def native_ok(x: torch.Tensor) -> bool:

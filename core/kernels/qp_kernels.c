@@ -25,8 +25,12 @@
  *   INT8: k int8 values q
  *   FP8:  k e4m3fn bytes, q = their value (NaN codes 0x7F / 0xFF decode to NaN)
  *   FP4:  k/2 bytes as INT4, q = E2M1 value of the nibble (sign bit 3)
- *   weight = (q - zero) * scale [* global], zero and scale per (row block of gn rows, group of gk
- *   inputs): s[(r / gn) * lds + c / gk]; lds 0 = one scale for the whole matrix.
+ *   weight = (q - zero) * scale, zero and scale per (row block of gn rows, group of gk inputs):
+ *   s[(r / gn) * lds + c / gk]; lds 0 = one scale for the whole matrix. A global scale gs enters
+ *   as gmode says: QG_AFTER ((q - zero) * scale) * gs; QG_TIMES q * (scale * gs) (ModelOpt NVFP4:
+ *   the block scale is f32(e4m3) * weight_scale_2, then times the value); QG_OVER q * (scale / gs)
+ *   (compressed-tensors NVFP4: its weight_global_scale divides). Zero points are float32 or int8
+ *   (zi8: integer zero points, exact either way).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -56,7 +60,9 @@ enum {
     QP_INT4 = 100, QP_INT8 = 101, QP_FP8 = 102, QP_FP4 = 103,
 };
 enum { QS_F32 = 0, QS_BF16 = 1, QS_F16 = 2, QS_E8M0 = 3, QS_E4M3 = 4 };
-enum { QA_NONE = 0, QA_FP8 = 1, QA_FP8_STATIC = 2, QA_INT8_SYM = 3, QA_INT8_ASYM = 4, QA_INT8_STATIC = 5 };
+enum { QA_NONE = 0, QA_FP8 = 1, QA_FP8_STATIC = 2, QA_INT8_SYM = 3, QA_INT8_ASYM = 4, QA_INT8_STATIC = 5,
+       QA_NVFP4 = 6, QA_NVFP4_INV = 7, QA_MXFP4 = 8 };
+enum { QG_AFTER = 0, QG_TIMES = 1, QG_OVER = 2 };
 enum { QE_FLOAT = 0, QE_STATIC = 1, QE_DYNAMIC = 2 };
 enum { QR_NONE = 0, QR_BF16 = 1, QR_F16 = 2 };
 
@@ -102,12 +108,53 @@ int qp_isa(void) {
 #endif
 }
 
+/* Whether any of the n bytes at p is an e4m3 NaN code (S.1111.111), at memory speed (binding an
+ * FP8 expert read from disk asks once per weight): 1 yes, 0 no, -1 bad arguments. Any alignment.
+ * Eight bytes a lane: (b & 0x7F) + 1 sets bit 7 exactly for 0x7F (at most 0x80: no carry into the
+ * next byte); the lanes of a 4 KiB block are OR-ed without a branch (the compiler vectorizes it),
+ * the block then tested; the last n % 8 bytes one by one. */
+int qp_fp8_has_nan(const uint8_t *p, int64_t n) {
+    if (n < 0 || (n > 0 && !p)) return -1;
+    const uint64_t low = 0x7F7F7F7F7F7F7F7Full, one = 0x0101010101010101ull, top = 0x8080808080808080ull;
+    int64_t i = 0;
+#ifdef QP_AVX512
+    const __m512i m7f = _mm512_set1_epi8(0x7F);
+    for (; i + 256 <= n; i += 256) {
+        const __m512i a = _mm512_and_si512(_mm512_loadu_si512((const void *)(p + i)), m7f);
+        const __m512i b = _mm512_and_si512(_mm512_loadu_si512((const void *)(p + i + 64)), m7f);
+        const __m512i c = _mm512_and_si512(_mm512_loadu_si512((const void *)(p + i + 128)), m7f);
+        const __m512i d = _mm512_and_si512(_mm512_loadu_si512((const void *)(p + i + 192)), m7f);
+        /* the largest of (b & 0x7F) is 0x7F exactly when one byte is a NaN code */
+        const __m512i mx = _mm512_max_epu8(_mm512_max_epu8(a, b), _mm512_max_epu8(c, d));
+        if (_mm512_cmpeq_epi8_mask(mx, m7f)) return 1;
+    }
+#endif
+    enum { LANES = 512 };  /* 4 KiB */
+    for (; i + 8 * LANES <= n; i += 8 * LANES) {
+        uint64_t acc = 0;
+        for (int j = 0; j < LANES; j++) {
+            uint64_t w;
+            memcpy(&w, p + i + 8 * j, 8);
+            acc |= ((w & low) + one) & top;
+        }
+        if (acc) return 1;
+    }
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, p + i, 8);
+        if (((w & low) + one) & top) return 1;
+    }
+    for (; i < n; i++)
+        if ((p[i] & 0x7F) == 0x7F) return 1;
+    return 0;
+}
+
 typedef struct {
     int32_t kind;      /* QA_* */
-    int32_t group;     /* QA_FP8: inputs per group (0: the whole row) */
+    int32_t group;     /* QA_FP8 / QA_*FP4: inputs per group (0: the whole row) */
     int32_t ue8m0;     /* QA_FP8: scales rounded up to powers of two */
     int32_t epi;       /* QE_*: INT8 weights with int8 activations computed on integers */
-    float scale, offset;   /* static activation scale / offset */
+    float scale, offset;   /* static activation scale / offset (NVFP4: the global input scale) */
     float floor;       /* QA_FP8: least group amax (DeepSeek 1e-4); 0: a zero scale becomes 1 */
     int32_t pad;
 } qp_act;
@@ -119,11 +166,13 @@ typedef struct {
     int64_t ldw;
     const void *s;                 /* scale of (r, c): s[(r / gn) * lds + c / gk] */
     int64_t lds, gk, gn;
-    const float *z;                /* zero points (float), indexed as s; NULL: none */
-    float gs;                      /* global multiplier after the scale (1: none) */
+    const void *z;                 /* zero points (float32, or int8 when zi8), indexed as s; NULL: none */
+    float gs;                      /* global scale, entering as gmode says (QG_AFTER with 1: none) */
     int32_t mode;                  /* 0 exact, 1 fast (Q4_0 / Q8_0) */
     int32_t nan;                   /* FP8: may hold NaN codes */
-    int32_t big;                   /* FP8: some scale >= 2^119 (its fold by 256 would overflow) */
+    int32_t big;                   /* FP8: some effective scale >= 2^119 (its fold by 256 would overflow) */
+    int32_t gmode;                 /* QG_*: how gs combines with the scale */
+    int32_t zi8;                   /* zero points are int8 */
     const int32_t *rowsum;         /* INT8 integer path: sum of each row's codes */
     const int32_t *bias;           /* QE_STATIC: integer bias per row */
     const float *os;               /* QE_STATIC: output scale per row */
@@ -198,6 +247,17 @@ static inline float scale_at(const qp_mat *m, int64_t idx) {
         case QS_E8M0: return e8m0_to_f32(((const uint8_t *)m->s)[idx]);
         default: return e4m3_to_f32(((const uint8_t *)m->s)[idx]);
     }
+}
+
+/* the scale of group idx with the global scale folded in (QG_TIMES / QG_OVER: the vendor's block
+ * scale, one float32 rounding as its torch code takes it) */
+static inline float eff_scale_at(const qp_mat *m, int64_t idx) {
+    const float s = scale_at(m, idx);
+    return m->gmode == QG_TIMES ? s * m->gs : m->gmode == QG_OVER ? s / m->gs : s;
+}
+
+static inline float zero_at(const qp_mat *m, int64_t idx) {
+    return m->zi8 ? (float)((const int8_t *)m->z)[idx] : ((const float *)m->z)[idx];
 }
 
 /* ---- ggml block dequantization (bit-exact with gguf-py: no fused multiply-add) ------------ */
@@ -535,18 +595,18 @@ static inline __m512 raw16_int4(const uint8_t *row, int64_t i) {
 #endif
 
 /* elements [c0, c0 + len) of row r of an INT4 / INT8 / FP8 / FP4 matrix (c0, len multiples of 32;
- * gk a multiple of 16 or >= k), exactly: ((q - z) * s) * gs as float32 ops */
+ * gk a multiple of 16 or >= k), exactly: ((q - z) * s) [* gs] as float32 ops, s the effective scale */
 static void deq_seg_scaled(const qp_mat *m, int64_t r, int64_t c0, int64_t len, float *restrict o) {
     const uint8_t *restrict row = m->w + r * m->ldw;
     const int64_t srow = (r / m->gn) * m->lds, gk = m->gk;
     const int t = m->type, nan = m->nan;
-    const float *restrict zp = m->z;
+    const void *zp = m->z;
     const float gs = m->gs;
-    const int has_g = gs != 1.f;
+    const int has_g = m->gmode == QG_AFTER && gs != 1.f;
     int64_t c = c0;
     while (c < c0 + len) {
         const int64_t j = c / gk, end0 = (j + 1) * gk, end = end0 < c0 + len ? end0 : c0 + len;
-        const float s = scale_at(m, srow + j), z = zp ? zp[srow + j] : 0.f;
+        const float s = eff_scale_at(m, srow + j), z = zp ? zero_at(m, srow + j) : 0.f;
         int64_t i = c;
 #ifdef QP_AVX512
         const __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z), vg = _mm512_set1_ps(gs);
@@ -669,6 +729,77 @@ static void act_fp8_row(const qp_act *a, const float *x, int64_t k, float *o) {
     }
 }
 
+/* the E2M1 value nearest to v, ties to the even code, |v| > 6 and NaN -> 6, negative when v < 0
+ * (the backends' e2m1_round: midpoints 0.25 0.75 1.25 1.75 2.5 3.5 5, the ties at 0.75 / 1.75 / 3.5
+ * going up to the even code; -0 and NaN give +) */
+static inline float e2m1_rne(float v) {
+    const float a = fabsf(v);
+    float q;
+    if (!(a == a)) q = 6.f;
+    else if (a <= 0.25f) q = 0.f;
+    else if (a < 0.75f) q = 0.5f;
+    else if (a <= 1.25f) q = 1.f;
+    else if (a < 1.75f) q = 1.5f;
+    else if (a <= 2.5f) q = 2.f;
+    else if (a < 3.5f) q = 3.f;
+    else if (a <= 5.f) q = 4.f;
+    else q = 6.f;
+    return v < 0.f ? -q : q;
+}
+
+/* FP4 activations of one row, per group of a->group inputs (0: the whole row), each group's scale
+ * b from its amax (NaN when the group holds a NaN), x' = e2m1_rne(x / b) * b:
+ *   QA_NVFP4 (ModelOpt / TensorRT-LLM; a->scale = input_scale, a multiplier):
+ *     s = amax / (6 * input_scale), 0 -> 1, clamped to [2^-9, 448], b = e4m3(s) * input_scale;
+ *   QA_NVFP4_INV (compressed-tensors; a->scale = input_global_scale, a divisor):
+ *     s = e4m3(min(input_global_scale * (amax / 6), 448)), 0 -> 0.125, b = s / input_global_scale,
+ *     x / b clamped to [-6, 6];
+ *   QA_MXFP4 (compressed-tensors): p = amax with its float32 bits + 2^21 and the mantissa dropped
+ *     (round_to_power_2), e = clamp(log2(p) + 125, 0, 255) (p = 0: 0, inf: 255), b = 2^(e - 127)
+ *     (e = 0: 2^-127, 255: inf), x / b clamped to [-6, 6]. */
+static void act_fp4_row(const qp_act *a, const float *x, int64_t k, float *o) {
+    const int64_t g = a->group > 0 && a->group < k ? a->group : k;
+    const float gs = a->scale;
+    for (int64_t c0 = 0; c0 < k; c0 += g) {
+        const int64_t c1 = c0 + g < k ? c0 + g : k;
+        float amax = 0.f, b;
+        int nan = 0;
+        for (int64_t i = c0; i < c1; i++) {
+            float v = fabsf(x[i]);
+            if (v != v) nan = 1;
+            else if (v > amax) amax = v;
+        }
+        if (nan) amax = NAN;
+        if (a->kind == QA_NVFP4) {
+            float s = amax / (6.f * gs);
+            if (s == 0.f) s = 1.f;
+            b = e4m3_round(clampf(s, 0x1p-9f, 448.f)) * gs;
+        } else if (a->kind == QA_NVFP4_INV) {
+            float s = gs * (amax / 6.f);
+            s = e4m3_round(s > 448.f ? 448.f : s);
+            if (s == 0.f) s = 0.125f;
+            b = s / gs;
+        } else {
+            const uint32_t p = (f32_bits(amax) + (1u << 21)) & 0xFF800000u;
+            const int32_t ef = (int32_t)((p >> 23) & 0xFF);
+            int32_t e;
+            if ((p & 0x7FFFFFFFu) == 0) e = 0;                 /* log2(+-0) = -inf */
+            else if (p == 0x7F800000u) e = 255;              /* log2(inf) = inf */
+            else e = ef - 2 < 0 ? 0 : ef - 2;                 /* 127 + (ef - 127) - 2 */
+            b = e == 0 ? 0x1p-127f : bits_f32((uint32_t)e << 23);
+        }
+        const int clamp6 = a->kind != QA_NVFP4;
+        for (int64_t i = c0; i < c1; i++) {
+            float v = x[i] / b;
+            if (clamp6) v = clampf(v, -6.f, 6.f);
+            o[i] = e2m1_rne(v) * b;
+        }
+    }
+}
+
+static inline int is_fp4_act(int kind) { return kind >= QA_NVFP4 && kind <= QA_MXFP4; }
+static inline int is_int8_act(int kind) { return kind >= QA_INT8_SYM && kind <= QA_INT8_STATIC; }
+
 /* int8 quantization of one row: codes q (as float), scale s and offset o with x' = (q - o) * s.
  * QA_INT8_SYM: s = amax / 127 (0 -> 1), o = 0 (vLLM / Ascend dynamic per token); QA_INT8_ASYM
  * (msmodelslim): lo = min(min x, 0), hi = max(max x, 0), s = (hi - lo) / 255, o = round(-128 - lo / s);
@@ -750,7 +881,10 @@ static void prepare(const qp_mat *m, int64_t M, int64_t K, const float *x, int64
     if (a->kind == QA_FP8 || a->kind == QA_FP8_STATIC) {
         for (int64_t i = 0; i < M; i++) act_fp8_row(a, x + i * ldx, K, sc->f + i * K);
         in->x = sc->f; in->ldx = K;
-    } else if (a->kind >= QA_INT8_SYM) {
+    } else if (is_fp4_act(a->kind)) {
+        for (int64_t i = 0; i < M; i++) act_fp4_row(a, x + i * ldx, K, sc->f + i * K);
+        in->x = sc->f; in->ldx = K;
+    } else if (is_int8_act(a->kind)) {
         for (int64_t i = 0; i < M; i++) {
             float *q = sc->f + i * K;
             act_int8_row(a, x + i * ldx, K, q, sc->xs + i, sc->xo + i);
@@ -1002,11 +1136,53 @@ static void int_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, i
     }
 }
 
+/* the most scale groups per row the fused kernels take (their scales decoded into a stack buffer
+ * once per row; 65536 inputs in groups of 16) */
+#define QP_NG_MAX 4096
+
+/* groups [0, ng) of row r: effective scales (global scale folded as gmode says, FP8's 256 folded
+ * in) and zero points as float32, one loop per encoding: the per-group decoding leaves the product
+ * loop (the same float32 values as eff_scale_at / zero_at) */
+static QP_IQ_UNUSED void row_scales(const qp_mat *m, int64_t r, int64_t ng, float *restrict sv, float *restrict zv) {
+    const int64_t srow = (r / m->gn) * m->lds;
+    const uint8_t *s8 = (const uint8_t *)m->s + srow;
+    switch (m->sdt) {
+        case QS_F32: memcpy(sv, (const float *)m->s + srow, sizeof(float) * (size_t)ng); break;
+        case QS_BF16: {
+            const uint16_t *p = (const uint16_t *)m->s + srow;
+            for (int64_t j = 0; j < ng; j++) sv[j] = bits_f32((uint32_t)p[j] << 16);
+            break;
+        }
+        case QS_F16: for (int64_t j = 0; j < ng; j++) sv[j] = f16_to_f32((const uint8_t *)m->s + 2 * (srow + j)); break;
+        case QS_E8M0: for (int64_t j = 0; j < ng; j++) sv[j] = e8m0_to_f32(s8[j]); break;
+        default: {
+            int64_t j = 0;
+#ifdef QP_AVX512
+            for (; j + 16 <= ng; j += 16) _mm512_storeu_ps(sv + j, fp8x16(s8 + j, 1));  /* exact, NaN codes NaN */
+#endif
+            for (; j < ng; j++) sv[j] = e4m3_to_f32(s8[j]);
+        }
+    }
+    const float gs = m->gs;
+    if (m->gmode == QG_TIMES) for (int64_t j = 0; j < ng; j++) sv[j] = sv[j] * gs;
+    else if (m->gmode == QG_OVER) for (int64_t j = 0; j < ng; j++) sv[j] = sv[j] / gs;
+#ifdef QP_AVX512
+    if (m->type == QP_FP8) for (int64_t j = 0; j < ng; j++) sv[j] = fp8_fold(sv[j]);
+#endif
+    if (m->z) {
+        if (m->zi8) { const int8_t *z = (const int8_t *)m->z + srow; for (int64_t j = 0; j < ng; j++) zv[j] = (float)z[j]; }
+        else memcpy(zv, (const float *)m->z + srow, sizeof(float) * (size_t)ng);
+    }
+}
+
 #ifdef QP_AVX512
 /* The scaled forms (INT4 / INT8 / FP8 / FP4) fused: each 16 weights decoded in a register, scaled
  * (and rounded to the model dtype) exactly as deq_seg_scaled does, and multiplied into float32
  * sums; the weights never go through memory. One function per form (no per-element branch), 32
- * weights per step with two accumulators per x row; groups of 16 (NVFP4) step 16. */
+ * weights per step with two accumulators per x row; groups of 16 (NVFP4) two groups a step (K is
+ * a multiple of 32: mat_ok), other groups not a multiple of 32 (48, ...) 16 weights a step. The
+ * row's scales and zero points are decoded once per row (row_scales), at most QP_NG_MAX groups:
+ * wider rows take the generic path. */
 #define QP_SCALE16(RAW, V)                                                                          \
     {                                                                                               \
         V = RAW;                                                                                    \
@@ -1019,24 +1195,24 @@ static void int_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, i
 static void NAME(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy, int wround) { \
     y -= r0;                                                                                        \
     const int64_t K = m->k, gk = m->gk, ldx = in->ldx, ldw = m->ldw, step = gk % 32 ? 16 : 32;       \
-    const float *restrict zp = m->z;                                                                \
+    const void *zp = m->z;                                                                          \
     const float gs = m->gs;                                                                         \
-    const int has_g = gs != 1.f, nan = m->nan;                                                      \
+    const int has_g = m->gmode == QG_AFTER && gs != 1.f, nan = m->nan;                              \
     const __m512 lut = _mm512_loadu_ps(E2M1), vg = _mm512_set1_ps(gs);                            \
+    const int64_t ng = (K + gk - 1) / gk;                                                           \
+    float sv[QP_NG_MAX], zv[QP_NG_MAX];                                                             \
     (void)lut; (void)nan;                                                                           \
     for (int64_t r = r0; r < r1; r++) {                                                             \
         const uint8_t *restrict row = m->w + r * ldw;                                               \
-        const int64_t srow = (r / m->gn) * m->lds;                                                  \
+        row_scales(m, r, ng, sv, zv);                                                               \
         for (int i0 = 0; i0 < xm; i0 += 2) {                                                        \
             const int two = xm - i0 >= 2;                                                           \
             const float *restrict x0 = in->x + (int64_t)i0 * ldx, *restrict x1 = x0 + (two ? ldx : 0); \
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;                              \
             for (int64_t c0 = 0; c0 < K; c0 += gk) {                                                \
                 const int64_t j = c0 / gk, end = c0 + gk < K ? c0 + gk : K;                         \
-                float sj = scale_at(m, srow + j);                                                   \
-                if (m->type == QP_FP8) sj = fp8_fold(sj);                                           \
-                const __m512 vs = _mm512_set1_ps(sj);                                               \
-                const __m512 vz = _mm512_set1_ps(zp ? zp[srow + j] : 0.f);                          \
+                const __m512 vs = _mm512_set1_ps(sv[j]);                                            \
+                const __m512 vz = _mm512_set1_ps(zp ? zv[j] : 0.f);                                 \
                 if (step == 32) {                                                                   \
                     for (int64_t i = c0; i < end; i += 32) {                                        \
                         __m512 v0, v1;                                                              \
@@ -1047,6 +1223,18 @@ static void NAME(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int x
                         if (two) { b0 = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x1 + i), b0);            \
                                    b1 = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x1 + i + 16), b1); }     \
                     }                                                                               \
+                } else if (gk == 16 && !(K & 31)) {  /* NVFP4: two groups a step, two sums */       \
+                    const int64_t i = c0;                                                           \
+                    __m512 v0, v1;                                                                  \
+                    { const __m512 vs = _mm512_set1_ps(sv[j]), vz = _mm512_set1_ps(zp ? zv[j] : 0.f); \
+                      (void)vz; QP_SCALE16(RAWI(i), v0) }                                           \
+                    { const __m512 vs = _mm512_set1_ps(sv[j + 1]), vz = _mm512_set1_ps(zp ? zv[j + 1] : 0.f); \
+                      (void)vz; QP_SCALE16(RAWI(i + 16), v1) }                                      \
+                    a0 = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x0 + i), a0);                           \
+                    a1 = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x0 + i + 16), a1);                      \
+                    if (two) { b0 = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x1 + i), b0);                \
+                               b1 = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x1 + i + 16), b1); }         \
+                    c0 += 16;  /* the second group done too */                                      \
                 } else {                                                                            \
                     for (int64_t i = c0; i < end; i += 16) {                                        \
                         __m512 v0;                                                                  \
@@ -1078,7 +1266,7 @@ static void rows_any(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, i
     else if (is_int_path(m)) int_rows(m, in, r0, r1, xm, y, ldy);
 #ifdef QP_AVX512
     else if ((m->type == QP_Q4_0 || m->type == QP_Q8_0) && wround == QR_NONE) exact_rows_q40(m, in, r0, r1, xm, y, ldy);
-    else if (m->type >= QP_INT4 && (m->gk % 16 == 0) && m->k % 16 == 0 && !m->big) {
+    else if (m->type >= QP_INT4 && (m->gk % 16 == 0) && m->k % 16 == 0 && !m->big && (m->k + m->gk - 1) / m->gk <= QP_NG_MAX) {
         switch (m->type) {
             case QP_INT8: fused_int8(m, in, r0, r1, xm, y, ldy, wround); break;
             case QP_INT4: fused_int4(m, in, r0, r1, xm, y, ldy, wround); break;
@@ -1096,12 +1284,14 @@ static int mat_ok(const qp_mat *m) {
     int64_t e, b;
     if (!m || !qp_form_info(m->type, &e, &b) || m->n <= 0 || m->k <= 0 || !m->w) return 0;
     if (m->k % (e > 2 ? e : QK)) return 0;
+    if (m->act.kind < QA_NONE || m->act.kind > QA_MXFP4) return 0;
     if (m->ldw < m->k / e * b) return 0;
     if (m->type >= QP_INT4) {
         if (!m->s || m->gk <= 0 || m->gn <= 0 || m->lds < 0 || m->sdt < QS_F32 || m->sdt > QS_E4M3) return 0;
         if (m->gk < m->k && m->gk % 16) return 0;
-        if (is_int_path(m) && (!m->rowsum || (m->act.epi == QE_STATIC && (!m->bias || !m->os)) || m->act.kind < QA_INT8_SYM))
+        if (is_int_path(m) && (!m->rowsum || (m->act.epi == QE_STATIC && (!m->bias || !m->os)) || !is_int8_act(m->act.kind)))
             return 0;
+        if (m->gmode < QG_AFTER || m->gmode > QG_OVER || (m->zi8 && !m->z)) return 0;
     }
     if (m->mode == 1 && !is_fast(m) && !is_ggml_block(m->type)) return 0;
     return 1;

@@ -57,12 +57,53 @@ def test_matches_auto_round_dequantizer(name):
     assert not model.quantplug_plan.problems
 
 
-def test_weights_stay_packed():
-    model = quantplug.load(VENDOR / "gptq_autoround_dsv3", dtype=torch.bfloat16, progress=False)
+@pytest.mark.parametrize("name", list(FIXTURES))
+def test_words_are_repacked_once_into_the_int4_form_without_a_second_copy(name):
+    """At load the int32 words become the core's INT4 form (rows = outputs, two inputs a byte),
+    scales [out, G] as stored (F16), integer zero points as int8 (none when symmetric); the stored
+    tensors are released (the model holds no more than its file), and every weight the form
+    describes is the one the stored words dequantize to (auto-round's arithmetic), bit for bit."""
+    from quantplug.kernels.forms import reference_dequantize
+    from quantplug_gptq_awq import kernels as ik
+
+    model = quantplug.load(VENDOR / name, dtype=torch.bfloat16, progress=False)
     lin = model.model.layers[0].mlp.down_proj
-    assert lin.qweight.dtype == torch.int32 and lin.qweight.shape == (64, 256)
-    assert lin.scales.dtype == torch.float16 and lin.scheme.weight_only
+    assert "qweight" not in lin._parameters and "qzeros" not in lin._parameters and "scales" not in lin._parameters
+    assert lin._codes.dtype == torch.uint8 and lin._codes.shape == (256, 256)  # [out, in / 2]
+    assert lin._scales.dtype == torch.float16 and lin.scheme.weight_only
+    sym = name == "autoround_gptq_dsv3"
+    assert (lin._zeros is None) if sym else (lin._zeros.dtype == torch.int8)
     assert model_bytes(model) <= 1.05 * model.quantplug_plan.weight_bytes()
+    st = load_file(str(VENDOR / name / "model.safetensors"))
+    for mod in model.modules():
+        b = getattr(mod, "qp_native", None)
+        if b is None or not hasattr(mod, "_codes"):
+            continue
+        slots = [None] if b.slots is None else range(b.slots)
+        for slot in slots:
+            ckpt = mod.qp_ckpt
+            if slot is not None:  # routed experts: model.layers.N.mlp.experts.<slot>.<proj>
+                base, proj = mod.qp_ckpt.rsplit(".", 1)
+                ckpt = f"{base}.{slot}.{proj}"
+            scheme = mod.scheme
+            qw, qz, s = st[f"{ckpt}.qweight"], st[f"{ckpt}.qzeros"], st[f"{ckpt}.scales"]
+            out_f = s.shape[-1]
+            group = scheme.quant.group_size if scheme.quant.group_size > 0 else mod.in_features
+            want = ik.dequantize_rows_f32(scheme.pack, 4, qw, ik.zeros_f32(scheme.pack, qz, 4, out_f), s, group, None,
+                                          0, out_f)
+            got = reference_dequantize(b.weights, b.n, b.k, slot)
+            assert torch.equal(got, want), ckpt
+
+
+def test_act_order_layers_keep_their_words_and_the_torch_path(tmp_path):
+    """A g_idx that permutes groups has no compute form: those layers are not repacked and not
+    bound (the scheme's torch path gathers per input); plain-order layers of the same file are."""
+    path = _copy(VENDOR / "gptq_autoround_dsv3", tmp_path / "ao", edit_qc=lambda q: q.update(desc_act=True),
+                 edit_state=_act_order)
+    model = quantplug.load(path, progress=False)
+    up = model.model.layers[0].mlp.up_proj
+    assert up.qweight.dtype == torch.int32 and up.qp_native is None and up.scheme.form(up) is None
+    assert "torch path" in up.scheme.describe()
 
 
 @pytest.mark.parametrize("name", ["gptq_autoround_dsv3", "autoround_awq_dsv3"])

@@ -2,11 +2,13 @@
 
 * the form table is the C file's (``qp_form_info``) and gguf-py's (ggml rows);
 * decoding: ggml blocks bit for bit against gguf-py, the scaled forms (INT4 / INT8 / FP8 / FP4,
-  every scale encoding and granularity, zero points, global scales) bit for bit against the form's
-  torch definition, in float32 and rounded to bfloat16 / float16;
+  every scale encoding and granularity, float and int8 zero points, global scales in each
+  ``global_mode``) bit for bit against the form's torch definition, in float32 and rounded to
+  bfloat16 / float16; the FP4 forms and the GPTQ / AWQ repack bit for bit against the backends'
+  own torch dequantizers (ModelOpt NVFP4 / FP8, compressed-tensors NVFP4 / MXFP4, GPTQ / AWQ);
 * activation quantization bit for bit against the backends' torch emulations (DeepSeek
-  act_quant, compressed-tensors fp8 / int8, ModelSlim per-token int8) and the integer W8A8
-  epilogues against ``torch._int_mm``;
+  act_quant, compressed-tensors fp8 / int8 / NVFP4 / MXFP4, ModelOpt NVFP4 / FP8 static, ModelSlim
+  per-token int8) and the integer W8A8 epilogues against ``torch._int_mm``;
 * products in both modes against float64 references, every grouping the model uses, thread
   count invariance, refusals, non-finite inputs;
 * the AVX2 and portable builds; the build cache's ownership, symlink, empty-file and lock rules;
@@ -21,6 +23,7 @@ import os
 import platform
 import subprocess
 import sys
+import types
 import zlib
 from pathlib import Path
 
@@ -32,7 +35,18 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
 from quantplug.errors import QuantplugError
 from quantplug.kernels import ggml, native
-from quantplug.kernels.forms import FORMS, ActQuant, Form, Weights, reference_dequantize
+from quantplug.kernels.forms import (
+    ACT_KINDS,
+    FORMS,
+    GLOBAL_MODES,
+    INTEGER,
+    SCALE_ENCODINGS,
+    ActQuant,
+    Form,
+    Weights,
+    reference_act,
+    reference_dequantize,
+)
 from quantplug.kernels.native import Bound
 from quantplug_expert_pack.testing import random_blocks, random_rows
 
@@ -67,6 +81,24 @@ def test_form_table_is_the_c_files_and_gguf_pys():
             t = GGMLQuantizationType[name]
             assert int(t) == fid and GGML_QUANT_SIZES[t] == (elems, size), name
     assert lib.qp_form_info(9999, None, None) == 0
+
+
+def test_the_enums_are_the_c_files():
+    """Scale encodings, activation kinds, integer epilogues and global modes: the C enums
+    (QS_*, QA_*, QE_*, QG_*) hold the Python tables' numbers, name for name."""
+    import re
+
+    src = native.SOURCE.read_text()
+    enums = {m.group(1): int(m.group(2)) for m in re.finditer(r"\b(Q[SAEG]_[A-Z0-9_]+) = (\d+)", src)}
+
+    def c_names(prefix: str) -> dict[str, int]:
+        return {k[len(prefix):]: v for k, v in enums.items() if k.startswith(prefix)}
+
+    assert c_names("QS_") == SCALE_ENCODINGS
+    assert c_names("QA_") == {"NONE": 0, **{k.upper(): v for k, v in ACT_KINDS.items()}}
+    assert c_names("QE_") == {k.upper(): v for k, v in INTEGER.items()}
+    assert c_names("QG_") == {"AFTER": GLOBAL_MODES["after"], "TIMES": GLOBAL_MODES["times_scale"],
+                              "OVER": GLOBAL_MODES["over_scale"]}
 
 
 # -- decoding ---------------------------------------------------------------------------------------
@@ -120,6 +152,22 @@ def _scaled_cases(n: int, k: int) -> dict[str, tuple[Form, torch.Tensor, dict]]:
         "fp4 e4m3 g16 global": (Form("FP4", scale="E4M3", group=16, global_scale=True), fp4,
                                 {"scale": (torch.rand(n, k // 16, generator=g) * 400).to(torch.float8_e4m3fn),
                                  "global_scale": torch.tensor([3e-4])}),
+        "fp4 e4m3 g16 scale x global": (Form("FP4", scale="E4M3", group=16, global_scale=True,
+                                             global_mode="times_scale"), fp4,
+                                        {"scale": (torch.rand(n, k // 16, generator=g) * 400).to(torch.float8_e4m3fn),
+                                         "global_scale": torch.tensor(3.3e-4)}),
+        "fp4 e4m3 g16 scale / global": (Form("FP4", scale="E4M3", group=16, global_scale=True,
+                                             global_mode="over_scale"), fp4,
+                                        {"scale": (torch.rand(n, k // 16, generator=g) * 400).to(torch.float8_e4m3fn),
+                                         "global_scale": torch.tensor([2987.3])}),
+        "fp8 tensor scale x global": (Form("FP8", rows=0, global_scale=True, global_mode="times_scale"), f8,
+                                      {"scale": r(1), "global_scale": torch.tensor([0.37])}),
+        "int4 g32 int8 zero": (Form("INT4", scale="F16", group=32, zero=True), words,
+                               {"scale": r(n, k // 32).half(),
+                                "zero": torch.randint(-8, 9, (n, k // 32), dtype=torch.int8, generator=g)}),
+        "int8 g64 int8 zero": (Form("INT8", group=64, zero=True), i8,
+                               {"scale": r(n, k // 64), "zero": torch.randint(-128, 128, (n, k // 64), dtype=torch.int8,
+                                                                                generator=g)}),
     }
 
 
@@ -154,6 +202,37 @@ def test_scaled_forms_multiply_within_float32_rounding(case, m):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     y = native.gemm(x, [b.ptr()])
     assert ((y.double() - x.double() @ dense.double().t()).abs() <= f64_bound(x, dense)).all()
+
+
+def _g16_cases(n: int, k: int) -> dict[str, tuple[Form, torch.Tensor, dict]]:
+    g = torch.Generator().manual_seed(k)
+    cases = {c: v for c, v in _scaled_cases(n, k).items() if "g16" in c}
+    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), dtype=torch.int32, generator=g)
+    r = torch.rand(n, k // 16, generator=g) * 1e-2 + 1e-3
+    cases["int4 g16 zero"] = (Form("INT4", group=16, zero=True), words,
+                              {"scale": r, "zero": torch.randn(n, k // 16, generator=g)})
+    cases["int4 g16 int8 zero"] = (Form("INT4", scale="BF16", group=16, zero=True), words,
+                                   {"scale": r.to(torch.bfloat16),
+                                    "zero": torch.randint(-8, 9, (n, k // 16), dtype=torch.int8, generator=g)})
+    if k % 48 == 0:  # groups of 48: every other one starts mid 32-column step
+        cases["int4 g48 zero"] = (Form("INT4", group=48, zero=True), words,
+                                  {"scale": r[:, ::3].contiguous(), "zero": torch.randn(n, k // 48, generator=g)})
+    return cases
+
+
+@needs_native
+@pytest.mark.parametrize("k", [288, 65536, 65568])
+def test_groups_of_16_multiply_at_every_length(k):
+    """Groups of 16 (NVFP4, INT4 g16: two groups a step, K being a multiple of 32) and of 48 (16
+    columns a step), and the widest rows whose scales the fused kernel decodes at once (4096 groups;
+    4098 go through the generic path): within float32 rounding of the definition."""
+    n = 3
+    for case, (form, w, tensors) in _g16_cases(n, k).items():
+        b = bound(form, w, n, k, **tensors)
+        dense = reference_dequantize(b.weights, n, k)
+        x = torch.randn(2, k, generator=torch.Generator().manual_seed(k))
+        y = native.gemm(x, [b.ptr()])
+        assert ((y.double() - x.double() @ dense.double().t()).abs() <= f64_bound(x, dense)).all(), case
 
 
 @needs_native
@@ -232,6 +311,213 @@ def test_int8_activation_quantization_equals_the_backends_torch_emulations():
     q = torch.clamp(torch.round(x / si + oi), -128, 127)
     got = _acts(ActQuant("int8_static"), x, int8=True, input_scale=si, input_offset=oi)
     assert torch.equal(got, (q - oi) * si)
+
+
+def _fp4_activations() -> torch.Tensor:
+    """Rows for FP4 activation quantization: magnitudes over 30 octaves, an all-zero group, every
+    E2M1 midpoint (ties) at a power-of-two block scale of 1/8 for each kind (see the scales used
+    below), subnormal and huge groups."""
+    x = _activations()
+    x[1, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2) * 2.0 ** -3
+    x[1, 16:32] = 0
+    x[1, 32:48] = -x[1, :16]
+    x[4, 64:96] = torch.linspace(-1, 1, 32) * 1e-40                 # subnormal amax
+    x[5, 96:128] = torch.linspace(-1, 1, 32) * 3e37                 # near float32's top
+    return x
+
+
+@needs_native
+def test_fp4_activation_quantization_equals_the_backends_torch_emulations():
+    """ModelOpt's NVFP4 (static input_scale, a multiplier), compressed-tensors' NVFP4
+    (input_global_scale, a divisor) and MXFP4: the C code and reference_act, bit for bit, against
+    the backends' own torch functions, ties included (e2m1 round half to even)."""
+    from quantplug_compressed_tensors import fp4
+    from quantplug_modelopt import kernels as mo
+
+    x = _fp4_activations()
+    n, k = 8, x.shape[-1]
+    w = torch.zeros(n, k // 2, dtype=torch.uint8)
+
+    def act(kind: str, group: int, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        b = bound(Form("FP4", scale="E8M0", group=32, act=ActQuant(kind, group=group)), w, n, k,
+                  scale=torch.full((n, k // 32), 127, dtype=torch.uint8), input_scale=scale)
+        return native.act_rows(b.ptr(), x), reference_act(b.weights, x)
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> None:
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+    for s in (torch.tensor(1 / 64), torch.tensor(20.0 / 2688), torch.tensor(1e-30), torch.tensor(3e36)):
+        got, ref = act("nvfp4", 16, s)
+        want = mo.nvfp4_act(x, s, 16)
+        same(got, want), same(ref, want)
+    for gs in (torch.tensor([8.0]), torch.tensor([448.0 * 6 / 20.0]), torch.tensor([1e-20]), torch.tensor([1e30])):
+        got, ref = act("nvfp4_inv", 16, gs)
+        want = fp4.act_quant(fp4.NVFP4, x, gs)
+        same(got, want), same(ref, want)
+    got, ref = act("mxfp4", 32, None)
+    want = fp4.act_quant(fp4.MXFP4, x, None)
+    same(got, want), same(ref, want)
+    # non-finite groups: NaN / inf propagate as the torch steps make them
+    y = x[:2].clone()
+    y[0, 3], y[1, 40] = float("nan"), float("inf")
+    for kind, group, scale, fn in (("nvfp4", 16, torch.tensor(0.01), lambda v: mo.nvfp4_act(v, torch.tensor(0.01), 16)),
+                                   ("nvfp4_inv", 16, torch.tensor([100.0]), lambda v: fp4.act_quant(fp4.NVFP4, v, torch.tensor([100.0]))),
+                                   ("mxfp4", 32, None, lambda v: fp4.act_quant(fp4.MXFP4, v, None))):
+        b = bound(Form("FP4", scale="E8M0", group=32, act=ActQuant(kind, group=group)), w, n, k,
+                  scale=torch.full((n, k // 32), 127, dtype=torch.uint8), input_scale=scale)
+        same(native.act_rows(b.ptr(), y), fn(y)), same(reference_act(b.weights, y), fn(y))
+    # ModelOpt's static FP8 activations are fp8_static (clamped to +-448 before the cast)
+    s8 = torch.tensor(0.003)
+    fp8 = bound(Form("FP8", rows=0, act=ActQuant("fp8_static")), torch.zeros(n, k, dtype=torch.float8_e4m3fn), n, k,
+                scale=torch.ones(1), input_scale=s8)
+    same(native.act_rows(fp8.ptr(), x * 10), mo.fp8_act(x * 10, s8))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp4_weights_decode_bit_exact_with_the_backends(dtype):
+    """ModelOpt NVFP4 (scale x weight_scale_2 first), compressed-tensors NVFP4 (scale /
+    weight_global_scale) and MXFP4 (E8M0): the forms the schemes declare, decoded natively, equal
+    the backends' own dequantizers bit for bit, on every byte and every e4m3 / e8m0 scale code."""
+    from quantplug_compressed_tensors import fp4
+    from quantplug_modelopt import kernels as mo
+
+    g = torch.Generator().manual_seed(11)
+    n, k = 256, 512
+    packed = torch.arange(n * k // 2, dtype=torch.int64).remainder(256).to(torch.uint8).view(n, k // 2)
+    packed = packed[torch.randperm(n, generator=g)].contiguous()
+    s16 = torch.arange(n * k // 16).remainder(256).to(torch.uint8).view(n, k // 16).view(torch.float8_e4m3fn)
+    s32 = torch.arange(n * k // 32).remainder(256).to(torch.uint8).view(n, k // 32)
+
+    def same(weights: Weights, want: torch.Tensor) -> None:
+        b = Bound(weights, n, k, None, dtype, "exact", "test")
+        got = native.dequant(b.ptr(), 0, n, torch.empty(n, k), b.wround)
+        torch.testing.assert_close(got, want.float(), rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(reference_dequantize(weights, n, k, dtype=dtype).float(), want.float(), rtol=0,
+                                   atol=0, equal_nan=True)
+
+    for s2 in (torch.tensor(1.7e-4), torch.tensor(3.1e-2), torch.tensor(7e-3)):
+        same(Weights(Form("FP4", scale="E4M3", group=16, global_scale=True, global_mode="times_scale"), packed,
+                     scale=s16, global_scale=s2), mo.dequantize_nvfp4(packed, s16, s2, dtype))
+    for gs in (torch.tensor([5883.1]), torch.tensor([37.25]), torch.tensor([1.3e5])):
+        same(Weights(Form("FP4", scale="E4M3", group=16, global_scale=True, global_mode="over_scale"), packed,
+                     scale=s16, global_scale=gs), fp4.dequantize(fp4.NVFP4, packed, s16, gs, dtype))
+    same(Weights(Form("FP4", scale="E8M0", group=32), packed, scale=s32), fp4.dequantize(fp4.MXFP4, packed, s32, None,
+                                                                                          dtype))
+    f8 = packed.view(n, k // 2).repeat(1, 2).view(torch.float8_e4m3fn)
+    ws = torch.tensor(0.0123)
+    same(Weights(Form("FP8", rows=0), f8, scale=ws), mo.dequantize_fp8(f8, ws, dtype))
+
+
+def _int_packs(bits: int, group: int, out_f: int, in_f: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 1 << bits, (in_f, out_f), generator=g)
+    groups = -(-in_f // group)
+    z = torch.randint(0, 1 << bits, (groups, out_f), generator=g)
+    s = (torch.rand(groups, out_f, generator=g) * 1e-2 + 1e-4).half()
+    return q, z, s
+
+
+@needs_native
+@pytest.mark.parametrize(("packing", "bits", "group"), [("gptq", 4, 32), ("gptq", 4, 128), ("gptq", 4, -1),
+                                                        ("gptq_v2", 4, 64), ("gptq", 8, 32), ("awq", 4, 64)])
+def test_gptq_awq_repack_is_bit_exact_with_their_dequantizer(packing, bits, group, monkeypatch):
+    """GPTQ (v1 zeros - 1, v2), 8-bit GPTQ, AWQ's interleaved words, per channel and a partial last
+    group: repacked once into the INT4 / INT8 form with integer zero points, every weight decodes
+    (native and torch, f32 / bf16) to the backend's own dequantizer's value, bit for bit, and the
+    repacked bytes are no more than the stored words."""
+    from quantplug_gptq_awq import kernels as ik
+
+    out_f, in_f = 96, 320                                   # 320 = 2.5 groups of 128: a partial group
+    q, z, s = _int_packs(bits, in_f if group < 0 else group, out_f, in_f, bits + abs(group))
+    pack = ik.AWQ if packing == "awq" else ik.gptq(packing)
+    if packing == "awq":
+        qweight, qzeros = ik.pack_last(q, bits, ik.AWQ_ORDER), ik.pack_last(z, bits, ik.AWQ_ORDER)
+    else:
+        qweight, qzeros = ik.pack_gptq_weight(q, bits), ik.pack_last((z - pack.zero_offset) % (1 << bits), bits)
+    g = in_f if group < 0 else group
+    want = ik.dequantize_rows_f32(pack, bits, qweight, ik.zeros_f32(pack, qzeros, bits, out_f), s, g, None, 0, out_f)
+    codes, scales, zero = ik.repack(pack, bits, qweight, qzeros, s, out_f)
+    assert codes.numel() * codes.element_size() == qweight.numel() * 4
+    # int8 zero points where they fit (GPTQ v1's stored 255 is a zero of 256: float32 for INT8)
+    z_eff = ik.zeros_f32(pack, qzeros, bits, out_f) - (8 if bits == 4 else 128)
+    assert zero is not None and zero.dtype == (torch.int8 if bool((z_eff <= 127).all()) else torch.float32)
+    form = Form("INT4" if bits == 4 else "INT8", scale="F16", group=max(group, 0), zero=True)
+    weights = Weights(form, codes, scale=scales, zero=zero)
+    for dtype in (torch.float32, torch.bfloat16):
+        b = Bound(weights, out_f, in_f, None, dtype, "exact", "test")
+        got = native.dequant(b.ptr(), 0, out_f, torch.empty(out_f, in_f), b.wround)
+        assert torch.equal(got, want.to(dtype).float()), dtype
+        assert torch.equal(reference_dequantize(weights, out_f, in_f, dtype=dtype).float(), want.to(dtype).float())
+    assert torch.equal(ik.dequantize_codes_f32(bits, codes, zero, scales, g, 0, out_f), want)
+    # stacked (routed experts): slot by slot the same
+    st_codes, st_scales, st_zero = ik.repack(pack, bits, torch.stack([qweight, qweight]), torch.stack([qzeros, qzeros]),
+                                              torch.stack([s, s * 2]), out_f)
+    assert torch.equal(st_codes[1], codes) and torch.equal(st_zero[0], zero) and torch.equal(st_scales[1], scales * 2)
+    # GPTQ's transpose shortcut reads the words as little-endian bytes: the unpacking path (other
+    # byte orders, and AWQ's) gives the same codes, a chunk of slots at a time
+    monkeypatch.setattr(ik, "sys", types.SimpleNamespace(byteorder="big"))  # ik's own view of sys only
+    monkeypatch.setattr(ik, "REPACK_CHUNK", out_f * in_f)
+    again = ik.repack(pack, bits, torch.stack([qweight, qweight, qweight]), torch.stack([qzeros] * 3),
+                      torch.stack([s] * 3), out_f)
+    assert all(torch.equal(again[0][i], codes) for i in range(3))
+    monkeypatch.undo()
+    # words stored column-major (transposing them gives a contiguous view of the same storage):
+    # the repack does not write into them (the INT8 shift works on a fresh copy)
+    cm = qweight.t().contiguous().t()
+    before = cm.clone()
+    assert torch.equal(ik.repack(pack, bits, cm, qzeros, s, out_f)[0], codes) and torch.equal(cm, before)
+
+
+def _no_nan_bytes(n: int, seed: int) -> torch.Tensor:
+    """n random e4m3 bytes without a NaN code, holding its neighbours 0x7E, 0xFE and 0x80."""
+    b = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    b[(b & 0x7F) == 0x7F] = 0x7E
+    b[: min(n, 3)] = torch.tensor([0x7E, 0xFE, 0x80], dtype=torch.uint8)[: min(n, 3)]
+    return b
+
+
+@pytest.mark.parametrize("use_native", [True, False])
+def test_fp8_nan_code_scan_finds_every_placement(use_native):
+    """has_nan_codes (the C scan: 256-byte AVX512 blocks or 4 KiB blocks of 8-byte lanes, single
+    lanes, a byte tail; or its torch fallback) against the plain torch expression: a NaN code (0x7F,
+    0xFF) first, last, in the tail, in the lanes after the blocks, in an unaligned view (and one just
+    outside it), none at all; then every length to 300 at every start offset to 8."""
+    if use_native and native.library() is None:
+        pytest.skip(f"native kernels: {native.status()}")
+    n = 3 * 4096 + 256 + 3 * 8 + 5
+
+    def scan(t: torch.Tensor) -> bool:
+        if use_native:
+            return native.has_nan_codes(t)
+        with native.disabled():
+            return native.has_nan_codes(t)
+
+    base = _no_nan_bytes(n, 0)
+    assert not scan(base) and not scan(base.view(torch.float8_e4m3fn)) and not scan(base[:0])
+    for code in (0x7F, 0xFF):
+        for at in (0, n - 1, n - 3, n - 5 - 8, 3 * 4096 + 100, 4096 - 1, 4096, 12345):
+            b = base.clone()
+            b[at] = code
+            assert scan(b) and scan(b.view(torch.float8_e4m3fn)), (hex(code), at)
+        for off in (1, 3, 5):
+            b = base.clone()
+            b[off - 1] = code                       # just before the view
+            b[n - 1] = code                         # just after it
+            view = b[off:n - 1]
+            assert view.storage_offset() == off and not scan(view), (hex(code), off)
+            for at in (0, view.numel() - 1, view.numel() // 2):
+                c = base.clone()
+                c[off + at] = code
+                assert scan(c[off:n - 1]), (hex(code), off, at)
+    g = torch.Generator().manual_seed(1)
+    for length in range(301):
+        for off in range(9):
+            b = _no_nan_bytes(length + off, length * 9 + off)
+            if length and int(torch.randint(0, 2, (1,), generator=g)):
+                b[off + int(torch.randint(0, length, (1,), generator=g))] = int(torch.randint(0, 2, (1,), generator=g)) * 0x80 + 0x7F
+            view = b[off:]
+            assert scan(view) == bool(((view & 0x7F) == 0x7F).any()), (length, off)
 
 
 @needs_native
@@ -360,7 +646,11 @@ def test_avx2_and_portable_builds_compute_the_same(monkeypatch, tmp_path, march,
     for mode in ("exact", "fast"):
         test_groups_place_each_weights_rows_and_columns(mode)
     test_fp8_activation_quantization_equals_the_backends_torch_emulations()
+    test_fp4_activation_quantization_equals_the_backends_torch_emulations()
+    test_fp4_weights_decode_bit_exact_with_the_backends(torch.bfloat16)
     test_integer_w8a8_epilogues_equal_int_mm()
+    test_fp8_nan_code_scan_finds_every_placement(True)
+    test_groups_of_16_multiply_at_every_length(288)
 
 
 def test_no_compiler_means_torch_paths_and_a_reason(monkeypatch, tmp_path):

@@ -167,7 +167,13 @@ def test_steps_fall_back_when_the_library_or_the_tensors_go_away(ckpts):
 
 # -- the other bundled formats on their vendor fixtures ------------------------------------------------
 
-FIXTURES = ["ct_w4a16_experts_dsv3", "ct_fp8_block_dsv3", "quark_mxfp4_dsv3", "modelslim_w8a8_dsv3"]
+FIXTURES = ["ct_w4a16_experts_dsv3", "ct_fp8_block_dsv3", "quark_mxfp4_dsv3", "modelslim_w8a8_dsv3",
+            # issue 24's formats: NVFP4 (ModelOpt: scale x weight_scale_2, nvfp4 activations; MIXED_PRECISION
+            # with FP8 per-tensor attention and fp8_static activations), compressed-tensors NVFP4 (scale /
+            # weight_global_scale, nvfp4_inv activations) and MXFP4 (mxfp4 activations), GPTQ / AWQ /
+            # AutoRound int4 repacked into INT4 with int8 zero points (asym g128 / g64 / g32, sym g32)
+            "modelopt_nvfp4_dsv3", "modelopt_mixed_dsv3", "ct_nvfp4_autoround_dsv3", "ct_mxfp4_autoround_dsv3",
+            "gptq_autoround_dsv3", "awq_autoround_dsv3", "autoround_awq_dsv3", "autoround_gptq_dsv3"]
 
 
 @needs_native
@@ -175,12 +181,18 @@ FIXTURES = ["ct_w4a16_experts_dsv3", "ct_fp8_block_dsv3", "quark_mxfp4_dsv3", "m
 def test_vendor_fixtures_natively_equal_the_torch_path(name):
     """Exact mode on the native kernels = the torch exact path within 1e-5 (logits), whatever
     the form: int4 groups with bf16 scales, FP8 blocks with bf16 scales and activation emulation,
-    MXFP4, int8 with static / per-token int8 activations on integers."""
+    MXFP4, int8 with static / per-token int8 activations on integers, NVFP4 in both global-scale
+    conventions with FP4 activation emulation, GPTQ / AWQ repacked. Every quantized layer is bound
+    to its form (none left to the scheme's torch path)."""
     from safetensors.torch import load_file
 
     ids = load_file(str(VENDOR / f"{name}.reference.safetensors"))["input_ids"]
     model = quantplug.load(VENDOR / name, progress=False)
     assert sum(getattr(m, "qp_native", None) is not None for m in model.modules()) > 10
+    unbound = [m.qp_ckpt for m in model.modules() if getattr(m, "scheme", None) is not None
+               and getattr(m.scheme, "form", None) is not None and type(m.scheme).__name__ != "DenseScheme"
+               and getattr(m, "qp_native", None) is None and not hasattr(m, "vocab")]
+    assert not unbound, unbound
     with torch.no_grad():
         got = model(ids)
     with native.disabled(), torch.no_grad():

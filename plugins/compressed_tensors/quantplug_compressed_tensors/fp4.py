@@ -37,7 +37,17 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from quantplug.api import LinearScheme, Problem, SplitRule, TensorInfo, TensorSpec, refuse
+from quantplug.api import (
+    ActQuant,
+    Form,
+    LinearScheme,
+    Problem,
+    SplitRule,
+    TensorInfo,
+    TensorSpec,
+    Weights,
+    refuse,
+)
 
 from .config import Group
 
@@ -209,6 +219,21 @@ class CTFP4Scheme(LinearScheme):
     def dequantize(self, layer: Any, index: int | None = None) -> torch.Tensor:
         q, s, gs = self._parts(layer, index)
         return dequantize(self.layout, q, s, gs, layer.model_dtype)
+
+    def form(self, layer: Any) -> Weights:
+        """FP4 E2M1 as stored: NVFP4 with E4M3 scales per 16 divided by ``weight_global_scale``
+        (``global_mode="over_scale"``: ``e2m1 * (f32(weight_scale) / weight_global_scale)``), MXFP4
+        with E8M0 scales per 32; activations ``nvfp4_inv`` (under ``input_global_scale``) / ``mxfp4``
+        when emulated."""
+        lay = self.layout
+        if lay.name == "nvfp4":
+            act = ActQuant("nvfp4_inv", group=lay.group) if self.emulate else None
+            return Weights(Form("FP4", scale="E4M3", group=lay.group, global_scale=True, global_mode="over_scale",
+                                act=act), layer.weight_packed, scale=layer.weight_scale,
+                           global_scale=layer.weight_global_scale,
+                           input_scale=layer.input_global_scale if self.emulate else None)
+        act = ActQuant("mxfp4", group=lay.group) if self.emulate else None
+        return Weights(Form("FP4", scale="E8M0", group=lay.group, act=act), layer.weight_packed, scale=layer.weight_scale)
 
     def apply(self, layer: Any, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
         if self.emulate:

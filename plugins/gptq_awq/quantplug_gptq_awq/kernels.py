@@ -17,6 +17,14 @@ Storage facts (:class:`IntPack`, one per packing):
 Arithmetic (what auto-round's own dequantizers compute, in float32; one rounding to the model
 dtype): ``w[j, k] = (q[k, j] - z[g(k), j]) * float32(s[g(k), j])`` with ``g(k) = g_idx[k]``
 (GPTQ) or ``k // group`` (AWQ); ``q - z`` is an exact integer, so one float32 rounding.
+
+Compute form (:func:`repack`, once at load, unless g_idx is a real act-order permutation): the
+core's INT4 form (rows = outputs, byte j = inputs 2j low / 2j+1 high nibble, code = q, which the
+form reads as q - 8) or INT8 (int8 code = q - 128), scales transposed to [out, groups] in their
+stored dtype, zero points z' = z - 8 (INT4) / z - 128 (INT8), so that the form's
+``((code - offset) - z') * s`` is ``(q - z) * s`` with the same float32 operations: every weight
+bit for bit. GPTQ's words read as little-endian bytes are already that byte order along the
+input: its repack is a transpose.
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ AWQ_REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)
 #: dense weight elements materialized at once by :func:`linear` (4 MiB of float32: fewer, larger steps measured
 #: 17 vs 21 ms for a [2048, 7168] int4 layer and one input row, 1 thread)
 LINEAR_CHUNK = 1 << 20
+#: values unpacked at once by :func:`repack` (int16 temporaries of 32 MiB)
+REPACK_CHUNK = 1 << 24
 _SCRATCH = threading.local()
 
 
@@ -68,11 +78,11 @@ def _unpack_last(words: torch.Tensor, bits: int, order: tuple[int, ...] | None =
 
 
 def unpack_gptq_weight(qweight: torch.Tensor, bits: int) -> torch.Tensor:
-    """GPTQ qweight [in * bits / 32, cols] -> int16 [in, cols] (packed along in)."""
+    """GPTQ qweight [.., in * bits / 32, cols] -> int16 [.., in, cols] (packed along in)."""
     per = 32 // bits
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=qweight.device)
-    v = torch.bitwise_right_shift(qweight.unsqueeze(1), shifts[None, :, None]).bitwise_and_((1 << bits) - 1)
-    return v.to(torch.int16).reshape(qweight.shape[0] * per, qweight.shape[1])
+    v = torch.bitwise_right_shift(qweight.unsqueeze(-2), shifts[:, None]).bitwise_and_((1 << bits) - 1)
+    return v.to(torch.int16).reshape(*qweight.shape[:-2], qweight.shape[-2] * per, qweight.shape[-1])
 
 
 def zeros_f32(pack: IntPack, qzeros: torch.Tensor, bits: int, out_features: int) -> torch.Tensor:
@@ -122,6 +132,74 @@ def dequantize_rows_f32(pack: IntPack, bits: int, qweight: torch.Tensor, zeros: 
         v.sub_(z[:, :full, None]).mul_(s[:, :full, None])
     if full * group < n:  # a last, partial group
         w[:, full * group:].sub_(z[:, full:full + 1]).mul_(s[:, full:full + 1])
+    return w
+
+
+def repack(pack: IntPack, bits: int, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+           out_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Stored ``qweight`` / ``qzeros`` / ``scales`` (plain group order; a leading slot dim for
+    stacked experts) -> (codes, scales [.., out, G] in the stored dtype, zero points [.., out, G]
+    or None when all are zero): INT4 codes uint8 [.., out, in/2] (nibble = q), INT8 codes int8
+    [.., out, in] (q - 128); zero points int8 when they fit, else float32. Temporaries beyond the
+    result stay below :data:`REPACK_CHUNK` values (AWQ's unpacking, a few slots at a time)."""
+    if pack.weight_axis == "in" and sys.byteorder == "little":
+        # value v of a word sits at bits * v: read as bytes, inputs 2j / 2j+1 are byte j's low / high
+        # nibble (4 bits), input j byte j (8 bits): the repack is a transpose (into a fresh tensor:
+        # the INT8 shift below works in place, and contiguous() may return qweight itself)
+        t = qweight.transpose(-1, -2)[..., :out_features, :]
+        codes = torch.empty(t.shape, dtype=qweight.dtype).copy_(t).view(torch.uint8)
+    else:
+        lead = qweight.shape[:-2]
+        flat = qweight.reshape(-1, *qweight.shape[-2:])
+        in_f = flat.shape[-2] * (32 // bits) if pack.weight_axis == "in" else flat.shape[-2]
+        width = in_f // 2 if bits == 4 else in_f
+        out = torch.empty(flat.shape[0], out_features, width, dtype=torch.uint8)
+        step = max(1, REPACK_CHUNK // max(in_f * out_features, 1))
+        for i in range(0, flat.shape[0], step):
+            words = flat[i:i + step]
+            q = unpack_gptq_weight(words, bits) if pack.weight_axis == "in" else _unpack_last(words, bits, pack.order)
+            qt = q[..., :out_features].transpose(-1, -2)  # [slots, out, in]
+            out[i:i + step] = (qt[..., 0::2] | (qt[..., 1::2] << 4)).to(torch.uint8) if bits == 4 else qt.to(torch.uint8)
+        codes = out.reshape(*lead, out_features, width)
+    if bits == 8:
+        codes = codes.bitwise_xor_(0x80).view(torch.int8)  # q - 128 (codes is a fresh tensor)
+    z = zeros_f32(pack, qzeros, bits, out_features) - (8 if bits == 4 else 128)
+    zt = z.transpose(-1, -2).contiguous()
+    if not bool(zt.any()):
+        zero = None
+    elif bool(((zt >= -128) & (zt <= 127)).all()):
+        zero = zt.to(torch.int8)
+    else:
+        zero = zt
+    return codes, scales.transpose(-1, -2).contiguous(), zero
+
+
+def dequantize_codes_f32(bits: int, codes: torch.Tensor, zero: torch.Tensor | None, scales: torch.Tensor, group: int,
+                         r0: int, r1: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows r0:r1 of the dense weight from :func:`repack`'s tensors, float32 [r1 - r0, in]:
+    ``((code - offset) - z') * f32(s)`` = ``(q - z) * f32(s)``, the same float32 operations as
+    :func:`dequantize_rows_f32` (``q - z`` is exact)."""
+    c = codes[r0:r1]
+    r = c.shape[0]
+    n = c.shape[1] * 2 if bits == 4 else c.shape[1]
+    w = out if out is not None else torch.empty(r, n, dtype=torch.float32, device=codes.device)
+    if bits == 4:
+        w.copy_(torch.stack((c & 0xF, c >> 4), dim=-1).view(r, n)).sub_(8)
+    else:
+        w.copy_(c)
+    s = scales[r0:r1].to(torch.float32)
+    z = zero[r0:r1].to(torch.float32) if zero is not None else None
+    full = n // group
+    if full:
+        v = w[:, :full * group].view(r, full, group)
+        if z is not None:
+            v.sub_(z[:, :full, None])
+        v.mul_(s[:, :full, None])
+    if full * group < n:  # a last, partial group
+        v = w[:, full * group:]
+        if z is not None:
+            v.sub_(z[:, full:full + 1])
+        v.mul_(s[:, full:full + 1])
     return w
 
 

@@ -1,6 +1,11 @@
-"""The GPTQ / AWQ linear scheme: int4 / int8 values kept in their int32 words, group scales and
-packed zero points as stored, dequantized a block of output rows at a time (weight-only: these
-formats do not quantize activations, so ``weight_only`` holds and MLA decode absorbs kv_b)."""
+"""The GPTQ / AWQ linear scheme: int4 / int8 values in their int32 words, group scales and packed
+zero points, weight-only (these formats do not quantize activations, so ``weight_only`` holds and
+MLA decode absorbs kv_b).
+
+At load the words are repacked once into the core's INT4 / INT8 form (kernels.repack: the same
+bytes, the stored tensors released), which the core's native kernels compute with; ``dequantize``
+and ``apply`` read the repacked tensors. A ``g_idx`` that permutes groups (real act-order) has no
+form: those layers keep their words and run on the torch path (g_idx gathered per input)."""
 
 from __future__ import annotations
 
@@ -12,12 +17,14 @@ import torch
 from quantplug.api import (
     FLOATS,
     TORCH_DTYPES,
+    Form,
     LinearScheme,
     LoadError,
     Problem,
     SplitRule,
     TensorInfo,
     TensorSpec,
+    Weights,
     unsplit_features,
 )
 
@@ -40,7 +47,8 @@ class IntPackScheme(LinearScheme):
 
     def describe(self) -> str:
         zeros = " (zeros stored - 1)" if self.pack.zero_offset else ""
-        return f"{self.pack.name} {self.quant.describe()}{zeros}; weight-only"
+        order = "; a g_idx that permutes groups runs on the torch path (no compute form)" if self.quant.desc_act else ""
+        return f"{self.pack.name} {self.quant.describe()}{zeros}; weight-only{order}"
 
     def groups(self, in_features: int) -> int:
         g = self.quant.group_size
@@ -97,7 +105,22 @@ class IntPackScheme(LinearScheme):
 
     def process_after_loading(self, layer: Any) -> None:
         """The group of every input, once: ``g_idx`` as stored (checked against the group count), or
-        ``k // group``; a row-split layer must have the plain order."""
+        ``k // group``; a row-split layer must have the plain order. In the plain order the words
+        are then repacked into the core's INT4 / INT8 form and the stored tensors released."""
+        self._groups_of(layer)
+        if layer._plain_order:
+            self._repack(layer)
+
+    def _repack(self, layer: Any) -> None:
+        codes, scales, zero = kernels.repack(self.pack, self.quant.bits, layer.qweight, layer.qzeros, layer.scales,
+                                             layer.scales.shape[-1])
+        for name in ("qweight", "qzeros", "scales", "g_idx"):
+            layer._parameters.pop(name, None)
+        layer.register_buffer("_codes", codes, persistent=False)
+        layer.register_buffer("_scales", scales, persistent=False)
+        layer.register_buffer("_zeros", zero, persistent=False)
+
+    def _groups_of(self, layer: Any) -> None:
         in_f = layer.in_features
         n_groups = layer.scales.shape[-2]
         split = in_f != unsplit_features(layer)[1]
@@ -128,6 +151,20 @@ class IntPackScheme(LinearScheme):
 
     # -- compute ------------------------------------------------------------------------------
 
+    def form(self, layer: Any) -> Weights | None:
+        """The repacked words as the core's INT4 / INT8 form with group scales (their stored dtype)
+        and integer zero points; None for act-order layers (not repacked: g_idx permutes groups)."""
+        codes = getattr(layer, "_codes", None)
+        if codes is None:
+            return None
+        scales, zero = layer._scales, layer._zeros
+        enc = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}.get(scales.dtype)
+        if enc is None:
+            return None
+        group = self.quant.group_size if self.quant.group_size > 0 else 0
+        return Weights(Form("INT4" if self.quant.bits == 4 else "INT8", scale=enc, group=group, zero=zero is not None),
+                       codes, scale=scales, zero=zero)
+
     def _parts(self, layer: Any, index: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         qw, qz, s, groups = layer.qweight, layer.qzeros, layer.scales, layer._groups
         if index is not None:
@@ -137,6 +174,18 @@ class IntPackScheme(LinearScheme):
         return qw, qz, s, groups
 
     def _rows(self, layer: Any, index: int | None):
+        codes = getattr(layer, "_codes", None)
+        if codes is not None:  # repacked at load
+            c, s, z = layer._codes, layer._scales, layer._zeros
+            if index is not None:
+                c, s, z = c[index], s[index], (z[index] if z is not None else None)
+            out_f, in_f = s.shape[-2], layer.in_features
+            g = self.quant.group_size if self.quant.group_size > 0 else in_f
+
+            def repacked(r0: int, r1: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                return kernels.dequantize_codes_f32(self.quant.bits, c, z, s, g, r0, r1, out)
+
+            return repacked, out_f, in_f
         qw, qz, s, groups = self._parts(layer, index)
         out_f, in_f = s.shape[-1], groups.shape[-1]
         zeros = kernels.zeros_f32(self.pack, qz, self.quant.bits, out_f)

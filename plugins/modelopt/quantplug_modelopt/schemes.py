@@ -1,6 +1,8 @@
 """ModelOpt linear schemes: NVFP4 (``weight`` uint8 + e4m3 block scales + global scale) and FP8 per
 tensor, weights kept as stored in memory, activations emulated from the stored ``input_scale``
-unless ``activation_quant=none``."""
+unless ``activation_quant=none``. Both declare the core's compute form (the stored tensors as they
+are: FP4 E2M1 with E4M3 scales times the global scale, FP8 per tensor), so the core's native
+kernels run them; ``apply`` is the torch path with the same values."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from quantplug.api import LinearScheme, Problem, SplitRule, TensorInfo, TensorSpec
+from quantplug.api import ActQuant, Form, LinearScheme, Problem, SplitRule, TensorInfo, TensorSpec, Weights
 
 from . import kernels
 
@@ -72,6 +74,15 @@ class NVFP4Scheme(LinearScheme):
         return kernels.dequantize_nvfp4(_slot(layer.weight, index), _slot(layer.weight_scale, index),
                                         _slot(layer.weight_scale_2, index), layer.model_dtype)
 
+    def form(self, layer: Any) -> Weights:
+        """FP4 E2M1 with E4M3 block scales per 16 and ``weight_scale_2`` folded into them first
+        (``global_mode="times_scale"``: ``e2m1 * (f32(weight_scale) * weight_scale_2)``, the vendor's
+        order); activations ``nvfp4`` under the static ``input_scale`` when emulated."""
+        act = ActQuant("nvfp4", group=self.group) if self.emulate else None
+        return Weights(Form("FP4", scale="E4M3", group=self.group, global_scale=True, global_mode="times_scale", act=act),
+                       layer.weight, scale=layer.weight_scale, global_scale=layer.weight_scale_2,
+                       input_scale=layer.input_scale if self.emulate else None)
+
     def apply(self, layer: Any, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
         if self.emulate:
             x = kernels.nvfp4_act(x, _slot(layer.input_scale, index), self.group)
@@ -114,6 +125,16 @@ class FP8Scheme(LinearScheme):
 
     def dequantize(self, layer: Any, index: int | None = None) -> torch.Tensor:
         return kernels.dequantize_fp8(_slot(layer.weight, index), _slot(layer.weight_scale, index), layer.model_dtype)
+
+    def form(self, layer: Any) -> Weights:
+        """FP8 E4M3 with one float32 scale per matrix; activations ``fp8_static`` (clamped to
+        +-448, as :func:`kernels.fp8_act`) when emulated."""
+        scale = layer.weight_scale
+        if scale.dim() == 1:  # stacked experts: one scale per slot
+            scale = scale.view(-1, 1, 1)
+        act = ActQuant("fp8_static") if self.emulate else None
+        return Weights(Form("FP8", rows=0, act=act), layer.weight, scale=scale,
+                       input_scale=layer.input_scale if self.emulate else None)
 
     def apply(self, layer: Any, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
         if self.emulate:
