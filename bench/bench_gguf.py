@@ -98,6 +98,7 @@ def bench_plan_vocab(root: Path, vocab: int = 160_000) -> dict:
 HWM = "int([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]) * 1024"
 CHILD = f"""
 import sys, json, torch, quantplug, gguf, quantplug_expert_pack
+from quantplug.api import stats_sources
 from quantplug.loader import model_bytes
 from quantplug.plugins import get_plugin_manager
 get_plugin_manager()
@@ -114,7 +115,7 @@ m = quantplug.load(sys.argv[1], progress=False, options={{"expert_cache_mb": flo
 with torch.no_grad():
     m(ids)
 print(json.dumps({{"model_bytes": model_bytes(m), "hwm_before_load": before, "hwm_after_forward": {HWM},
-                   "cache": m.expert_cache.stats()}}))
+                   "cache": stats_sources(m)["expert_cache"].stats()}}))
 """
 
 

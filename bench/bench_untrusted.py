@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 CHILD = r"""
-import json, sys, time, threading, torch, quantplug
+import json, sys, time, threading, torch, quantplug, quantplug.api
 from quantplug_expert_pack import pack as P
 mode, root, forwards = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if mode == "unpinned":
@@ -54,8 +54,8 @@ with torch.no_grad():
     for x in ids:
         model(x)
     dt = time.perf_counter() - t
-print(json.dumps({"seconds": dt, "gets": model.expert_cache.hits + model.expert_cache.misses,
-                  "misses": model.expert_cache.misses}))
+cache = quantplug.api.stats_sources(model)["expert_cache"].stats()
+print(json.dumps({"seconds": dt, "gets": cache["hits"] + cache["misses"], "misses": cache["misses"]}))
 """
 
 

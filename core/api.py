@@ -20,9 +20,12 @@ Groups:
 * validated config reading (1.4): :class:`Fields` (typed field readers with key paths),
   :func:`config_fields`, :func:`quant_config_fields`, :func:`sidecar_fields`, :func:`read_json`
   (a JSON file, size and nesting bounded);
-* reading: :func:`read_gguf_header` / :class:`GGUFHeader`, :data:`GGUF_FLOATS`,
+* reading: :func:`stored_dtype` (what a module's weight is stored as, 1.5),
+  :func:`read_gguf_header` / :class:`GGUFHeader`, :data:`GGUF_FLOATS`,
   :data:`TORCH_DTYPES`, :data:`SAFETENSORS_DTYPES`, :func:`read_into`; :func:`contained` /
   :func:`check_inside` (a file name read from checkpoint metadata must stay inside its directory);
+* run-time statistics (1.5): :class:`StatsSource` (``stats() -> Mapping[str, float]``),
+  :func:`expose_stats` (a backend registers one on the loaded model), :func:`stats_sources`;
 * exporting: :func:`dense_state` (a loaded model back to dense tensors, hub layout),
   :func:`named_linears`, :func:`convert_expert_layout`, :func:`plan_of`;
 * adding an architecture (``quantplug_architectures``): :class:`ArchSpec`, :class:`PlanOracle`
@@ -105,6 +108,7 @@ from .models.declarations import (
 from .models.deepseek import PlanOracle
 from .models.registry import ArchSpec
 from .plan import LoadPlan
+from .stats import StatsSource, expose_stats, stats_sources
 from .types import (
     FLOAT_DTYPES,
     SAFETENSORS_DTYPES,
@@ -199,10 +203,12 @@ def _dense_declared(out: dict[str, torch.Tensor], name: str, mod: nn.Module, rul
                     dtype: torch.dtype) -> None:
     stacks = _stacks(mod, rule, name)
     if isinstance(rule, Unstack):
+        store = getattr(mod, "qp_store", None)  # experts served from the checkpoint's files
         for lin in stacks:
             base, proj = lin.qp_ckpt.rsplit(".", 1)
             for k in range(lin.n):
-                out[f"{base}.{k}.{proj}.weight"] = lin.scheme.dequantize(lin, k).detach().to(dtype).contiguous()
+                w = store.dequantize(lin, k) if store is not None else lin.scheme.dequantize(lin, k)
+                out[f"{base}.{k}.{proj}.weight"] = w.detach().to(dtype).contiguous()
         return
     if len({s.n for s in stacks}) != 1:
         raise DeclarationError(f"qp_dense_state: {name}: FoldHeads parts hold {[s.n for s in stacks]} heads")
@@ -270,6 +276,20 @@ def sidecar_fields(checkpoint: Checkpoint, name: str) -> Fields | None:
     return Fields(data, str(checkpoint.path / name))
 
 
+def stored_dtype(checkpoint: Checkpoint, module: str) -> tuple[str | None, bool]:
+    """What the checkpoint stores as ``module``'s weight: the dtype of ``{module}.weight``, or of
+    ``module`` itself when that is one tensor (transformers 5 fused routed experts,
+    ``experts.gate_up_proj``), and whether it is such a fused tensor; ``(None, False)`` when neither
+    exists (the plan reports the missing tensor).
+
+    .. versionadded:: 1.5"""
+    info = checkpoint.get(f"{module}.weight")
+    if info is not None:
+        return info.dtype, False
+    info = checkpoint.get(module)
+    return (info.dtype, True) if info is not None else (None, False)
+
+
 def unsplit_features(layer: nn.Module) -> tuple[int, int]:
     """``(out_features, in_features)`` of a linear before any tensor-parallel split: a split
     layer's ``out_features`` / ``in_features`` are this rank's slice, but a stored shape record
@@ -308,9 +328,11 @@ __all__ = [
     "Checkpoint", "LoadPlan", "ModelConfig", "RopeConfig",
     # reading
     "FLOAT_DTYPES", "GGUF_FLOATS", "GGUFHeader", "SAFETENSORS_DTYPES", "SkippedArray", "TORCH_DTYPES",
-    "check_inside", "contained", "ggml_types", "read_gguf_header", "read_into", "storage_shape",
+    "check_inside", "contained", "ggml_types", "read_gguf_header", "read_into", "storage_shape", "stored_dtype",
     # validated config reading (1.4)
     "Fields", "config_fields", "quant_config_fields", "read_json", "sidecar_fields",
+    # run-time statistics (1.5)
+    "StatsSource", "expose_stats", "stats_sources",
     # exporting
     "convert_expert_layout", "dense_state", "named_linears", "option", "plan_of", "unsplit_features",
     # adding an architecture

@@ -17,6 +17,7 @@ from typing import Any
 from .errors import ConfigError, PlanError, QuantplugError
 from .options import OptionText
 from .plugins import get_plugin_manager
+from .summary import explain_lines, parallel_lines, plan_lines, table
 
 
 def _options(pairs: Sequence[str] | None) -> dict[str, Any]:
@@ -33,13 +34,6 @@ def _options(pairs: Sequence[str] | None) -> dict[str, Any]:
     return out
 
 
-def _table(rows: list[list[str]], head: list[str]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip()]
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    return "\n".join(lines)
-
-
 def cmd_plugins(args: argparse.Namespace) -> int:
     if args.options:
         return _cmd_options(args)
@@ -52,7 +46,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         return 0
     rows = [[r.name, r.distribution, r.version, r.status,
              ",".join(h.removeprefix("quantplug_") for h in r.hooks) or "-", r.error or ""] for r in recs]
-    print(_table(rows, ["NAME", "DISTRIBUTION", "VERSION", "STATUS", "HOOKS", "ERROR"]))
+    print(table(rows, ["NAME", "DISTRIBUTION", "VERSION", "STATUS", "HOOKS", "ERROR"]))
     return 0
 
 
@@ -68,9 +62,9 @@ def _cmd_options(args: argparse.Namespace) -> int:
         if r["choices"] is not None:
             return ",".join(map(str, r["choices"]))
         return r["expected"].split(" in ", 1)[1] if r["type"] in ("int", "float") and " in " in r["expected"] else "-"
-    table = [[r["name"], r["owner"], r["scope"], r["type"], json.dumps(r["default"]), allowed(r), r["help"]]
-             for r in found]
-    print(_table(table, ["NAME", "OWNER", "SCOPE", "TYPE", "DEFAULT", "CHOICES", "HELP"]))
+    listing = [[r["name"], r["owner"], r["scope"], r["type"], json.dumps(r["default"]), allowed(r), r["help"]]
+               for r in found]
+    print(table(listing, ["NAME", "OWNER", "SCOPE", "TYPE", "DEFAULT", "CHOICES", "HELP"]))
     return 0
 
 
@@ -79,7 +73,8 @@ def _options_line(d: dict[str, Any]) -> str:
     return "; ".join(f"{k}={json.dumps(v['value'])} ({v['owner']}, {v['source']})" for k, v in opts.items()) or "(none)"
 
 
-def _print_plan(d: dict[str, Any], verbose: bool = True) -> None:
+def _print_plan(d: dict[str, Any]) -> None:
+    """The plan as text: identical layers grouped, each scheme described once (``--json``: all)."""
     print(f"checkpoint:   {d['path']}")
     print(f"architecture: {d['architecture']}")
     print(f"backend:      {d['backend']} [{d['backend_plugin']}] ({d['detect_reason']})")
@@ -88,15 +83,8 @@ def _print_plan(d: dict[str, Any], verbose: bool = True) -> None:
     print("packed modules: " + "; ".join(f"{k} -> {v}" for k, v in d["packed_modules"].items()))
     print(f"parameters:   {d['parameters']} from {d['tensors_used']} tensors, {d['weight_bytes']:,} bytes; "
           f"plan {d['plan_ms']} ms")
-    layers: dict[str, list[str]] = {}
-    for name, layout in d["attention_layouts"].items():
-        layers.setdefault(name.rsplit(".self_attn", 1)[0], []).append(f"attention={layout}")
-    for name, scheme in d["schemes"].items():
-        key = name.split(".self_attn")[0].split(".mlp")[0] if ".layers." in name else name
-        layers.setdefault(key, []).append(f"{name.removeprefix(key + '.')}={scheme}")
-    print("per layer:")
-    for key, items in layers.items():
-        print(f"  {key}: " + ", ".join(items))
+    for line in plan_lines(d["schemes"], d["attention_layouts"]):
+        print(line)
     for rule, names in d["skipped"].items():
         print(f"skipped {len(names)} tensor(s) by rule {rule}")
     if d["problems"]:
@@ -117,7 +105,6 @@ def _ckpt_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .parallel import describe
     from .plan import build_plan
 
     if args.tp < 1:
@@ -129,7 +116,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         _print_plan(d)
         if p.parallel is not None:
-            print(describe(p.parallel))
+            print("\n".join(parallel_lines(p.parallel.to_dict())))
     return 1 if p.errors else 0
 
 
@@ -207,15 +194,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from .plan import build_plan
 
     p = build_plan(args.path, backend=args.backend, options=_options(args.option))
-    decisions = p.decisions_for(args.layer)
-    if not any(d.target != "*" for d in decisions) and "." in args.layer:
-        # a tensor name (``...q_a_proj.weight_scale``, ``blk.3.attn_k_b.weight``): its module's decisions
-        decisions = p.decisions_for(args.layer.rsplit(".", 1)[0])
-    if not any(d.target != "*" for d in decisions):
-        raise QuantplugError(f"no decisions about {args.layer!r} in the plan of {args.path}; layer names look like "
-                             f"{p.decisions[-1].target if p.decisions else 'model.layers.0.self_attn.q_a_proj'}")
-    rows = [[d.hook.removeprefix("quantplug_"), d.target, str(d.value), str(d.plugin), d.reason] for d in decisions]
-    print(_table(rows, ["DECISION", "TARGET", "VALUE", "PLUGIN", "REASON"]))
+    print("\n".join(explain_lines(p, args.layer)))
     print(f"options: {_options_line(p.to_dict())}")
     return 0
 

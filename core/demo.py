@@ -12,11 +12,9 @@ from typing import Any
 import torch
 
 from .loader import load, model_bytes
-from .options import export_options
 from .plan import build_plan
 from .plugins import PluginManager, get_plugin_manager
 from .testing import hub_rope_spelling, random_state, tiny_config, write_checkpoint
-from .types import ExportResult
 
 
 @dataclass
@@ -71,14 +69,7 @@ def run_demo(workdir: Path | None = None, seed: int = 0) -> list[DemoRow]:
                 continue
             out = root / rec.name
             out.mkdir()
-            answers = pm.call("quantplug_export", [rec.name], firstresult=True, model=dense_model,
-                              model_config=dense_plan.model_config, destination=out,
-                              options=export_options(pm, rec.name, {}), plan=dense_plan)
-            if not answers:
-                continue
-            results = answers[0][0]
-            for res in (results if isinstance(results, list | tuple) else [results]):
-                assert isinstance(res, ExportResult)
+            for res in pm.export(rec.name, model=dense_model, destination=out, plan=dense_plan):
                 row, _ = _measure(res.path, res.format, rec.name, ids, ref, pm)
                 rows.append(row)
         return rows

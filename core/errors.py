@@ -58,12 +58,6 @@ class PlanError(QuantplugError):
         lines = [head + ":"] + [f"  - {ln}" for ln in self.lines]
         super().__init__("\n".join(lines))
 
-    def one_line(self) -> str:
-        causes = [ln for ln in self.lines if not ln.startswith("(")]
-        first = causes[0] if causes else ""
-        more = f" (and {len(causes) - 1} more)" if len(causes) > 1 else ""
-        return f"PlanError: {first}{more}"
-
 
 #: problem kinds that only restate a refusal of the layer the tensor feeds
 _FOLLOW_ON = frozenset({"unexpected", "shape", "dtype", "missing"})

@@ -16,7 +16,7 @@ step by step and records timings for the CLI.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -341,14 +341,16 @@ class GenerationMixin:
 def cli_generate(args: Any, model: Any) -> int:
     """``quantplug generate``: stream the new text (or token ids) to stdout, or one JSON object.
 
-    Expert packs (the model carries the ExpertPack backend's ``expert_cache``): over the decode
-    steps, ``expert_cache_hit_rate`` = 1 - pack reads / routed experts used (distinct experts per
-    MoE layer and step, counted at the routers), ``pack_reads_per_expert_use`` (above 1 when the
-    budget cannot hold an expert between its projections) and ``ssd_bytes_per_token`` (bytes the
-    cache read from the pack per decode step)."""
+    Statistics a backend exposes (``quantplug.api.expose_stats``): ``stats`` holds, per source,
+    each counter's growth over the decode steps. A source counting ``expert_reads`` (an expert
+    pack's cache) also gives ``expert_cache_hit_rate`` = 1 - expert reads / routed experts used
+    (distinct experts per MoE layer and step, counted at the routers), ``pack_reads_per_expert_use``
+    (above 1 when the budget cannot hold an expert between its projections) and
+    ``ssd_bytes_per_token`` (``bytes_read`` per decode step)."""
     import json
     import sys
 
+    from .stats import BYTES_READ, EXPERT_READS, stats_sources
     from .tokenizer import load_tokenizer
 
     try:
@@ -377,8 +379,9 @@ def cli_generate(args: Any, model: Any) -> int:
     gen = model.stream(torch.tensor([ids]), args.max_new_tokens, do_sample=sample,
                        temperature=args.temperature or 1.0, top_p=args.top_p, top_k=args.top_k,
                        generator=torch.Generator().manual_seed(args.seed) if sample else None)
-    packs = getattr(model, "expert_cache", None)  # set by the ExpertPack backend when experts live in a pack
-    before: dict[str, int] = {}
+    sources = stats_sources(model)
+    packs = next((s for s in sources.values() if EXPERT_READS in s.stats()), None)
+    before: dict[str, Mapping[str, float]] = {}
     uses = [0]  # distinct routed experts per MoE layer and step, summed over decode steps
     hooks = []
     if packs is not None:
@@ -393,8 +396,8 @@ def cli_generate(args: Any, model: Any) -> int:
     shown = ""
     for step, t in enumerate(gen):
         new.append(int(t[0]))
-        if step == 0 and packs is not None:
-            before = packs.stats()
+        if step == 0:
+            before = {name: dict(s.stats()) for name, s in sources.items()}
         if args.json:
             continue
         if tok is None:
@@ -410,17 +413,21 @@ def cli_generate(args: Any, model: Any) -> int:
     result.update({"tokens_per_second": round(gen.tokens_per_second(), 3),
                    "prefill_seconds": round(gen.prefill_seconds, 6),
                    "kv_cache_bytes_per_token": gen.cache.bytes_per_token()})
+    for h in hooks:
+        h.remove()
+    if sources:
+        result["stats"] = {name: {k: v - before.get(name, {}).get(k, 0) for k, v in s.stats().items()}
+                           for name, s in sources.items()}
     if packs is not None:
-        for h in hooks:
-            h.remove()
         # expert-level: each routed expert a decode step uses is a hit unless the pack was read for it
         # (the cache's own hits/misses count one lookup per projection)
-        after, steps = packs.stats(), max(len(new) - 1, 1)
-        misses = after["misses"] - before.get("misses", 0)
+        name = next(n for n, s in sources.items() if s is packs)
+        grown, steps = result["stats"][name], max(len(new) - 1, 1)
+        misses = grown[EXPERT_READS]
         result["expert_cache_hit_rate"] = round(max(0.0, 1 - misses / uses[0]), 4) if uses[0] else None
         # > 1 when the budget is too small to keep an expert between its projections (thrashing)
         result["pack_reads_per_expert_use"] = round(misses / uses[0], 4) if uses[0] else None
-        result["ssd_bytes_per_token"] = round((after["bytes_read"] - before.get("bytes_read", 0)) / steps, 1)
+        result["ssd_bytes_per_token"] = round(grown.get(BYTES_READ, 0) / steps, 1)
     if args.json:
         print(json.dumps(result))
         return 0

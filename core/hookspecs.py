@@ -2,12 +2,17 @@
 
 Hooks are called with keyword arguments only. An implementation may accept any subset of a
 hook's arguments (pluggy matches by name), so a hook can gain arguments without breaking
-plugins. Two kinds of hooks:
+plugins. Two kinds of hooks (a test checks these lists against :data:`GLOBAL_HOOKS` and
+:data:`BACKEND_HOOKS`):
 
-* **global** hooks are called on every registered plugin (only ``quantplug_detect``);
+* **global** hooks are called on every registered plugin: ``quantplug_detect``,
+  ``quantplug_architectures``, ``quantplug_cli_commands``;
 * **backend** hooks are called only on the backend selected for a checkpoint and on the core's
-  own defaults, which are registered ``trylast`` and therefore answer last. An installed plugin
-  can never change a load it did not claim.
+  own defaults, which are registered ``trylast`` and therefore answer last: ``quantplug_options``,
+  ``quantplug_tensor_names``, ``quantplug_resolve_prefix``, ``quantplug_packed_modules``,
+  ``quantplug_attention_layout``, ``quantplug_linear_scheme``, ``quantplug_validate_plan``,
+  ``quantplug_process_after_loading``, and ``quantplug_export`` (called on one backend, chosen by
+  name). An installed plugin can never change a load it did not claim.
 
 Answers are frozen dataclasses from :mod:`quantplug.types` (or a ``LinearScheme`` object), never
 dicts with magic keys. The plugin manager stamps every answer with the plugin that gave it, and
@@ -50,7 +55,7 @@ PROJECT = "quantplug"
 #: * 1.3: ``LinearScheme.fuse_mlp`` and ``fuse_attention`` (optional): a gated MLP (dense, shared
 #:   or a decode step's routed experts) and an MLA decode step for one token in one call;
 #:   ``quantplug.api.fuse_mlp`` / ``fuse_attention``.
-#:   Design note: DESIGN.md's hooks decide *what* is loaded; since 1.2 a scheme may also offer how
+#:   Design note: the hooks decide *what* is loaded; since 1.2 a scheme may also offer how
 #:   a group of its layers runs (``fuse``, ``fuse_mlp``), asked by the model after loading and
 #:   recorded nowhere in the plan because it never changes what is read or computed, only how.
 #: * 1.4: ``LinearScheme.form`` (optional): a scheme describes its loaded tensors as one of the
@@ -66,8 +71,11 @@ PROJECT = "quantplug"
 #:   ``quantplug_options`` (backend): the options a backend reads, as
 #:   :class:`~quantplug.types.OptionSpec`; the plan checks every given option against them and
 #:   the core's own (``kernels``, ``strict_split``, ``mmap``, ``expert_cache_mb``,
-#:   ``tp_timeout_s``); ``quantplug.api.Fields`` (typed config readers with key paths) and
-#:   ``quantplug.api.quant_config_fields``.
+#:   ``expert_prefetch``, ``expert_readers``, ``tp_timeout_s``); ``quantplug.api.Fields``
+#:   (typed config readers with key paths) and ``quantplug.api.quant_config_fields``; also new in
+#:   ``quantplug.api`` with 1.4 (they were not in quantplug 0.4.0, the release of 1.3):
+#:   ``Exclusions`` / ``ALIASES`` / ``modules_of`` (exclusion lists), ``ggml`` / ``native`` (the
+#:   core's kernels), ``read_json``, ``config_fields``, ``sidecar_fields``.
 #: * 1.5: an architecture declares what the core reads of it: its tensor-parallel plan
 #:   (``qp_tp_plan``: module pattern -> ``ColumnParallel`` / ``RowParallel`` /
 #:   ``FeatureParallel`` / ``HeadParallel`` / ``ExpertParallel`` / ``VocabParallel``, with the
@@ -75,8 +83,35 @@ PROJECT = "quantplug"
 #:   mapping (``qp_dense_state``: ``Unstack`` / ``FoldHeads``), so an architecture added through
 #:   ``quantplug_architectures`` loads tensor-parallel and exports with no core change;
 #:   ``StackedLinear`` layouts as ``FusedLayout`` / ``PerIndexLayout`` / ``StackedLayout`` (the
-#:   tagged tuples are deprecated).
+#:   tagged tuples are deprecated). ``quantplug.api.StatsSource`` / ``expose_stats`` /
+#:   ``stats_sources``: counters a backend exposes on a loaded model (from
+#:   ``quantplug_process_after_loading``), read by ``quantplug generate`` and users through a
+#:   declared protocol instead of a backend's attributes; ``quantplug.api.stored_dtype`` (what a
+#:   module's weight is stored as, fused experts included).
+#:
+#: A plugin declares at least the version of every feature it uses (:data:`API_SINCE`,
+#: :data:`SCHEME_SINCE`, each hook's ``versionadded``); ``quantplug.testing.contract`` checks it
+#: and the conformance kit runs that check.
 CONTRACT_VERSION = "1.5"
+#: When each name of ``quantplug.api`` entered the contract; names not listed date from 1.1, when
+#: ``quantplug.api`` itself was added.
+API_SINCE: dict[str, str] = {
+    "fuse_int4_packs": "1.2", "int4pack_rows_separable": "1.2",
+    "fuse_mlp": "1.3", "fuse_attention": "1.3",
+    "ActQuant": "1.4", "Form": "1.4", "Weights": "1.4", "OptionSpec": "1.4", "Fields": "1.4", "config_fields": "1.4",
+    "quant_config_fields": "1.4", "sidecar_fields": "1.4", "read_json": "1.4", "ALIASES": "1.4", "Exclusions": "1.4",
+    "modules_of": "1.4", "ggml": "1.4", "native": "1.4",
+    "StatsSource": "1.5", "expose_stats": "1.5", "stats_sources": "1.5", "stored_dtype": "1.5",
+    **dict.fromkeys(("ColumnParallel", "RowParallel", "FeatureParallel", "HeadParallel", "ExpertParallel",
+                     "VocabParallel", "HeadGroup", "ExpertGroup", "TiedModule", "Unstack", "FoldHeads", "HeadPart",
+                     "DeclarationError", "FusedLayout", "PerIndexLayout", "StackedLayout", "StackLayout"), "1.5"),
+}
+#: When each optional ``LinearScheme`` member a scheme may define entered the contract (members
+#: not listed: 1.0).
+SCHEME_SINCE: dict[str, str] = {
+    "reason": "1.1", "split": "1.1", "apply_row_parallel": "1.1", "apply_grouped": "1.1", "apply_all": "1.1",
+    "fuse": "1.2", "fuse_mlp": "1.3", "fuse_attention": "1.3", "form": "1.4",
+}
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
@@ -104,8 +139,8 @@ BACKEND_HOOKS = frozenset({
 def quantplug_detect(checkpoint: Checkpoint) -> Claim | None:
     """Say whether this backend can load ``checkpoint``.
 
-    Called once per load on **every** plugin, after the checkpoint's headers, config.json and
-    sidecar JSON files have been read (no tensor data). All answers are collected.
+    Global hook, called once per load on **every** plugin, after the checkpoint's headers,
+    config.json and sidecar JSON files have been read (no tensor data). All answers are collected.
 
     Return a :class:`Claim` carrying the parsed, frozen quantization config (passed back to
     every backend hook as ``quant_config``) and a human reason, or None: "not mine".
@@ -122,10 +157,10 @@ def quantplug_detect(checkpoint: Checkpoint) -> Claim | None:
 
         @hookimpl
         def quantplug_detect(checkpoint):
-            qc = checkpoint.config.get("quantization_config") or {}
-            if qc.get("quant_method") != "acme":
+            qc, where = quant_config_fields(checkpoint)  # typed readers (quantplug.api.Fields)
+            if qc is None or qc.opt_str("quant_method") != "acme":
                 return None
-            return Claim("acme", AcmeConfig.parse(qc), "quantization_config.quant_method == 'acme'")
+            return Claim("acme", AcmeConfig.parse(qc), f"{where}.quant_method == 'acme'")
     """
 
 
@@ -180,9 +215,9 @@ def quantplug_options() -> Sequence[OptionSpec] | None:
     converted to the declared types (a ``-o`` string ``"true"`` arrives as ``True``), with the
     default of every declared option that was not given; read them with ``options[name]``.
     Do not declare the core's own options (``kernels``, ``strict_split``, ``mmap``,
-    ``expert_cache_mb``, ``tp_timeout_s``): read them. A backend that does not implement this
-    hook (written for contract 1.3 or older) gets undeclared options unchecked, with a plan
-    warning.
+    ``expert_cache_mb``, ``expert_prefetch``, ``expert_readers``, ``tp_timeout_s``): read them.
+    A backend that does not implement this hook (written for contract 1.3 or older) gets
+    undeclared options unchecked, with a plan warning.
 
     .. versionadded:: 1.4
 
@@ -399,15 +434,18 @@ def quantplug_process_after_loading(model: torch.nn.Module, quant_config: Any, o
     """Post-process the whole model after every tensor is loaded (and each scheme's own
     ``process_after_loading`` has run).
 
-    Backend hook, called once per load on the selected backend; return value ignored.
+    Backend hook, called once per load on the selected backend; return value ignored. A backend
+    that serves weights at run time exposes its counters here with
+    ``quantplug.api.expose_stats(model, name, source)`` (1.5): ``quantplug generate`` reports them
+    (``expert_reads`` / ``bytes_read`` with a meaning it relies on, see ``quantplug.stats``).
 
     .. versionadded:: 1.0
 
     Example::
 
         @hookimpl
-        def quantplug_process_after_loading(model):
-            model.language_model.config_note = "mxfp4"
+        def quantplug_process_after_loading(model, quant_config, options):
+            expose_stats(model, "expert_cache", quant_config.cache(options))  # .stats() -> counters
     """
 
 

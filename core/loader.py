@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import parallel
+from . import experts, parallel
 from .checkpoint import TORCH_DTYPES
 from .checkpoint.gguf_index import GGUF_FLOATS
 from .errors import CheckpointError, LoadError
@@ -29,6 +30,7 @@ from .layers.linear import PlannedModule
 from .memory import read_into
 from .plan import LoadPlan, ParamPlan, build_plan
 from .plugins import PluginManager, get_plugin_manager
+from .stats import expose_stats
 from .types import TensorInfo
 
 #: bytes read per ``preadv`` when a tensor is converted (bounded staging: peak memory stays at
@@ -114,8 +116,21 @@ def execute(plan: LoadPlan, *, device: str | torch.device = "cpu",
     dev = torch.device(device)
     model = plan.model
     show = sys.stderr.isatty() if progress is None else progress
+    served: set[int] = set()
+    cache = None
+    budget = float(plan.options.get("expert_cache_mb") or 0.0)
+    if budget > 0:  # routed experts read on demand from the checkpoint's files (quantplug.experts)
+        served, cache, kept = experts.attach(plan, model, int(budget * (1 << 20)),
+                                             readers=int(plan.options.get("expert_readers", experts.READERS)))
+        for why in kept:
+            warnings.warn(f"expert_cache_mb: routed experts of {why}; they are loaded into memory", stacklevel=3)
+        prefetch = bool(plan.options.get("expert_prefetch", True))
+        for mod in model.modules():
+            if hasattr(mod, "qp_prefetch"):
+                setattr(mod, "qp_prefetch", prefetch)  # noqa: B010 (a class default, set per model)
     # shard by shard: sorting by (file, offset) turns reads into one forward sweep per file
-    order = sorted(plan.params, key=lambda p: (str(p.sources[0][1].file), p.sources[0][1].offset))
+    order = sorted((p for p in plan.params if id(p) not in served),
+                   key=lambda p: (str(p.sources[0][1].file), p.sources[0][1].offset))
     bar: Any = None
     if show:
         from tqdm import tqdm
@@ -147,6 +162,9 @@ def execute(plan: LoadPlan, *, device: str | torch.device = "cpu",
     pm.backend_all(plan.backend, "quantplug_process_after_loading", model=model, quant_config=plan.quant_config,
                    options=plan.options)
     model.eval()
+    if cache is not None:
+        expose_stats(model, "expert_cache", cache)
+    model.qp_served_params = served  # type: ignore[assignment]  # plan entries read on demand, not loaded
     model.quantplug_plan = plan  # type: ignore[assignment]
     model.decisions = plan.decisions  # type: ignore[assignment]
     return model
@@ -159,7 +177,8 @@ def load(path: str | Path, *, backend: str | None = None, dtype: torch.dtype = t
     """Plan (headers only, every problem raised together) then load; returns the torch module.
 
     ``model(input_ids)`` with a LongTensor [B, T] returns logits [B, T, vocab]; the module
-    carries ``quantplug_plan``, ``decisions`` and ``load_report`` (rank, world_size, bytes_read).
+    carries ``quantplug_plan``, ``decisions`` and ``load_report`` (rank, world_size, bytes_read,
+    experts_on_demand_bytes: the routed experts left in the files for ``expert_cache_mb``).
 
     Under an initialized ``torch.distributed`` default group of world size N > 1 (or
     ``group=``), the model is split over the ranks (``quantplug.parallel``): each rank reads only
@@ -196,9 +215,13 @@ def load(path: str | Path, *, backend: str | None = None, dtype: torch.dtype = t
         parallel.guard_model(model, comm)
         parallel.remember(comm)
     model.load_seconds = time.perf_counter() - t0  # type: ignore[assignment]
+    served: set[int] = getattr(model, "qp_served_params", set())
     model.load_report = {  # type: ignore[assignment]
         "rank": comm.rank if comm else 0, "world_size": comm.world if comm else 1,
-        "bytes_read": sum(parallel.source_bytes(s, i) for pp in p.params for s, i in pp.sources)}
+        "bytes_read": sum(parallel.source_bytes(s, i) for pp in p.params if id(pp) not in served
+                          for s, i in pp.sources),
+        "experts_on_demand_bytes": sum(parallel.source_bytes(s, i) for pp in p.params if id(pp) in served
+                                       for s, i in pp.sources)}
     return model
 
 

@@ -49,3 +49,20 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
+
+
+def available_memory() -> int:
+    """Bytes of memory this machine can give a new allocation now (``MemAvailable`` of
+    ``/proc/meminfo``: free plus reclaimable page cache), or the physical memory where that is
+    not reported, or 2**62 where neither is (no bound)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError):
+        return 1 << 62

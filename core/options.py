@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,8 +40,14 @@ CORE_OPTIONS: tuple[OptionSpec, ...] = (
                "true: weights used as stored are zero-copy views of the mapped file; false: copied into "
                "private memory (network / changing file systems: a file truncated later cannot SIGBUS)"),
     OptionSpec("expert_cache_mb", float, 0.0, None,
-               "MiB of memory for routed experts served from SSD (expert packs); 0: experts held in memory",
-               minimum=0.0, maximum=float(1 << 30)),
+               "MiB of memory for routed experts read on demand from the checkpoint's files (any format) or "
+               "an expert pack; 0: experts held in memory", minimum=0.0, maximum=float(1 << 30)),
+    OptionSpec("expert_prefetch", bool, True, None,
+               "with expert_cache_mb: a decode step starts reading the next MoE layer's likely experts (its "
+               "router on the current hidden state) while this layer computes"),
+    OptionSpec("expert_readers", int, 4, None,
+               "with expert_cache_mb: threads reading missing experts in parallel (positional reads; 1: one "
+               "read at a time)", minimum=1, maximum=64),
     OptionSpec("tp_timeout_s", float, 60.0, None,
                "tensor parallel: seconds a rank waits in a forward collective for the others before raising, "
                "naming the ranks that did not arrive", minimum=0.001, maximum=1e6),
@@ -66,14 +72,8 @@ def _specs_of(pm: PluginManager, name: str) -> list[OptionSpec]:
     """Every OptionSpec backend ``name`` declares (checked: values, names, no clash with the core)."""
     out: list[OptionSpec] = []
     for answer, info in pm.call("quantplug_options", [name], firstresult=False):
-        if not isinstance(answer, Sequence) or isinstance(answer, str | bytes):
-            raise QuantplugError(f"plugin {info} returned {type(answer).__name__} from quantplug_options; expected "
-                                 "a sequence of quantplug.api.OptionSpec")
         seen: set[tuple[str, str]] = set()
         for spec in answer:
-            if not isinstance(spec, OptionSpec):
-                raise QuantplugError(f"plugin {info} returned {type(spec).__name__} in quantplug_options; expected "
-                                     "quantplug.api.OptionSpec")
             if spec.scope == "load" and spec.name in _CORE_NAMES:
                 raise QuantplugError(f"plugin {info} declares option {spec.name!r}, which the core declares (see "
                                      "`quantplug plugins --options`); read it, do not declare it")

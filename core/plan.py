@@ -27,7 +27,7 @@ from torch import nn
 
 from .checkpoint import TORCH_DTYPES, Checkpoint, storage_shape
 from .checkpoint.gguf_index import GGUF_FLOATS
-from .errors import PlanError, QuantplugError, group_problems
+from .errors import PlanError, group_problems
 from .layers.linear import LinearScheme, PlannedModule, QuantLinear, Source, StackedLinear
 from .memory import gc_paused
 from .models.config import ModelConfig, check_against_tensors, parse_model_config
@@ -178,9 +178,6 @@ class _Decider:
             scheme, info = self.pm.backend_first(
                 self.backend, "quantplug_linear_scheme", layer_name=name, layer_kind=kind,
                 shard_names=tuple(shards), quant_config=self.qc, checkpoint=self.ckpt, options=self.options)
-            if not isinstance(scheme, LinearScheme):
-                raise QuantplugError(f"plugin {info} returned {type(scheme).__name__} from quantplug_linear_scheme "
-                                     f"for {name}; expected a quantplug.layers.linear.LinearScheme")
             self._scheme_cache[key] = (scheme, info)
         return self._scheme_cache[key]
 
@@ -197,9 +194,6 @@ class _Decider:
         layout, info = self.pm.backend_first(
             self.backend, "quantplug_attention_layout", architecture=self.arch.name, layer_name=attn,
             model_config=self.mcfg, quant_config=self.qc, checkpoint=self.ckpt)
-        if not isinstance(layout, AttentionLayout):
-            raise QuantplugError(f"plugin {info} returned {type(layout).__name__} from quantplug_attention_layout "
-                                 f"for {attn}; expected quantplug.types.AttentionLayout")
         self.decisions.append(Decision("quantplug_attention_layout", attn, layout.kind, info, layout.reason))
         # Cross-check the answer against the tensors present, before any data is read.
         if layout.kind == "dense" and not self._has_module(f"{attn}.kv_b_proj"):
@@ -239,9 +233,6 @@ def _merge_packed(pm: PluginManager, backend: str | None, arch: ArchSpec, qc: An
     source: dict[str, str] = {k: f"model class {arch.name}" for k in merged}
     from_plugins = set() if from_plugins is None else from_plugins
     for answer, info in pm.backend_all(backend, "quantplug_packed_modules", architecture=arch.name, quant_config=qc):
-        if not isinstance(answer, Mapping):
-            raise QuantplugError(f"plugin {info} returned {type(answer).__name__} from quantplug_packed_modules; "
-                                 "expected a mapping of fused name -> shard names")
         for fused, shards in answer.items():
             shards = list(shards)
             if fused in merged and merged[fused] != shards:
@@ -393,7 +384,30 @@ def build_plan(path: str | Path, *, backend: str | None = None, options: Mapping
             t0 = time.perf_counter()
             shard_plan(p, world_size, rank, comm)
             p.plan_seconds += time.perf_counter() - t0
+        p.problems += _memory_problems(p)
         return p
+
+
+def _memory_problems(plan: LoadPlan) -> list[Problem]:
+    """The routed experts against the memory they may use: with ``expert_cache_mb`` the cache must
+    hold one step's experts of a layer; without it, what the load copies into memory of its own
+    (everything not a zero-copy view of the files: converted tensors, stacked experts) must fit
+    this machine's available memory. Both from headers, before any tensor data is read."""
+    from . import experts, memory
+
+    if plan.problems:
+        return []
+    budget = float(plan.options.get("expert_cache_mb") or 0.0)
+    if budget > 0:
+        why = experts.check_budget(plan, int(budget * (1 << 20)))
+        return [Problem(why, kind="options")] if why else []
+    owned = sum(pp.nbytes for pp in plan.params if not pp.zero_copy)
+    avail = memory.available_memory()
+    if owned > avail:
+        return [Problem(f"loading copies {owned / (1 << 30):.1f} GiB into memory (routed experts and converted tensors) "
+                        f"but this machine has {avail / (1 << 30):.1f} GiB available: set expert_cache_mb to a budget "
+                        "in MiB to read the routed experts from the checkpoint's files on demand", kind="options")]
+    return []
 
 
 def _build_plan(path: str | Path, backend: str | None, options: Mapping[str, Any] | None,
@@ -419,18 +433,12 @@ def _build_plan(path: str | Path, backend: str | None, options: Mapping[str, Any
     names, ninfo = pm.backend_first(be, "quantplug_tensor_names", architecture=arch.name, model_config=mcfg,
                                     quant_config=qc, checkpoint=ckpt)
     if names is not None:
-        if not isinstance(names, Mapping):
-            raise QuantplugError(f"plugin {ninfo} returned {type(names).__name__} from quantplug_tensor_names; "
-                                 "expected a mapping of model tensor name -> stored tensor name")
         ckpt = ckpt.renamed(dict(names))
         renamed = sum(1 for t in ckpt.tensors.values() if t.stored_name)
         decisions.append(Decision("quantplug_tensor_names", "*", f"{renamed} of {len(ckpt.tensors)} tensors renamed",
                                   ninfo, "the checkpoint does not use the model's tensor names"))
     prefix, pinfo = pm.backend_first(be, "quantplug_resolve_prefix", architecture=arch.name, model_config=mcfg,
                                      quant_config=qc, checkpoint=ckpt)
-    if not isinstance(prefix, str):
-        raise QuantplugError(f"plugin {pinfo} returned {type(prefix).__name__} from quantplug_resolve_prefix; "
-                             "expected str")
     prefix = prefix.rstrip(".")
     decisions.append(Decision("quantplug_resolve_prefix", "*", prefix or "(none)", pinfo,
                               "text weights named " + (f"{prefix}.model.layers..." if prefix else "model.layers...")))
@@ -452,9 +460,6 @@ def _build_plan(path: str | Path, backend: str | None, options: Mapping[str, Any
                     option_owners=resolved.owners)
     for answer, by in pm.backend_all(be, "quantplug_validate_plan", plan=plan, quant_config=qc):
         for p in answer:
-            if not isinstance(p, Problem):
-                raise QuantplugError(f"plugin {by} returned {type(p).__name__} in quantplug_validate_plan; "
-                                     "expected quantplug.types.Problem")
             plan.problems.append(p if p.plugin else Problem(p.message, p.tensor, p.file, p.layer, by,
                                                             p.severity, p.kind))
     plan.plan_seconds = time.perf_counter() - t0

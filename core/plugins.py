@@ -17,13 +17,14 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata as md
 import logging
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import pluggy
 from packaging.requirements import InvalidRequirement, Requirement
@@ -32,7 +33,8 @@ from packaging.version import InvalidVersion, Version
 from . import hookspecs
 from ._version import __version__
 from .errors import AmbiguousBackendError, NoBackendError, PlanError, PluginLoadError, QuantplugError
-from .types import CORE, Claim, PluginInfo
+from .types import CORE, AttentionLayout, Claim, ExportResult, OptionSpec, PluginInfo, Problem
+from .validation import quant_config_fields
 
 ENTRY_POINT_GROUP = "quantplug.backends"
 CORE_NAME = "core"
@@ -99,6 +101,55 @@ def contract_problem(plugin: object, dist: Any = None) -> str | None:
             ok = True
         if not ok:
             return f"its distribution requires {line!r}, installed quantplug is {__version__}"
+    return None
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a hook's non-None answer must be: an instance of ``kind`` and, for a sequence answer,
+    every item (for a mapping answer, every value) an instance of ``items``."""
+
+    kind: tuple[type, ...]
+    expected: str
+    items: tuple[type, ...] | None = None
+
+
+@functools.cache
+def answer_types() -> dict[str, Answer]:
+    """Every hook's answer type, checked in one place (:func:`wrong_answer`) for every plugin."""
+    from .layers.linear import LinearScheme
+    from .models.registry import ArchSpec
+
+    return {
+        "quantplug_detect": Answer((Claim,), "quantplug.api.Claim or None"),
+        "quantplug_architectures": Answer((Mapping,), "a mapping of architecture name -> quantplug.api.ArchSpec",
+                                          (ArchSpec,)),
+        "quantplug_options": Answer((Sequence,), "a sequence of quantplug.api.OptionSpec", (OptionSpec,)),
+        "quantplug_tensor_names": Answer((Mapping,), "a mapping of model tensor name -> stored tensor name", (str,)),
+        "quantplug_resolve_prefix": Answer((str,), "str"),
+        "quantplug_packed_modules": Answer((Mapping,), "a mapping of fused name -> shard names"),
+        "quantplug_attention_layout": Answer((AttentionLayout,), "quantplug.api.AttentionLayout"),
+        "quantplug_linear_scheme": Answer((LinearScheme,), "a quantplug.api.LinearScheme"),
+        "quantplug_validate_plan": Answer((Sequence,), "a sequence of quantplug.api.Problem", (Problem,)),
+        "quantplug_export": Answer((ExportResult, Sequence), "quantplug.api.ExportResult or a sequence of them",
+                                   (ExportResult,)),
+    }
+
+
+def wrong_answer(hook: str, value: Any) -> str | None:
+    """Why ``value`` (not None) is not a valid answer of ``hook`` ("returned X from hook; expected
+    Y"), or None when it is (or the hook's answer is not checked: ``quantplug_cli_commands``)."""
+    spec = answer_types().get(hook)
+    if spec is None:
+        return None
+    if not isinstance(value, spec.kind) or isinstance(value, str | bytes) and str not in spec.kind:
+        return f"returned {type(value).__name__} from {hook}; expected {spec.expected}"
+    if spec.items is None or isinstance(value, spec.items):
+        return None  # ExportResult itself, or no item type
+    items = cast(Iterable[Any], value.values() if isinstance(value, Mapping) else value)
+    for item in items:
+        if not isinstance(item, spec.items):
+            return f"returned {type(item).__name__} in {hook}; expected {spec.expected}"
     return None
 
 
@@ -299,6 +350,10 @@ class PluginManager:
                 trace_log.debug("%s(%s) -> %s [%s]", hook, summary, _summary(result), info)
             if result is None:
                 continue
+            wrong = wrong_answer(hook, result)
+            if wrong:
+                target = f" for {kwargs['layer_name']}" if "layer_name" in kwargs else ""
+                raise QuantplugError(f"plugin {info} {wrong}{target}")
             answers.append((result, info))
             if firstresult:
                 break
@@ -316,22 +371,34 @@ class PluginManager:
         plugins = [CORE_NAME] + ([backend] if backend else [])
         return self.call(hook, plugins, firstresult=False, **kwargs)
 
+    def export(self, backend: str, *, model: Any, destination: Any, plan: Any,
+               options: Mapping[str, Any] | None = None) -> list[ExportResult]:
+        """``quantplug_export`` of ``backend``: ``options`` checked against its declared export
+        options (defaults filled in), every answer an :class:`ExportResult`; ``[]`` when the backend
+        writes nothing for this model."""
+        from .options import export_options
+
+        answers = self.call("quantplug_export", [backend], firstresult=True, model=model,
+                            model_config=plan.model_config, destination=destination,
+                            options=export_options(self, backend, options), plan=plan)
+        if not answers:
+            return []
+        value = answers[0][0]
+        return list(value) if isinstance(value, Sequence) else [value]
+
     # -- architectures ------------------------------------------------------------------------
 
     def architectures(self) -> dict[str, Any]:
         """Architectures added by plugins (``quantplug_architectures``), checked for clashes."""
-        from .models.registry import ARCHITECTURES, ArchSpec
+        from .models.registry import ARCHITECTURES
 
         out: dict[str, Any] = {}
         owner: dict[str, PluginInfo] = {}
         for answer, info in self.call("quantplug_architectures", None, firstresult=False):
-            if not isinstance(answer, Mapping):
-                raise QuantplugError(f"plugin {info} returned {type(answer).__name__} from quantplug_architectures; "
-                                     "expected a mapping of architecture name -> ArchSpec")
             for name, spec in answer.items():
-                if not isinstance(spec, ArchSpec) or spec.name != name:
-                    raise QuantplugError(f"plugin {info}: quantplug_architectures[{name!r}] must be an ArchSpec "
-                                         "whose name is its key")
+                if spec.name != name:
+                    raise QuantplugError(f"plugin {info}: quantplug_architectures[{name!r}] is ArchSpec "
+                                         f"{spec.name!r}; its name must be its key")
                 if name in ARCHITECTURES or name in out:
                     other = "the core" if name in ARCHITECTURES else f"plugin {owner[name]}"
                     raise QuantplugError(f"plugin {info} adds architecture {name!r}, which {other} already defines")
@@ -348,9 +415,6 @@ class PluginManager:
                                  f"{', '.join(installed) or 'none'}")
         claims = []
         for claim, info in self.call("quantplug_detect", installed, firstresult=False, checkpoint=checkpoint):
-            if not isinstance(claim, Claim):
-                raise QuantplugError(f"plugin {info} returned {type(claim).__name__} from quantplug_detect; "
-                                     "expected quantplug.types.Claim or None")
             if claim.backend != info.name:
                 raise QuantplugError(f"plugin {info} claimed as {claim.backend!r}; a Claim must carry the "
                                      "backend's own entry-point name")
@@ -374,11 +438,8 @@ class PluginManager:
                     f"{fp8[0].name} in {fp8[0].file.name}): quantized weights that need a backend"
                     if fp8 else f"{len(nonfloat)} tensor(s) are quantized or integer, not float (first: "
                     f"{t.name} is {t.dtype} in {t.file.name})")
-            qc = checkpoint.config.get("quantization_config") if isinstance(checkpoint.config, dict) else None
-            text = checkpoint.config.get("text_config") if isinstance(checkpoint.config, dict) else None
-            if qc is None and isinstance(text, dict):
-                qc = text.get("quantization_config")
-            method = qc.get("quant_method") if isinstance(qc, dict) else None
+            qc, _ = quant_config_fields(checkpoint.config, str(checkpoint.path / "config.json"))
+            method = qc.opt_str("quant_method") if qc is not None else None
             hint = f"; config.json says quant_method {method!r}" if method else ""
             raise NoBackendError(
                 f"no installed backend recognises {checkpoint.path}, and it is not dense: {what}{hint}; "

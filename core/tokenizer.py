@@ -38,7 +38,16 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .errors import CheckpointError, QuantplugError
-from .validation import MAX_JSON_BYTES, Fields, check_count, contained, json_depth_ok, read_json
+from .validation import (
+    MAX_JSON_BYTES,
+    Fields,
+    check_count,
+    contained,
+    json_depth_ok,
+    read_bounded,
+    read_json,
+    read_text,
+)
 
 T = TypeVar("T")
 #: largest tiktoken.model / chat_template.jinja read (Kimi's tiktoken.model is 2.8 MB)
@@ -401,28 +410,14 @@ def _library(file: Path, what: str, fn: Callable[[], T]) -> T:
 
 
 def _read_text(file: Path, max_bytes: int) -> str:
-    try:
-        size = file.stat().st_size
-        if size > max_bytes:
-            raise CheckpointError(f"{file}: {size:,} bytes, more than the {max_bytes:,} accepted")
-        return file.read_bytes().decode("utf-8")
-    except OSError as exc:
-        raise CheckpointError(f"{file}: cannot read ({exc.strerror})") from None
-    except UnicodeDecodeError as exc:
-        raise CheckpointError(f"{file}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    return read_text(file, max_bytes, error=CheckpointError)
 
 
 def read_tiktoken_ranks(file: Path) -> dict[bytes, int]:
     """A ``tiktoken.model`` file's BPE ranks (lines ``base64-token rank``), read here (no cache):
     tokens unique, ranks unique and dense from 0, every single byte present (tiktoken's Rust core
     panics on a duplicate rank or a missing byte)."""
-    try:
-        size = file.stat().st_size
-        if size > MAX_TEXT_BYTES:
-            raise CheckpointError(f"{file}: {size:,} bytes, more than the {MAX_TEXT_BYTES:,} accepted")
-        raw = file.read_bytes()
-    except OSError as exc:
-        raise CheckpointError(f"{file}: cannot read ({exc.strerror})") from None
+    raw = read_bounded(file, MAX_TEXT_BYTES, error=CheckpointError)
     ranks: dict[bytes, int] = {}
     seen: dict[int, int] = {}
     for no, line in enumerate(raw.splitlines(), 1):

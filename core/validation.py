@@ -23,7 +23,7 @@ import re
 import stat
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn
 
 from .errors import CheckpointError, ConfigError
 
@@ -32,7 +32,6 @@ MAX_JSON_BYTES = 64 << 20
 #: deepest nesting of objects / arrays accepted in any JSON file
 MAX_JSON_DEPTH = 32
 _STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
-T = TypeVar("T")
 
 
 def json_depth_ok(text: str, limit: int = MAX_JSON_DEPTH) -> bool:
@@ -47,19 +46,29 @@ def json_depth_ok(text: str, limit: int = MAX_JSON_DEPTH) -> bool:
     return True
 
 
-def read_json(path: Path, *, error: type[Exception] = ConfigError, max_bytes: int = MAX_JSON_BYTES) -> Any:
-    """Parse a JSON file with its size and nesting bounded first; failures name the file."""
+def read_bounded(path: Path, max_bytes: int, *, error: type[Exception] = ConfigError, what: str = "") -> bytes:
+    """A file's bytes, its size checked against ``max_bytes`` before it is read; failures name the file."""
     try:
         size = path.stat().st_size
         if size > max_bytes:
-            raise error(f"{path}: {size:,} bytes, more than the {max_bytes:,} accepted for a JSON file")
-        raw = path.read_bytes()
+            raise error(f"{path}: {size:,} bytes, more than the {max_bytes:,} accepted{what}")
+        return path.read_bytes()
     except OSError as exc:
         raise error(f"{path}: cannot read ({exc.strerror})") from None
+
+
+def read_text(path: Path, max_bytes: int, *, error: type[Exception] = ConfigError, what: str = "") -> str:
+    """:func:`read_bounded`, decoded as UTF-8 (an invalid byte: ``error`` naming the file and its offset)."""
+    raw = read_bounded(path, max_bytes, error=error, what=what)
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise error(f"{path}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def read_json(path: Path, *, error: type[Exception] = ConfigError, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """Parse a JSON file with its size and nesting bounded first; failures name the file."""
+    text = read_text(path, max_bytes, error=error, what=" for a JSON file")
     if not json_depth_ok(text):
         raise error(f"{path}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
     try:
@@ -245,15 +254,6 @@ class Fields:
             self.fail(key, v, "an object")
         return Fields(v, self.file, self.sub(key))
 
-    def get_list(self, key: str, item: type[T]) -> list[T]:
-        self._note(key)
-        v = self.data.get(key)
-        if v is None:
-            return []
-        if not isinstance(v, list) or not all(type(x) is item for x in v):
-            self.fail(key, v, f"a list of {item.__name__}")
-        return v
-
     # -- readers for plugin configs (contract 1.4) -------------------------------------------------
 
     def opt_str(self, key: str, choices: Iterable[str] | None = None) -> str | None:
@@ -357,12 +357,17 @@ def quant_config_fields(config: Mapping[str, Any], file: str) -> tuple[Fields | 
     """``quantization_config`` of config.json (or, Kimi wrappers, of its ``text_config``) as
     :class:`Fields`, with where it was found (``"quantization_config"`` or
     ``"text_config.quantization_config"``); ``(None, "")`` when there is none. A value that is not
-    an object, or a ``quant_method`` that is not a string, is a :class:`ConfigError`."""
+    an object, or a ``quant_method`` that is not a string, is a :class:`ConfigError`; so are both
+    places holding different configs (Kimi releases repeat the same one in both; which of two
+    different ones the weights follow cannot be told)."""
     top = Fields(config, file)
     text = top.get_obj("text_config")
-    found: Fields | None = top.get_obj("quantization_config")
-    if found is None and text is not None:
-        found = text.get_obj("quantization_config")
+    outer = top.get_obj("quantization_config")
+    inner = text.get_obj("quantization_config") if text is not None else None
+    if outer is not None and inner is not None and outer.data != inner.data:
+        raise ConfigError(f"{file}: quantization_config and text_config.quantization_config differ; quantplug will "
+                          "not guess which one the weights follow")
+    found = outer if outer is not None else inner
     if found is None:
         return None, ""
     found.opt_str("quant_method")

@@ -221,6 +221,136 @@ def test_modelslim_description_values_are_typed(tmp_path):
         build_plan(path)
 
 
+# -- ModelOpt -------------------------------------------------------------------------------------
+
+NVFP4 = VENDOR / "modelopt_nvfp4_dsv3"
+MIXED = VENDOR / "modelopt_mixed_dsv3"
+
+
+def _side(src, tmp_path, edit):
+    return _variant(src, tmp_path / "mo", "hf_quant_config.json", edit)
+
+
+@pytest.mark.parametrize("edit,pattern", [
+    # before: accepted, the string taken for a default or ignored (the first four), or a message
+    # without the key path
+    (lambda d: d.update(producer="modelopt"), r"hf_quant_config\.json: producer = 'modelopt': expected an object"),
+    (lambda d: d["quantization"].update(kv_cache_quant_algo=8),
+     r"hf_quant_config\.json: quantization\.kv_cache_quant_algo = 8: expected a string"),
+    (lambda d: d.update(quantization=["NVFP4"]), r"hf_quant_config\.json: quantization = \['NVFP4'\]: expected an object"),
+    (lambda d: d["quantization"]["exclude_modules"].append(""),
+     r"quantization\.exclude_modules\[4\] = '': expected a non-empty string"),
+    (lambda d: d["quantization"].update(group_size="16"),
+     r"hf_quant_config\.json: quantization\.group_size = '16': expected an integer in \[1, 65536\]"),
+    (lambda d: d["quantization"].update(exclude_modules="lm_head"),
+     r"quantization\.exclude_modules = 'lm_head': expected a list of strings"),
+    (lambda d: d["quantization"]["exclude_modules"].append("re:["),
+     r"quantization\.exclude_modules\[4\] = '\[': expected a valid regular expression"),
+    (lambda d: d["quantization"].update(quant_algo=4), r"quantization\.quant_algo = 4: expected a string"),
+    (lambda d: d["quantization"].update(quant_algo=""), r"quantization\.quant_algo = '': expected a non-empty string"),
+])
+def test_modelopt_sidecar_fields_are_typed(tmp_path, edit, pattern):
+    path = _side(NVFP4, tmp_path, edit)
+    msg = _refused_file(path, "hf_quant_config.json", pattern)
+    assert "plugin" not in msg or "modelopt" in msg
+
+
+@pytest.mark.parametrize("edit,pattern", [
+    (lambda q: q["quantized_layers"].update({"model.layers.0.mlp.down_proj": {"quant_algo": 7}}),
+     r"quantization\.quantized_layers\.model\.layers\.0\.mlp\.down_proj\.quant_algo = 7: expected a string"),
+    (lambda q: q["quantized_layers"].update({"model.layers.0.mlp.down_proj": "NVFP4"}),
+     r"quantized_layers\.model\.layers\.0\.mlp\.down_proj = 'NVFP4': expected an object"),
+    (lambda q: q.update(quantized_layers={}), r"quantization\.quantized_layers = \{\}: expected a non-empty map"),
+    (lambda q: q["quantized_layers"]["model.layers.0.mlp.down_proj"].update(group_size=0),
+     r"down_proj\.group_size = 0: expected an integer in \[1, 65536\]"),
+])
+def test_modelopt_mixed_precision_fields_are_typed(tmp_path, edit, pattern):
+    _refused_file(_side(MIXED, tmp_path, lambda d: edit(d["quantization"])), "hf_quant_config.json", pattern)
+
+
+def test_modelopt_config_json_form_fields_are_typed(tmp_path):
+    """Without hf_quant_config.json, config.json's quantization_config is read through the same Fields."""
+    root = tmp_path / "c"
+    root.mkdir()
+    for f in NVFP4.iterdir():
+        if f.name not in ("hf_quant_config.json", "config.json"):
+            os.link(f, root / f.name)
+    cfg = json.loads((NVFP4 / "config.json").read_text())
+    cfg["quantization_config"]["ignore"] = "lm_head"
+    (root / "config.json").write_text(json.dumps(cfg))
+    _refused(root, r"config\.json: quantization_config\.ignore = 'lm_head': expected a list of strings")
+
+
+# -- GPTQ / AWQ / AutoRound -----------------------------------------------------------------------
+
+GPTQ = VENDOR / "gptq_autoround_dsv3"
+AWQ = VENDOR / "awq_autoround_dsv3"
+AUTOROUND = VENDOR / "autoround_gptq_dsv3"
+
+
+@pytest.mark.parametrize("src,edit,pattern", [
+    # before: bool("false") is True: a symmetric load of an asymmetric checkpoint
+    (GPTQ, lambda q: q.update(sym="false"), r"quantization_config\.sym = 'false': expected true or false"),
+    (GPTQ, lambda q: q.update(desc_act=1), r"quantization_config\.desc_act = 1: expected true or false"),
+    (GPTQ, lambda q: q.update(lm_head="no"), r"quantization_config\.lm_head = 'no': expected true or false"),
+    # before: any other checkpoint_format was read as "gptq" (zero points stored minus one)
+    (GPTQ, lambda q: q.update(checkpoint_format="marlin"),
+     r"quantization_config\.checkpoint_format = 'marlin': expected one of 'gptq', 'gptq_v2'"),
+    (GPTQ, lambda q: q["dynamic"].update({"-:[": {}}), r"quantization_config\.dynamic\.-:\[ = '\[': expected a valid "
+                                                      r"regular expression"),
+    (GPTQ, lambda q: q["dynamic"].update({"+:.*down_proj": {"bits": "8"}}),
+     r"quantization_config\.dynamic\.\+:\.\*down_proj\.bits = '8': expected an integer"),
+    (GPTQ, lambda q: q.update(dynamic=["-:.*gate"]), r"quantization_config\.dynamic = .*: expected an object"),
+    (GPTQ, lambda q: q.update(group_size="128"), r"quantization_config\.group_size = '128': expected an integer"),
+    (GPTQ, lambda q: q.update(group_size=0), r"quantization_config\.group_size = 0: expected a positive group size"),
+    (GPTQ, lambda q: q.update(data_type=4), r"quantization_config\.data_type = 4: expected a string"),
+    (AWQ, lambda q: q.update(zero_point="false"), r"quantization_config\.zero_point = 'false': expected true or false"),
+    (AWQ, lambda q: q.update(version="gemv"), r"quantization_config\.version = 'gemv': expected 'gemm': only AWQ GEMM"),
+    (AWQ, lambda q: q.update(bits=3), r"quantization_config\.bits = 3: expected one of the supported bit widths: 4, 8"),
+    (AWQ, lambda q: q["modules_to_not_convert"].append(""),
+     r"quantization_config\.modules_to_not_convert\[6\] = '': expected a non-empty string"),
+    (AUTOROUND, lambda q: q.update(packing_format="auto_round:marlin"),
+     r"quantization_config\.packing_format = 'auto_round:marlin': expected one of 'auto_round:auto_gptq'"),
+    (AUTOROUND, lambda q: q["extra_config"].update({"model.layers.0.mlp.down_proj": {"group_size": True}}),
+     r"extra_config\.model\.layers\.0\.mlp\.down_proj\.group_size = True: expected an integer"),
+    (AUTOROUND, lambda q: q["extra_config"].update({"(": {"bits": 16}}),
+     r"quantization_config\.extra_config\.\( = '\.\*\(\?:\(\)': expected a valid regular expression"),
+    (AUTOROUND, lambda q: q.update(extra_config={"model.layers.0.mlp.down_proj": 16}),
+     r"extra_config\.model\.layers\.0\.mlp\.down_proj = 16: expected an object"),
+])
+def test_gptq_awq_autoround_fields_are_typed(tmp_path, src, edit, pattern):
+    _refused(_variant(src, tmp_path / "g", "config.json", lambda d: edit(d["quantization_config"])), pattern)
+
+
+# -- where quantization_config lives ----------------------------------------------------------------
+
+def test_quantization_config_in_both_places_must_agree(fp8_dir, tmp_path):
+    """One finder (``quantplug.api.quant_config_fields``) for every backend: Kimi releases repeat the
+    config under text_config; two different ones are refused (before: fp8, quark and ModelOpt took
+    the top-level one silently; compressed-tensors refused; GPTQ's detect refused it for every
+    checkpoint, fp8 ones included, in its own name)."""
+    qc = json.loads((fp8_dir / "config.json").read_text())["quantization_config"]
+    same = _variant(fp8_dir, tmp_path / "s", "config.json", lambda d: d.update(text_config={"quantization_config": qc}))
+    assert build_plan(same).backend == "fp8"
+    other = dict(qc, weight_block_size=[64, 64])
+    path = _variant(fp8_dir, tmp_path / "d", "config.json", lambda d: d.update(text_config={"quantization_config": other}))
+    msg = _refused(path, r"config\.json: quantization_config and text_config\.quantization_config differ")
+    assert "plugin" not in msg, msg  # before: "plugin gptq ... in quantplug_detect", for an fp8 checkpoint
+    path = _variant(fp8_dir, tmp_path / "l", "config.json", lambda d: d.update(text_config={"quantization_config": [1]}))
+    _refused(path, r"config\.json: text_config\.quantization_config = \[1\]: expected an object")
+
+
+def _refused_file(path: Path, file: str, *patterns: str) -> str:
+    with pytest.raises(ConfigError) as exc:
+        build_plan(path)
+    msg = str(exc.value)
+    assert str(path / file) in msg, msg
+    for p in patterns:
+        assert re.search(p, msg), (p, msg)
+    assert not RAW.search(msg) and "\n" not in msg, msg
+    return msg
+
+
 # -- Fields --------------------------------------------------------------------------------------
 
 def test_fields_readers_name_file_and_key_path():

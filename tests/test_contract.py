@@ -330,3 +330,92 @@ def test_tensor_spec_shape_none_works_for_stacked_experts(tmp_path, layout):
         # the open-shape experts run the scheme's torch path, the reference's the core's native
         # one: equal up to the order of float32 sums
         torch.testing.assert_close(model(ids), ref(ids), rtol=1e-5, atol=1e-6)
+
+
+# -- contract hygiene (issue 23) --------------------------------------------------------------------
+
+def test_every_installed_backend_declares_the_contract_of_what_it_uses():
+    """Every bundled plugin and the example declare at least the version of each hook, api name and
+    optional scheme member they use (before: modelopt, gptq and awq declared 1.1 and imported
+    ``quantplug.api.Exclusions``, new in 1.4)."""
+    import importlib.metadata as md
+
+    from quantplug.testing.contract import features, shortfall
+
+    eps = {ep.name: ep for ep in md.entry_points(group="quantplug.backends")}
+    assert {"compressed_tensors", "expert_pack", "fp8", "gptq", "awq", "modelopt", "modelslim", "quark"} <= set(eps)
+    for name, ep in sorted(eps.items()):
+        plugin = ep.load()
+        assert features(plugin), name
+        assert shortfall(plugin) == [], (name, shortfall(plugin))
+
+
+def test_contract_check_names_each_newer_feature(tmp_path, monkeypatch):
+    pkg = tmp_path / "oldplug"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        'from quantplug.api import Fields, LinearScheme, hookimpl\n'
+        'QUANTPLUG_CONTRACT = "1.1"\n'
+        'class S(LinearScheme):\n'
+        '    def tensor_specs(self, o, i): return []\n'
+        '    def dequantize(self, layer, index=None): return None\n'
+        '    def form(self, layer): return None\n'
+        '    def fuse(self, layers): return None\n'
+        '@hookimpl\n'
+        'def quantplug_options(): return []\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    from quantplug.testing.contract import shortfall
+
+    found = shortfall(importlib.import_module("oldplug"))
+    assert found == ["S.form needs contract 1.4, the plugin declares 1.1",
+                     "S.fuse needs contract 1.2, the plugin declares 1.1",
+                     "hook quantplug_options needs contract 1.4, the plugin declares 1.1",
+                     "quantplug.api.Fields (__init__.py) needs contract 1.4, the plugin declares 1.1"], found
+
+
+def test_hookspecs_prose_matches_the_hook_scopes():
+    """The module docstring lists the global and the backend hooks (it once said quantplug_detect
+    was the only global hook), and each hook's own docstring says its scope."""
+    from quantplug import hookspecs
+
+    doc = hookspecs.__doc__ or ""
+    glob = doc.split("* **global** hooks", 1)[1].split("* **backend** hooks", 1)[0]
+    back = doc.split("* **backend** hooks", 1)[1].split("\n\n", 1)[0]
+    named = __import__("re").compile(r"``(quantplug_\w+)``")
+    assert set(named.findall(glob)) == hookspecs.GLOBAL_HOOKS
+    assert set(named.findall(back)) == hookspecs.BACKEND_HOOKS
+    assert set(PluginManager.hook_names()) == hookspecs.GLOBAL_HOOKS | hookspecs.BACKEND_HOOKS
+    for name in hookspecs.GLOBAL_HOOKS:
+        assert "Global hook" in getattr(hookspecs, name).__doc__, name
+    for name in hookspecs.BACKEND_HOOKS - {"quantplug_export"}:
+        assert "Backend hook" in getattr(hookspecs, name).__doc__, name
+
+
+def test_core_docs_cite_no_file_outside_the_project():
+    """A ``NAME.md`` cited in the core's docstrings or comments is a file of this project (hookspecs
+    cited DESIGN.md, which lives outside it); ``owner/repo path.md`` names another project's."""
+    import re
+
+    ours = {p.name for p in ROOT.rglob("*.md") if ".venv" not in p.parts}
+    for f in (ROOT / "core").rglob("*.py"):
+        for m in re.finditer(r"(?<![\w/.-])([A-Za-z_][\w-]*\.md)\b", f.read_text()):
+            assert m.group(1) in ours, f"{f.relative_to(ROOT)} cites {m.group(1)}, which is not in the project"
+
+
+def test_api_since_names_exist():
+    from quantplug import hookspecs
+    from quantplug.layers.linear import LinearScheme
+
+    assert set(hookspecs.API_SINCE) <= set(api.__all__)
+    assert all(hasattr(LinearScheme, m) for m in hookspecs.SCHEME_SINCE if m != "reason")
+
+
+def test_stored_dtype_reads_weights_and_fused_expert_stacks(tmp_path):
+    cfg = tiny_config(num_hidden_layers=2)
+    path = write_checkpoint(tmp_path / "f", cfg, random_state(cfg, layout="fused"))
+    ckpt = api.Checkpoint.open(path)
+    assert api.stored_dtype(ckpt, "model.layers.0.self_attn.q_a_proj") == ("F32", False)
+    assert api.stored_dtype(ckpt, "model.layers.1.mlp.experts.gate_up_proj") == ("F32", True)
+    assert api.stored_dtype(ckpt, "model.layers.1.mlp.experts.0.gate_proj") == (None, False)

@@ -189,6 +189,63 @@ def test_expert_pack_cache_equals_recompute_and_cli_reports_ssd_reads(tmp_path, 
     d = json.loads(capsys.readouterr().out)
     reads = d["pack_reads_per_expert_use"]
     assert d["expert_cache_hit_rate"] == 0.0 and reads >= 1 and d["ssd_bytes_per_token"] == reads * 4 * span
+    # the counters arrive through the declared protocol (quantplug.api.expose_stats), per source
+    assert d["stats"]["expert_cache"]["expert_reads"] == reads * 16 and d["stats"]["expert_cache"]["hits"] >= 0
+
+
+class _Counter:
+    """A run-time statistics source (quantplug.api.StatsSource): counts the forwards it saw."""
+
+    def __init__(self) -> None:
+        self.forwards = 0
+
+    def stats(self):
+        return {"forwards": self.forwards, "bytes_read": 10 * self.forwards}
+
+
+def test_generate_reports_any_backends_statistics_and_reads_no_model_attribute(tmp_path, capsys, monkeypatch):
+    """Backend statistics reach ``quantplug generate`` through ``expose_stats`` (contract 1.5), for a
+    third-party backend too; a backend's attribute on the model (the expert pack once set
+    ``model.expert_cache``, which the CLI read) is not consulted."""
+    from quantplug import hookimpl
+    from quantplug.api import Claim, expose_stats, stats_sources
+    from quantplug.plugins import PluginManager
+
+    counter = _Counter()
+
+    class Counting:
+        QUANTPLUG_CONTRACT = "1.5"
+
+        @hookimpl
+        def quantplug_detect(self, checkpoint):
+            return Claim("counting", None, "claims everything")
+
+        @hookimpl
+        def quantplug_process_after_loading(self, model):
+            from quantplug.api import Embedding
+
+            for m in model.modules():
+                if isinstance(m, Embedding):  # one lookup per forward
+                    m.register_forward_pre_hook(lambda *_: setattr(counter, "forwards", counter.forwards + 1))
+            expose_stats(model, "counting", counter)
+            model.expert_cache = "not a statistics source"  # an attribute: never read
+
+    pm = PluginManager(entry_points=False, env={})
+    pm.register(Counting(), "counting")
+    monkeypatch.setattr("quantplug.plugins._default", pm)  # the process-wide manager the CLI uses
+    cfg = tiny_config()
+    root = write_checkpoint(tmp_path / "c", cfg, random_state(cfg))
+    assert main(["generate", str(root), "--tokens", "1,2,3", "--max-new-tokens", "4", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["stats"] == {"counting": {"forwards": 3, "bytes_read": 30}}  # 3 decode steps after the first token
+    assert "expert_cache_hit_rate" not in d  # no source counts expert_reads
+    with pytest.raises(quantplug.errors.QuantplugError, match=r"expose_stats\('x'\): str has no stats\(\) method"):
+        expose_stats(torch.nn.Module(), "x", "text")  # type: ignore[arg-type]
+    m = torch.nn.Module()
+    expose_stats(m, "a", counter)
+    with pytest.raises(quantplug.errors.QuantplugError, match="already exposed by another source"):
+        expose_stats(m, "a", _Counter())
+    assert stats_sources(m) == {"a": counter} and stats_sources(torch.nn.Module()) == {}
 
 
 def test_eos_stops_rows_and_pads_like_transformers(tmp_path):
@@ -332,7 +389,6 @@ def test_every_exporting_backend_cache_equals_recompute(tmp_path):
     """Each installed backend that can export (the demo's path: quark, modelslim, expert_pack, fp8,
     ...) writes a tiny model in its format; cached decode equals full recompute on each."""
     from quantplug.plugins import get_plugin_manager
-    from quantplug.types import ExportResult
 
     cfg = tiny_config(vocab_size=256, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
                       q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
@@ -344,12 +400,7 @@ def test_every_exporting_backend_cache_equals_recompute(tmp_path):
     for rec in pm.records():
         if not pm.implements(rec.name, "quantplug_export"):
             continue
-        answers = pm.call("quantplug_export", [rec.name], firstresult=True, model=dense,
-                          model_config=dense.quantplug_plan.model_config, destination=tmp_path / rec.name,
-                          options={}, plan=dense.quantplug_plan)
-        results = answers[0][0] if answers else []
-        for res in results if isinstance(results, list | tuple) else [results]:
-            assert isinstance(res, ExportResult)
+        for res in pm.export(rec.name, model=dense, destination=tmp_path / rec.name, plan=dense.quantplug_plan):
             for options, tol in LOAD_CASES.get(rec.name, [({}, 1e-4)]):
                 model = quantplug.load(res.path, backend=rec.name, progress=False, options=options)
                 check_cached_equals_recompute(model, IDS, steps=3, tol=tol)

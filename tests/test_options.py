@@ -34,7 +34,7 @@ def dense_ckpt(tmp_path_factory):
 def test_issue_example_bogus_option_is_refused_on_an_fp8_checkpoint(fp8_ckpt):
     # before: load succeeded and ignored both options
     with pytest.raises(ConfigError, match=r"unknown option 'bogus_option' for backend fp8.*options here: "
-                                          r"activation_quant, expert_cache_mb, kernels, mmap, strict_split"):
+                                          r"activation_quant, expert_cache_mb, expert_prefetch, expert_readers, kernels, mmap, strict_split"):
         quantplug.load(fp8_ckpt, options={"bogus_option": 1, "expert_cache_mb": 8}, progress=False)
 
 
@@ -75,7 +75,8 @@ def test_hooks_get_converted_values_and_every_default(dense_ckpt):
     assert plan.options["strict_split"] is True and plan.options["expert_cache_mb"] == 2.5
     assert plan.options["kernels"] == "exact" and plan.options["mmap"] is True and plan.options["tp_timeout_s"] == 60
     assert plan.option_sources == {"strict_split": "given", "expert_cache_mb": "given", "kernels": "default",
-                                   "mmap": "default", "tp_timeout_s": "default"}
+                                   "mmap": "default", "tp_timeout_s": "default", "expert_prefetch": "default",
+                                   "expert_readers": "default"}
     d = plan.to_dict()["options"]
     assert d["strict_split"] == {"value": True, "source": "given", "owner": "core"}
 
@@ -206,3 +207,36 @@ def test_api_option_helper_keeps_working():
     assert option({"kernels": "fast"}, "kernels", "exact", ("exact", "fast")) == "fast"
     with pytest.raises(ConfigError, match="option x='z'"):
         option({"x": "z"}, "x", "a", ("a",))
+
+
+# -- the backends added with contract 1.4 forms: ModelOpt, GPTQ, AWQ --------------------------------
+
+def test_gptq_and_awq_declare_their_options():
+    """GPTQ / AWQ read no load option of their own (before: they declared nothing, so any option
+    passed unchecked with a warning) and declare their export options."""
+    from conftest import VENDOR
+
+    for fixture, backend in (("gptq_autoround_dsv3", "gptq"), ("awq_autoround_dsv3", "awq")):
+        with pytest.raises(ConfigError, match=rf"unknown option 'activation_quant' for backend {backend} .*"
+                                              r"'activation_quant' is an option of backend .*modelopt"):
+            build_plan(VENDOR / fixture, options={"activation_quant": "none"})
+        plan = build_plan(VENDOR / fixture)
+        assert not [p for p in plan.problems if p.kind == "options"]
+
+
+def test_modelopt_declares_activation_quant():
+    from conftest import VENDOR
+
+    with pytest.raises(ConfigError, match=r"option activation_quant='dynamic': expected one of 'emulate', 'none' "
+                                          r"\(declared by modelopt \(quantplug-modelopt"):
+        build_plan(VENDOR / "modelopt_nvfp4_dsv3", options={"activation_quant": "dynamic"})
+    plan = build_plan(VENDOR / "modelopt_nvfp4_dsv3", options={"activation_quant": "none"})
+    assert plan.option_owners["activation_quant"] == "modelopt"
+
+
+def test_plugins_options_lists_the_new_backends(capsys):
+    assert main(["plugins", "--options", "--json"]) == 0
+    rows = {(r["owner"], r["scope"], r["name"]) for r in json.loads(capsys.readouterr().out)}
+    assert {("modelopt", "load", "activation_quant"), ("modelopt", "export", "algo"),
+            ("modelopt", "export", "input_amax"), ("gptq", "export", "group_size"), ("gptq", "export", "sym"),
+            ("awq", "export", "group_size"), ("awq", "export", "sym")} <= rows

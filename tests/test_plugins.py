@@ -194,6 +194,72 @@ def test_plugin_exception_is_wrapped_naming_plugin(pm, ckpt):
         build_plan(ckpt, plugin_manager=pm)
 
 
+#: hook -> (a wrong answer, the words of what was expected): one check in the plugin manager
+WRONG_ANSWERS = {
+    "quantplug_detect": ({"backend": "w"}, "quantplug.api.Claim or None"),
+    "quantplug_architectures": (["DeepseekV3ForCausalLM"], "a mapping of architecture name"),
+    "quantplug_options": ("activation_quant", "a sequence of quantplug.api.OptionSpec"),
+    "quantplug_tensor_names": ([("a", "b")], "a mapping of model tensor name"),
+    "quantplug_resolve_prefix": (b"language_model", "expected str"),
+    "quantplug_packed_modules": ("gate_up_proj", "a mapping of fused name"),
+    "quantplug_attention_layout": ("dense", "quantplug.api.AttentionLayout"),
+    "quantplug_linear_scheme": ("dense", "a quantplug.api.LinearScheme"),
+    "quantplug_validate_plan": (["a problem as text"], "a sequence of quantplug.api.Problem"),
+}
+
+
+@pytest.mark.parametrize("hook", sorted(WRONG_ANSWERS))
+def test_a_wrong_answer_type_is_one_error_naming_plugin_hook_and_type(pm, ckpt, hook):
+    """Every hook's answer is checked once, in the plugin manager: a wrong type is a QuantplugError
+    naming the plugin (distribution, version), the hook, the type returned and what was expected."""
+    value, expected = WRONG_ANSWERS[hook]
+
+    def answer(self, **kwargs):
+        return value
+
+    answer.__name__ = hook
+    body: dict = {hook: hookimpl(answer)}
+    if hook != "quantplug_detect":
+        body["quantplug_detect"] = Claimer.quantplug_detect
+    if hook == "quantplug_options":
+        body["QUANTPLUG_CONTRACT"] = "1.4"
+    cls = type("Wrong", (Claimer,), body)
+    pm.register(cls("wrong"), "wrong", distribution="wrong-dist", version="2")
+    with pytest.raises(quantplug.errors.QuantplugError) as err:
+        build_plan(ckpt, plugin_manager=pm)
+    msg = str(err.value)
+    bad = type(value[0]).__name__ if hook == "quantplug_validate_plan" else type(value).__name__
+    assert f"plugin wrong (wrong-dist 2) returned {bad} " in msg and hook in msg and expected in msg, msg
+    if hook == "quantplug_linear_scheme":
+        assert " for model.layers.0.self_attn.q_a_proj" in msg or " for model." in msg
+
+
+def test_validate_plan_answering_one_problem_instead_of_a_list_is_named(pm, ckpt):
+    """Before the check lived in the manager, a lone Problem reached ``for p in answer`` in the
+    plan: a raw TypeError ("'Problem' object is not iterable") with no plugin named."""
+    class One(Claimer):
+        @hookimpl
+        def quantplug_validate_plan(self):
+            return quantplug.types.Problem("only one")
+
+    pm.register(One("one"), "one")
+    with pytest.raises(quantplug.errors.QuantplugError, match=r"plugin one returned Problem from "
+                                                              r"quantplug_validate_plan; expected a sequence"):
+        build_plan(ckpt, plugin_manager=pm)
+
+
+def test_export_answer_type_is_checked(pm, tmp_path):
+    class Exporter(Claimer):
+        @hookimpl
+        def quantplug_export(self, destination):
+            return [quantplug.types.ExportResult(destination, "ok"), str(destination)]
+
+    pm.register(Exporter("exp"), "exp")
+    with pytest.raises(quantplug.errors.QuantplugError, match=r"plugin exp returned str in quantplug_export; "
+                                                              r"expected quantplug.api.ExportResult"):
+        pm.call("quantplug_export", ["exp"], firstresult=True, destination=tmp_path)
+
+
 def test_trace_logs_every_call(ckpt, caplog):
     pm = PluginManager(entry_points=False, env={"QUANTPLUG_TRACE": "1"})
     with caplog.at_level(logging.DEBUG, logger="quantplug.trace"):

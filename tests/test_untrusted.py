@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import quantplug
 import torch
+from quantplug.api import stats_sources
 from quantplug.checkpoint.gguf_index import read_gguf_header
 from quantplug.cli import main
 from quantplug.errors import CheckpointError, ConfigError, LoadError, PlanError, QuantplugError
@@ -176,6 +177,23 @@ def test_expert_pack_name_in_gguf_metadata_is_contained(tmp_path, pack_dir):
     root = kit.clone(pack_dir, tmp_path / "c", changed="model.gguf")
     (root / "model.gguf").write_bytes(data[:pos + 8] + evil + data[pos + 8 + n:])
     with pytest.raises(CheckpointError, match=r"quantplug\.expert_pack\.file.*relative to the checkpoint directory"):
+        quantplug.plan(root)
+
+
+def test_expert_pack_metadata_is_read_by_the_plugin_typed(tmp_path, pack_dir):
+    """The core's GGUF reader knows no ``quantplug.expert_pack.*`` key (the plugin reads its own keys
+    through ``quantplug.api.Fields``): a pack file name stored as an array is the plugin's one-line
+    error naming file, key and what was expected."""
+    data = (pack_dir / "model.gguf").read_bytes()
+    key = b"quantplug.expert_pack.file"
+    pos = data.index(key) + len(key)  # u32 type 8 (string), u64 13, 13 bytes: 25 bytes in all
+    assert struct.unpack_from("<IQ", data, pos) == (8, 13)
+    as_array = struct.pack("<IIQ", 9, 0, 13 - 4) + bytes(range(9))  # an array of 9 u8: the same 25 bytes
+    root = kit.clone(pack_dir, tmp_path / "c", changed="model.gguf")
+    (root / "model.gguf").write_bytes(data[:pos] + as_array + data[pos + 25:])
+    assert read_gguf_header(root / "model.gguf").metadata["quantplug.expert_pack.file"] == list(range(9))
+    with pytest.raises(ConfigError, match=r"model\.gguf metadata: quantplug\.expert_pack\.file = \[0, 1, 2, .*: "
+                                          r"expected a string"):
         quantplug.plan(root)
 
 
@@ -490,7 +508,7 @@ def test_build_on_full_disk_is_checkpoint_error_and_cleans_up(tmp_path, gguf_dir
 def test_two_threads_forward_on_one_pack_model_match_one_thread(pack_dir):
     # a cache of 2 slots: the threads evict each other's experts all the time
     model = quantplug.load(pack_dir, progress=False, options={"expert_cache_mb": 0.02})
-    cache = model.expert_cache
+    cache = stats_sources(model)["expert_cache"]
     assert cache.n_slots >= 1
     ids = [torch.tensor([[i, (7 * i) % 160, (13 * i) % 160, 5, 9]]) for i in range(4)]
     with torch.no_grad():
@@ -519,8 +537,6 @@ def test_two_threads_forward_on_one_pack_model_match_one_thread(pack_dir):
 
 def test_two_threads_generate_on_one_pack_model_match_one_thread(pack_dir):
     model = quantplug.load(pack_dir, progress=False, options={"expert_cache_mb": 0.02})
-    if not hasattr(model, "generate"):
-        pytest.skip("generation not in this build")
     prompts = [torch.tensor([[i + 1, 40 + i, 7]]) for i in range(4)]
     ref = [model.generate(p, max_new_tokens=4, eos_token_id=None) for p in prompts]
     out: dict[int, torch.Tensor] = {}

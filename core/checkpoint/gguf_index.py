@@ -64,7 +64,8 @@ _FLOAT_TYPES = frozenset({6, 12})
 _INT_SUFFIXES = ("_count", "_length", "_size", "_rank", ".alignment", "split.count", "split.no",
                  "key_length", "value_length")
 _FLOAT_SUFFIXES = ("freq_base", "_epsilon", "scaling.factor", "scaling.yarn_log_multiplier")
-_STRING_KEYS = ("general.architecture", "quantplug.expert_pack.file", "quantplug.expert_pack.index_sha256")
+#: string keys the core reads itself (a plugin reads its own keys through ``quantplug.api.Fields``)
+_STRING_KEYS = ("general.architecture",)
 
 
 class SkippedArray:

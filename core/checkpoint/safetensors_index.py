@@ -20,7 +20,6 @@ from ..validation import check_inside, contained, read_json
 #: the one dtype table: safetensors dtype name -> torch dtype (``types.SAFETENSORS_DTYPES`` names
 #: the keys, for code that must not import torch; GGUF's float / int types reuse these names)
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, attr) for name, attr in TORCH_DTYPE_NAMES.items()}
-ST_DTYPES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
 INDEX_NAME = "model.safetensors.index.json"
 
 

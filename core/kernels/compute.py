@@ -267,36 +267,65 @@ class MLPStep:
 
     def __call__(self, x: torch.Tensor, pairs: Sequence[tuple[int, int, float]] | None = None) -> torch.Tensor | None:
         """The step's output, or None when it cannot run now (see :meth:`live`; x off the CPU)."""
-        lib = native.library()
-        if lib is None or not native.native_ok(x) or not self.live():
+        if native._lib is None or not native.native_ok(x) or not self.live():
             return None
-        x2 = native._as_f32_rows(x, self.h)
-        m = x2.shape[0]
+        m = x.numel() // self.h
         if pairs is None:
             pairs = [(r, 0, 1.0) for r in range(m)]
-        if not pairs:
-            out = torch.zeros(m, self.h, dtype=torch.float32)
-        else:
-            import ctypes
-
-            p = len(pairs)
-            slots = sorted({s for _, s, _ in pairs})
-            index = {s: i for i, s in enumerate(slots)}
-            e = len(slots)
-            for s in slots:
-                if not 0 <= s < len(self.gate.mats):
-                    raise QuantplugError(f"{self.gate.where}: expert slot {s} outside the stack of {len(self.gate.mats)}")
-            mp = ctypes.POINTER(native.Mat) * e
-            out = torch.empty(m, self.h, dtype=torch.float32)
-            i32, f32 = ctypes.c_int32 * p, ctypes.c_float * p
-            rc = lib.qp_mlp(mp(*[self.gate.ptr(s) for s in slots]), mp(*[self.up.ptr(s) for s in slots]),
-                            mp(*[self.down.ptr(s) for s in slots]), e, m, x2.data_ptr(), x2.stride(0), p,
-                            i32(*[index[s] for _, s, _ in pairs]), i32(*[r for r, _, _ in pairs]),
-                            f32(*[w for _, _, w in pairs]), out.data_ptr(), out.stride(0), self.gate.wround)
-            native.check(rc, "mlp")
-        y = out if x.dtype == torch.float32 else out.to(x.dtype)
-        y = y.view(x.shape)
+        slots = sorted({s for _, s, _ in pairs})
+        for s in slots:
+            if not 0 <= s < len(self.gate.mats):
+                raise QuantplugError(f"{self.gate.where}: expert slot {s} outside the stack of {len(self.gate.mats)}")
+        index = {s: i for i, s in enumerate(slots)}
+        y = _mlp_call([self.gate.ptr(s) for s in slots], [self.up.ptr(s) for s in slots],
+                      [self.down.ptr(s) for s in slots], x, [(r, index[s], w) for r, s, w in pairs], self.h,
+                      self.gate.wround).view(x.shape)
         return self.reduce(y) if self.reduce is not None else y
+
+
+def _mlp_call(gates: Sequence[Any], ups: Sequence[Any], downs: Sequence[Any], x: torch.Tensor,
+              pairs: Sequence[tuple[int, int, float]], h: int, wround: int) -> torch.Tensor:
+    """``qp_mlp`` over the matrices of the experts used (``pairs`` = (row, expert index, weight),
+    grouped by expert): [M, h] in x's dtype."""
+    import ctypes
+
+    lib = native.library()
+    assert lib is not None
+    x2 = native._as_f32_rows(x, h)
+    m = x2.shape[0]
+    if not pairs:
+        out = torch.zeros(m, h, dtype=torch.float32)
+    else:
+        p, e = len(pairs), len(gates)
+        mp = ctypes.POINTER(native.Mat) * e
+        out = torch.empty(m, h, dtype=torch.float32)
+        i32, f32 = ctypes.c_int32 * p, ctypes.c_float * p
+        rc = lib.qp_mlp(mp(*gates), mp(*ups), mp(*downs), e, m, x2.data_ptr(), x2.stride(0), p,
+                        i32(*[s for _, s, _ in pairs]), i32(*[r for r, _, _ in pairs]), f32(*[w for _, _, w in pairs]),
+                        out.data_ptr(), out.stride(0), wround)
+        native.check(rc, "mlp")
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def mlp_over(experts: Sequence[Sequence[Any]], x: torch.Tensor, pairs: Sequence[tuple[int, int, float]]) -> torch.Tensor | None:
+    """Few rows ``x`` through the gated MLPs of ``experts`` (each (gate, up, down) layers bound
+    to native forms, e.g. an expert cache's one-slot layers): ``pairs`` = (row, index into
+    ``experts``, weight), grouped by index; None where the native kernels cannot run them."""
+    if native._lib is None or not native.native_ok(x) or not experts:
+        return None
+    bs: list[list[Bound]] = []
+    for triple in experts:
+        got = [bound(m) for m in triple]
+        if any(b is None for b in got):
+            return None
+        bs.append([b for b in got if b is not None])
+    if not (_same_act([t[0] for t in bs] + [t[1] for t in bs]) and _same_act([t[2] for t in bs])):
+        return None
+    g0 = bs[0][0]
+    if len({b.wround for t in bs for b in t}) != 1:
+        return None
+    return _mlp_call([t[0].ptr() for t in bs], [t[1].ptr() for t in bs], [t[2].ptr() for t in bs],
+                     x, pairs, g0.k, g0.wround).view(x.shape)
 
 
 def deprecated_fuse(kind: str, scheme: Any) -> None:

@@ -554,7 +554,12 @@ class StackedLinear(PlannedModule):
         y = compute.stacked_all(self, x)
         return self.scheme.apply_all(self, x) if y is None else y
 
+    #: the slots are served by an expert store (``quantplug.experts``): no tensors are loaded here
+    qp_served = False
+
     def qp_finish(self) -> None:
+        if self.qp_served:
+            return
         self.scheme.process_after_loading(self)
         self.qp_native = compute.bind(self, self.n)
 

@@ -451,6 +451,9 @@ class Experts(nn.Module):
         self.step: MLPStep | None = None
         #: a token's experts in one call from the scheme (deprecated :meth:`LinearScheme.fuse_mlp`)
         self.one: Any = None
+        #: the experts served from the checkpoint's files (``quantplug.experts``, load option
+        #: ``expert_cache_mb``), None: held in memory
+        self.qp_store: Any = None
 
     def qp_hold_experts(self, start: int, count: int, slot_base: int,
                         reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -474,6 +477,9 @@ class Experts(nn.Module):
         ascending id order as the other paths sum them."""
         pairs = sorted((e - self.slot_base, r, w) for r, (es, ws) in enumerate(zip(ids, weights))
                        for e, w in zip(es, ws) if self.first <= e < self.first + self.count)
+        if self.qp_store is not None:  # served from the checkpoint's files
+            out = self.qp_store.forward_step(x, [(r, s, w) for s, r, w in pairs])
+            return self.qp_parallel(out) if self.qp_parallel is not None else out
         y = self.step(x, [(r, s, w) for s, r, w in pairs]) if self.step is not None else None
         if y is None:  # the step cannot run now (library off, tensors moved): the grouped path
             idx = torch.tensor([list(es) for es in ids], dtype=torch.long, device=x.device)
@@ -486,6 +492,9 @@ class Experts(nn.Module):
         bincount read back: the only host sync), each projection runs over the hit experts'
         consecutive row groups (``StackedLinear.forward_grouped``), and one ``index_add_`` sums
         the weighted rows back per token, in ascending expert order as a per-expert loop would."""
+        if self.qp_store is not None:  # served from the checkpoint's files
+            out = self.qp_store.forward(x, idx, w, self.first, self.count, self.slot_base)
+            return self.qp_parallel(out) if self.qp_parallel is not None else out
         if x.shape[0] == 1:
             return self._one_token(x, idx, w)
         out = torch.zeros_like(x)
@@ -552,6 +561,12 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
+    #: the next MoE layer, whose likely experts a decode step prefetches when experts are served
+    #: from the checkpoint's files (set by the text model after loading)
+    qp_next: Any = None
+    #: load option ``expert_prefetch``
+    qp_prefetch = True
+
     def __init__(self, cfg: ModelConfig, d: Decisions, base: str) -> None:
         super().__init__()
         self.gate = Router(cfg, d.ck(f"{base}.gate"))
@@ -560,10 +575,20 @@ class MoE(nn.Module):
                                    cfg.moe_intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts else None)
 
+    def _prefetch_next(self, flat: torch.Tensor) -> None:
+        """Experts served from files: start reading the next MoE layer's likely experts (its router
+        on this layer's input, one row) while this layer computes."""
+        nxt = self.qp_next
+        if nxt is None or not self.qp_prefetch or nxt.experts.qp_store is None or flat.shape[0] != 1:
+            return
+        ex = nxt.experts
+        ids, _ = nxt.gate.route_one(flat)
+        ex.qp_store.prefetch([e - ex.slot_base for e in ids if ex.first <= e < ex.first + ex.count])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        if self.experts.step is not None and flat.shape[0] <= NATIVE_ROWS:
+        if (self.experts.step is not None or self.experts.qp_store is not None) and flat.shape[0] <= NATIVE_ROWS:
             # few tokens (a decode step, a small batch): routed on Python numbers, every token's
             # experts in one native call
             if flat.shape[0] == 1:
@@ -572,6 +597,7 @@ class MoE(nn.Module):
             else:
                 idx, w = self.gate(flat)
                 rows_ids, rows_w = idx.tolist(), w.tolist()
+            self._prefetch_next(flat)
             out = self.experts.forward_step(flat, rows_ids, rows_w).view(shape)
         elif flat.shape[0] == 1 and self.experts.one is not None:
             # a decode step through the scheme's fused MLP: no routing tensors, and (as for every
@@ -610,6 +636,12 @@ class TextModel(nn.Module):
         self.rotary = Rotary(cfg.rope, cfg.qk_rope_head_dim, cfg.rope_interleave)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, d, self.rotary) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, d.ck("model.norm"))
+
+    def qp_fuse(self) -> None:
+        """After loading: each MoE layer learns the next one (for expert prefetch)."""
+        moes = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+        for a, b in zip(moes, moes[1:]):
+            object.__setattr__(a, "qp_next", b)  # a reference, not a submodule (no second name, no state)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: MLACache | None = None) -> torch.Tensor:

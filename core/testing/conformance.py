@@ -49,7 +49,6 @@ from ..kernels.forms import reference_act, reference_dequantize
 from ..layers.linear import DenseScheme, FusedProjections, PlannedModule, QuantLinear, StackedLinear
 from ..loader import load
 from ..models.deepseek import Embedding
-from ..options import export_options
 from ..plan import LoadPlan, build_plan
 from ..plugins import ENTRY_POINT_GROUP, PluginManager
 from . import hub_rope_spelling, random_state, text_names, tiny_config, wrap_kimi, write_checkpoint
@@ -191,14 +190,10 @@ class BackendConformance:
         out = path.parent / f"{path.name}.export"
         out.mkdir()
         plan: LoadPlan = model.quantplug_plan  # type: ignore[assignment]
-        answers = pm.call("quantplug_export", [self.backend], firstresult=True, model=model,
-                          model_config=plan.model_config, destination=out,
-                          options=export_options(pm, self.backend, self.export_options if options is None else options),
-                          plan=plan)
-        if not answers:
+        results = pm.export(self.backend, model=model, destination=out, plan=plan,
+                            options=self.export_options if options is None else options)
+        if not results:
             _fail(f"backend {self.backend!r} has no quantplug_export: implement write_checkpoint yourself")
-        value = answers[0][0]
-        results = list(value) if isinstance(value, list | tuple) else [value]
         shutil.copytree(results[pick].path, path, dirs_exist_ok=True)
         return results[pick]
 
@@ -260,6 +255,17 @@ class BackendConformance:
                   f"checkpoint (config.json without quantization_config, float safetensors) with reason "
                   f"{claim.reason!r}: return None unless the checkpoint is in your format, or every user who "
                   "installs the backend loses dense loading")
+
+    def test_declares_the_contract_of_the_features_it_uses(self) -> None:
+        """QUANTPLUG_CONTRACT is at least the version of every hook, ``quantplug.api`` name and
+        optional ``LinearScheme`` member the backend's package uses (``quantplug.testing.contract``):
+        an older declaration lets an older quantplug accept a plugin it cannot run."""
+        from .contract import shortfall
+
+        missing = shortfall(self.plugin_object())
+        if missing:
+            _fail(f"[contract version] backend {self.backend!r}: " + "; ".join(missing[:6])
+                  + f"; declare QUANTPLUG_CONTRACT = {max(m.split('needs contract ')[1].split(',')[0] for m in missing)!r}")
 
     @pytest.mark.parametrize("fmt", sorted(FORMATS))
     def test_does_not_claim_other_formats(self, quantplug_kit: _Kit, fmt: str) -> None:
@@ -323,7 +329,8 @@ class BackendConformance:
         for name in targets[:1] + targets[-1:]:
             answers = quantplug_kit.pm.call(
                 "quantplug_linear_scheme", [self.backend], firstresult=True, layer_name=name, layer_kind=UNKNOWN_KIND,
-                shard_names=(name,), quant_config=plan.quant_config, checkpoint=plan.checkpoint, options={})
+                shard_names=(name,), quant_config=plan.quant_config, checkpoint=plan.checkpoint,
+                options=plan.options)
             if answers:
                 asked.append(f"{name}: {answers[0][0]!r}")
         if asked:
@@ -454,17 +461,11 @@ class BackendConformance:
         out = quantplug_kit.root / "export"
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir()
-        answers = quantplug_kit.pm.call("quantplug_export", [self.backend], firstresult=True, model=model,
-                                        model_config=plan.model_config, destination=out,
-                                        options=export_options(quantplug_kit.pm, self.backend, self.export_options),
-                                        plan=plan)
-        if not answers:
+        results = quantplug_kit.pm.export(self.backend, model=model, destination=out, plan=plan,
+                                          options=self.export_options)
+        if not results:
             _fail(f"[export round trip] quantplug_export of {self.backend!r} returned None for a dense model")
-        value = answers[0][0]
-        results = list(value) if isinstance(value, list | tuple) else [value]
         for res in results:
-            if not isinstance(res, ExportResult):
-                _fail(f"[export round trip] quantplug_export returned {type(res).__name__}; expected ExportResult")
             label = f"exported checkpoint {res.format!r} ({res.path})"
             exported = quantplug_kit.plan(res.path)
             if exported.backend != self.backend or exported.errors:
@@ -669,29 +670,22 @@ def _check_answer(hook: str, value: Any) -> list[str]:
         found = _mutable_part(value.quant_config, "Claim.quant_config")
         if found:
             out.append(f"quantplug_detect: {found}; the parsed config is shared by every later hook and load")
-    elif hook == "quantplug_linear_scheme":
-        if not isinstance(value, LinearScheme):
-            out.append(f"quantplug_linear_scheme returned {type(value).__name__}; expected a LinearScheme")
-        else:
-            specs = value.tensor_specs(256, 256)
-            if not all(isinstance(s, TensorSpec) for s in specs):
-                out.append(f"{type(value).__name__}.tensor_specs must return TensorSpec values")
-            if not isinstance(value.key, str) or not isinstance(value.describe(), str):
-                out.append(f"{type(value).__name__}.key / describe() must be str")
+    elif hook == "quantplug_linear_scheme":  # the answer's type is checked by the plugin manager
+        specs = value.tensor_specs(256, 256)
+        if not all(isinstance(s, TensorSpec) for s in specs):
+            out.append(f"{type(value).__name__}.tensor_specs must return TensorSpec values")
+        if not isinstance(value.key, str) or not isinstance(value.describe(), str):
+            out.append(f"{type(value).__name__}.key / describe() must be str")
     elif hook in ("quantplug_tensor_names", "quantplug_packed_modules"):
-        if not isinstance(value, Mapping):
-            out.append(f"{hook} returned {type(value).__name__}; expected a mapping")
-        else:
-            for k, v in value.items():
-                ok = isinstance(v, str) if hook == "quantplug_tensor_names" else (
-                    isinstance(v, Sequence) and not isinstance(v, str) and all(isinstance(s, str) for s in v))
-                if not isinstance(k, str) or not ok:
-                    out.append(f"{hook}: entry {k!r}: {v!r} is not name -> "
-                               f"{'name' if hook == 'quantplug_tensor_names' else 'list of shard names'}")
-                    break
+        for k, v in value.items():
+            ok = isinstance(v, str) if hook == "quantplug_tensor_names" else (
+                isinstance(v, Sequence) and not isinstance(v, str) and all(isinstance(s, str) for s in v))
+            if not isinstance(k, str) or not ok:
+                out.append(f"{hook}: entry {k!r}: {v!r} is not name -> "
+                           f"{'name' if hook == 'quantplug_tensor_names' else 'list of shard names'}")
+                break
     elif hook == "quantplug_resolve_prefix":
-        if not isinstance(value, str):
-            out.append(f"quantplug_resolve_prefix returned {type(value).__name__}; expected str")
+        pass
     else:
         for i, item in enumerate(value if isinstance(value, list | tuple) else [value]):
             found = _mutable_part(item, f"{hook} answer[{i}]")

@@ -15,7 +15,6 @@ import torch
 
 from ..loader import load
 from ..plugins import ENTRY_POINT_GROUP
-from ..types import ExportResult
 from . import random_state, tiny_config, write_checkpoint
 from .probes import isolated_plugin_manager
 
@@ -90,12 +89,7 @@ def export_formats(root: str | Path, config: Mapping[str, Any] | None = None, *,
         scratch = root / f".{row.label}.export"
         scratch.mkdir(parents=True)
         plan = model.quantplug_plan
-        answers = pm.call("quantplug_export", [row.backend], firstresult=True, model=model,
-                          model_config=plan.model_config, destination=scratch, options=dict(row.options), plan=plan)
-        value = answers[0][0]
-        results = list(value) if isinstance(value, list | tuple) else [value]
-        res = results[row.pick]
-        assert isinstance(res, ExportResult)
+        res = pm.export(row.backend, model=model, destination=scratch, plan=plan, options=row.options)[row.pick]
         shutil.copytree(res.path, root / row.label)
         shutil.rmtree(scratch)
         out[row.label] = root / row.label

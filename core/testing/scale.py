@@ -12,8 +12,8 @@ Two kinds of input, both written without building a model in memory:
   same layout with real bytes, written tensor by tensor into shards whose headers are computed
   up front from the inventory, so peak memory is one chunk of one tensor.
 
-Inventory of the DeepSeek FP8 releases (``deepseek-ai/DeepSeek-V3`` / R1, Kimi-K2; FORMATS.md
-"DeepSeek-V3 / R1 native FP8"): every decoder-layer linear (``q_a_proj``, ``q_b_proj``,
+Inventory of the DeepSeek FP8 releases (``deepseek-ai/DeepSeek-V3`` / R1, Kimi-K2: their
+``model.safetensors.index.json`` and shard headers): every decoder-layer linear (``q_a_proj``, ``q_b_proj``,
 ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``, dense / shared / per-expert
 ``gate_proj`` ``up_proj`` ``down_proj``) stores ``weight`` F8_E4M3 [out, in] and
 ``weight_scale_inv`` F32 [ceil(out/128), ceil(in/128)]; embeddings, ``lm_head``, norms and the

@@ -28,7 +28,7 @@ and the GGUF file holds exactly the FP8 checkpoint's weights):
   bit (:func:`q4_0`, a faster copy of its arithmetic; tests compare the two) (Q4_0 for
   every matrix, ``token_embd`` and ``output`` included; norms, router and its bias F32); MLA
   ``kv_b_proj`` split into ``attn_k_b`` / ``attn_v_b`` and routed experts stacked into
-  ``ffn_*_exps`` as llama.cpp's converter does (FORMATS.md "GGUF").
+  ``ffn_*_exps`` as llama.cpp's converter does (``convert_hf_to_gguf.py``, ``DeepseekV2Model``).
 """
 
 from __future__ import annotations
@@ -422,7 +422,7 @@ def gguf_plan(cfg: Mapping[str, Any], source: WeightSource | None = None) -> lis
 
 
 def _gguf_metadata(w: Any, cfg: Mapping[str, Any]) -> None:
-    """The deepseek2 keys llama.cpp's converter writes for an MLA model (FORMATS.md "GGUF")."""
+    """The deepseek2 keys llama.cpp's converter writes for an MLA model (``convert_hf_to_gguf.py``)."""
     from gguf.constants import ExpertGatingFuncType, RopeScalingType
 
     rope = cfg.get("rope_scaling") or {}

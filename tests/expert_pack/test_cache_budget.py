@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import quantplug
 import torch
+from quantplug.api import stats_sources
 from quantplug.errors import PlanError
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
@@ -23,18 +24,18 @@ def pack_dir(tmp_path_factory):
 def test_default_budget_holds_every_expert(pack_dir):
     model = quantplug.load(pack_dir, progress=False)
     pack = model.quantplug_plan.quant_config.pack
-    stats = model.expert_cache.stats()
+    stats = stats_sources(model)["expert_cache"].stats()
     assert model.quantplug_plan.options["expert_cache_mb"] == 0.0
     assert stats["slots"] == len(pack.layers) * pack.n_experts  # one slot per expert: nothing evicted
     with torch.no_grad():
         model(kit.IDS)
         model(kit.IDS)
-    assert model.expert_cache.stats()["evictions"] == 0
+    assert stats_sources(model)["expert_cache"].stats()["evictions"] == 0
 
 
 def test_a_positive_budget_is_an_lru_of_that_size(pack_dir):
     model = quantplug.load(pack_dir, progress=False, options={"expert_cache_mb": 0.05})
-    stats = model.expert_cache.stats()
+    stats = stats_sources(model)["expert_cache"].stats()
     assert stats["budget_bytes"] == int(0.05 * 2**20) and stats["slots"] < 24
 
 

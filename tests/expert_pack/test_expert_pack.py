@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import quantplug
 import torch
+from quantplug.api import stats_sources
 from quantplug.checkpoint.gguf_index import read_gguf_header
 from quantplug.cli import main
 from quantplug.errors import CheckpointError, LoadError, PlanError
@@ -113,7 +114,7 @@ def test_expert_pack_build_then_load_matches(gguf_dir, tmp_path):
     budget_mb = 3 * pack.max_expert_span() / (1 << 20)  # three slots: far below the 16 experts' total
     model, out = _logits(root, options={"expert_cache_mb": budget_mb})
     assert rel_err(out, ref) <= 1e-5
-    stats = model.expert_cache.stats()
+    stats = stats_sources(model)["expert_cache"].stats()
     assert stats["evictions"] > 0 and stats["slots"] == 3 and stats["resident_bytes"] <= stats["budget_bytes"]
     assert model.quantplug_plan.to_dict()["schemes"]["model.layers.1.mlp.experts.down_proj"].startswith(
         "ggml Q4_K experts from experts.qpack")

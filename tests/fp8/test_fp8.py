@@ -279,9 +279,7 @@ def test_export_roundtrip_and_cli_explain(tmp_path, capsys):
     dense_dir = write_checkpoint(tmp_path / "dense", CFG, random_dense(1))
     dense = quantplug.load(dense_dir)
     pm = get_plugin_manager()
-    (res, _), = pm.call("quantplug_export", ["fp8"], firstresult=True, model=dense,
-                        model_config=dense.quantplug_plan.model_config, destination=tmp_path / "out",
-                        options={}, plan=dense.quantplug_plan)
+    [res] = pm.export("fp8", model=dense, destination=tmp_path / "out", plan=dense.quantplug_plan)
     cfg = json.loads((res.path / "config.json").read_text())
     assert cfg["quantization_config"] == QC
     model, out = load_logits(res.path, IDS, options={"activation_quant": "none"})

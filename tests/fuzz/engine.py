@@ -1,10 +1,13 @@
 """Seeded mutation fuzzing of everything quantplug parses itself.
 
 Bases: a sharded dense safetensors checkpoint (with index), a GGUF checkpoint, the same GGUF after
-``expert-pack build``, the amd-quark MXFP4, msmodelslim W8A8 and both llm-compressor
-(compressed-tensors W4A16 experts, FP8 block) vendor fixtures, a DeepSeek-native block-FP8
-checkpoint, and two tokenizer directories: tokenizer.json + tokenizer_config.json +
-chat_template.jinja, and Kimi's tiktoken.model + tokenizer_config.json (with a chat template).
+``expert-pack build``, the vendor fixtures of amd-quark MXFP4, msmodelslim W8A8, llm-compressor
+(compressed-tensors W4A16 experts, FP8 block), auto-round's compressed-tensors NVFP4 / MXFP4,
+nvidia-modelopt NVFP4 and MIXED_PRECISION (hf_quant_config.json + config.json, and the
+config.json-only form), auto-round's GPTQ, AWQ and AutoRound (GPTQ and AWQ packing) exports, a
+DeepSeek-native block-FP8 checkpoint, and two tokenizer directories: tokenizer.json +
+tokenizer_config.json + chat_template.jinja, and Kimi's tiktoken.model + tokenizer_config.json
+(with a chat template).
 Each case copies one base (hard links), replaces one file with a mutated version and runs, by
 level, the file's own reader (``read``: for the tokenizer bases, load_tokenizer + encode +
 decode + the chat template), ``quantplug.plan`` (``plan``) or plan + load + forward (``forward``).
@@ -70,8 +73,11 @@ DTYPES = ["F32", "F16", "BF16", "U8", "I8", "I64", "F8_E4M3", "F8_E8M0", "BOOL",
 
 #: bases whose files only the tokenizer reads: read level only
 TOKENIZER_KINDS = ("tok", "tiktoken")
-#: bases whose config.json mutations focus on quantization_config
-QUANT_KINDS = ("quark", "ct", "ct_fp8", "fp8")
+#: bases whose config.json mutations focus on quantization_config (hf_quant_config.json's: on quantization)
+QUANT_KINDS = ("quark", "ct", "ct_fp8", "ct_nvfp4", "ct_mxfp4", "fp8", "modelopt", "modelopt_mixed", "modelopt_cfg",
+               "gptq", "awq", "autoround_gptq", "autoround_awq")
+#: the key a JSON file's quantization settings live under
+QUANT_KEYS = {"config.json": "quantization_config", "hf_quant_config.json": "quantization"}
 
 
 @dataclass
@@ -112,6 +118,8 @@ class Report:
     seconds: float = 0.0
     level_seconds: Counter[str] = field(default_factory=Counter)
     wrapped: list[str] = field(default_factory=list)
+    #: (case label, outcome) of every case, when the fuzzer was asked to keep them (``log=True``)
+    log: list[tuple[str, str]] = field(default_factory=list)
 
     def summary(self) -> str:
         top = ", ".join(f"{k}: {v}" for k, v in sorted(self.outcomes.items()))
@@ -181,6 +189,16 @@ def make_bases(work: Path) -> list[Base]:
         ("modelslim", lambda p: kit.vendor(p, "modelslim_w8a8_dsv3"), ["config.json", "quant_model_description.json"]),
         ("ct", lambda p: kit.vendor(p, "ct_w4a16_experts_dsv3"), ["config.json"]),
         ("ct_fp8", lambda p: kit.vendor(p, "ct_fp8_block_dsv3"), ["config.json"]),
+        ("ct_nvfp4", lambda p: kit.vendor(p, "ct_nvfp4_autoround_dsv3"), ["config.json"]),
+        ("ct_mxfp4", lambda p: kit.vendor(p, "ct_mxfp4_autoround_dsv3"), ["config.json"]),
+        ("modelopt", lambda p: kit.vendor(p, "modelopt_nvfp4_dsv3"), ["hf_quant_config.json", "config.json"]),
+        ("modelopt_mixed", lambda p: kit.vendor(p, "modelopt_mixed_dsv3"), ["hf_quant_config.json", "config.json"]),
+        ("modelopt_cfg", lambda p: kit.vendor(p, "modelopt_nvfp4_dsv3", drop=("hf_quant_config.json",)),
+         ["config.json"]),
+        ("gptq", lambda p: kit.vendor(p, "gptq_autoround_dsv3"), ["config.json"]),
+        ("awq", lambda p: kit.vendor(p, "awq_autoround_dsv3"), ["config.json"]),
+        ("autoround_gptq", lambda p: kit.vendor(p, "autoround_gptq_dsv3"), ["config.json"]),
+        ("autoround_awq", lambda p: kit.vendor(p, "autoround_awq_dsv3"), ["config.json"]),
         ("fp8", kit.fp8, ["config.json", "model.safetensors"]),
         ("tok", kit.tokenizer_json, ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]),
         ("tiktoken", kit.tiktoken, ["tiktoken.model", "tokenizer_config.json"]),
@@ -493,9 +511,10 @@ def _bypassed(base_reads: set[tuple[str, str]], seen: set[tuple[str, str]], file
 
 
 class Fuzzer:
-    def __init__(self, work: Path, seed: int, timeout_s: float = 20.0,
-                 forward_kinds: tuple[str, ...] = ("dense", "gguf", "pack", "quark", "modelslim")) -> None:
-        self.work, self.rng, self.timeout_s = work, random.Random(seed), timeout_s
+    def __init__(self, work: Path, seed: int, timeout_s: float = 20.0, log: bool = False,
+                 forward_kinds: tuple[str, ...] = ("dense", "gguf", "pack", "quark", "modelslim", "modelopt", "gptq",
+                                                   "awq", "autoround_gptq")) -> None:
+        self.work, self.rng, self.timeout_s, self.keep_log = work, random.Random(seed), timeout_s, log
         self.forward_kinds = forward_kinds
         self.bases = make_bases(work)
         self.layouts = {b.kind: _gguf_layout(b.root / "model.gguf") for b in self.bases if b.kind in ("gguf", "pack")}
@@ -521,7 +540,7 @@ class Fuzzer:
         data_only = level == "forward" and rng.random() < 0.3
         pos, path = -1, None
         if target.endswith(".json"):
-            focus = "quantization_config" if base.kind in QUANT_KINDS and rng.random() < 0.7 else None
+            focus = QUANT_KEYS.get(target) if base.kind in QUANT_KINDS and rng.random() < 0.7 else None
             out, what, path = mutate_json(rng, data, focus)
         elif target.endswith(".safetensors"):
             out, what, pos = mutate_safetensors(rng, data, data_only)
@@ -603,6 +622,8 @@ class Fuzzer:
             rep.max_case_s, rep.slowest = dt, label
         rep.cases += 1
         rep.outcomes[f"{level}:{outcome}"] += 1
+        if self.keep_log:
+            rep.log.append((label, outcome))
         (root / target).unlink()
         os.link(base.root / target, root / target)
 

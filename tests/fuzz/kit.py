@@ -41,8 +41,9 @@ def packed(root: Path) -> Path:
     return root
 
 
-def vendor(root: Path, name: str) -> Path:
-    shutil.copytree(VENDOR / name, root)
+def vendor(root: Path, name: str, drop: tuple[str, ...] = ()) -> Path:
+    """A copy of vendor fixture ``name`` (``drop``: files left out, e.g. ModelOpt's sidecar)."""
+    shutil.copytree(VENDOR / name, root, ignore=lambda _d, names: [n for n in names if n in drop])
     return root
 
 

@@ -15,12 +15,16 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--forward-share", type=float, default=0.05)
     ap.add_argument("--read-share", type=float, default=0.45)
+    ap.add_argument("--outcomes", type=Path, default=None,
+                    help="write every case's label and outcome here, one per line (to compare two runs of a seed)")
     args = ap.parse_args()
     fwd = int(args.cases * args.forward_share)
     read = int(args.cases * args.read_share)
     counts = {"read": read, "plan": args.cases - fwd - read, "forward": fwd}
     with tempfile.TemporaryDirectory() as tmp:
-        rep = Fuzzer(Path(tmp), seed=args.seed).run(counts)
+        rep = Fuzzer(Path(tmp), seed=args.seed, log=args.outcomes is not None).run(counts)
+    if args.outcomes is not None:
+        args.outcomes.write_text("".join(f"{outcome}\t{label}\n" for label, outcome in rep.log))
     print(rep.summary())
     for f in rep.failures:
         print("FAIL", f)

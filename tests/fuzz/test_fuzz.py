@@ -66,3 +66,23 @@ def test_the_lenient_oracle_flags_a_skipped_value(tmp_path, monkeypatch):
     monkeypatch.setattr(mc, "_rope", real)
     with pytest.raises(Exception, match="rope_parameters = .*expected an object"):
         build_plan(mutated)
+
+
+def test_every_quantized_base_reads_its_config_through_fields(tmp_path):
+    """The lenient oracle sees only keys read through ``Fields``: for each quantized base, the
+    plan of the unmutated checkpoint must read its quantization settings that way (before:
+    ModelOpt and GPTQ / AWQ / AutoRound read raw dicts, so a skipped or coerced value was
+    invisible: 239 of a 20,000-case run's mutations, refused now, were accepted then)."""
+    from .engine import QUANT_KEYS, QUANT_KINDS, make_bases
+
+    bases = {b.kind: b for b in make_bases(tmp_path)}
+    assert set(QUANT_KINDS) <= set(bases)
+    for kind in QUANT_KINDS:
+        base = bases[kind]
+        reads = base.reads("plan")
+        for target in base.targets:
+            key = QUANT_KEYS.get(target)
+            if key is None:
+                continue
+            read = sorted(path for file, path in reads if file == target and path.startswith(key + "."))
+            assert len(read) >= 2, (kind, target, read)

@@ -253,9 +253,8 @@ def test_export_round_trip(tmp_path, algo):
     cfg = tiny_config()
     dense = quantplug.load(write_checkpoint(tmp_path / "dense", cfg, random_state(cfg)), progress=False)
     pm = get_plugin_manager()
-    res = pm.call("quantplug_export", ["modelopt"], firstresult=True, model=dense,
-                  model_config=dense.quantplug_plan.model_config, destination=tmp_path / "out",
-                  options={"algo": algo}, plan=dense.quantplug_plan)[0][0]
+    [res] = pm.export("modelopt", model=dense, destination=tmp_path / "out", options={"algo": algo},
+                      plan=dense.quantplug_plan)
     side = json.loads((res.path / "hf_quant_config.json").read_text())
     assert side["quantization"]["quant_algo"] == algo
     st = load_file(str(res.path / "model.safetensors"))

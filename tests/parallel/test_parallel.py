@@ -78,11 +78,7 @@ def _export(dense: Path, backend: str, dest: Path, options: dict) -> list:
 
     model = _loaded(dense)
     pm = get_plugin_manager()
-    answers = pm.call("quantplug_export", [backend], firstresult=True, model=model,
-                      model_config=model.quantplug_plan.model_config, destination=dest, options=options,
-                      plan=model.quantplug_plan)
-    res = answers[0][0]
-    return list(res) if isinstance(res, list | tuple) else [res]
+    return pm.export(backend, model=model, destination=dest, options=options, plan=model.quantplug_plan)
 
 
 def _fp8_blocks(path: Path, cfg: dict, state: dict, block: tuple[int, int]) -> Path:
@@ -228,8 +224,12 @@ def build_cases(root: Path) -> dict[str, list[dict]]:
                        "weight_bytes": model.load_report["bytes_read"], "plugin": plugins.get(name)}
     fail = dict(cases["dense-fused-hubrope"], name="rank-1-fails", fail_on=[1])
     group = dict(cases["dense-fused-hubrope"], name="explicit-group", group="new")
-    two = [cases[n] for n in paths if n != "uneven-4"] + [fail, group]
-    four = [cases[n] for n in paths if n != "uneven-2"]
+    # routed experts served from the files, a cache per rank, against the in-memory logits:
+    # per-expert tensors (FP8 blocks) and stacked GGUF *_exps sliced by expert parallel
+    served = [dict(cases[n], name=f"{n}-served", options={**cases[n]["options"], "expert_cache_mb": mb})
+              for n, mb in (("fp8-block", 0.05), ("gguf-kquants", 0.5))]
+    two = [cases[n] for n in paths if n != "uneven-4"] + [fail, group, *served]
+    four = [cases[n] for n in paths if n != "uneven-2"] + served
     return {"2": two, "4": four}
 
 
@@ -463,7 +463,29 @@ def test_explicit_group(runs):
     recs = _results(runs, 2, "explicit-group")
     for rank, rec in enumerate(recs):
         assert "error" not in rec and rec["rel_err"] <= TOL, rec
-        assert rec["report"] == {"rank": rank, "world_size": 2, "bytes_read": rec["parallel"]["rank_bytes"][rank]}
+        assert rec["report"] == {"rank": rank, "world_size": 2, "bytes_read": rec["parallel"]["rank_bytes"][rank],
+                                 "experts_on_demand_bytes": 0}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", ["fp8-block-served", "gguf-kquants-served"])
+def test_served_experts_have_a_cache_per_rank(runs, world, name):
+    """expert_cache_mb under expert parallel: each rank serves only its experts from the files,
+    through its own cache of the whole budget, and every rank's logits are the in-memory ones."""
+    recs = _results(runs, world, name)
+    case = next(c for c in runs["cases"][str(world)] if c["name"] == name)
+    budget = int(case["options"]["expert_cache_mb"] * (1 << 20))
+    for rank, rec in enumerate(recs):
+        assert "error" not in rec, f"rank {rank}: {rec['error']}"
+        assert rec["rel_err"] <= TOL, f"rank {rank}: rel err {rec['rel_err']:.2e}"
+        cache = rec["expert_cache"]
+        assert cache["budget_bytes"] == budget and cache["peak_bytes"] <= budget and cache["misses"] > 0
+        assert rec["report"]["experts_on_demand_bytes"] > 0
+        assert rec["served_slots"] == sum(len(v) for v in rec["served_layers"].values())
+    n_experts = 8
+    # the ranks' slots of a layer partition its experts
+    for layer in recs[0]["served_layers"]:
+        assert sorted(e for rec in recs for e in rec["served_layers"][layer]) == list(range(n_experts))
 
 
 def test_a_failing_rank_does_not_hang_the_others(runs):
@@ -609,8 +631,8 @@ def test_cli_plan_tp(tmp_path, capsys):
     path = write_checkpoint(tmp_path / "d", cfg, random_state(cfg))
     assert main(["plan", str(path), "--tp", "2"]) == 0
     out = capsys.readouterr().out
-    assert "tensor parallel: 2 ranks" in out and "rank 1: reads" in out
-    assert "model.layers.1.mlp.experts: expert-parallel" in out
+    assert "tensor parallel: 2 ranks" in out and "ranks 0-1: reads 533,248 bytes each" in out
+    assert "model.layers.{1-2}.mlp.experts: expert-parallel" in out  # layers with equal splits: one line
 
 
 def test_torchrun_forward_prints_the_single_process_argmax(tmp_path):

@@ -62,6 +62,14 @@ def run_case(case: dict, rank: int) -> dict:
     rec["shape"] = list(out.shape)
     plan = model.quantplug_plan
     rec["report"] = model.load_report
+    from quantplug.api import stats_sources
+
+    cache = stats_sources(model).get("expert_cache")
+    if cache is not None and hasattr(cache, "counts"):  # routed experts served from the files
+        rec["expert_cache"] = cache.stats()
+        rec["served_layers"] = {m.qp_ckpt: list(range(m.first, m.first + m.count)) for m in model.modules()
+                                if getattr(m, "qp_store", None) is not None}
+        rec["served_slots"] = sum(m.qp_store.slots for m in model.modules() if getattr(m, "qp_store", None) is not None)
     rec["parallel"] = plan.parallel.to_dict() if plan.parallel is not None else None
     return rec
 

@@ -19,14 +19,12 @@ from typing import Any
 
 from quantplug.api import (
     Claim,
-    ConfigError,
     Exclusions,
-    Fields,
     OptionSpec,
     Problem,
-    config_fields,
     hookimpl,
     option,
+    quant_config_fields,
     refuse,
 )
 
@@ -44,25 +42,9 @@ QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_
                   "input_scale", "weight_shape", "weight_g_idx")
 
 
-def _quant_config(checkpoint: Any) -> tuple[Fields | None, str]:
-    top = config_fields(checkpoint)
-    outer = top.get_obj("quantization_config")
-    text = top.get_obj("text_config")
-    inner = text.get_obj("quantization_config") if text is not None else None
-    if (outer is not None and inner is not None and outer.data != inner.data
-            and "compressed-tensors" in (outer.data.get("quant_method"), inner.data.get("quant_method"))):
-        raise ConfigError(f"{top.file}: quantization_config and text_config.quantization_config differ; "
-                          "quantplug-compressed-tensors will not guess which one the weights follow")
-    if outer is not None:
-        return outer, "quantization_config"
-    if inner is not None:
-        return inner, "text_config.quantization_config"
-    return None, ""
-
-
 @hookimpl
 def quantplug_detect(checkpoint: Any) -> Claim | None:
-    qc, where = _quant_config(checkpoint)
+    qc, where = quant_config_fields(checkpoint)
     if qc is None or qc.opt_str("quant_method") != "compressed-tensors":
         return None
     prefix = "language_model" if any(n.startswith("language_model.") for n in checkpoint.tensors) else ""
@@ -156,11 +138,13 @@ def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Seque
     kernels = option(options, "kernels", "exact", KERNELS)
     if layer_kind == "embedding":
         group, why = qc.group_for(layer_name)
-        hit = group is not None and any(not t.startswith("re:") and t not in LINEAR_CLASSES
-                                        or t.startswith("re:") and match_name(layer_name, t) for t in group.targets)
+        if group is None:
+            return None
+        hit = any(not t.startswith("re:") and t not in LINEAR_CLASSES
+                  or t.startswith("re:") and match_name(layer_name, t) for t in group.targets)
         info = checkpoint.get(f"{layer_name}.weight")
         if hit and (info is None or not info.is_float):
-            return refuse(layer_name, f"config_groups.{group.name}.targets",  # type: ignore[union-attr]
+            return refuse(layer_name, f"config_groups.{group.name}.targets",
                           "quantized embeddings are not supported by quantplug-compressed-tensors")
         return None
     if layer_kind not in ("linear", "experts"):

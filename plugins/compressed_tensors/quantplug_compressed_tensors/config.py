@@ -53,11 +53,13 @@ class QuantArgs:
         if gs == 0:
             f.fail("group_size", gs, "a positive group size, -1 (per channel) or null")
         block: tuple[int, ...] | None
-        if isinstance(f.data.get("block_structure"), str):  # older configs: "128x128"
-            m = _BLOCK_TEXT.match(f.data["block_structure"])
-            if m is None or not all(int(v) > 0 for v in m.groups()):
-                f.fail("block_structure", f.data["block_structure"], "[rows, columns] or 'RxC' with positive sizes")
-            block = (int(m.group(1)), int(m.group(2)))  # type: ignore[union-attr]  # fail() does not return
+        text = f.raw("block_structure")
+        if isinstance(text, str):  # older configs: "128x128"
+            m = _BLOCK_TEXT.match(text)
+            sizes = tuple(int(v) for v in m.groups()) if m is not None else ()
+            f.expect(len(sizes) == 2 and all(v > 0 for v in sizes), "block_structure",
+                     "[rows, columns] or 'RxC' with positive sizes")
+            block = sizes
         else:
             block = f.int_list("block_structure", 1, 1 << 16, length=2)
         strategy = f.opt_str("strategy")
@@ -65,12 +67,10 @@ class QuantArgs:
             strategy = "channel" if gs == -1 else "group" if gs else "block" if block else "tensor"
         elif gs == -1 and strategy != "channel":
             f.fail("group_size", gs, f"a positive group size for strategy {strategy!r} (-1 means per channel)")
-        dynamic = f.data.get("dynamic", False)
-        if dynamic not in (True, False, "local"):
-            f.fail("dynamic", dynamic, "true, false or 'local'")
-        act = f.data.get("actorder")
-        if act is not None and type(act) not in (bool, str):
-            f.fail("actorder", act, "a string, a boolean or null")
+        dynamic = f.raw("dynamic", False)
+        f.expect(dynamic in (True, False, "local") and type(dynamic) in (bool, str), "dynamic", "true, false or 'local'")
+        act = f.raw("actorder")
+        f.expect(act is None or type(act) in (bool, str), "actorder", "a string, a boolean or null")
         return cls(num_bits=bits, type=f.get_str("type", "int", choices=("int", "float")),
                    symmetric=f.get_bool("symmetric", True), strategy=strategy,
                    group_size=gs if gs and gs > 0 else None, block_structure=(block[0], block[1]) if block else None,
@@ -144,7 +144,7 @@ class CTConfig:
         return cls(groups=tuple(groups), ignore=ignore, format=fmt,
                    status=qc.opt_str("quantization_status") or "compressed", prefix=prefix,
                    kv_cache_scheme=qc.get_obj("kv_cache_scheme") is not None,
-                   transforms=qc.get_obj("transform_config") is not None and bool(qc.data["transform_config"]),
+                   transforms=bool(transform.data) if (transform := qc.get_obj("transform_config")) else False,
                    sparsity=sparse_fmt, version=qc.opt_str("version"), where=where)
 
     # -- matching -------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from quantplug.api import LinearScheme, Problem, SplitRule, TensorInfo, TensorSpec, refuse
 
-from .config import Group, QuantArgs
+from .config import Group
 
 FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized")
 WHOLE = SplitRule(None)
@@ -221,7 +221,9 @@ class CTFP4Scheme(LinearScheme):
 def scheme(layer: str, group: Group, why: str, mode: str) -> Any:
     """The scheme of an FP4 config group, or a plan-time refusal naming the field."""
     base = f"config_groups.{group.name}"
-    w: QuantArgs = group.weights  # type: ignore[assignment]
+    w = group.weights
+    if w is None:
+        return refuse(layer, f"{base}.weights", "activation-only quantization (no weight args) is not supported")
     act = group.input_activations
     fmt = group.format
     layout = NVFP4 if fmt == "nvfp4-pack-quantized" else MXFP4 if fmt == "mxfp4-pack-quantized" else None

@@ -12,6 +12,8 @@ Every GGUF-specific decision is one of this plugin's hook answers:
   :class:`~.schemes.PackedExpertsScheme` for routed experts that live in the pack;
 * ``quantplug_validate_plan``: GGUF metadata vs config.json, Kimi-K3's ``attn_k_b`` = Q4_0
   contract, the pack against the model and the cache budget;
+* ``quantplug_process_after_loading``: the expert cache's counters exposed as statistics
+  ``expert_cache`` (``quantplug.api.stats_sources(model)``; ``quantplug generate`` reports them);
 * ``quantplug_export`` / ``quantplug_cli_commands``: GGUF writer, ``quantplug expert-pack build``.
 
 Options (``quantplug.load(..., options={...})`` / ``-o KEY=VALUE``), declared in
@@ -39,9 +41,11 @@ from quantplug.api import (
     AttentionLayout,
     CheckpointError,
     Claim,
+    Fields,
     OptionSpec,
     Problem,
     contained,
+    expose_stats,
     ggml,
     hookimpl,
     option,
@@ -54,7 +58,7 @@ from .pack import KV_FILE, KV_INDEX_SHA, PACK_NAME, ExpertCache, ExpertPack
 from .schemes import GGMLScheme, PackedExpertsScheme
 
 #: the hook-contract version this plugin is written for (quantplug.api.CONTRACT_VERSION)
-QUANTPLUG_CONTRACT = "1.4"
+QUANTPLUG_CONTRACT = "1.5"
 
 __version__ = "0.1.0"
 #: values of the ``kernels`` option: "exact" (default) or "fast" (see schemes.GGMLScheme)
@@ -111,20 +115,20 @@ def quantplug_detect(checkpoint: Any) -> Claim | None:
     files = _gguf_files(checkpoint)
     if not files:
         return None
-    meta = checkpoint.gguf_metadata
-    arch = str(meta.get("general.architecture", "?"))
+    meta = Fields(checkpoint.gguf_metadata, f"{files[0]} metadata")  # typed reads of this plugin's own keys
+    arch = meta.get_str("general.architecture", "?")
     pack = None
-    named = meta.get(KV_FILE)
-    if named:
+    named = meta.opt_str(KV_FILE)
+    if named is not None:
         path = contained(checkpoint.path, named, f"{files[0]}: metadata {KV_FILE}")
         if not path.is_file():
             raise CheckpointError(f"{files[0]}: its routed experts were moved to {named} by `quantplug expert-pack "
                                   f"build`, but {path} is missing")
+        expected = meta.get_str(KV_INDEX_SHA)
         pack = ExpertPack(path)
-        if pack.index_sha256.hex() != meta.get(KV_INDEX_SHA):
+        if pack.index_sha256.hex() != expected:
             raise CheckpointError(f"{path}: this expert pack does not belong to {files[0].name} (index sha256 "
-                                  f"{pack.index_sha256.hex()[:16]}..., the GGUF expects "
-                                  f"{str(meta.get(KV_INDEX_SHA))[:16]}...)")
+                                  f"{pack.index_sha256.hex()[:16]}..., the GGUF expects {expected[:16]}...)")
     elif (checkpoint.path / PACK_NAME).exists():
         raise CheckpointError(f"{checkpoint.path / PACK_NAME}: an expert pack is present but no GGUF file refers "
                               "to it (an interrupted `quantplug expert-pack build`?); remove it or rebuild")
@@ -274,8 +278,8 @@ def _memory_bytes() -> int:
 
 @hookimpl
 def quantplug_process_after_loading(model: Any, quant_config: GGUFConfig, options: Mapping[str, Any]) -> None:
-    if quant_config.pack is not None:
-        model.expert_cache = quant_config.cache(options)  # stats(): hits, misses, bytes read, resident
+    if quant_config.pack is not None:  # hits, misses (expert_reads), bytes read, resident bytes, evictions
+        expose_stats(model, "expert_cache", quant_config.cache(options))
 
 
 @hookimpl

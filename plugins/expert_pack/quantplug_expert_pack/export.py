@@ -1,7 +1,7 @@
 """Write llama.cpp deepseek2 GGUFs with gguf-py's GGUFWriter and quantizer.
 
 :func:`write_gguf` takes dense weights under model (Hugging Face) names, splits each MLA
-``kv_b_proj`` into ``attn_k_b`` / ``attn_v_b`` as llama.cpp's converter does (FORMATS.md: kv_b
+``kv_b_proj`` into ``attn_k_b`` / ``attn_v_b`` as llama.cpp's converter does (convert_hf_to_gguf.py: kv_b
 viewed [n_head, nope+v, kv_lora], split on dim 1, k_b transposed to [n_head, kv_lora, nope]),
 stacks routed experts into ``ffn_*_exps`` [E, out, in], quantizes each linear with
 ``gguf.quants.quantize`` in the type asked for, and writes the deepseek2 metadata llama.cpp's

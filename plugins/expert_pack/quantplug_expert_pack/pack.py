@@ -262,7 +262,7 @@ class ExpertPack:
         start, length = self.expert_span(layer, expert)
         if out is None:
             out = torch.empty(length, dtype=torch.uint8)
-        view = memoryview(out.numpy()).cast("B")[:length]  # type: ignore[arg-type]  # numpy arrays are buffers
+        view = out.numpy().data.cast("B")[:length]
         got = 0
         fd = self._fileno()
         while got < length:
@@ -382,7 +382,10 @@ class ExpertCache:
         return len(self._items) * self.slot_bytes
 
     def stats(self) -> dict[str, int]:
+        """Counters (``quantplug.api.StatsSource``): ``expert_reads`` (= ``misses``, experts read
+        from the pack) and ``bytes_read`` are the ones ``quantplug generate`` reports."""
         return {"budget_bytes": self.budget, "slot_bytes": self.slot_bytes, "slots": self.n_slots,
                 "resident_bytes": self.resident, "hits": self.hits, "misses": self.misses,
+                "expert_reads": self.misses,
                 "evictions": self.evictions, "bytes_read": self.bytes_read, "experts_cached": len(self._items),
                 "unpinned_reads": self.unpinned_reads}

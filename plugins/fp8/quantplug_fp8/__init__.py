@@ -27,13 +27,14 @@ from quantplug.api import (
     option,
     quant_config_fields,
     refuse,
+    stored_dtype,
 )
 
 from .config import FP8Config, matches
 from .scheme import ACTIVATION_MODES, FP8BlockScheme
 
 __version__ = "0.1.0"
-QUANTPLUG_CONTRACT = "1.4"
+QUANTPLUG_CONTRACT = "1.5"
 WRAPPER = "language_model"
 
 
@@ -57,15 +58,6 @@ def quantplug_options() -> list[OptionSpec]:
     ]
 
 
-def _stored(checkpoint: Any, module: str) -> tuple[str | None, bool]:
-    """(dtype of the module's weight, whether ``module`` is itself a tensor: a fused expert stack)."""
-    info = checkpoint.get(f"{module}.weight")
-    if info is not None:
-        return info.dtype, False
-    info = checkpoint.get(module)
-    return (info.dtype, True) if info is not None else (None, False)
-
-
 @hookimpl
 def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Sequence[str],
                             quant_config: FP8Config, checkpoint: Any, options: Mapping[str, Any]) -> Any:
@@ -74,7 +66,7 @@ def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Seque
         return None  # embeddings (and kinds added later) are stored as floats in this format
     prefix = WRAPPER if layer_name.startswith(WRAPPER + ".") else ""
     names = list(shard_names) or [layer_name]
-    stored = {n: _stored(checkpoint, n) for n in names}
+    stored = {n: stored_dtype(checkpoint, n) for n in names}
     fp8 = [n for n, (dt, _) in stored.items() if dt == "F8_E4M3"]
     floats = [n for n, (dt, _) in stored.items() if dt is not None and dt != "F8_E4M3"]
     entry = next((e for n in [layer_name, *names] if (e := quant_config.not_converted_by(n, prefix))), None)

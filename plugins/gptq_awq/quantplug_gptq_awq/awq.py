@@ -1,45 +1,11 @@
 """quantplug backend ``awq``: AWQ GEMM checkpoints (AutoAWQ, ``quant_method: "awq"``, ``version: "gemm"``,
 ``modules_to_not_convert``) and Intel AutoRound checkpoints in the AWQ
 layout (``quant_method: "auto-round"``, ``packing_format: "auto_round:auto_awq"``, per-layer
-``extra_config``). Weight-only int4; see kernels.py for the layout and arithmetic."""
+``extra_config``). Weight-only int4; see kernels.py for the layout and arithmetic.
 
-from __future__ import annotations
+The hooks are :mod:`.hooks`' (shared with the other packing), bound to this backend's name.
+"""
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from .hooks import backend
 
-from quantplug.api import Claim, Problem, hookimpl
-
-from . import hooks
-from .config import IntConfig
-
-__version__ = "0.1.0"
-QUANTPLUG_CONTRACT = "1.1"
-
-
-@hookimpl
-def quantplug_detect(checkpoint: Any) -> Claim | None:
-    return hooks.detect(checkpoint, "awq")
-
-
-@hookimpl
-def quantplug_resolve_prefix(quant_config: IntConfig) -> str:
-    return quant_config.prefix
-
-
-@hookimpl
-def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Sequence[str], quant_config: IntConfig,
-                            checkpoint: Any) -> Any:
-    return hooks.linear_scheme(layer_name, layer_kind, shard_names, quant_config, checkpoint)
-
-
-@hookimpl
-def quantplug_validate_plan(plan: Any, quant_config: IntConfig) -> list[Problem]:
-    return hooks.validate_plan(plan, quant_config, "awq-name")
-
-
-@hookimpl
-def quantplug_export(model: Any, destination: Any, options: Mapping[str, Any], plan: Any) -> Any:
-    from .export import export_int
-
-    return export_int(model, plan, destination, options, "awq")
+globals().update(backend("awq"))

@@ -19,23 +19,30 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from quantplug.api import ConfigError, Exclusions
+from quantplug.api import Exclusions, Fields
 
 #: bit widths whose words hold whole values (32 / bits per int32)
 BITS = (4, 8)
 
 
-def packing_of(qc: Mapping[str, Any]) -> str | None:
-    """Which layout a config's weights use ("gptq" | "awq"), from its method alone; None: not ours."""
-    method = qc.get("quant_method")
+#: AutoRound ``packing_format`` values -> the layout they store
+PACKING_FORMATS = {"auto_round:auto_gptq": "gptq", "auto_round:gptq": "gptq", "auto_gptq": "gptq",
+                   "auto_round:auto_awq": "awq", "auto_round:awq": "awq", "auto_awq": "awq"}
+#: auto-round ``data_type`` values of a layer left in float
+FLOAT_TYPES = ("float", "fp", "bf16", "fp16")
+
+
+def packing_of(qc: Fields) -> str | None:
+    """Which layout a config's weights use ("gptq" | "awq"), from its method alone; None: not ours.
+    An AutoRound ``packing_format`` quantplug does not know claims for "gptq", which refuses it."""
+    method = qc.opt_str("quant_method")
     if method in ("gptq", "awq"):
-        return str(method)
+        return method
     if method == "auto-round":
-        return "awq" if "awq" in str(qc.get("packing_format") or "") else "gptq"
+        return PACKING_FORMATS.get(qc.get_str("packing_format", "auto_round:auto_gptq"), "gptq")
     return None
 
 
@@ -64,98 +71,77 @@ class IntConfig:
     lm_head: bool
     data_type: str
     where: str
-    raw_version: str | None
 
     @property
     def prefix(self) -> str:
         return self.exclude.prefix
 
     @classmethod
-    def parse(cls, qc: Mapping[str, Any], where: str, prefix: str) -> IntConfig | None:
-        method = qc.get("quant_method")
+    def parse(cls, qc: Fields, where: str, prefix: str) -> IntConfig | None:
+        """Every field read through ``quantplug.api.Fields``: a wrong type or value is one
+        ConfigError naming config.json and the key path."""
+        method = qc.opt_str("quant_method")
         if method not in ("gptq", "awq", "auto-round"):
             return None
-
-        def bad(field: str, value: Any, expected: str) -> ConfigError:
-            return ConfigError(f"config.json {where}.{field} = {value!r:.80}: {expected}")
-
-        def integer(field: str, default: Any = None, *alts: str) -> int:
-            v = qc.get(field, default)
-            for a in alts:
-                if field not in qc and a in qc:
-                    v = qc[a]
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise bad(field, v, "expected an integer")
-            return v
-
-        bits = integer("bits", None, "w_bit")
-        group = integer("group_size", 128, "q_group_size")
-        if group == 0 or group < -1:
-            raise bad("group_size", group, "expected a positive integer or -1 (per channel)")
-        fmt = str(qc.get("checkpoint_format") or "gptq")
-        data_type = str(qc.get("data_type") or "int")
+        # AutoAWQ spells bits / group_size w_bit / q_group_size
+        bits = qc.get_int("bits" if qc.has("bits") or not qc.has("w_bit") else "w_bit", 1, 64)
+        gkey = "group_size" if qc.has("group_size") or not qc.has("q_group_size") else "q_group_size"
+        group = qc.get_int(gkey, -1, 1 << 24, 128)
+        qc.expect(group != 0, gkey, "a positive group size or -1 (per channel)")
+        qc.expect(bits in BITS, "bits" if qc.has("bits") else "w_bit",
+                  f"one of the supported bit widths: {', '.join(map(str, BITS))}")
+        fmt = qc.get_str("checkpoint_format", "gptq", choices=("gptq", "gptq_v2"))
+        data_type = qc.get_str("data_type", "int")
         overrides: list[tuple[str, tuple[tuple[str, Any], ...]]] = []
         excluded: list[str] = []
         substring = False
+        packing_format = ""
         if method == "gptq":
             packing = "gptq"
-            sym = bool(qc.get("sym", True))
-            desc_act = bool(qc.get("desc_act", False))
-            dynamic = qc.get("dynamic") or {}
-            if not isinstance(dynamic, dict):
-                raise bad("dynamic", dynamic, "expected an object of '-:regex' / '+:regex' -> overrides")
-            for key, val in dynamic.items():
-                if not isinstance(val, dict):
-                    raise bad(f"dynamic[{key!r}]", val, "expected an object")
+            sym = qc.get_bool("sym", True)
+            desc_act = qc.get_bool("desc_act", False)
+            dynamic = qc.get_obj("dynamic")
+            for key, val in qc.entries("dynamic"):
+                assert dynamic is not None and val is not None
+                pattern = key[2:] if key.startswith(("-:", "+:")) else key
+                dynamic.regex(key, pattern)
                 if key.startswith("-:"):
-                    excluded.append(f"re:{key[2:]}")
+                    excluded.append(f"re:{pattern}")
                 else:
-                    overrides.append((f"re:{key[2:] if key.startswith('+:') else key}", tuple(sorted(val.items()))))
+                    overrides.append((f"re:{pattern}", _overrides(val)))
             exclude_source = f"{where}.dynamic"
         elif method == "awq":
             packing = "awq"
-            version = str(qc.get("version", "gemm")).lower()
-            if version != "gemm":
-                raise bad("version", qc.get("version"), "only AWQ GEMM checkpoints are supported (GEMV / Marlin / "
-                          "exllama layouts are not)")
-            sym = not bool(qc.get("zero_point", True))
+            version = qc.get_str("version", "gemm")
+            qc.expect(version.lower() == "gemm", "version", "'gemm': only AWQ GEMM checkpoints are supported (GEMV / "
+                      "Marlin / exllama layouts are not)")
+            sym = not qc.get_bool("zero_point", True)
             desc_act = False
-            skip = qc.get("modules_to_not_convert") or []
-            if not isinstance(skip, list) or not all(isinstance(e, str) for e in skip):
-                raise bad("modules_to_not_convert", skip, "expected a list of module names")
-            excluded, substring = list(skip), True
+            excluded, substring = list(qc.str_list("modules_to_not_convert")), True
             exclude_source = f"{where}.modules_to_not_convert"
         else:
-            pf = str(qc.get("packing_format") or "auto_round:auto_gptq")
-            if pf in ("auto_round:auto_gptq", "auto_round:gptq", "auto_gptq"):
-                packing = "gptq"
-            elif pf in ("auto_round:auto_awq", "auto_round:awq", "auto_awq"):
-                packing = "awq"
-            else:
-                raise bad("packing_format", pf, "supported: auto_round:auto_gptq, auto_round:auto_awq")
-            sym = bool(qc.get("sym", True))
+            packing_format = qc.get_str("packing_format", "auto_round:auto_gptq", choices=PACKING_FORMATS)
+            packing = PACKING_FORMATS[packing_format]
+            sym = qc.get_bool("sym", True)
             desc_act = False
-            extra = qc.get("extra_config") or {}
-            if not isinstance(extra, dict):
-                raise bad("extra_config", extra, "expected an object of layer name / regex -> overrides")
-            for key, val in extra.items():
-                if not isinstance(val, dict):
-                    raise bad(f"extra_config[{key!r}]", val, "expected an object")
+            extra = qc.get_obj("extra_config")
+            for key, val in qc.entries("extra_config"):
+                assert extra is not None and val is not None
                 # exact layer names, else a regex auto-round applies with re.search
                 entry = key if re.fullmatch(r"[\w.]+", key) else f"re:.*(?:{key})"
+                if entry.startswith("re:"):
+                    extra.regex(key, entry[3:])
                 if _unquantized(val):
                     excluded.append(entry)
                 else:
-                    overrides.append((entry, tuple(sorted(val.items()))))
+                    overrides.append((entry, _overrides(val)))
             exclude_source = f"{where}.extra_config (bits 16)"
-        if bits not in BITS:
-            raise bad("bits", bits, f"supported bit widths: {', '.join(map(str, BITS))}")
-        why = f"{where} ({method}{', ' + str(qc.get('packing_format')) if method == 'auto-round' else ''})"
+        why = f"{where} ({method}{', ' + packing_format if method == 'auto-round' else ''})"
         default = LayerQuant(bits, group, sym, desc_act, why)
         return cls(method=method, packing=packing, checkpoint_format=fmt, default=default,
                    exclude=Exclusions(tuple(excluded), exclude_source, prefix, "match", substring),
-                   overrides=tuple(overrides), lm_head=bool(qc.get("lm_head", False)), data_type=data_type,
-                   where=where, raw_version=str(qc.get("version")) if qc.get("version") else None)
+                   overrides=tuple(overrides), lm_head=qc.get_bool("lm_head", False), data_type=data_type,
+                   where=where)
 
     @functools.cached_property
     def _override_matchers(self) -> tuple[tuple[Exclusions, dict[str, Any]], ...]:
@@ -168,20 +154,28 @@ class IntConfig:
             return None, f"{self.exclude.source} entry {hit!r}"
         q = self.default
         for matcher, vals in self._override_matchers:
-            if matcher.excluded_by(module) is not None:
-                try:
-                    q = LayerQuant(int(vals.get("bits", q.bits)), int(vals.get("group_size", q.group_size)),
-                                   bool(vals.get("sym", q.sym)), bool(vals.get("desc_act", q.desc_act)),
-                                   f"{self.where} override {matcher.entries[0]!r}")
-                except (TypeError, ValueError):
-                    raise ConfigError(f"config.json {self.where}: override {matcher.entries[0]!r} = {vals!r:.80}: "
-                                      "expected integer bits / group_size") from None
+            if matcher.excluded_by(module) is not None:  # values typed and range-checked by parse
+                q = LayerQuant(vals.get("bits", q.bits), vals.get("group_size", q.group_size), vals.get("sym", q.sym),
+                               vals.get("desc_act", q.desc_act), f"{self.where} override {matcher.entries[0]!r}")
                 break
         if module.rsplit(".", 1)[-1] == "lm_head" and not self.lm_head and q is self.default:
             return None, f"{self.where}.lm_head is false"
         return q, q.why
 
 
-def _unquantized(val: Mapping[str, Any]) -> bool:
-    bits = val.get("bits")
-    return (isinstance(bits, int) and bits >= 16) or str(val.get("data_type", "int")) in ("float", "fp", "bf16", "fp16")
+def _overrides(val: Fields) -> tuple[tuple[str, Any], ...]:
+    """The per-layer overrides quantplug reads, typed (the entry's other keys are not read)."""
+    found: dict[str, Any] = {"bits": val.opt_int("bits", 1, 64), "group_size": val.opt_int("group_size", -1, 1 << 24)}
+    for key in ("sym", "desc_act"):
+        if val.has(key):
+            found[key] = val.get_bool(key, False)
+    if found["group_size"] == 0:
+        val.fail("group_size", 0, "a positive group size or -1 (per channel)")
+    return tuple(sorted((k, v) for k, v in found.items() if v is not None))
+
+
+def _unquantized(val: Fields) -> bool:
+    """An auto-round ``extra_config`` entry that leaves its layers in float (16 bits or more, or a
+    float ``data_type``)."""
+    bits = val.opt_int("bits", 1, 64)
+    return (bits is not None and bits >= 16) or val.get_str("data_type", "int") in FLOAT_TYPES

@@ -48,8 +48,7 @@ def quantize(w: torch.Tensor, group: int, sym: bool, min_zero: int = 0) -> tuple
 
 def export_int(model: torch.nn.Module, plan: Any, destination: Path, options: Mapping[str, Any],
                packing: str) -> ExportResult:
-    group = int(options.get("group_size", 32))
-    sym = bool(options.get("sym", False))
+    group, sym = options["group_size"], options["sym"]  # declared (hooks.EXPORT_OPTIONS): checked, defaults filled
     dest = Path(destination)
     dest.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}

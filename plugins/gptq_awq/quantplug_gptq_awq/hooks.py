@@ -1,64 +1,77 @@
-"""The hook implementations shared by the ``gptq`` and ``awq`` backends (each entry-point module
-answers for its own packing: AutoRound's ``packing_format`` picks which one claims)."""
+"""The hook implementations shared by the ``gptq`` and ``awq`` backends: each entry-point module
+imports the shared hooks below and answers ``quantplug_detect`` / ``quantplug_export`` for its own
+packing (AutoRound's ``packing_format`` picks which one claims)."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from quantplug.api import Claim, ConfigError, DenseScheme, Problem, refuse
+from quantplug.api import (
+    Claim,
+    DenseScheme,
+    OptionSpec,
+    Problem,
+    hookimpl,
+    quant_config_fields,
+    refuse,
+    stored_dtype,
+)
 
 from .config import IntConfig, packing_of
 from .kernels import AWQ, gptq
 from .scheme import IntPackScheme
 
+#: the hook-contract version both backends are written for
+CONTRACT = "1.5"
 #: tensors only a quantized module stores (an excluded module holding one is a plan error)
 QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 LINEAR = re.compile(r"\.(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|gate_proj|up_proj|down_proj)$")
 
 
-def _quant_config(config: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str]:
-    top = config.get("quantization_config")
-    text = config.get("text_config")
-    inner = text.get("quantization_config") if isinstance(text, dict) else None
-    if isinstance(top, dict) and isinstance(inner, dict) and top != inner:
-        raise ConfigError("config.json: quantization_config and text_config.quantization_config differ; "
-                          "quantplug-gptq-awq will not guess which one the weights follow")
-    if isinstance(top, dict):
-        return top, "quantization_config"
-    if isinstance(inner, dict):
-        return inner, "text_config.quantization_config"
-    return None, ""
-
-
 def detect(checkpoint: Any, backend: str) -> Claim | None:
-    qc, where = _quant_config(checkpoint.config)
-    if qc is None:
-        return None
-    if packing_of(qc) != backend:
+    qc, where = quant_config_fields(checkpoint)
+    if qc is None or packing_of(qc) != backend:
         return None
     prefix = "language_model" if any(n.startswith("language_model.") for n in checkpoint.tensors) else ""
     cfg = IntConfig.parse(qc, where, prefix)
     if cfg is None:
         return None
-    how = f", packing_format {qc.get('packing_format')}" if cfg.method == "auto-round" else ""
+    how = f", packing_format {qc.get_str('packing_format', 'auto_round:auto_gptq')}" if cfg.method == "auto-round" else ""
     return Claim(backend, cfg, f"config.json {where}.quant_method == {cfg.method!r}{how} ({cfg.default.describe()})")
+
+
+#: the export options both backends declare (``quantplug_options``)
+EXPORT_OPTIONS = [
+    OptionSpec("group_size", int, 32, None, "export: inputs per int4 group (scales and zero points per group)",
+               minimum=1, maximum=1 << 20, scope="export"),
+    OptionSpec("sym", bool, False, None, "export: symmetric int4 (zero point 8) instead of per-group zero points",
+               scope="export"),
+]
 
 
 def _stored(checkpoint: Any, module: str) -> tuple[str | None, bool]:
     """(what ``module`` stores: "packed" | a float dtype | None, whether it is a fused expert tensor)."""
     if checkpoint.get(f"{module}.qweight") is not None:
         return "packed", False
-    info = checkpoint.get(f"{module}.weight")
-    if info is not None:
-        return info.dtype, False
-    info = checkpoint.get(module)
-    return (info.dtype, True) if info is not None else (None, False)
+    return stored_dtype(checkpoint, module)
 
 
-def linear_scheme(layer_name: str, layer_kind: str, shard_names: Sequence[str], quant_config: IntConfig,
-                  checkpoint: Any) -> Any:
+@hookimpl
+def quantplug_options() -> list[OptionSpec]:
+    return list(EXPORT_OPTIONS)  # no load options of their own (the core's apply)
+
+
+@hookimpl
+def quantplug_resolve_prefix(quant_config: IntConfig) -> str:
+    return quant_config.prefix
+
+
+@hookimpl
+def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Sequence[str], quant_config: IntConfig,
+                            checkpoint: Any) -> Any:
     qc = quant_config
     if layer_kind == "embedding":
         if _stored(checkpoint, layer_name)[0] == "packed":
@@ -102,7 +115,9 @@ def linear_scheme(layer_name: str, layer_kind: str, shard_names: Sequence[str], 
     return IntPackScheme(pack, lq, why)
 
 
-def validate_plan(plan: Any, qc: IntConfig, kind: str) -> list[Problem]:
+@hookimpl
+def quantplug_validate_plan(plan: Any, quant_config: IntConfig) -> list[Problem]:
+    qc, kind = quant_config, f"{quant_config.packing}-name"
     tensors = plan.checkpoint.tensors
     problems = qc.exclude.problems(tensors, QUANT_SUFFIXES, kind=kind)
     for name, info in tensors.items():
@@ -117,3 +132,23 @@ def validate_plan(plan: Any, qc: IntConfig, kind: str) -> list[Problem]:
                                     f"({lq.describe()}); it loads as stored (is an exclusion missing?)",
                                     layer=module, severity="warning", kind=f"{kind}-float"))
     return problems
+
+
+def backend(packing: str) -> dict[str, Any]:
+    """The namespace of entry-point module ``packing`` ("gptq" | "awq"): its contract version, the
+    shared hooks, and ``quantplug_detect`` / ``quantplug_export`` for this packing."""
+
+    @hookimpl
+    def quantplug_detect(checkpoint: Any) -> Claim | None:
+        return detect(checkpoint, packing)
+
+    @hookimpl
+    def quantplug_export(model: Any, destination: Path, options: Mapping[str, Any], plan: Any) -> Any:
+        from .export import export_int
+
+        return export_int(model, plan, destination, options, packing)
+
+    return {"QUANTPLUG_CONTRACT": CONTRACT, "__version__": "0.1.0", "quantplug_detect": quantplug_detect,
+            "quantplug_export": quantplug_export, "quantplug_options": quantplug_options,
+            "quantplug_resolve_prefix": quantplug_resolve_prefix, "quantplug_linear_scheme": quantplug_linear_scheme,
+            "quantplug_validate_plan": quantplug_validate_plan}

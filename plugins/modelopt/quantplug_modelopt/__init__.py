@@ -9,8 +9,9 @@ per-layer algorithm (``exclude_modules`` / ``ignore`` resolved through
 prefix), the scheme (what the checkpoint stores for the layer), plan-time refusals of algorithms
 this plugin does not compute, and the checks of the exclusion list against the checkpoint.
 
-Option ``activation_quant``: ``emulate`` (default: NVFP4 / FP8 activations quantized from the
-stored ``input_scale`` as the deployed kernels do) or ``none`` (weight-only).
+Options (declared in :func:`quantplug_options`): ``activation_quant`` = ``emulate`` (default: NVFP4
+/ FP8 activations quantized from the stored ``input_scale`` as the deployed kernels do) or ``none``
+(weight-only); export: ``algo`` and ``input_amax``.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from quantplug.api import Claim, DenseScheme, Problem, hookimpl, option, refuse
+from quantplug.api import Claim, DenseScheme, OptionSpec, Problem, hookimpl, refuse, stored_dtype
 
 from .config import SUPPORTED, LayerAlgo, ModelOptConfig
+from .export import ALGOS
 from .schemes import ACTIVATION_MODES, FP8Scheme, NVFP4Scheme
 
 __version__ = "0.1.0"
-QUANTPLUG_CONTRACT = "1.1"
+QUANTPLUG_CONTRACT = "1.5"
 #: tensors that only a quantized module stores
 QUANT_SUFFIXES = ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale")
 QUANTIZED_DTYPES = ("U8", "F8_E4M3", "I8")
@@ -39,26 +41,28 @@ def quantplug_detect(checkpoint: Any) -> Claim | None:
 
 
 @hookimpl
+def quantplug_options() -> list[OptionSpec]:
+    return [
+        OptionSpec("activation_quant", str, "emulate", ACTIVATION_MODES,
+                   "emulate: NVFP4 / FP8 activations quantized from the stored input_scale; none: weight-only"),
+        OptionSpec("algo", str, "W4A16_NVFP4", ALGOS, "export: the quant_algo written", scope="export"),
+        OptionSpec("input_amax", float, 16.0, None, "export: the activation amax the input scales assume",
+                   minimum=1e-6, maximum=1e30, scope="export"),
+    ]
+
+
+@hookimpl
 def quantplug_resolve_prefix(quant_config: ModelOptConfig) -> str:
     return quant_config.prefix
-
-
-def _stored(checkpoint: Any, module: str) -> tuple[str | None, bool]:
-    """(dtype of ``module``'s weight, whether ``module`` is itself a tensor: a fused expert stack)."""
-    info = checkpoint.get(f"{module}.weight")
-    if info is not None:
-        return info.dtype, False
-    info = checkpoint.get(module)
-    return (info.dtype, True) if info is not None else (None, False)
 
 
 @hookimpl
 def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Sequence[str],
                             quant_config: ModelOptConfig, checkpoint: Any, options: Mapping[str, Any]) -> Any:
     qc = quant_config
-    mode = option(options, "activation_quant", "emulate", ACTIVATION_MODES)
+    mode = options["activation_quant"]
     if layer_kind == "embedding":
-        dtype, _ = _stored(checkpoint, layer_name)
+        dtype, _ = stored_dtype(checkpoint, layer_name)
         if dtype in QUANTIZED_DTYPES:
             return refuse(layer_name, qc.where, f"a quantized embedding ({dtype}) is not a ModelOpt layout quantplug "
                           "knows")
@@ -66,7 +70,7 @@ def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Seque
     if layer_kind not in ("linear", "experts"):
         return None  # split MLA K/V does not occur in this format; later kinds: stored as floats
     names = list(shard_names) if shard_names else [layer_name]
-    stored = {n: _stored(checkpoint, n) for n in names}
+    stored = {n: stored_dtype(checkpoint, n) for n in names}
     if layer_kind == "experts" and any(fused for _, fused in stored.values()):
         if all(dt is not None and dt not in QUANTIZED_DTYPES for dt, _ in stored.values()):
             return None  # transformers 5 fused 3-D experts in float: ModelOpt writes quantized ones per expert

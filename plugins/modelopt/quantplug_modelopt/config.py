@@ -24,7 +24,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from quantplug.api import ConfigError, Exclusions
+from quantplug.api import ConfigError, Exclusions, quant_config_fields, sidecar_fields
 
 #: per-layer algorithms this plugin computes
 SUPPORTED = ("NVFP4", "W4A16_NVFP4", "FP8")
@@ -53,64 +53,58 @@ class ModelOptConfig:
 
     @classmethod
     def parse(cls, checkpoint: Any) -> ModelOptConfig | None:
-        cfg = checkpoint.config
-        qc, qc_where = cfg.get("quantization_config"), "config.json quantization_config"
-        text = cfg.get("text_config")
-        if not isinstance(qc, dict) and isinstance(text, dict):
-            qc, qc_where = text.get("quantization_config"), "config.json text_config.quantization_config"
-        side = checkpoint.sidecar(SIDECAR) if SIDECAR in checkpoint.sidecar_names else None
-        ours = isinstance(qc, dict) and qc.get("quant_method") == "modelopt"
-        producer = side.get("producer") if isinstance(side, dict) else None
-        side_ours = isinstance(side, dict) and isinstance(side.get("quantization"), dict) and (
-            not isinstance(producer, dict) or producer.get("name") in (None, "modelopt"))
-        if not ours and not side_ours:
+        """The config of a ModelOpt checkpoint, or None when it is not one. Every field is read
+        through ``quantplug.api.Fields``: a wrong type or value is one ConfigError naming the file
+        and the key path."""
+        qc, qc_path = quant_config_fields(checkpoint)
+        method = qc.opt_str("quant_method") if qc is not None else None
+        if method not in (None, "modelopt"):
+            return None  # another format's config.json (next to a stray sidecar): not ours
+        ours = method == "modelopt"
+        side = sidecar_fields(checkpoint, SIDECAR)
+        producer = side.opt_obj("producer") if side is not None else None
+        side_q = None
+        if side is not None and (producer is None or producer.opt_str("name") in (None, "modelopt")):
+            side_q = side.opt_obj("quantization")
+        if not ours and side_q is None:
             return None
-        if isinstance(qc, dict) and qc.get("quant_method") not in (None, "modelopt"):
-            return None  # another format's config.json next to a stray sidecar: not ours
-        if side_ours:
-            assert isinstance(side, dict)
-            q, where = side["quantization"], f"{SIDECAR} quantization"
-            if ours and isinstance(qc, dict) and str(qc.get("quant_algo", q.get("quant_algo"))) != str(q.get("quant_algo")):
-                raise ConfigError(f"{checkpoint.path}: {SIDECAR} quantization.quant_algo {q.get('quant_algo')!r} and "
-                                  f"{qc_where}.quant_algo {qc.get('quant_algo')!r} differ; quantplug-modelopt will not "
-                                  "guess which one the weights follow")
+        if side_q is not None:
+            q, where = side_q, f"{SIDECAR} quantization"
         else:
-            q, where = qc, qc_where
-        algo = q.get("quant_algo")
-        if not isinstance(algo, str) or not algo:
-            raise ConfigError(f"{checkpoint.path}: {where}.quant_algo = {algo!r}: expected a string such as 'NVFP4'")
-        gs = _group(q.get("group_size"), f"{where}.group_size", checkpoint.path)
-        exclude = q.get("exclude_modules")
-        field = "exclude_modules"
-        if exclude is None:
-            exclude, field = q.get("ignore"), "ignore"
-        if exclude is None:
-            exclude = []
-        if not isinstance(exclude, list) or not all(isinstance(e, str) for e in exclude):
-            raise ConfigError(f"{checkpoint.path}: {where}.{field} = {exclude!r:.80}: expected a list of module names")
+            assert qc is not None
+            q, where = qc, f"config.json {qc_path}"
+        algo = q.get_str("quant_algo")
+        q.expect(bool(algo), "quant_algo", "a non-empty string such as 'NVFP4'")
+        if side_q is not None and ours:
+            assert qc is not None
+            other = qc.opt_str("quant_algo")
+            if other is not None and other != algo:
+                raise ConfigError(f"{checkpoint.path}: {SIDECAR} quantization.quant_algo {algo!r} and config.json "
+                                  f"{qc_path}.quant_algo {other!r} differ; quantplug-modelopt will not guess which "
+                                  "one the weights follow")
+        field = "exclude_modules" if q.has("exclude_modules") else "ignore"
+        exclude = q.str_list(field)
+        for i, e in enumerate(exclude):
+            if e.startswith("re:"):
+                q.regex(f"{field}[{i}]", e[3:])
         layers: list[tuple[str, str, int | None]] = []
         if algo == "MIXED_PRECISION":
-            raw = q.get("quantized_layers")
-            if raw is None and side_ours and ours:
-                raw = qc.get("quantized_layers")
-            if not isinstance(raw, dict) or not raw:
-                raise ConfigError(f"{checkpoint.path}: {where}.quantized_layers = {raw!r:.80}: MIXED_PRECISION needs "
-                                  "a non-empty map of module -> {quant_algo, group_size}")
-            for name, spec in raw.items():
-                if not isinstance(spec, dict) or not isinstance(spec.get("quant_algo"), str):
-                    raise ConfigError(f"{checkpoint.path}: {where}.quantized_layers[{name!r}] = {spec!r:.80}: expected "
-                                      "an object with a quant_algo string")
-                layers.append((str(name), spec["quant_algo"],
-                               _group(spec.get("group_size"), f"{where}.quantized_layers[{name!r}].group_size",
-                                      checkpoint.path)))
-        kv = q.get("kv_cache_quant_algo")
+            src = q
+            if not q.has("quantized_layers") and side_q is not None and ours and qc is not None:
+                src = qc  # older exports put the per-layer map in config.json only
+            entries = src.entries("quantized_layers")
+            src.expect(bool(entries), "quantized_layers",
+                       "a non-empty map of module -> {quant_algo, group_size} (MIXED_PRECISION)")
+            for name, spec in entries:
+                assert spec is not None
+                layers.append((name, spec.get_str("quant_algo"), spec.opt_int("group_size", 1, 1 << 16)))
+        version = producer.opt_str("version") if producer is not None else None
         prefix = "language_model" if any(n.startswith("language_model.") for n in checkpoint.tensors) else ""
-        version = producer.get("version") if isinstance(producer, dict) else None
-        return cls(algo=algo, group_size=gs,
+        return cls(algo=algo, group_size=q.opt_int("group_size", 1, 1 << 16),
                    # entries are substrings of module names, as vLLM's / sglang's ModelOpt configs read them
                    # (``module in prefix``); ``*`` wildcards and ``re:`` as everywhere
-                   exclude=Exclusions(tuple(exclude), f"{where}.{field}", prefix, substring=True),
-                   layers=tuple(layers), kv_cache_algo=str(kv) if kv else None,
+                   exclude=Exclusions(exclude, f"{where}.{field}", prefix, substring=True),
+                   layers=tuple(layers), kv_cache_algo=q.opt_str("kv_cache_quant_algo") or None,
                    producer=f"modelopt {version}" if version else "modelopt", where=where)
 
     @property
@@ -140,10 +134,3 @@ class ModelOptConfig:
             return f"not listed in {self.where}.quantized_layers"
         return f"{self.exclude.source} entry {self.exclude.excluded_by(module)!r}"
 
-
-def _group(v: Any, where: str, path: Any) -> int | None:
-    if v is None:
-        return None
-    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-        raise ConfigError(f"{path}: {where} = {v!r}: expected a positive integer")
-    return v

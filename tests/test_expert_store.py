@@ -1,0 +1,332 @@
+"""Routed experts served from the checkpoint's own files (load option ``expert_cache_mb``, issue
+20): for every format, the logits equal the in-memory load's, the experts' bytes stay in the
+files, and memory is the non-expert weights plus the cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import quantplug
+import torch
+from quantplug import experts
+from quantplug.api import stats_sources
+from quantplug.errors import LoadError, PlanError
+from quantplug.loader import model_bytes
+from quantplug.testing import formats, random_state, tiny_config, to_layout, wrap_kimi, write_checkpoint
+
+VENDOR = Path(__file__).parent / "data" / "vendor"
+IDS = torch.tensor([[3, 17, 42, 99, 5, 150, 7, 64], [11, 2, 130, 77, 31, 9, 120, 45]])
+TOL = 1e-6
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def _gguf_kquants(root: Path) -> Path:
+    """llama.cpp deepseek2 GGUF: experts stacked (``*_exps``), down as Q4_K / Q6_K, gate MXFP4, up Q8_0."""
+    import numpy as np
+    from quantplug.models.config import parse_model_config
+    from quantplug_expert_pack.export import gguf_state, write_gguf
+    from quantplug_expert_pack.testing import random_rows
+
+    cfg = tiny_config(moe_intermediate_size=256)
+    mc = parse_model_config(cfg, "DeepseekV3ForCausalLM", False)
+    root.mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps(cfg))
+    tensors = gguf_state(random_state(cfg, seed=3), mc, split_kv=True)
+    rng = np.random.default_rng(0)
+    raw = {}
+    for i in range(mc.num_hidden_layers):
+        name = f"blk.{i}.ffn_down_exps.weight"
+        if name in tensors:
+            typ = "Q4_K" if i % 2 else "Q6_K"
+            raw[name] = (random_rows(typ, tuple(tensors.pop(name).shape), rng, scale=2e-4), typ)
+    types = {"ffn_gate_exps": "MXFP4", "ffn_up_exps": "Q8_0", "attn_k_b": "Q4_0"}
+    write_gguf(root / "model.gguf", tensors, mc, default_type="Q8_0", types=types, vocab=cfg["vocab_size"], raw=raw)
+    return root
+
+
+def _export(dense: Path, backend: str, dest: Path, options: dict) -> Path:
+    from quantplug.plugins import get_plugin_manager
+
+    model = quantplug.load(dense, progress=False)
+    res = get_plugin_manager().call("quantplug_export", [backend], firstresult=True, model=model,
+                                    model_config=model.quantplug_plan.model_config, destination=dest,
+                                    options=options, plan=model.quantplug_plan)[0][0]
+    return (list(res) if isinstance(res, list | tuple) else [res])[0].path
+
+
+def _build(name: str, root: Path) -> tuple[Path, dict]:
+    cfg = tiny_config()
+    state = random_state(cfg, seed=1)
+    if name == "dense-hub-bf16":
+        return write_checkpoint(root, cfg, state, dtype=torch.bfloat16, shards=3), {}
+    if name == "dense-fused":  # transformers-5 fused experts: gate / up halves of one 3-D tensor
+        return write_checkpoint(root, cfg, to_layout(state, "fused")), {}
+    if name == "kimi-k25":
+        kc, kt = wrap_kimi(cfg, state)
+        return write_checkpoint(root, kc, kt), {}
+    if name == "fp8":
+        return formats.fp8(root, cfg, state), {}
+    if name == "ct-int4":  # pack-quantized int4, group 32, every linear
+        ct = tiny_config(intermediate_size=128, q_lora_rank=64)
+        return formats.compressed_tensors(root, ct, random_state(ct, seed=2)), {}
+    if name == "quark-export":  # MXFP4 groups of 32: q_lora 64
+        ex = tiny_config(q_lora_rank=64)
+        dense = write_checkpoint(root / "dense", ex, random_state(ex, seed=4))
+        return _export(dense, "quark", root / "q", {}), {}
+    if name == "modelslim-w4a8-export":
+        ex = tiny_config(q_lora_rank=64)
+        dense = write_checkpoint(root / "dense", ex, random_state(ex, seed=5))
+        return _export(dense, "modelslim", root / "m", {"recipes": ["w4a8"]}), {}
+    if name == "gguf-f32":
+        return formats.gguf(root, cfg, state), {}
+    if name == "gguf-kquants":
+        return _gguf_kquants(root), {}
+    vendor = {"quark-vendor": ("quark_mxfp4_dsv3", {}),
+              "modelslim-w8a8-vendor": ("modelslim_w8a8_dsv3", {"activation_quant": "msmodelslim"}),
+              "ct-fp8-block-vendor": ("ct_fp8_block_dsv3", {}),
+              "ct-w4a16-experts-vendor": ("ct_w4a16_experts_dsv3", {}),
+              "ct-nvfp4-vendor": ("ct_nvfp4_autoround_dsv3", {}),
+              "ct-mxfp4-vendor": ("ct_mxfp4_autoround_dsv3", {}),
+              "gguf-iq-unsloth-vendor": ("gguf_iq_unsloth_dsv3", {}),
+              "modelopt-nvfp4-vendor": ("modelopt_nvfp4_dsv3", {}),
+              "gptq-vendor": ("gptq_autoround_dsv3", {}),
+              "awq-vendor": ("autoround_awq_dsv3", {})}
+    sub, opts = vendor[name]
+    return VENDOR / sub, opts
+
+
+CASES = ["dense-hub-bf16", "dense-fused", "kimi-k25", "fp8", "ct-int4", "quark-export", "modelslim-w4a8-export",
+         "gguf-f32", "gguf-kquants", "quark-vendor", "modelslim-w8a8-vendor", "ct-fp8-block-vendor",
+         "ct-w4a16-experts-vendor", "ct-nvfp4-vendor", "ct-mxfp4-vendor", "gguf-iq-unsloth-vendor"]
+CASES += [c for c, mod in (("modelopt-nvfp4-vendor", "quantplug_modelopt"), ("gptq-vendor", "quantplug_gptq_awq"),
+                           ("awq-vendor", "quantplug_gptq_awq")) if _installed(mod)]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _greedy(model, ids: torch.Tensor, steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy decode through the latent cache, one token per step: the tokens and each step's logits."""
+    from quantplug.generate import new_cache
+
+    lm = model.text_lm()
+    cache = new_cache(lm, 1, ids.shape[1] + steps)
+    toks, logits = [], []
+    with torch.inference_mode():
+        out = lm.next_logits(ids, cache)
+        for _ in range(steps):
+            logits.append(out)
+            t = int(out.argmax())
+            toks.append(t)
+            out = lm.next_logits(torch.tensor([[t]]), cache)
+    return toks, logits
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("served")
+    return {name: _build(name, root / name) for name in CASES}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_served_experts_equal_the_in_memory_load(built, name):
+    path, opts = built[name]
+    ref = quantplug.load(path, progress=False, options=opts)
+    need = experts.step_bytes(ref.quantplug_plan)
+    assert need > 0
+    # room for one step and a half of one layer's experts: every forward evicts
+    mb = 1.5 * need / (1 << 20)
+    served = quantplug.load(path, progress=False, options={**opts, "expert_cache_mb": mb})
+    cache = stats_sources(served)["expert_cache"]
+    stores = [m.qp_store for m in served.modules() if getattr(m, "qp_store", None) is not None]
+    moe_layers = [m for m in ref.modules() if type(m).__name__ == "Experts"]
+    assert len(stores) == len(moe_layers) > 0
+    # no routed expert was read at load, and none is held by the model itself
+    assert served.load_report["experts_on_demand_bytes"] > 0
+    assert served.load_report["bytes_read"] + served.load_report["experts_on_demand_bytes"] == \
+        ref.load_report["bytes_read"]
+    assert cache.stats()["bytes_read"] == 0 and cache.used == 0
+    vocab = ref.quantplug_plan.model_config.vocab_size
+    ids = IDS % vocab
+    with torch.no_grad():
+        want, got = ref(ids), served(ids)
+    assert _rel(got, want) <= TOL, name
+    st = cache.stats()
+    assert st["misses"] > 0 and st["evictions"] > 0 and cache.used <= cache.budget
+    # memory: the model's own tensors shrank by the experts; the cache stays in its budget
+    assert model_bytes(served) <= model_bytes(ref) - sum(
+        p.numel() * p.element_size() for m in moe_layers for p in m.parameters()) + 1024
+    # decode steps (the native few-row path, prefetching the next layer) give the same tokens / logits
+    t_ref, l_ref = _greedy(ref, ids[:1], 4)
+    t_got, l_got = _greedy(served, ids[:1], 4)
+    assert t_got == t_ref
+    for a, b in zip(l_got, l_ref):
+        assert _rel(a, b) <= TOL, name
+    assert cache.stats()["peak_bytes"] <= cache.budget
+
+
+def test_dense_state_of_a_served_model_is_the_in_memory_one(built):
+    from quantplug.api import dense_state
+
+    path, _ = built["fp8"]
+    ref = dense_state(quantplug.load(path, progress=False))
+    got = dense_state(quantplug.load(path, progress=False, options={"expert_cache_mb": 0.5}))
+    assert got.keys() == ref.keys()
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
+
+
+def test_a_cache_smaller_than_one_step_is_a_plan_error_naming_the_numbers(built):
+    path, _ = built["fp8"]
+    plan = quantplug.plan(path)
+    need = experts.step_bytes(plan)
+    with pytest.raises(PlanError, match=r"expert_cache_mb = .* MiB holds less than one step's routed experts of a "
+                                        r"layer: 2 experts of .* MiB each = .* MiB"):
+        quantplug.load(path, progress=False, options={"expert_cache_mb": 0.9 * need / (1 << 20)})
+    # exactly one step fits: loads and runs
+    model = quantplug.load(path, progress=False, options={"expert_cache_mb": need / (1 << 20)})
+    with torch.no_grad():
+        model(IDS[:, :3])
+
+
+def test_experts_larger_than_available_memory_is_a_plan_error(built, monkeypatch):
+    from quantplug import memory
+
+    path, _ = built["fp8"]
+    monkeypatch.setattr(memory, "available_memory", lambda: 4096)
+    with pytest.raises(PlanError, match=r"loading copies .* GiB into memory .* but this machine has .* GiB available: "
+                                        r"set expert_cache_mb"):
+        quantplug.plan(path)
+    assert quantplug.plan(path, options={"expert_cache_mb": 1}).problems == []
+
+
+def test_a_file_truncated_after_load_is_a_load_error_naming_it(tmp_path):
+    cfg = tiny_config()
+    path = formats.fp8(tmp_path / "c", cfg, random_state(cfg))
+    # mmap=False: the other weights are private copies (a truncated mapped file would SIGBUS)
+    model = quantplug.load(path, progress=False, options={"expert_cache_mb": 0.5, "mmap": False})
+    shard = next(path.glob("*.safetensors"))
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    with pytest.raises(LoadError, match=r"cannot read expert \d+ of model\.layers\.\d+\.mlp\.experts"), torch.no_grad():
+        model(IDS)
+
+
+def test_concurrent_requests_never_evict_experts_in_use(built):
+    """Two threads decoding at once through a cache that holds little more than two steps: each
+    thread's experts stay pinned until its next request; both get the single-thread logits."""
+    import threading
+
+    path, _ = built["fp8"]
+    plan = quantplug.plan(path)
+    mb = 2.5 * experts.step_bytes(plan) / (1 << 20)
+    model = quantplug.load(path, progress=False, options={"expert_cache_mb": mb, "expert_prefetch": False})
+    ref = quantplug.load(path, progress=False)
+    want = [_greedy(ref, IDS[i:i + 1], 3)[0] for i in range(2)]
+    got: dict[int, list[int]] = {}
+    errs: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            got[i] = _greedy(model, IDS[i:i + 1], 3)[0]
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            errs.append(exc)
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errs, errs
+    assert [got[0], got[1]] == want
+
+
+def test_prefetch_reads_the_next_layers_experts_ahead(built):
+    path, _ = built["fp8"]
+    on = quantplug.load(path, progress=False, options={"expert_cache_mb": 4})
+    off = quantplug.load(path, progress=False, options={"expert_cache_mb": 4, "expert_prefetch": False})
+    _greedy(on, IDS[:1], 6)
+    _greedy(off, IDS[:1], 6)
+    s_on, s_off = stats_sources(on)["expert_cache"].stats(), stats_sources(off)["expert_cache"].stats()
+    assert s_off["prefetched"] == 0 and s_on["prefetched"] > 0
+    assert s_on["prefetch_hits"] > 0
+    assert s_on["requests"] == s_off["requests"]
+
+
+def test_a_format_whose_scheme_serves_experts_itself_keeps_its_own_cache(tmp_path):
+    import sys as _sys
+
+    _sys.path.insert(0, str(Path(__file__).parent))
+    from fuzz import kit
+
+    pack = kit.packed(tmp_path / "pack")
+    model = quantplug.load(pack, progress=False, options={"expert_cache_mb": 0.05})
+    assert all(getattr(m, "qp_store", None) is None for m in model.modules())
+    assert stats_sources(model)["expert_cache"].stats()["budget_bytes"] == int(0.05 * 2**20)  # the pack's own cache
+
+
+RSS_CHILD = textwrap.dedent("""
+    import json, sys, torch, quantplug
+    from quantplug.api import stats_sources
+    from quantplug.loader import model_bytes
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    path, mb, warm = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+    quantplug.load(warm, progress=False)  # libraries, kernels and allocator arenas warmed on another model
+    base = rss()
+    model = quantplug.load(path, progress=False, options={"expert_cache_mb": mb} if mb else {})
+    after_load = rss()
+    ids = torch.tensor([[3, 17, 42, 99, 5]])
+    with torch.no_grad():
+        for _ in range(2):
+            model(ids)
+    out = model.generate(ids, max_new_tokens=6) if hasattr(model, "generate") else None
+    peak = rss()
+    stores = [m for m in model.modules() if getattr(m, "qp_store", None) is not None]
+    print(json.dumps({"base": base, "after_load": after_load, "peak": peak, "model_bytes": model_bytes(model),
+                      "cache_used": stats_sources(model)["expert_cache"].used if stores else 0}))
+""")
+
+
+def test_rss_is_the_non_expert_weights_plus_the_cache(tmp_path):
+    """A checkpoint whose routed experts are ~150 MB in FP8: served with an 8 MiB cache, the
+    process grows by the non-expert weights + the cache (+10%, + a fixed 24 MiB for the
+    allocator's and the reader threads' arenas), where the in-memory load grows by the experts."""
+    cfg = tiny_config(hidden_size=1024, moe_intermediate_size=512, n_routed_experts=32, num_hidden_layers=4,
+                      intermediate_size=256, vocab_size=256, n_group=4, topk_group=2)
+    path = formats.fp8(tmp_path / "big", cfg, random_state(cfg))
+    warm = formats.fp8(tmp_path / "warm", tiny_config(), random_state(tiny_config()))
+    plan = quantplug.plan(path)
+    expert_bytes = sum(pp.nbytes for pp in plan.params if ".experts." in pp.param and getattr(
+        pp.module, "qp_stacked", False))
+    other = sum(pp.nbytes for pp in plan.params) - expert_bytes
+    assert expert_bytes > 140e6
+
+    def child(mb: float) -> dict:
+        out = subprocess.run([sys.executable, "-c", RSS_CHILD, str(path), str(mb), str(warm)], capture_output=True,
+                             text=True, timeout=300, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    mb = 8.0
+    served = child(mb)
+    bound = 1.1 * (other + mb * (1 << 20)) + (24 << 20)
+    assert served["cache_used"] <= mb * (1 << 20)
+    assert served["after_load"] - served["base"] <= bound, served
+    assert served["peak"] - served["base"] <= bound, served
+    in_memory = child(0)
+    assert in_memory["peak"] - in_memory["base"] > expert_bytes  # the bound above is one that can fail
