@@ -35,6 +35,11 @@ PACKED = {row.label for row in EXPORTS if row.packed}
 #: emulation): vLLM's absorbed decode cannot attend on the quantized latent there, so the equality
 #: tests run them weight-only (both sides) and test_latent_not_quantizable covers the default
 WEIGHT_ONLY = {"modelopt-nvfp4": {"activation_quant": "none"}, "modelopt-fp8": {"activation_quant": "none"}}
+#: formats whose kv_b_proj form quantizes its input (DeepSeek FP8's act_quant, ModelSlim W8A8's
+#: per-token int8): vLLM's cached latent is quantized the same way
+LATENT_QUANTIZED = {"fp8-block", "modelslim-w8a8"}
+#: formats whose schemes declare no form (quantplug computes them through the schemes' torch paths)
+NO_FORM = {"modelopt-w4a16-nvfp4", "modelopt-nvfp4", "modelopt-fp8", "gptq-int4", "awq-int4"}
 
 
 @pytest.fixture(scope="module")
@@ -79,10 +84,43 @@ def _quantplug(path: Path, dtype: torch.dtype, options: dict[str, str]) -> tuple
     return model, model.generate(torch.tensor([PROMPT]), NEW)[0, len(PROMPT):].tolist()
 
 
+@pytest.fixture
+def count_paths(monkeypatch: pytest.MonkeyPatch) -> collections.Counter:
+    """Counts, per quantplug compute entry, the calls that ran natively and the ones that fell back
+    to the scheme's torch path (the engine runs in this process)."""
+    from quantplug.kernels import compute
+
+    counts: collections.Counter = collections.Counter()
+
+    def counted(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*a: Any, **k: Any) -> Any:
+            y = f(*a, **k)
+            counts[(name, y is not None)] += 1
+            return y
+        return wrapped
+
+    for name in ("linear", "fused", "grouped", "stacked_all"):
+        monkeypatch.setattr(compute, name, counted(name, getattr(compute, name)))
+    step = compute.MLPStep.__call__
+
+    def step_call(self, *a, **k):
+        y = step(self, *a, **k)
+        counts[("MLPStep", y is not None)] += 1
+        return y
+    monkeypatch.setattr(compute.MLPStep, "__call__", step_call)
+    return counts
+
+
 @pytest.mark.parametrize("label", LABELS)
-def test_greedy_equals_quantplug_generate(exports: dict[str, Path], label: str) -> None:
+def test_greedy_equals_quantplug_generate(exports: dict[str, Path], label: str,
+                                          count_paths: collections.Counter) -> None:
     """float32: vLLM's greedy tokens = ``quantplug generate``'s, 16 new tokens, every format with
-    its backend's default options (DeepSeek FP8 with its activation emulation included)."""
+    its backend's default options (DeepSeek FP8 with its activation emulation included).
+
+    And quantplug's compute runs inside vLLM: for every format whose schemes declare forms, every
+    product runs on them natively (projections, gated MLPs and routed experts as one ``MLPStep``
+    call each per decode step, GGUF's per-head K/V stacks for vLLM's absorbed MLA), none falls
+    back to a scheme's torch path; vLLM's MLA holds no dense W_UK_T / W_UV."""
     if label not in exports:
         pytest.skip(f"the backend writing {label} is not installed")
     path, options = exports[label], WEIGHT_ONLY.get(label, {})
@@ -91,7 +129,25 @@ def test_greedy_equals_quantplug_generate(exports: dict[str, Path], label: str) 
     # quantization="quantplug": vLLM's config stage would otherwise judge the checkpoint by its own
     # quant_method first (it refuses float32 for "fp8", asymmetric GPTQ, and knows nothing of "acme")
     llm = _llm(path, "float32", quantization="quantplug", model_loader_extra_config=options)
+    count_paths.clear()
     assert _generate(llm) == want
+    mla = _model(llm).get_submodule("model.layers.0.self_attn.mla_attn.mla_attn")
+    assert type(mla.W_UK_T).__name__ == "AbsorbedWeight" and tuple(mla.W_UK_T.shape) == (4, 128, 512)
+    latent_quantized = sum("cached latent is quantized" in n for n in _notes(llm))
+    # every MLA layer's, where kv_b_proj's form quantizes its input (test_fp8_latent_quantized_as_kv_b_quantizes_it)
+    assert latent_quantized == (3 if label in LATENT_QUANTIZED else 0)
+    if label in NO_FORM:
+        return
+    # the expert pack's routed experts run through the pack's own scheme (read from its cache,
+    # no form): their grouped products are the one expected fallback there
+    pack = label.endswith("expert-pack")
+    fallback = {k: v for k, v in count_paths.items() if not k[1] and not (pack and k[0] == "grouped")}
+    assert not fallback, f"{label}: quantplug products that did not run natively in vLLM: {fallback}"
+    routed = 0 if pack else 2
+    # per decode step: the dense MLP, 2 layers' shared experts, 2 layers' routed experts
+    assert count_paths[("MLPStep", True)] >= (NEW - 1) * (3 + routed)
+    if label.startswith("gguf"):
+        assert count_paths[("stacked_all", True)] >= (NEW - 1) * 3 * 2  # W_UK and W_UV of 3 layers
 
 
 @pytest.mark.parametrize("label", sorted(PACKED))
@@ -128,67 +184,17 @@ def test_bf16_tokens_and_weight_bytes(exports: dict[str, Path], label: str) -> N
     assert not [n for n, _ in model.named_parameters() if n.endswith(("W_UK_T", "W_UV"))]
 
 
-@pytest.fixture
-def count_paths(monkeypatch: pytest.MonkeyPatch) -> collections.Counter:
-    """Counts, per quantplug compute entry, the calls that ran natively and the ones that fell back
-    to the scheme's torch path (the engine runs in this process)."""
-    from quantplug.kernels import compute
-
-    counts: collections.Counter = collections.Counter()
-
-    def counted(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapped(*a: Any, **k: Any) -> Any:
-            y = f(*a, **k)
-            counts[(name, y is not None)] += 1
-            return y
-        return wrapped
-
-    for name in ("linear", "fused", "grouped", "stacked_all"):
-        monkeypatch.setattr(compute, name, counted(name, getattr(compute, name)))
-    step = compute.MLPStep.__call__
-
-    def step_call(self, *a, **k):
-        y = step(self, *a, **k)
-        counts[("MLPStep", y is not None)] += 1
-        return y
-    monkeypatch.setattr(compute.MLPStep, "__call__", step_call)
-    return counts
-
-
-@pytest.mark.parametrize("label", ["gguf-q4_0", "fp8-block", "compressed-tensors-w4a16"])
-def test_quantplug_native_compute_runs_inside_vllm(exports: dict[str, Path], label: str,
-                                                   count_paths: collections.Counter) -> None:
-    """Inside vLLM, every product quantplug computes runs on the layer's form natively: the
-    projections (``compute.linear`` / ``fused``), dense MLPs and shared experts and the routed
-    experts as one native step each (``MLPStep``), GGUF's per-head K/V stacks (``stacked_all``)
-    for vLLM's absorbed MLA; no call falls back to a scheme's torch path."""
-    if label not in exports:
-        pytest.skip(f"the backend writing {label} is not installed")
-    llm = _llm(exports[label], "float32", quantization="quantplug")
-    count_paths.clear()
-    _generate(llm)
-    fallback = {k: v for k, v in count_paths.items() if not k[1]}
-    assert not fallback, f"{label}: quantplug products that did not run natively in vLLM: {fallback}"
-    assert count_paths[("MLPStep", True)] >= (NEW - 1) * 5  # per decode step: 1 dense MLP, 2 shared, 2 routed
-    if label.startswith("gguf"):
-        assert count_paths[("stacked_all", True)] >= (NEW - 1) * 3 * 2  # W_UK and W_UV of 3 layers
-    mla = _model(llm).get_submodule("model.layers.0.self_attn.mla_attn.mla_attn")
-    assert type(mla.W_UK_T).__name__ == "AbsorbedWeight" and tuple(mla.W_UK_T.shape) == (4, 128, 512)
-
-
 def test_fp8_latent_quantized_as_kv_b_quantizes_it(exports: dict[str, Path]) -> None:
     """DeepSeek FP8 with quantplug's default ``activation_quant=dynamic``: kv_b_proj quantizes the
-    latent it expands (per token, per 128), so vLLM's cached latent is quantized the same way and
-    its absorbed decode attends on the rows quantplug's decode step attends on: all 16 tokens equal
-    (test_greedy_equals_quantplug_generate). Without that, this model parts at step 4 (a near-tie:
-    vLLM's log-probabilities of tokens 90 and 41 differ by 0.007). Weight-only
-    (``activation_quant=none``, DeepSeek's reference ``gemm_impl="bf16"``) nothing is quantized."""
+    latent it expands (per token, per 128), so vLLM's cached latent is quantized the same way (in
+    every MLA layer, said at load) and its absorbed decode attends on the rows quantplug's decode
+    step attends on: all 16 tokens equal (test_greedy_equals_quantplug_generate, which checks the
+    three notes). Without that, this model parts at step 4 (a near-tie: vLLM's log-probabilities of
+    tokens 90 and 41 differ by 0.007). Weight-only (``activation_quant=none``, DeepSeek's reference
+    ``gemm_impl="bf16"``) nothing is quantized, and the tokens are ``quantplug generate``'s too."""
     if "fp8-block" not in exports:
         pytest.skip("quantplug-fp8 is not installed")
     path = exports["fp8-block"]
-    llm = _llm(path, "float32", quantization="quantplug")
-    assert sum("cached latent is quantized" in n for n in _notes(llm)) == 3
-    assert _generate(llm) == _cli_generate(path, {})
     none = {"activation_quant": "none"}
     llm = _llm(path, "float32", quantization="quantplug", model_loader_extra_config=none)
     assert not any("cached latent" in n for n in _notes(llm))
