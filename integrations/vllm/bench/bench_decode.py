@@ -1,7 +1,8 @@
 """Decode speed of vLLM with quantplug's plugin against vLLM's own CPU path on the same checkpoint
 (and quantplug's own ``generate`` beside them), on the tiny checkpoints of
-``quantplug.testing.engines`` (DeepSeek's MLA dims, 3 layers, 8 experts), each exported by its
-backend's own exporter:
+``quantplug.testing.engines`` (DeepSeek's MLA dims, 3 layers, 8 experts; ``topk_method:
+"noaux_tc"`` in config.json, as DeepSeek-V3's release has it), each exported by its backend's own
+exporter:
 
     python integrations/vllm/bench/bench_decode.py --rounds 3 dense compressed-tensors-w4a16 gguf-q4_0 fp8-block
 
@@ -123,11 +124,13 @@ def main() -> None:
         return
     if not args.labels:
         ap.error("name at least one checkpoint label")
-    from quantplug.testing.engines import export_formats
+    from quantplug.testing.engines import export_formats, mla_config
 
     contenders = [c for c in args.contenders.split(",") if c]
     with tempfile.TemporaryDirectory() as root:
-        paths = export_formats(root, only=args.labels)
+        # topk_method "noaux_tc", as DeepSeek-V3's release config says: vLLM's own path needs it
+        # (without it vLLM has no e_score_correction_bias parameter: KeyError); quantplug ignores it
+        paths = export_formats(root, mla_config(topk_method="noaux_tc"), only=args.labels)
         for label in args.labels:
             if label not in paths:
                 print(f"{label}: not exported (its backend is not installed)", flush=True)

@@ -184,6 +184,24 @@ def test_bf16_tokens_and_weight_bytes(exports: dict[str, Path], label: str) -> N
     assert not [n for n, _ in model.named_parameters() if n.endswith(("W_UK_T", "W_UV"))]
 
 
+def test_routed_experts_served_from_the_checkpoint_files(exports: dict[str, Path]) -> None:
+    """``expert_cache_mb`` (routed experts read on demand from the checkpoint's own files) under
+    vLLM: the planned experts vLLM's MoE layers hold carry no weights, each routed product reads its
+    experts through quantplug's cache, and the tokens are ``quantplug generate``'s. vLLM's own
+    router picks the experts, so quantplug's next-layer prefetch never runs here."""
+    if "gguf-q4_0" not in exports:
+        pytest.skip("quantplug-expert-pack (GGUF export) is not installed")
+    path, options = exports["gguf-q4_0"], {"expert_cache_mb": "1"}
+    llm = _llm(path, "float32", quantization="quantplug", model_loader_extra_config=options)
+    assert _generate(llm) == _cli_generate(path, options)
+    experts = [m for m in _model(llm).modules() if type(m).__name__ == "Experts"]
+    assert len(experts) == 2 and all(e.qp_store is not None for e in experts)
+    assert not [n for e in experts for n, _ in e.named_parameters()]  # left in the files
+    stats = experts[0].qp_store.cache.stats()
+    assert stats["misses"] > 0 and stats["hits"] > 0 and stats["bytes_read"] > 0
+    assert stats["prefetched"] == 0
+
+
 def test_fp8_latent_quantized_as_kv_b_quantizes_it(exports: dict[str, Path]) -> None:
     """DeepSeek FP8 with quantplug's default ``activation_quant=dynamic``: kv_b_proj quantizes the
     latent it expands (per token, per 128), so vLLM's cached latent is quantized the same way (in
