@@ -62,8 +62,9 @@ def worker(contender: str, path: str, dtype_name: str, reps: int, compile_: bool
             llm = LLM(model=path, skip_tokenizer_init=True, dtype=dtype_name, max_model_len=256, max_num_seqs=1,
                       enforce_eager=not compile_, **kw)
         except Exception as exc:  # vLLM's own path refusing the checkpoint is a result, not a crash
-            lines = [ln for ln in str(exc).splitlines() if ln.strip()]
-            return {"error": f"{type(exc).__name__}: {lines[-1] if lines else ''}"[:300]}
+            lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+            said = next((ln for ln in lines if "Value error" in ln), lines[-1] if lines else "")  # pydantic's
+            return {"error": f"{type(exc).__name__}: {said}"[:300]}
 
         def run(n: int) -> list[int]:
             res = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=n,
