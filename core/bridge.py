@@ -21,7 +21,9 @@ import torch
 from torch import nn
 
 from .errors import QuantplugError
-from .layers.linear import FloatParams, QuantLinear, StackedLinear
+from .kernels import compute, native
+from .kernels.compute import NATIVE_ROWS
+from .layers.linear import DenseScheme, FloatParams, QuantLinear, StackedLinear
 from .models.deepseek import MLA, MLP, Embedding, Experts, TiedHead
 
 
@@ -60,6 +62,103 @@ class KVBFromSplit(nn.Module):
     def extra_repr(self) -> str:
         return (f"heads={self.heads}, in={self.in_features}, out={self.out_features}, "
                 f"k_b={self.k_b.scheme.describe()}, v_b={self.v_b.scheme.describe()}")
+
+
+class AbsorbedMLA:
+    """The per-head products an engine's absorbed MLA decode needs, computed from the planned K/V
+    weights as loaded (no dense copy kept): ``uk(q)`` = q_nope through W_UK per head (into the
+    latent), ``uv(x)`` = the attention output on the latent through W_UV per head, and
+    ``latent(c)``: the cached latent rows as ``kv_b_proj``'s own product sees them.
+
+    * split K/V (GGUF ``attn_k_b`` / ``attn_v_b``): the stacks' own products
+      (``StackedLinear.forward_all``: the native kernels for up to :data:`NATIVE_ROWS` tokens), as
+      quantplug's own decode computes them;
+    * a dense ``kv_b_proj`` [heads * (nope + v), kv_lora] in float form in the compute dtype: views
+      of its weight;
+    * any other dense ``kv_b_proj``: the head rows needed decoded for the call (natively where the
+      layer is bound to a form, else through ``scheme.dequantize``) and dropped after it, as the
+      native MLA step decodes them (one layer's rows at a time: the memory of one layer's dense
+      K or V half while it runs).
+
+    ``latent(c)``: when ``kv_b_proj``'s form quantizes its input (DeepSeek FP8 ``act_quant``), the
+    expanded form computes K and V from the quantized latent, so an absorbed decode must attend on
+    the quantized rows (what quantplug's native step does); ``latent`` returns them (float rows
+    rounded to ``c``'s dtype). ``quantizes_latent`` says whether it changes anything;
+    ``latent_unknown`` is True when ``kv_b_proj`` quantizes its input but declares no form, so the
+    quantized rows cannot be formed here (the engine then attends on the float latent).
+    """
+
+    def __init__(self, attn: MLA) -> None:
+        cfg = attn.cfg
+        self.heads, self.nope, self.v, self.kv_lora = attn.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, attn.kv_lora_rank
+        self.split = attn.layout.kind != "dense"
+        self.k_b: StackedLinear | None = attn.k_b if self.split else None
+        self.v_b: StackedLinear | None = attn.v_b if self.split else None
+        self.kv_b: QuantLinear | None = None if self.split else attn.kv_b_proj
+        kv_b = self.kv_b
+        self.where = attn.qp_ckpt
+        bound = None if kv_b is None else compute.bound(kv_b)
+        act = None if bound is None else bound.form.act
+        self.quantizes_latent = act is not None
+        self.latent_unknown = kv_b is not None and not kv_b.scheme.weight_only and bound is None
+
+    def describe(self) -> str:
+        if self.split:
+            assert self.k_b is not None and self.v_b is not None
+            return f"k_b {self.k_b.scheme.describe()} / v_b {self.v_b.scheme.describe()} (per-head stacks)"
+        assert self.kv_b is not None
+        how = "views" if self._float_weight(self.kv_b.model_dtype) is not None else "head rows decoded per call"
+        return f"kv_b_proj {self.kv_b.scheme.describe()} ({how})"
+
+    def _float_weight(self, dtype: torch.dtype) -> torch.Tensor | None:
+        kv_b = self.kv_b
+        if kv_b is None or not isinstance(kv_b.scheme, DenseScheme) or kv_b.weight.dtype != dtype:
+            return None
+        return kv_b.weight.view(self.heads, self.nope + self.v, self.kv_lora)
+
+    def _rows(self, part: str, dtype: torch.dtype) -> torch.Tensor:
+        """W_UK [heads, nope, kv_lora] (``part="k"``) or W_UV [heads, v, kv_lora] (``"v"``) rows
+        of the dense ``kv_b_proj``, in ``dtype`` (float32 from a decode)."""
+        kv_b = self.kv_b
+        assert kv_b is not None
+        lo, n = (0, self.nope) if part == "k" else (self.nope, self.v)
+        w = self._float_weight(dtype)
+        if w is not None:
+            return w[:, lo:lo + n]
+        b = compute.bound(kv_b)
+        if b is not None and native.library() is not None:
+            out = torch.empty(self.heads, n, self.kv_lora, dtype=torch.float32)
+            step = self.nope + self.v
+            for h in range(self.heads):
+                native.dequant(b.ptr(), h * step + lo, h * step + lo + n, out[h], b.wround)
+            return out
+        full = kv_b.scheme.dequantize(kv_b).view(self.heads, self.nope + self.v, self.kv_lora)
+        return full[:, lo:lo + n].float()
+
+    def uk(self, q: torch.Tensor) -> torch.Tensor:
+        """q_nope [heads, T, nope] -> [heads, T, kv_lora] (per head ``q_h @ W_UK_h``)."""
+        if self.k_b is not None:
+            return self.k_b.forward_all(q).to(q.dtype)
+        w = self._rows("k", q.dtype)
+        return torch.bmm(q.to(w.dtype), w).to(q.dtype)
+
+    def uv(self, x: torch.Tensor) -> torch.Tensor:
+        """The attention output on the latent [heads, T, kv_lora] -> [heads, T, v] (per head
+        ``x_h @ W_UV_h^T``)."""
+        if self.v_b is not None:
+            return self.v_b.forward_all(x).to(x.dtype)
+        w = self._rows("v", x.dtype)
+        return torch.bmm(x.to(w.dtype), w.transpose(1, 2)).to(x.dtype)
+
+    def latent(self, c: torch.Tensor) -> torch.Tensor:
+        """Latent rows c [..., kv_lora] as ``kv_b_proj``'s product quantizes them (``c`` itself
+        when it does not)."""
+        kv_b = self.kv_b
+        b = None if kv_b is None or not self.quantizes_latent else compute.bound(kv_b)
+        if b is None or native.library() is None or c.numel() == 0:
+            return c
+        rows = native.act_rows(b.ptr(), native._as_f32_rows(c, self.kv_lora))
+        return rows.view(c.shape).to(c.dtype)
 
 
 @dataclass
@@ -144,6 +243,7 @@ def planned_modules(model: nn.Module) -> dict[str, Projection]:
             out[name] = Projection(mod, [emb], emb.dim, [emb.vocab], [_describe(mod)])
         elif isinstance(mod, Experts):
             p = _single(mod)
+            p.fn = _routed(mod)
             p.in_features, p.out_features = mod.gate_proj.in_features, [mod.down_proj.out_features]
             p.schemes = [f"{x.scheme.describe()}" for x in (mod.gate_proj, mod.up_proj, mod.down_proj)]
             out[name] = p
@@ -163,6 +263,37 @@ def planned_modules(model: nn.Module) -> dict[str, Projection]:
     return out
 
 
+def _routed(experts: Experts) -> Callable[..., torch.Tensor]:
+    """``fn(x, topk_ids, topk_weights)`` of the routed experts, as quantplug's own model runs them:
+    up to :data:`NATIVE_ROWS` tokens in one native call of the experts' step (``MLPStep``: gate,
+    up, silu, down and the weighted sum of every token's experts), more through the grouped
+    forward (tokens sorted by expert once, each projection over the hit experts' row groups)."""
+
+    def fn(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if experts.step is not None and 0 < x.shape[0] <= NATIVE_ROWS:
+            return experts.forward_step(x, idx.tolist(), w.float().tolist())
+        return experts(x, idx, w)
+
+    return fn
+
+
+def planned_mlps(model: nn.Module) -> dict[str, nn.Module]:
+    """quantplug's gated MLPs of the loaded text model (dense MLP layers, shared experts) by Hugging
+    Face module name (``model.layers.0.mlp``, ``model.layers.3.mlp.shared_experts``): ``m(x)`` runs
+    ``down(silu(gate(x)) * up(x))`` as quantplug's model does (one native call for up to
+    :data:`NATIVE_ROWS` rows where the three are bound to forms), for an engine whose MLP module
+    holds exactly these three planned linears."""
+    lm = text_model(model)
+    return {name: mod for name, mod in lm.named_modules() if isinstance(mod, MLP)}
+
+
+def absorbed_attention(model: nn.Module) -> dict[str, AbsorbedMLA]:
+    """:class:`AbsorbedMLA` of every MLA layer of the loaded text model, by Hugging Face module
+    name (``model.layers.{i}.self_attn``)."""
+    lm = text_model(model)
+    return {name: AbsorbedMLA(mod) for name, mod in lm.named_modules() if isinstance(mod, MLA)}
+
+
 def float_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The float tensors of the loaded text model that are not part of a projection (norms, the
     router's weight and ``e_score_correction_bias``), by Hugging Face name, as loaded (no copy)."""
@@ -175,4 +306,5 @@ def float_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-__all__ = ["KVBFromSplit", "Projection", "float_state", "planned_modules", "text_model"]
+__all__ = ["AbsorbedMLA", "KVBFromSplit", "Projection", "absorbed_attention", "float_state", "planned_mlps",
+           "planned_modules", "text_model"]

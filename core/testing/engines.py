@@ -53,6 +53,11 @@ EXPORTS: tuple[Export, ...] = (
     Export("modelslim-w4a8", "modelslim", {"recipes": ["w4a8"]}, packed=True),
     Export("modelslim-w8a8", "modelslim", {"recipes": ["w8a8"]}),
     Export("quark-mxfp4", "quark", {}, packed=True),
+    Export("modelopt-w4a16-nvfp4", "modelopt", {}, packed=True),
+    Export("modelopt-nvfp4", "modelopt", {"algo": "NVFP4"}, packed=True),
+    Export("modelopt-fp8", "modelopt", {"algo": "FP8"}, packed=True),
+    Export("gptq-int4", "gptq", {}, packed=True),
+    Export("awq-int4", "awq", {}, packed=True),
     Export("acme-int8", "acme", {}),
 )
 

@@ -59,6 +59,24 @@ def test_quantized_tensors_stay_packed(exports: dict[str, Path]) -> None:
     assert fp8["model.layers.0.self_attn.q_b_proj.weight"].dtype == torch.float8_e4m3fn
 
 
+@pytest.mark.parametrize("label", ["gguf-q4_0", "fp8-block"])
+def test_routed_experts_served_from_the_checkpoint_files(exports: dict[str, Path], label: str) -> None:
+    """``options={"expert_cache_mb": ...}``: transformers calls quantplug's experts, which read each
+    routed expert from the checkpoint's files through the cache (no expert weights in the model);
+    the tokens are quantplug's."""
+    if label not in exports:
+        pytest.skip(f"the backend writing {label} is not installed")
+    path, options = exports[label], {"expert_cache_mb": 1}
+    model = qt.from_pretrained(path, options=options)
+    experts = model.model.layers[1].mlp.experts
+    assert experts.qp_store is not None and not list(experts.parameters())
+    got = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, do_sample=False)[0, len(PROMPT):].tolist()
+    want = quantplug.load(path, progress=False).generate(torch.tensor([PROMPT]), NEW)[0, len(PROMPT):].tolist()
+    assert got == want
+    stats = experts.qp_store.cache.stats()
+    assert stats["misses"] > 0 and stats["bytes_read"] > 0
+
+
 def _byte_tokenizer(path: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 

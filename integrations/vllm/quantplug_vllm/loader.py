@@ -9,7 +9,9 @@
    (:class:`~quantplug_vllm.method.QuantplugConfig`): each projection's method takes the planned
    module(s) for it; the remaining float tensors (norms, router) are copied into vLLM's own
    parameters. Every vLLM parameter must be accounted for, else a ``ValueError`` names it.
-4. vLLM post-processes (its MLA derives W_UK / W_UV from ``kv_b_proj`` through our ``apply``).
+4. Where a vLLM module holds only planned modules, quantplug's own step runs it (gated MLPs), and
+   vLLM's MLA multiplies by ``W_UK_T`` / ``W_UV`` computed from the planned ``kv_b_proj`` on use
+   instead of holding dense copies (:mod:`.mla`); then vLLM post-processes.
 
 Options for quantplug (``-o KEY=VALUE`` on the CLI) come from vLLM's
 ``model_loader_extra_config`` (``--model-loader-extra-config '{"activation_quant": "none"}'``).
@@ -17,22 +19,25 @@ Options for quantplug (``-o KEY=VALUE`` on the CLI) come from vLLM's
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from typing import Any
 
 import quantplug
 import torch
-from quantplug.bridge import float_state, planned_modules
+from quantplug.bridge import AbsorbedMLA, absorbed_attention, float_state, planned_mlps, planned_modules
 from quantplug.errors import QuantplugError
 from torch import nn
 from vllm.config import ModelConfig, VllmConfig
 from vllm.logger import init_logger
+from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from .method import NAME, QuantplugConfig, QuantplugLinearMethod
+from .method import NAME, QuantplugConfig, QuantplugLinearMethod, _register_fn, mlp_op
+from .mla import absorb_lazily, quantize_latent
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, so its handler prints it
 
@@ -95,6 +100,8 @@ class QuantplugModelLoader(BaseModelLoader):
             qp_model = quantplug.load(path, dtype=dtype, options=options, progress=False)
             projections = planned_modules(qp_model)
             floats = float_state(qp_model)
+            mlps = planned_mlps(qp_model)
+            absorbed = absorbed_attention(qp_model)
         except QuantplugError as exc:
             raise QuantplugLoadError(f"quantplug: {exc}") from exc
         t_load = time.perf_counter() - t0
@@ -111,12 +118,13 @@ class QuantplugModelLoader(BaseModelLoader):
             raise QuantplugLoadError(f"quantplug: {path}: vLLM's model has no layer for the planned modules "
                                      f"{', '.join(unused[:8])}")
         self._copy_floats(model, floats, path)
+        notes = self._wire(model, mlps, absorbed)
         del qp_model, floats
         process_weights_after_loading(model, model_config, torch.device("cpu"))
-        self._kv_b_once(model)
         for name, mod in model.named_modules():  # per layer, how it runs where that is not "as planned"
-            for note in getattr(getattr(mod, "quant_method", None), "notes", ()):
+            for note in [*getattr(getattr(mod, "quant_method", None), "notes", ()), *notes.get(name, ())]:
                 logger.info("quantplug: %s: %s", name, note)
+        model.quantplug_notes = notes  # type: ignore[assignment]
         model.quantplug_plan = plan  # type: ignore[assignment]
         backend = plan.backend or "dense"
         schemes = sorted({s for p in projections.values() for s in p.schemes})
@@ -126,39 +134,41 @@ class QuantplugModelLoader(BaseModelLoader):
         return model.eval()
 
     @staticmethod
-    def _kv_b_once(model: nn.Module) -> None:
-        """vLLM's MLA keeps ``kv_b_proj`` dense whatever its format: after loading it derives
-        W_UK_T [heads, nope, kv_lora] and W_UV [heads, kv_lora, v] by applying ``kv_b_proj`` to an
-        identity matrix (through our ``apply``), and decodes with those. Holding the planned packed
-        kv_b_proj as well would keep that layer twice, so where its scheme is weight-only
-        (dequantize-then-matmul: the dense product is the same up to summation order) the planned
-        module is released and kv_b_proj (still called by vLLM's CPU prefill) computes from vLLM's
-        dense W_UK_T / W_UV. A scheme that quantizes activations (ModelSlim W8A8, FP8 with DeepSeek's
-        activation emulation) keeps its planned module for prefill, which stays exact."""
-        for mod in model.modules():
-            kv_b = getattr(mod, "kv_b_proj", None)
-            method = getattr(kv_b, "quant_method", None)
-            if not isinstance(method, QuantplugLinearMethod) or not hasattr(mod, "W_UV"):
-                continue
-            w_uk_t, w_uv = getattr(mod, "W_UK_T", None), getattr(mod, "W_UV", None)
-            if not (isinstance(w_uk_t, torch.Tensor) and isinstance(w_uv, torch.Tensor) and w_uk_t.dim() == 3
-                    and w_uv.dim() == 3 and w_uk_t.shape[0] == w_uv.shape[0]):
-                continue  # another MLA implementation (AMX packs its own): keep the planned module
-            if not method.weight_only:
-                method.notes.append(f"kept as planned for prefill ({', '.join(method.proj.schemes)} quantizes "
-                                    "activations); vLLM's decode uses its own dense W_UK_T / W_UV (the absorbed "
-                                    "form of DeepSeek's reference, no activation quantization there)")
-                continue
+    def _wire(model: nn.Module, mlps: dict[str, nn.Module], absorbed: dict[str, AbsorbedMLA]) -> dict[str, list[str]]:
+        """Where vLLM's module holds only planned modules, quantplug's own step runs it:
 
-            def dense_kv_b(x: torch.Tensor, w_uk_t: torch.Tensor = w_uk_t, w_uv: torch.Tensor = w_uv) -> torch.Tensor:
-                xs = x.reshape(1, -1, x.shape[-1]).to(w_uv.dtype)              # [1, T, kv_lora]
-                k = torch.matmul(xs, w_uk_t.transpose(1, 2))                   # [heads, T, nope]
-                v = torch.matmul(xs, w_uv)                                      # [heads, T, v]
-                return torch.cat([k, v], dim=-1).transpose(0, 1).reshape(*x.shape[:-1], -1)
+        * a gated MLP (dense MLP layers, shared experts) whose ``gate_up_proj`` and ``down_proj``
+          hold exactly quantplug's gate / up / down: quantplug's MLP (``quantplug_vllm::mlp``: one
+          native call for a decode step's rows, ``MLPStep``);
+        * MLA: ``W_UK_T`` / ``W_UV`` computed on use from the planned ``kv_b_proj`` (no dense copy,
+          :func:`~quantplug_vllm.mla.absorb_lazily`), and the cached latent quantized where
+          ``kv_b_proj`` quantizes its input (:func:`~quantplug_vllm.mla.quantize_latent`).
 
-            method.serve_from(kv_b, dense_kv_b, f"{', '.join(method.proj.schemes)}: dequantized on load into "
-                              "vLLM's W_UK_T / W_UV (vLLM's MLA holds kv_b_proj dense and decodes with it); the "
-                              "planned copy was released")
+        Returns what to log per module."""
+        notes: dict[str, list[str]] = {}
+        for name, mod in model.named_modules():
+            if name in mlps:
+                qp = mlps[name]
+                gate_up, down = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
+                gu = getattr(gate_up, "quant_method", None)
+                dn = getattr(down, "quant_method", None)
+                if (isinstance(gu, QuantplugLinearMethod) and isinstance(dn, QuantplugLinearMethod)
+                        and gu.proj.modules == [qp.gate_proj, qp.up_proj] and dn.proj.modules == [qp.down_proj]):
+                    key = _register_fn(qp)
+                    mod.forward = functools.partial(mlp_op, key=key)
+                    step = "one native call per decode step (MLPStep)" if qp.step is not None else \
+                        "gate + up in one call, then down"
+                    notes.setdefault(name, []).append(f"runs as quantplug's MLP: {step}")
+            if isinstance(mod, MLAAttention):
+                owner = name.removesuffix(".mla_attn.mla_attn")
+                att = absorbed.get(owner)
+                if att is None:
+                    continue
+                wrapper = model.get_submodule(name.removesuffix(".mla_attn"))
+                layer_notes = notes.setdefault(owner, [])
+                absorb_lazily(mod, att, owner, layer_notes)
+                quantize_latent(wrapper, att, layer_notes)
+        return notes
 
     @staticmethod
     def _align_config(model_config: ModelConfig, plan: Any) -> None:

@@ -86,6 +86,18 @@ def _experts_fake(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("quantplug_vllm::mlp", mutates_args=())
+def mlp_op(x: torch.Tensor, key: int) -> torch.Tensor:
+    """A gated MLP ``down(silu(gate(x)) * up(x))`` of layer ``key``: quantplug's MLP module (one
+    native call for a decode step's rows)."""
+    return _fn(key)(x).to(x.dtype).contiguous()
+
+
+@mlp_op.register_fake
+def _mlp_fake(x: torch.Tensor, key: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 # -- methods -----------------------------------------------------------------------------------------
 
 
@@ -133,21 +145,6 @@ class QuantplugLinearMethod(LinearMethodBase):
 
     def tie_weights(self, layer: nn.Module, embed_tokens: nn.Module) -> nn.Module:
         return layer  # a tied lm_head's planned module already reads the embedding (TiedHead)
-
-    @property
-    def weight_only(self) -> bool:
-        """Every part's scheme computes dequantize-then-matmul (activations not quantized)."""
-        return all(getattr(getattr(m, "scheme", None), "weight_only", False) or not hasattr(m, "scheme")
-                   and all(getattr(getattr(p, "scheme", None), "weight_only", False) for p in m.children())
-                   for m in self.proj.modules)
-
-    def serve_from(self, layer: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], why: str) -> None:
-        """Compute this layer with ``fn`` from now on and release the planned modules (their bytes):
-        for ``kv_b_proj``, whose dense form vLLM's MLA derives and keeps itself (W_UK / W_UV)."""
-        _FNS[self.key] = fn
-        layer.quantplug = nn.ModuleList()
-        self.proj = Projection(fn, [], self.proj.in_features, self.proj.out_features, self.proj.schemes)
-        self.notes = [why]
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:  # pragma: no cover
         raise RuntimeError(f"quantplug: {self.prefix} is a linear, not an embedding")

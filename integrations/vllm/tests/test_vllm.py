@@ -7,12 +7,15 @@ The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set in co
 
 from __future__ import annotations
 
+import collections
 import importlib.metadata as md
 import json
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,10 +29,17 @@ from vllm import LLM, SamplingParams  # noqa: E402
 
 PROMPT = [1, 5, 9, 33, 100, 7]
 NEW = 16
-#: backend options both sides run with: the FP8 format weight-only (see test_fp8_activation_emulation)
-OPTIONS: dict[str, dict[str, str]] = {"fp8-block": {"activation_quant": "none"}}
 LABELS = [row.label for row in EXPORTS]
 PACKED = {row.label for row in EXPORTS if row.packed}
+#: formats whose kv_b_proj quantizes its input without declaring a form (ModelOpt's activation
+#: emulation): vLLM's absorbed decode cannot attend on the quantized latent there, so the equality
+#: tests run them weight-only (both sides) and test_latent_not_quantizable covers the default
+WEIGHT_ONLY = {"modelopt-nvfp4": {"activation_quant": "none"}, "modelopt-fp8": {"activation_quant": "none"}}
+#: formats whose kv_b_proj form quantizes its input (DeepSeek FP8's act_quant, ModelSlim W8A8's
+#: per-token int8): vLLM's cached latent is quantized the same way
+LATENT_QUANTIZED = {"fp8-block", "modelslim-w8a8"}
+#: formats whose schemes declare no form (quantplug computes them through the schemes' torch paths)
+NO_FORM = {"modelopt-w4a16-nvfp4", "modelopt-nvfp4", "modelopt-fp8", "gptq-int4", "awq-int4"}
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +63,10 @@ def _model(llm: LLM) -> torch.nn.Module:
     return model
 
 
+def _notes(llm: LLM) -> list[str]:
+    return [n for ns in _model(llm).quantplug_notes.values() for n in ns]
+
+
 def _cli_generate(path: Path, options: dict[str, str]) -> list[int]:
     """``quantplug generate PATH --tokens ... --max-new-tokens 16 --json`` (float32, greedy)."""
     cmd = [sys.executable, "-m", "quantplug", "generate", str(path), "--tokens", ",".join(map(str, PROMPT)),
@@ -65,34 +79,88 @@ def _cli_generate(path: Path, options: dict[str, str]) -> list[int]:
     return tokens
 
 
+def _quantplug(path: Path, dtype: torch.dtype, options: dict[str, str]) -> tuple[torch.nn.Module, list[int]]:
+    model = quantplug.load(path, dtype=dtype, options=options, progress=False)
+    return model, model.generate(torch.tensor([PROMPT]), NEW)[0, len(PROMPT):].tolist()
+
+
+@pytest.fixture
+def count_paths(monkeypatch: pytest.MonkeyPatch) -> collections.Counter:
+    """Counts, per quantplug compute entry, the calls that ran natively and the ones that fell back
+    to the scheme's torch path (the engine runs in this process)."""
+    from quantplug.kernels import compute
+
+    counts: collections.Counter = collections.Counter()
+
+    def counted(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*a: Any, **k: Any) -> Any:
+            y = f(*a, **k)
+            counts[(name, y is not None)] += 1
+            return y
+        return wrapped
+
+    for name in ("linear", "fused", "grouped", "stacked_all"):
+        monkeypatch.setattr(compute, name, counted(name, getattr(compute, name)))
+    step = compute.MLPStep.__call__
+
+    def step_call(self, *a, **k):
+        y = step(self, *a, **k)
+        counts[("MLPStep", y is not None)] += 1
+        return y
+    monkeypatch.setattr(compute.MLPStep, "__call__", step_call)
+    return counts
+
+
 @pytest.mark.parametrize("label", LABELS)
-def test_greedy_equals_quantplug_generate(exports: dict[str, Path], label: str) -> None:
-    """float32: vLLM's greedy tokens = ``quantplug generate``'s, 16 new tokens, every format."""
+def test_greedy_equals_quantplug_generate(exports: dict[str, Path], label: str,
+                                          count_paths: collections.Counter) -> None:
+    """float32: vLLM's greedy tokens = ``quantplug generate``'s, 16 new tokens, every format with
+    its backend's default options (DeepSeek FP8 with its activation emulation included).
+
+    And quantplug's compute runs inside vLLM: for every format whose schemes declare forms, every
+    product runs on them natively (projections, gated MLPs and routed experts as one ``MLPStep``
+    call each per decode step, GGUF's per-head K/V stacks for vLLM's absorbed MLA), none falls
+    back to a scheme's torch path; vLLM's MLA holds no dense W_UK_T / W_UV."""
     if label not in exports:
         pytest.skip(f"the backend writing {label} is not installed")
-    path, options = exports[label], OPTIONS.get(label, {})
+    path, options = exports[label], WEIGHT_ONLY.get(label, {})
     # what `quantplug generate` runs (the CLI itself: test_third_party_backend_without_vllm_code)
-    model = quantplug.load(path, options=options, progress=False)
-    want = model.generate(torch.tensor([PROMPT]), NEW)[0, len(PROMPT):].tolist()
-    del model
+    _, want = _quantplug(path, torch.float32, options)
     # quantization="quantplug": vLLM's config stage would otherwise judge the checkpoint by its own
-    # quant_method first (it refuses float32 for "fp8", and knows nothing of "acme")
+    # quant_method first (it refuses float32 for "fp8", asymmetric GPTQ, and knows nothing of "acme")
     llm = _llm(path, "float32", quantization="quantplug", model_loader_extra_config=options)
+    count_paths.clear()
     assert _generate(llm) == want
+    mla = _model(llm).get_submodule("model.layers.0.self_attn.mla_attn.mla_attn")
+    assert type(mla.W_UK_T).__name__ == "AbsorbedWeight" and tuple(mla.W_UK_T.shape) == (4, 128, 512)
+    latent_quantized = sum("cached latent is quantized" in n for n in _notes(llm))
+    # every MLA layer's, where kv_b_proj's form quantizes its input (test_fp8_latent_quantized_as_kv_b_quantizes_it)
+    assert latent_quantized == (3 if label in LATENT_QUANTIZED else 0)
+    if label in NO_FORM:
+        return
+    # the expert pack's routed experts run through the pack's own scheme (read from its cache,
+    # no form): their grouped products are the one expected fallback there
+    pack = label.endswith("expert-pack")
+    fallback = {k: v for k, v in count_paths.items() if not k[1] and not (pack and k[0] == "grouped")}
+    assert not fallback, f"{label}: quantplug products that did not run natively in vLLM: {fallback}"
+    routed = 0 if pack else 2
+    # per decode step: the dense MLP, 2 layers' shared experts, 2 layers' routed experts
+    assert count_paths[("MLPStep", True)] >= (NEW - 1) * (3 + routed)
+    if label.startswith("gguf"):
+        assert count_paths[("stacked_all", True)] >= (NEW - 1) * 3 * 2  # W_UK and W_UV of 3 layers
 
 
 @pytest.mark.parametrize("label", sorted(PACKED))
 def test_bf16_tokens_and_weight_bytes(exports: dict[str, Path], label: str) -> None:
     """bfloat16 (the checkpoints' float type): tokens = quantplug's bfloat16 model's; the quantized
-    tensors stay as the plan loaded them, so the bytes vLLM holds outside its own MLA copies
-    (W_UK_T / W_UV: vLLM keeps kv_b_proj dense for every format) and its rope cache are within 1.2x
-    the checkpoint's weight files."""
+    tensors stay as the plan loaded them and vLLM's MLA holds no dense copy of kv_b_proj, so every
+    byte vLLM's model holds (parameters and buffers, its rope cache included) is within 1.2x the
+    checkpoint's weight files."""
     if label not in exports:
         pytest.skip(f"the backend writing {label} is not installed")
-    path, options = exports[label], OPTIONS.get(label, {})
-    ref = quantplug.load(path, dtype=torch.bfloat16, options=options, progress=False)
-    want = ref.generate(torch.tensor([PROMPT]), NEW)[0, len(PROMPT):].tolist()
-    llm = _llm(path, "bfloat16", model_loader_extra_config=options)
+    path, options = exports[label], WEIGHT_ONLY.get(label, {})
+    ref, want = _quantplug(path, torch.bfloat16, options)
+    llm = _llm(path, "bfloat16", quantization="quantplug", model_loader_extra_config=options)
     got = _generate(llm)
     if got != want:
         # two bfloat16 implementations (vLLM's ops, quantplug's) may part at a near-tie of the
@@ -106,27 +174,63 @@ def test_bf16_tokens_and_weight_bytes(exports: dict[str, Path], label: str) -> N
         assert gap < 2e-2, f"vLLM's token {got[i]} at step {i} is not a near-tie of quantplug's {want[i]} (gap {gap:.2e})"
     del ref
     model = _model(llm)
-    vllm_own = sum(t.numel() * t.element_size() for n, t in [*model.named_parameters(), *model.named_buffers()]
-                   if re.search(r"\.(W_UK_T|W_UV|cos_sin_cache)$", n))
     total, ckpt = held_bytes(model), checkpoint_bytes(path)
-    print(f"{label}: vLLM holds {total:,} bytes = {total / ckpt:.3f}x the checkpoint's {ckpt:,} "
-          f"({vllm_own:,} of them vLLM's own W_UK_T / W_UV / rope cache)")
-    assert total - vllm_own <= 1.2 * ckpt
+    print(f"{label}: vLLM holds {total:,} bytes = {total / ckpt:.3f}x the checkpoint's {ckpt:,}")
+    assert total <= 1.2 * ckpt
     # nothing the plan keeps packed was widened: every quantized planned tensor is still there, in its dtype
     planned = [t for n, t in model.named_parameters() if ".quantplug." in n]
     assert any(t.dtype not in (torch.bfloat16, torch.float32) for t in planned)
+    # and vLLM's own dense MLA copies are gone
+    assert not [n for n, _ in model.named_parameters() if n.endswith(("W_UK_T", "W_UV"))]
 
 
-def test_fp8_activation_emulation_differs_only_in_mla_decode(exports: dict[str, Path]) -> None:
-    """The FP8 format under quantplug's default ``activation_quant=dynamic`` (DeepSeek's per-token
-    FP8 activations): vLLM's MLA decodes with kv_b_proj dequantized and absorbed (DeepSeek's own
-    reference inference does the same), quantplug's model expands K/V through the activation-
-    quantized kv_b_proj at every step. The prefill (first token) is computed the same way and agrees."""
+def test_routed_experts_served_from_the_checkpoint_files(exports: dict[str, Path]) -> None:
+    """``expert_cache_mb`` (routed experts read on demand from the checkpoint's own files) under
+    vLLM: the planned experts vLLM's MoE layers hold carry no weights, each routed product reads its
+    experts through quantplug's cache, and the tokens are ``quantplug generate``'s. vLLM's own
+    router picks the experts, so quantplug's next-layer prefetch never runs here."""
+    if "gguf-q4_0" not in exports:
+        pytest.skip("quantplug-expert-pack (GGUF export) is not installed")
+    path, options = exports["gguf-q4_0"], {"expert_cache_mb": "1"}
+    llm = _llm(path, "float32", quantization="quantplug", model_loader_extra_config=options)
+    assert _generate(llm) == _cli_generate(path, options)
+    experts = [m for m in _model(llm).modules() if type(m).__name__ == "Experts"]
+    assert len(experts) == 2 and all(e.qp_store is not None for e in experts)
+    assert not [n for e in experts for n, _ in e.named_parameters()]  # left in the files
+    stats = experts[0].qp_store.cache.stats()
+    assert stats["misses"] > 0 and stats["hits"] > 0 and stats["bytes_read"] > 0
+    assert stats["prefetched"] == 0
+
+
+def test_fp8_latent_quantized_as_kv_b_quantizes_it(exports: dict[str, Path]) -> None:
+    """DeepSeek FP8 with quantplug's default ``activation_quant=dynamic``: kv_b_proj quantizes the
+    latent it expands (per token, per 128), so vLLM's cached latent is quantized the same way (in
+    every MLA layer, said at load) and its absorbed decode attends on the rows quantplug's decode
+    step attends on: all 16 tokens equal (test_greedy_equals_quantplug_generate, which checks the
+    three notes). Without that, this model parts at step 4 (a near-tie: vLLM's log-probabilities of
+    tokens 90 and 41 differ by 0.007). Weight-only (``activation_quant=none``, DeepSeek's reference
+    ``gemm_impl="bf16"``) nothing is quantized, and the tokens are ``quantplug generate``'s too."""
     if "fp8-block" not in exports:
         pytest.skip("quantplug-fp8 is not installed")
-    want = _cli_generate(exports["fp8-block"], {})
-    got = _generate(_llm(exports["fp8-block"], "float32", quantization="quantplug"))
-    assert got[0] == want[0]
+    path = exports["fp8-block"]
+    none = {"activation_quant": "none"}
+    llm = _llm(path, "float32", quantization="quantplug", model_loader_extra_config=none)
+    assert not any("cached latent" in n for n in _notes(llm))
+    assert _generate(llm) == _cli_generate(path, none)
+
+
+@pytest.mark.parametrize("label", sorted(WEIGHT_ONLY))
+def test_latent_not_quantizable_without_a_form(exports: dict[str, Path], label: str) -> None:
+    """ModelOpt NVFP4 / FP8 with activation emulation (their default): kv_b_proj quantizes its input
+    in its scheme's ``apply`` but declares no form, so the quantized latent cannot be formed for
+    vLLM's absorbed decode: the load says so per layer, the prefill (expanded on both sides) gives
+    the same first token, later tokens may part (they do on this model)."""
+    if label not in exports:
+        pytest.skip(f"the backend writing {label} is not installed")
+    path = exports[label]
+    llm = _llm(path, "float32", quantization="quantplug")
+    assert sum("declares no form" in n for n in _notes(llm)) == 3
+    assert _generate(llm)[0] == _quantplug(path, torch.float32, {})[1][0]
 
 
 def test_third_party_backend_without_vllm_code(exports: dict[str, Path]) -> None:
