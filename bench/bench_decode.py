@@ -161,9 +161,7 @@ def build(root: Path, llama_py: str | None) -> dict[str, Path]:
             model = quantplug.load(dense, progress=False)
         tmp = root / f"{name}.tmp"
         tmp.mkdir(parents=True, exist_ok=True)
-        res = pm.call("quantplug_export", [backend], firstresult=True, model=model, model_config=model.quantplug_plan.model_config,
-                      destination=tmp, options=opts, plan=model.quantplug_plan)[0][0]
-        results = res if isinstance(res, list | tuple) else [res]
+        results = pm.export(backend, model=model, destination=tmp, plan=model.quantplug_plan, options=opts)
         os.replace(results[0].path, d)
         print(f"exported {name}: {results[0].format}", file=sys.stderr)
     for name, fmt, act in (("ct-nvfp4", "nvfp4-pack-quantized", False), ("ct-mxfp4", "mxfp4-pack-quantized", False),
