@@ -139,7 +139,8 @@ class Form:
     or "INT4" / "INT8" / "FP8" / "FP4". ``scale``: the scale encoding ("F32", "BF16", "F16",
     "E8M0", "E4M3") and ``group`` / ``rows`` its granularity; ``zero``: zero points (float32 or
     int8 values); ``global_scale``: one more float32 scale per matrix, entering as ``global_mode``
-    says (:data:`GLOBAL_MODES`, the module docstring); ``act``: activation quantization.
+    says (``GLOBAL_MODES``: ``"after"``, ``"times_scale"``, ``"over_scale"``; the module
+    docstring); ``act``: activation quantization.
     """
 
     dtype: str
