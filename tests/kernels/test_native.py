@@ -188,6 +188,22 @@ def test_scaled_forms_decode_to_their_definition_bit_for_bit(case, dtype):
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 5, 17])
+def test_bfloat16_rows_multiply_within_float32_rounding(dtype, m):
+    """Float weights kept as bfloat16 (a bfloat16 lm_head): the widened-in-registers path for
+    float32 / bfloat16 models, the generic one for float16 (which rounds the weights to float16);
+    row counts not a multiple of the 4-row tile, inputs over several passes."""
+    n, k = 70, 288
+    w = (torch.randn(n, k, generator=torch.Generator().manual_seed(7)) * 0.05).to(torch.bfloat16)
+    b = bound(Form("BF16"), w, n, k, dtype=dtype)
+    dense = w.to(dtype).float()
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    y = native.gemm(x, [b.ptr()], wround=native.WROUND[dtype])
+    assert ((y.double() - x.double() @ dense.double().t()).abs() <= f64_bound(x, dense)).all()
+
+
+@needs_native
 @pytest.mark.parametrize("case", SCALED)
 @pytest.mark.parametrize("m", [1, 3, 5, 17])
 def test_scaled_forms_multiply_within_float32_rounding(case, m):
