@@ -52,6 +52,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_slice import _io_read_bytes, drop_cache  # noqa: E402
+
 MB = 1e6
 
 
@@ -62,24 +65,6 @@ def moderate_config() -> dict:
                        num_experts_per_tok=4, n_group=4, topk_group=2, num_hidden_layers=4, first_k_dense_replace=1,
                        num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256, kv_lora_rank=128,
                        qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, vocab_size=8000)
-
-
-def drop_cache(root: Path) -> None:
-    """Drop this checkpoint's pages from the page cache (its files only)."""
-    for f in root.iterdir():
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
-def _io_read_bytes() -> int:
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("read_bytes:"):
-            return int(line.split()[1])
-    return 0
 
 
 def _dir_bytes(root: Path) -> int:

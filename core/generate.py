@@ -93,16 +93,14 @@ class LatentCache:
     def append(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """latent [B, 1, t, kv_lora], k_rope [B, 1, t, rope] -> all cached [B, 1, L, ...] (L = past + t)."""
         t = latent.shape[-2]
-        need = self.length + t
-        if need > self.limit:
-            raise GenerationError(f"sequence of {need} tokens exceeds the model's context of {self.limit} "
-                                  "(max_position_embeddings, yarn included)")
-        if need > self.capacity:
-            self._grow(need)
-        self.latent[:, :, self.length:need] = latent
-        self.k_rope[:, :, self.length:need] = k_rope
-        self.length = need
-        return self.latent[:, :, :need], self.k_rope[:, :, :need]
+        pos = self.reserve(t)
+        try:
+            self.latent[:, :, pos:pos + t] = latent
+            self.k_rope[:, :, pos:pos + t] = k_rope
+        except BaseException:
+            self.unreserve(t)
+            raise
+        return self.latent[:, :, :self.length], self.k_rope[:, :, :self.length]
 
 
 class MLACache:

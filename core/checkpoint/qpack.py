@@ -6,9 +6,8 @@ into one file, ``experts.qpack``, and points their ``model.safetensors.index.jso
 :func:`~quantplug.checkpoint.safetensors_index.index_safetensors` recognises such an entry by the
 file's magic and adds the pack's tensors as :class:`~quantplug.types.TensorInfo` whose byte range
 is the payload: every backend, the in-memory loader and the expert cache read them as they read a
-shard's tensors. The authoritative description of the layout (and of version 1, the GGUF packs
-the ``expert_pack`` backend reads) is the docstring of ``quantplug_expert_pack/pack.py``; in short,
-little-endian throughout:
+shard's tensors. Version 1 (packs of GGUF experts) is named by a GGUF file's metadata and read by
+the backend that claims such files, not here. The layout, little-endian throughout:
 
 * header, 256 bytes: magic ``QPXPACK\\0``, version 2, header / entry sizes, alignment, counts,
   index / names / data offsets, exact file size, sha256 of config.json, of the source shards'
@@ -76,7 +75,7 @@ def is_qpack(path: Path) -> bool:
     try:
         with open(path, "rb") as fh:
             return fh.read(len(MAGIC)) == MAGIC
-    except OSError:
+    except OSError:  # unreadable: not taken for a pack; the shard reader then reports the file
         return False
 
 
