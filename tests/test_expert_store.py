@@ -20,6 +20,9 @@ from quantplug.errors import LoadError, PlanError
 from quantplug.loader import model_bytes
 from quantplug.testing import formats, random_state, tiny_config, to_layout, wrap_kimi, write_checkpoint
 
+sys.path.insert(0, str(Path(__file__).parent))
+from gguf_fixtures import write_kquant_gguf  # noqa: E402
+
 VENDOR = Path(__file__).parent / "data" / "vendor"
 IDS = torch.tensor([[3, 17, 42, 99, 5, 150, 7, 64], [11, 2, 130, 77, 31, 9, 120, 45]])
 TOL = 1e-6
@@ -33,26 +36,8 @@ def _installed(module: str) -> bool:
 
 def _gguf_kquants(root: Path) -> Path:
     """llama.cpp deepseek2 GGUF: experts stacked (``*_exps``), down as Q4_K / Q6_K, gate MXFP4, up Q8_0."""
-    import numpy as np
-    from quantplug.models.config import parse_model_config
-    from quantplug_expert_pack.export import gguf_state, write_gguf
-    from quantplug_expert_pack.testing import random_rows
-
-    cfg = tiny_config(moe_intermediate_size=256)
-    mc = parse_model_config(cfg, "DeepseekV3ForCausalLM", False)
-    root.mkdir(parents=True)
-    (root / "config.json").write_text(json.dumps(cfg))
-    tensors = gguf_state(random_state(cfg, seed=3), mc, split_kv=True)
-    rng = np.random.default_rng(0)
-    raw = {}
-    for i in range(mc.num_hidden_layers):
-        name = f"blk.{i}.ffn_down_exps.weight"
-        if name in tensors:
-            typ = "Q4_K" if i % 2 else "Q6_K"
-            raw[name] = (random_rows(typ, tuple(tensors.pop(name).shape), rng, scale=2e-4), typ)
-    types = {"ffn_gate_exps": "MXFP4", "ffn_up_exps": "Q8_0", "attn_k_b": "Q4_0"}
-    write_gguf(root / "model.gguf", tensors, mc, default_type="Q8_0", types=types, vocab=cfg["vocab_size"], raw=raw)
-    return root
+    return write_kquant_gguf(root, tiny_config(moe_intermediate_size=256),
+                             {"ffn_gate_exps": "MXFP4", "ffn_up_exps": "Q8_0", "attn_k_b": "Q4_0"})
 
 
 def _export(dense: Path, backend: str, dest: Path, options: dict) -> Path:
@@ -308,10 +293,7 @@ def test_prefetch_reads_the_next_layers_experts_ahead(built):
 
 
 def test_a_format_whose_scheme_serves_experts_itself_keeps_its_own_cache(tmp_path):
-    import sys as _sys
-
-    _sys.path.insert(0, str(Path(__file__).parent))
-    from fuzz import kit
+    from fuzz import kit  # tests/ is on sys.path (above)
 
     pack = kit.packed(tmp_path / "pack")
     model = quantplug.load(pack, progress=False, options={"expert_cache_mb": 0.05})

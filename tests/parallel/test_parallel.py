@@ -18,7 +18,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import quantplug
 import torch
@@ -36,6 +35,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).parents[1]))
 import archs  # noqa: E402
 from conftest import VENDOR  # noqa: E402
+from gguf_fixtures import write_kquant_gguf  # noqa: E402
 
 WORKER = Path(__file__).with_name("worker.py")
 TOL = 1e-5
@@ -51,26 +51,9 @@ def _loaded(path: Path, **kw):
 
 def _gguf(root: Path) -> Path:
     """A llama.cpp deepseek2 GGUF: split K/V, mixed legacy types, routed-expert down as K-quants."""
-    from quantplug.models.config import parse_model_config
-    from quantplug_expert_pack.export import gguf_state, write_gguf
-    from quantplug_expert_pack.testing import random_rows
-
-    cfg = tiny_config(moe_intermediate_size=256, q_lora_rank=64)
-    mc = parse_model_config(cfg, "DeepseekV3ForCausalLM", False)
-    root.mkdir(parents=True)
-    (root / "config.json").write_text(json.dumps(cfg))
-    tensors = gguf_state(random_state(cfg, seed=3), mc, split_kv=True)
-    rng = np.random.default_rng(0)
-    raw = {}
-    for i in range(mc.num_hidden_layers):
-        name = f"blk.{i}.ffn_down_exps.weight"
-        if name in tensors:
-            typ = "Q4_K" if i % 2 else "Q6_K"
-            raw[name] = (random_rows(typ, tuple(tensors.pop(name).shape), rng, scale=2e-4), typ)
     types = {"attn_k_b": "Q4_0", "attn_v_b": "Q5_0", "attn_q_b": "Q4_1", "attn_output": "Q5_1",
              "ffn_gate_exps": "MXFP4", "ffn_up_exps": "Q8_0", "output": "Q8_0", "token_embd": "Q5_1"}
-    write_gguf(root / "model.gguf", tensors, mc, default_type="Q8_0", types=types, vocab=cfg["vocab_size"], raw=raw)
-    return root
+    return write_kquant_gguf(root, tiny_config(moe_intermediate_size=256, q_lora_rank=64), types)
 
 
 def _export(dense: Path, backend: str, dest: Path, options: dict) -> list:
