@@ -1023,10 +1023,19 @@ static inline void deq_block512(int type, const uint8_t *blk, __m512 *lo, __m512
     *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(h)));
 }
 
-/* exact Q4_0 / Q8_0 with float32 weights: blocks decoded in registers, RT rows x MT x rows */
-static void exact_rows_q40(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy) {
+/* 32 bfloat16 values widened in registers (a bfloat16 is the top half of its float32: exact) */
+static inline void bf16x32(const uint16_t *p, __m512 *lo, __m512 *hi) {
+    __m512i w = _mm512_loadu_si512((const void *)p);
+    *lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)), 16));
+    *hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)), 16));
+}
+
+/* exact Q4_0 / Q8_0 with float32 weights, and bfloat16 rows (a float weight kept as stored, e.g. a
+ * bfloat16 lm_head; already the model dtype's values, so callers take it for QR_NONE / QR_BF16):
+ * 32-value blocks decoded in registers, RT rows x MT x rows, prefetching ahead */
+static void exact_rows_32(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy) {
     y -= r0;
-    const int type = m->type, size = type == QP_Q4_0 ? 18 : 34;
+    const int type = m->type, size = type == QP_Q4_0 ? 18 : type == QP_Q8_0 ? 34 : 64;
     const int64_t nb = m->k / QK;
     for (int64_t r = r0; r < r1; r += RT) {
         int rt = r1 - r < RT ? (int)(r1 - r) : RT;
@@ -1039,7 +1048,8 @@ static void exact_rows_q40(const qp_mat *m, const qp_in *in, int64_t r0, int64_t
                 for (int a = 0; a < rt; a++) {
                     const uint8_t *blk = m->w + (r + a) * m->ldw + b * size;
                     _mm_prefetch((const char *)(blk + PF_AHEAD), _MM_HINT_T0);
-                    deq_block512(type, blk, &lo[a], &hi[a]);
+                    if (type == QP_BF16) bf16x32((const uint16_t *)blk, &lo[a], &hi[a]);
+                    else deq_block512(type, blk, &lo[a], &hi[a]);
                 }
                 for (int i = 0; i < mt; i++) {
                     const float *xb = in->x + (int64_t)(i0 + i) * in->ldx + b * QK;
@@ -1054,44 +1064,6 @@ static void exact_rows_q40(const qp_mat *m, const qp_in *in, int64_t r0, int64_t
     }
 }
 
-/* bfloat16 rows (a float weight kept as stored, e.g. a bfloat16 lm_head): 32 values a step widened
- * in registers (a bfloat16 is the top half of its float32: exact) and multiplied into float32
- * sums, RT rows x MT inputs a pass, prefetching ahead as exact_rows_q40 does. The weights are the
- * model dtype's values already, so no rounding: callers take this path for QR_NONE / QR_BF16 */
-static inline void bf16x32(const uint16_t *p, __m512 *lo, __m512 *hi) {
-    __m512i w = _mm512_loadu_si512((const void *)p);
-    *lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)), 16));
-    *hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)), 16));
-}
-
-static void exact_rows_bf16(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy) {
-    y -= r0;
-    const int64_t K = m->k;
-    for (int64_t r = r0; r < r1; r += RT) {
-        int rt = r1 - r < RT ? (int)(r1 - r) : RT;
-        for (int i0 = 0; i0 < xm; i0 += MT) {
-            int mt = xm - i0 < MT ? xm - i0 : MT;
-            __m512 acc[RT][MT];
-            for (int a = 0; a < RT; a++) for (int i = 0; i < MT; i++) acc[a][i] = _mm512_setzero_ps();
-            for (int64_t c = 0; c < K; c += 32) {
-                __m512 lo[RT], hi[RT];
-                for (int a = 0; a < rt; a++) {
-                    const uint16_t *p = (const uint16_t *)(m->w + (r + a) * m->ldw) + c;
-                    _mm_prefetch((const char *)p + PF_AHEAD, _MM_HINT_T0);
-                    bf16x32(p, &lo[a], &hi[a]);
-                }
-                for (int i = 0; i < mt; i++) {
-                    const float *xb = in->x + (int64_t)(i0 + i) * in->ldx + c;
-                    __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-                    for (int a = 0; a < rt; a++)
-                        acc[a][i] = _mm512_fmadd_ps(hi[a], x1, _mm512_fmadd_ps(lo[a], x0, acc[a][i]));
-                }
-            }
-            for (int i = 0; i < mt; i++)
-                for (int a = 0; a < rt; a++) y[(int64_t)(i0 + i) * ldy + r + a] = _mm512_reduce_add_ps(acc[a][i]);
-        }
-    }
-}
 #endif
 
 /* the segment the generic kernel decodes at a time: whole blocks, at most 256 values */
@@ -1304,8 +1276,8 @@ static void rows_any(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, i
     if (is_fast(m)) fast_rows(m, in, r0, r1, xm, y, ldy);
     else if (is_int_path(m)) int_rows(m, in, r0, r1, xm, y, ldy);
 #ifdef QP_AVX512
-    else if ((m->type == QP_Q4_0 || m->type == QP_Q8_0) && wround == QR_NONE) exact_rows_q40(m, in, r0, r1, xm, y, ldy);
-    else if (m->type == QP_BF16 && wround != QR_F16 && m->k % 32 == 0) exact_rows_bf16(m, in, r0, r1, xm, y, ldy);
+    else if (((m->type == QP_Q4_0 || m->type == QP_Q8_0) && wround == QR_NONE)
+             || (m->type == QP_BF16 && wround != QR_F16 && m->k % 32 == 0)) exact_rows_32(m, in, r0, r1, xm, y, ldy);
     else if (m->type >= QP_INT4 && (m->gk % 16 == 0) && m->k % 16 == 0 && !m->big && (m->k + m->gk - 1) / m->gk <= QP_NG_MAX) {
         switch (m->type) {
             case QP_INT8: fused_int8(m, in, r0, r1, xm, y, ldy, wround); break;
