@@ -327,30 +327,37 @@ RSS_CHILD = textwrap.dedent("""
 """)
 
 
-def test_rss_is_the_non_expert_weights_plus_the_cache(tmp_path):
-    """A checkpoint whose routed experts are ~150 MB in FP8: served with an 8 MiB cache, the
-    process grows by the non-expert weights + the cache (+10%, + a fixed 24 MiB for the
-    allocator's and the reader threads' arenas), where the in-memory load grows by the experts."""
+@pytest.mark.parametrize("fmt", ["fp8", "compressed_tensors", "modelslim", "gguf"])
+def test_rss_is_the_non_expert_weights_plus_the_cache(tmp_path, fmt):
+    """A checkpoint whose routed experts are 40-600 MB (the format's own bytes; the GGUF writer's
+    are F32): served with a cache of 8 MiB (GGUF: 1.5 steps), the process grows by the non-expert weights + the cache (+10%, + a fixed 24 MiB
+    for the allocator's and the reader threads' arenas), where the in-memory load grows by the
+    experts."""
+    write = getattr(formats, fmt)
     cfg = tiny_config(hidden_size=1024, moe_intermediate_size=512, n_routed_experts=32, num_hidden_layers=4,
-                      intermediate_size=256, vocab_size=256, n_group=4, topk_group=2)
-    path = formats.fp8(tmp_path / "big", cfg, random_state(cfg))
-    warm = formats.fp8(tmp_path / "warm", tiny_config(), random_state(tiny_config()))
+                      intermediate_size=256, vocab_size=256, n_group=4, topk_group=2, q_lora_rank=64,
+                      kv_lora_rank=64)
+    path = write(tmp_path / "big", cfg, random_state(cfg))
+    small = tiny_config(q_lora_rank=64, kv_lora_rank=64)
+    warm = write(tmp_path / "warm", small, random_state(small))
     plan = quantplug.plan(path)
     expert_bytes = sum(pp.nbytes for pp in plan.params if ".experts." in pp.param and getattr(
         pp.module, "qp_stacked", False))
     other = sum(pp.nbytes for pp in plan.params) - expert_bytes
-    assert expert_bytes > 140e6
+    mb = max(8.0, 1.5 * experts.step_bytes(plan) / (1 << 20))
+    assert expert_bytes > 2 * (1.1 * (other + mb * (1 << 20)) + (24 << 20)), (expert_bytes, other)
 
     def child(mb: float) -> dict:
         out = subprocess.run([sys.executable, "-c", RSS_CHILD, str(path), str(mb), str(warm)], capture_output=True,
                              text=True, timeout=300, check=True)
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    mb = 8.0
     served = child(mb)
     bound = 1.1 * (other + mb * (1 << 20)) + (24 << 20)
     assert served["cache_used"] <= mb * (1 << 20)
     assert served["after_load"] - served["base"] <= bound, served
     assert served["peak"] - served["base"] <= bound, served
     in_memory = child(0)
-    assert in_memory["peak"] - in_memory["base"] > expert_bytes  # the bound above is one that can fail
+    # the bound above is one that can fail: the in-memory load grows past it (a GGUF's experts are
+    # views of the memory-mapped file there, resident as a forward touches them, not all at once)
+    assert in_memory["peak"] - in_memory["base"] > (bound if fmt == "gguf" else expert_bytes)
