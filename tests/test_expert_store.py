@@ -327,7 +327,7 @@ RSS_CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "compressed_tensors", "modelslim", "gguf"])
+@pytest.mark.parametrize("fmt", ["fp8", "compressed_tensors", "quark", "modelslim", "gguf"])
 def test_rss_is_the_non_expert_weights_plus_the_cache(tmp_path, fmt):
     """A checkpoint whose routed experts are 40-600 MB (the format's own bytes; the GGUF writer's
     are F32): served with a cache of 8 MiB (GGUF: 1.5 steps), the process grows by the non-expert weights + the cache (+10%, + a fixed 24 MiB
@@ -336,9 +336,9 @@ def test_rss_is_the_non_expert_weights_plus_the_cache(tmp_path, fmt):
     write = getattr(formats, fmt)
     cfg = tiny_config(hidden_size=1024, moe_intermediate_size=512, n_routed_experts=32, num_hidden_layers=4,
                       intermediate_size=256, vocab_size=256, n_group=4, topk_group=2, q_lora_rank=64,
-                      kv_lora_rank=64)
+                      kv_lora_rank=64, tie_word_embeddings=fmt == "quark")  # formats.quark leaves lm_head unquantized
     path = write(tmp_path / "big", cfg, random_state(cfg))
-    small = tiny_config(q_lora_rank=64, kv_lora_rank=64)
+    small = tiny_config(q_lora_rank=64, kv_lora_rank=64, tie_word_embeddings=fmt == "quark")
     warm = write(tmp_path / "warm", small, random_state(small))
     plan = quantplug.plan(path)
     expert_bytes = sum(pp.nbytes for pp in plan.params if ".experts." in pp.param and getattr(
