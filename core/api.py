@@ -51,6 +51,7 @@ from torch import nn
 
 from .checkpoint import TORCH_DTYPES, Checkpoint, qpack, storage_shape
 from .checkpoint.gguf_index import GGUF_FLOATS, GGUFHeader, SkippedArray, ggml_types, read_gguf_header
+from .checkpoint.safetensors_index import write_header as safetensors_header
 from .errors import (
     AmbiguousBackendError,
     CheckpointError,
@@ -329,8 +330,8 @@ __all__ = [
     "Checkpoint", "LoadPlan", "ModelConfig", "RopeConfig",
     # reading
     "FLOAT_DTYPES", "GGUF_FLOATS", "GGUFHeader", "SAFETENSORS_DTYPES", "SkippedArray", "TORCH_DTYPES",
-    "check_inside", "contained", "ggml_types", "qpack", "read_gguf_header", "read_into", "storage_shape",
-    "stored_dtype",
+    "check_inside", "contained", "ggml_types", "qpack", "read_gguf_header", "read_into", "safetensors_header",
+    "storage_shape", "stored_dtype",
     # validated config reading (1.4)
     "Fields", "config_fields", "quant_config_fields", "read_json", "sidecar_fields",
     # run-time statistics (1.5)

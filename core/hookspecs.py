@@ -103,7 +103,7 @@ API_SINCE: dict[str, str] = {
     "quant_config_fields": "1.4", "sidecar_fields": "1.4", "read_json": "1.4", "ALIASES": "1.4", "Exclusions": "1.4",
     "modules_of": "1.4", "ggml": "1.4", "native": "1.4",
     "StatsSource": "1.5", "expose_stats": "1.5", "stats_sources": "1.5", "stored_dtype": "1.5",
-    "qpack": "1.5",
+    "qpack": "1.5", "safetensors_header": "1.5",
     **dict.fromkeys(("ColumnParallel", "RowParallel", "FeatureParallel", "HeadParallel", "ExpertParallel",
                      "VocabParallel", "HeadGroup", "ExpertGroup", "TiedModule", "Unstack", "FoldHeads", "HeadPart",
                      "DeclarationError", "FusedLayout", "PerIndexLayout", "StackedLayout", "StackLayout"), "1.5"),

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -9,7 +12,7 @@ import torch
 from quantplug.plugins import PluginManager, reset_plugin_manager
 from quantplug.testing.reference import hf_logits, rel_err
 
-__all__ = ["VENDOR", "hf_logits", "load_logits", "rel_err"]  # the transformers reference is quantplug.testing's
+__all__ = ["VENDOR", "hf_logits", "killed_child", "load_logits", "rel_err", "run_threads"]  # the transformers reference is quantplug.testing's
 
 VENDOR = Path(__file__).parent / "data" / "vendor"
 
@@ -34,3 +37,36 @@ def load_logits(path, ids: torch.Tensor, **kw):
     model = quantplug.load(path, **kw)
     with torch.no_grad():
         return model, model(ids)
+
+
+def killed_child(fn: Callable[[], None]) -> int:
+    """Run ``fn`` in a forked child that is expected to SIGKILL itself; return its wait status
+    (exit status 3 when ``fn`` returned or raised instead)."""
+    pid = os.fork()
+    if pid == 0:  # child: never returns into pytest
+        try:
+            fn()
+        finally:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    return status
+
+
+def run_threads(fn: Callable[[int], None], n: int = 2) -> None:
+    """``fn(0)`` .. ``fn(n - 1)`` in n threads at once; the first exception any of them raised is
+    raised here after all have finished."""
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            fn(i)
+        except BaseException as exc:  # noqa: BLE001 (raised below, in the test's thread)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]

@@ -21,6 +21,7 @@ from quantplug.loader import model_bytes
 from quantplug.testing import formats, random_state, tiny_config, to_layout, wrap_kimi, write_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import run_threads  # noqa: E402
 from gguf_fixtures import write_kquant_gguf  # noqa: E402
 
 VENDOR = Path(__file__).parent / "data" / "vendor"
@@ -254,8 +255,6 @@ def test_a_file_truncated_after_load_is_a_load_error_naming_it(tmp_path):
 def test_concurrent_requests_never_evict_experts_in_use(built):
     """Two threads decoding at once through a cache that holds little more than two steps: each
     thread's experts stay pinned until its next request; both get the single-thread logits."""
-    import threading
-
     path, _ = built["fp8"]
     plan = quantplug.plan(path)
     mb = 2.5 * experts.step_bytes(plan) / (1 << 20)
@@ -263,20 +262,11 @@ def test_concurrent_requests_never_evict_experts_in_use(built):
     ref = quantplug.load(path, progress=False)
     want = [_greedy(ref, IDS[i:i + 1], 3)[0] for i in range(2)]
     got: dict[int, list[int]] = {}
-    errs: list[BaseException] = []
 
     def run(i: int) -> None:
-        try:
-            got[i] = _greedy(model, IDS[i:i + 1], 3)[0]
-        except BaseException as exc:  # noqa: BLE001 (reported below)
-            errs.append(exc)
+        got[i] = _greedy(model, IDS[i:i + 1], 3)[0]
 
-    ts = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    assert not errs, errs
+    run_threads(run)
     assert [got[0], got[1]] == want
 
 

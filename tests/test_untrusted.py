@@ -25,6 +25,7 @@ from quantplug.testing import hub_rope_spelling, random_state, tiny_config, wrap
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import killed_child, run_threads  # noqa: E402
 from fuzz import kit  # noqa: E402
 
 IDS = kit.IDS
@@ -429,18 +430,6 @@ def test_clone_file_falls_back_to_a_copy(tmp_path, monkeypatch):
     assert (tmp_path / "b").stat().st_ino != src.stat().st_ino
 
 
-def _killed_child(fn) -> int:
-    """Run ``fn`` in a forked child that is expected to SIGKILL itself; return its wait status."""
-    pid = os.fork()
-    if pid == 0:  # child: never returns into pytest
-        try:
-            fn()
-        finally:
-            os._exit(3)
-    _, status = os.waitpid(pid, 0)
-    return status
-
-
 @pytest.mark.parametrize("point,n", [("copy", 1), ("copy", 20), ("copy", 60), ("mirror", 0), ("rename", 0)])
 def test_build_killed_at_any_point_leaves_source_intact(tmp_path, gguf_dir, point, n):
     import quantplug_expert_pack.build as b
@@ -469,7 +458,7 @@ def test_build_killed_at_any_point_leaves_source_intact(tmp_path, gguf_dir, poin
             b.os.rename = die
         b.build_pack(src, dst, progress=False)
 
-    status = _killed_child(child)
+    status = killed_child(child)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
     assert _tree_digest(src) == before
     assert not dst.exists()  # nothing under the final name; only the hidden .partial directory
@@ -514,23 +503,14 @@ def test_two_threads_forward_on_one_pack_model_match_one_thread(pack_dir):
     with torch.no_grad():
         ref = [model(x) for x in ids]
     out: dict[tuple[int, int], torch.Tensor] = {}
-    errors: list[BaseException] = []
 
     def run(t: int) -> None:
-        try:
-            for rep in range(2):
-                for i in range(t, len(ids), 2):
-                    with torch.no_grad():
-                        out[(i, rep)] = model(ids[i])
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
+        for rep in range(2):
+            for i in range(t, len(ids), 2):
+                with torch.no_grad():
+                    out[(i, rep)] = model(ids[i])
 
-    threads = [threading.Thread(target=run, args=(t,)) for t in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_threads(run)
     for (i, _), o in out.items():
         assert torch.equal(o, ref[i]), i
 

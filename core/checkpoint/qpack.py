@@ -109,6 +109,21 @@ class Payload:
         return f"tensor {self.name} (layer {self.layer}, expert {self.expert}, {self.role})"
 
 
+def read_head(path: Path, size: int = HEADER_SIZE) -> tuple[bytes, int]:
+    """The first ``size`` bytes of the expert pack at ``path`` and the file's size; a
+    CheckpointError naming the file when it cannot be read or is shorter than ``size`` (every pack
+    version opens with a fixed-size header; the GGUF pack reader uses this too)."""
+    try:
+        actual = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(size)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read the expert pack ({exc.strerror})") from None
+    if len(head) < size:
+        raise CheckpointError(f"{path}: truncated expert pack: {len(head)} bytes, the header alone is {size}")
+    return head, actual
+
+
 class QPack:
     """A validated version-2 pack: header and index in memory, payloads read by the loader.
 
@@ -126,14 +141,7 @@ class QPack:
         return CheckpointError(f"{self.path}: {what}")
 
     def _read(self) -> None:
-        try:
-            actual = self.path.stat().st_size
-            with open(self.path, "rb") as fh:
-                head = fh.read(HEADER_SIZE)
-        except OSError as exc:
-            raise self._fail(f"cannot read the expert pack ({exc.strerror})") from None
-        if len(head) < HEADER_SIZE:
-            raise self._fail(f"truncated expert pack: {len(head)} bytes, the header alone is {HEADER_SIZE}")
+        head, actual = read_head(self.path)
         (magic, version, header_size, entry_size, alignment, n_layers, n_experts, top_k, _, n_entries,
          index_offset, names_offset, names_size, data_offset, file_size, config_sha, source_sha,
          index_sha) = HEADER.unpack_from(head)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -22,6 +24,32 @@ from . import qpack
 #: the keys, for code that must not import torch; GGUF's float / int types reuse these names)
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, attr) for name, attr in TORCH_DTYPE_NAMES.items()}
 INDEX_NAME = "model.safetensors.index.json"
+
+
+class _Stored(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def nbytes(self) -> int: ...
+
+
+def write_header(tensors: Iterable[_Stored], metadata: Mapping[str, Any] | None) -> bytes:
+    """The bytes before the data of a safetensors file holding ``tensors`` back to back in this
+    order (each with ``name``, safetensors ``dtype``, ``shape`` and ``nbytes``): the 8-byte
+    little-endian header length, then the JSON header padded with spaces to a multiple of 8 (as
+    the safetensors library pads it); ``__metadata__`` only when ``metadata`` is given."""
+    doc: dict[str, Any] = {} if metadata is None else {"__metadata__": dict(metadata)}
+    offset = 0
+    for t in tensors:
+        doc[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)
+    return struct.pack("<Q", len(raw)) + raw
 
 
 def read_header(file: Path) -> dict[str, TensorInfo]:

@@ -44,6 +44,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint.safetensors_index import write_header
+
 __all__ = ["StoredTensor", "deepseek_v3_config", "kimi_k2_config", "slice_config", "release_tensors",
            "shard_layout", "safetensors_header", "write_header_only", "ShardWriter", "check_free_disk",
            "DiskSpaceError", "DEEPSEEK_V3_SHARDS", "KIMI_K2_SHARDS"]
@@ -269,15 +271,8 @@ def shard_layout(tensors: Sequence[StoredTensor], shards: int, *, by: str = "byt
 def safetensors_header(tensors: Iterable[StoredTensor], metadata: Mapping[str, str] | None = None) -> bytes:
     """The bytes before the data of a safetensors file holding ``tensors`` in this order: the
     8-byte little-endian header length, then the JSON header padded with spaces to a multiple of
-    8 (as the safetensors library pads it)."""
-    doc: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
-    offset = 0
-    for t in tensors:
-        doc[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
-        offset += t.nbytes
-    raw = json.dumps(doc, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % 8)
-    return len(raw).to_bytes(8, "little") + raw
+    8 (as the safetensors library pads it); ``__metadata__`` defaults to ``{"format": "pt"}``."""
+    return write_header(tensors, metadata or {"format": "pt"})
 
 
 def _write_index(root: Path, layout: Mapping[str, Sequence[StoredTensor]]) -> None:

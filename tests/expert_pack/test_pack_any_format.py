@@ -24,6 +24,7 @@ from quantplug.checkpoint import Checkpoint
 from quantplug.cli import main
 from quantplug.errors import CheckpointError
 from quantplug.testing import formats, random_state, tiny_config, to_layout, wrap_kimi, write_checkpoint
+from conftest import killed_child
 from quantplug_expert_pack.build import build_pack
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -474,17 +475,6 @@ def test_a_failure_while_writing_leaves_the_source_untouched(tmp_path, monkeypat
     assert sorted(os.listdir(tmp_path)) == ["src"]
 
 
-def _killed_child(fn) -> int:
-    pid = os.fork()
-    if pid == 0:  # child: never returns into pytest
-        try:
-            fn()
-        finally:
-            os._exit(3)
-    _, status = os.waitpid(pid, 0)
-    return status
-
-
 @pytest.mark.parametrize("point", ["pack", "shard", "mirror", "rename"])
 def test_build_killed_at_any_point_leaves_source_intact(tmp_path, point):
     src = tmp_path / "src"
@@ -510,7 +500,7 @@ def test_build_killed_at_any_point_leaves_source_intact(tmp_path, point):
             b.os.rename = die
         b.build_pack(src, dst, progress=False)
 
-    status = _killed_child(child)
+    status = killed_child(child)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
     assert _tree_digest(src) == before
     assert not dst.exists()
@@ -534,3 +524,34 @@ def test_pack_reads_advise_random_access_shards_not(packed, monkeypatch):
         assert len(advised) == 1
     finally:
         ckpt.close()
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "gguf"])
+def test_in_place_build_interrupted_by_an_exception_removes_its_temporary_files(tmp_path, monkeypatch, kind):
+    """An exception (Ctrl-C included) while an in-place build renames its files into place: the
+    temporary pack and rewritten shards are removed and SRC's files are as they were."""
+    cfg = tiny_config()
+    if kind == "safetensors":
+        root = formats.fp8(tmp_path / "src", cfg, random_state(cfg, seed=3))
+    else:
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).parents[1]))
+        from gguf_fixtures import write_kquant_gguf
+
+        root = write_kquant_gguf(tmp_path / "src", tiny_config(moe_intermediate_size=256), {})
+    before = _tree_digest(root)
+    real = os.replace
+
+    def interrupted(src, dst):
+        if not str(src).endswith(".tmp") or str(src).endswith((".qpack.tmp", PACK + ".tmp")):
+            return real(src, dst)
+        raise KeyboardInterrupt  # the first rewritten shard / GGUF, after the pack was renamed
+
+    monkeypatch.setattr(b.os, "replace", interrupted)
+    monkeypatch.setattr(bst.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        build_pack(root, progress=False)
+    left = {p.name for p in root.iterdir()}
+    assert not [n for n in left if n.endswith(".tmp")], left
+    assert {n: h for n, h in _tree_digest(root).items() if n != PACK} == before

@@ -29,6 +29,7 @@ import shutil
 import struct
 import sys
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,28 @@ EXPS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 COPY_CHUNK = 64 << 20
 #: Linux ``FICLONE`` ioctl (``_IOW(0x94, 9, int)``): share extents copy-on-write (btrfs, XFS, bcachefs)
 FICLONE = 0x40049409
+
+
+@contextlib.contextmanager
+def staged(temporaries: Callable[[], Iterable[Path]], total: int, progress: bool | None) -> Iterator[Any]:
+    """A build writing temporary files renamed into place at its end: yields its progress bar
+    (None when not shown; ``progress`` None shows it on a terminal) and, on any failure,
+    interruption included, removes every file ``temporaries()`` names that exists."""
+    bar: Any = None
+    if sys.stderr.isatty() if progress is None else progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="expert pack", file=sys.stderr)
+    try:
+        yield bar
+    except BaseException:
+        for p in temporaries():
+            if p.exists():
+                p.unlink()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 @dataclass(frozen=True)
@@ -315,15 +338,9 @@ def _build(root: Path, out_dir: Path, alignment: int, progress: bool | None) -> 
     index = np.zeros(n_entries, dtype=ENTRY_DTYPE)
     data_offset = _align(HEADER_SIZE + n_entries * ENTRY_SIZE, alignment)
     tmp_pack = pack_path.with_suffix(".qpack.tmp")
-    show = sys.stderr.isatty() if progress is None else progress
-    bar: Any = None
-    total = sum(t.nbytes for t in exps.values())
-    if show:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc="expert pack", file=sys.stderr)
     tmp_ggufs: list[tuple[Path, Path]] = []
-    try:
+    total = sum(t.nbytes for t in exps.values())
+    with staged(lambda: [tmp_pack, *(t for t, _ in tmp_ggufs)], total, progress) as bar:
         with contextlib.ExitStack() as stack:
             srcs = {f: stack.enter_context(open(f, "rb")) for f in files}
             with open(tmp_pack, "wb") as out:
@@ -364,12 +381,4 @@ def _build(root: Path, out_dir: Path, alignment: int, progress: bool | None) -> 
         os.replace(tmp_pack, pack_path)
         for tmp, final in tmp_ggufs:
             os.replace(tmp, final)
-    except BaseException:
-        for p in [tmp_pack] + [t for t, _ in tmp_ggufs]:
-            if p.exists():
-                p.unlink()
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
     return BuildResult(pack_path, len(layers), n_experts, n_entries, total, tuple(f for _, f in tmp_ggufs))

@@ -26,13 +26,22 @@ import os
 import re
 import shutil
 import struct
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from quantplug.api import Checkpoint, CheckpointError, Fields, TensorInfo, qpack, read_json
+from quantplug.api import (
+    Checkpoint,
+    CheckpointError,
+    Fields,
+    TensorInfo,
+    qpack,
+    read_json,
+    safetensors_header,
+)
+
+from .build import staged
 
 INDEX_NAME = "model.safetensors.index.json"
 #: a routed-expert tensor stored for all experts at once (transformers 5 fused / stacked layouts)
@@ -56,21 +65,6 @@ class _Item:
 def _free_bytes(path: Path) -> int:
     """Free bytes on the file system holding ``path`` (tests replace this to simulate a full disk)."""
     return shutil.disk_usage(path).free
-
-
-def _shard_header(kept: list[TensorInfo], metadata: Any) -> bytes:
-    """A safetensors header for ``kept`` stored back to back in this order (JSON padded with
-    spaces to a multiple of 8, as the safetensors library writes it)."""
-    doc: dict[str, Any] = {}
-    if isinstance(metadata, dict):
-        doc["__metadata__"] = metadata
-    pos = 0
-    for t in kept:
-        doc[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
-        pos += t.nbytes
-    raw = json.dumps(doc, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % 8)
-    return struct.pack("<Q", len(raw)) + raw
 
 
 def _raw_header(file: Path) -> tuple[bytes, Any]:
@@ -177,7 +171,7 @@ def _write(root: Path, out_dir: Path, ckpt: Any, items: list[_Item], moving: set
             continue
         kept = sorted((t for t in infos if t.name not in moving), key=lambda t: t.offset)
         if kept:
-            rewrite[file] = (kept, _shard_header(kept, metadata))
+            rewrite[file] = (kept, safetensors_header(kept, metadata if isinstance(metadata, dict) else None))
         else:
             dropped.append(file.name)
     index_path = root / INDEX_NAME
@@ -211,14 +205,8 @@ def _write(root: Path, out_dir: Path, ckpt: Any, items: list[_Item], moving: set
     index = np.zeros(n, dtype=qpack.ENTRY_DTYPE)
     tmp_pack = pack_path.with_name(pack_path.name + ".tmp")
     tmps: list[tuple[Path, Path]] = []
-    show = sys.stderr.isatty() if progress is None else progress
-    bar: Any = None
     total = sum(it.info.nbytes for it in items)
-    if show:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc="expert pack", file=sys.stderr)
-    try:
+    with staged(lambda: [tmp_pack, *(t for t, _ in tmps)], total, progress) as bar:
         with contextlib.ExitStack() as stack:
             srcs = {f: stack.enter_context(open(f, "rb")) for f in by_file}
             with open(tmp_pack, "wb") as out:
@@ -274,14 +262,6 @@ def _write(root: Path, out_dir: Path, ckpt: Any, items: list[_Item], moving: set
         if not out_of_place:
             for name in dropped:
                 os.unlink(root / name)
-    except BaseException:
-        for p in [tmp_pack] + [t for t, _ in tmps]:
-            if p.exists():
-                p.unlink()
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
     experts: dict[int, set[int]] = {}
     for it in items:
         experts.setdefault(it.layer, set()).add(it.expert)

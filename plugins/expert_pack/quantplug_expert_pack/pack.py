@@ -110,7 +110,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from quantplug.api import GGUF_FLOATS, CheckpointError, LoadError, QuantplugError, ggml, ggml_types
+from quantplug.api import GGUF_FLOATS, CheckpointError, LoadError, QuantplugError, ggml, ggml_types, qpack
 
 BLOCKS, FLOAT_TYPES = ggml.BLOCKS, ggml.FLOAT_TYPES
 
@@ -179,14 +179,7 @@ class ExpertPack:
         return CheckpointError(f"{self.path}: {what}")
 
     def _read_header(self) -> None:
-        try:
-            actual = self.path.stat().st_size
-            with open(self.path, "rb") as fh:
-                head = fh.read(HEADER_SIZE)
-        except OSError as exc:
-            raise self._fail(f"cannot read the expert pack ({exc.strerror})") from None
-        if len(head) < HEADER_SIZE:
-            raise self._fail(f"truncated expert pack: {len(head)} bytes, the header alone is {HEADER_SIZE}")
+        head, actual = qpack.read_head(self.path, HEADER_SIZE)
         (magic, version, header_size, entry_size, alignment, n_layers, n_experts, n_roles, top_k,
          n_entries, index_offset, data_offset, file_size, config_sha, source_sha, index_sha) = _HEADER.unpack_from(head)
         if magic != MAGIC:
