@@ -450,3 +450,194 @@ class MLAStep:
             native.check(rc, "mla_step")
         y = out if x.dtype == torch.float32 else out.to(x.dtype)
         return self.reduce(y) if self.reduce is not None else y
+
+
+class StackLayer:
+    """One decoder layer as :class:`StackStep` runs it: its MLA step, its two norms, and either a
+    dense MLP step or a MoE (the stacked experts' step, the sigmoid router's float32 weight and
+    correction bias with its group-limited top-k, the shared experts' step or None)."""
+
+    def __init__(self, *, mla: MLAStep, attn_norm: torch.Tensor, ffn_norm: torch.Tensor, eps: float,
+                 mlp: MLPStep | None = None, experts: MLPStep | None = None, router: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None, top_k: int = 0, n_group: int = 1, topk_group: int = 1,
+                 norm_topk: bool = False, scaling: float = 1.0, shared: MLPStep | None = None) -> None:
+        self.mla, self.attn_norm, self.ffn_norm, self.eps = mla, attn_norm, ffn_norm, eps
+        self.mlp, self.experts, self.router, self.bias, self.shared = mlp, experts, router, bias, shared
+        self.top_k, self.n_group, self.topk_group, self.norm_topk, self.scaling = top_k, n_group, topk_group, norm_topk, scaling
+
+
+class StackStep:
+    """A decode step of the whole decoder stack for B <= :data:`NATIVE_ROWS` sequences at one
+    position in one native call (``qp_model_step``): per layer the input norm, the MLA step, the
+    residual, the post-attention norm, the dense MLP or the MoE (routing included), the residual;
+    then the final norm. The same arithmetic as the per-layer steps in the same order (float32
+    models only), without a Python round trip per layer.
+
+    ``watch``: (owner dict, key, tensor) of every tensor the step reads outside the bound layers
+    (norm weights, router weights); the step declines (returns None, the per-layer path runs) when
+    any bound layer or watched tensor was replaced or moved since it was built, or when a module
+    of ``modules`` has forward hooks (the per-layer path calls them)."""
+
+    def __init__(self, layers: Sequence[StackLayer], final_norm: torch.Tensor, eps: float, hidden: int,
+                 modules: Sequence[torch.nn.Module], owners: Sequence[tuple[torch.nn.Module, Any]]) -> None:
+        import ctypes
+
+        self.h, self.eps, self.final_norm = hidden, eps, final_norm
+        self.modules = list(modules)
+        self.owners = [(m.__dict__, st) for m, st in owners]
+        self.keep: list[Any] = []
+        arr = (native.Layer * len(layers))()
+        checks: list[tuple[Any, ...]] = []
+        tensors: list[torch.Tensor] = [final_norm]
+        for i, sl in enumerate(layers):
+            L = arr[i]
+            L.mla = ctypes.pointer(sl.mla.spec)
+            L.attn_norm, L.ffn_norm = sl.attn_norm.data_ptr(), sl.ffn_norm.data_ptr()
+            L.norm_bf16, L.eps = int(sl.attn_norm.dtype == torch.bfloat16), sl.eps
+            tensors += [sl.attn_norm, sl.ffn_norm]
+            steps: list[MLAStep | MLPStep] = [sl.mla]
+            if sl.experts is not None:
+                ex = sl.experts
+                n = len(ex.gate.mats)
+                mp = ctypes.POINTER(native.Mat) * n
+                g, u, d = mp(*[ex.gate.ptr(s) for s in range(n)]), mp(*[ex.up.ptr(s) for s in range(n)]), \
+                    mp(*[ex.down.ptr(s) for s in range(n)])
+                self.keep += [g, u, d]
+                L.gate, L.up, L.down = (ctypes.cast(a, ctypes.POINTER(ctypes.POINTER(native.Mat))) for a in (g, u, d))
+                L.E, L.top_k, L.n_group, L.topk_group = n, sl.top_k, sl.n_group, sl.topk_group
+                L.norm_topk, L.scaling = int(sl.norm_topk), sl.scaling
+                assert sl.router is not None
+                L.router = sl.router.data_ptr()
+                tensors.append(sl.router)
+                if sl.bias is not None:
+                    L.bias = sl.bias.data_ptr()
+                    tensors.append(sl.bias)
+                if sl.shared is not None:
+                    L.sg, L.su, L.sd = sl.shared.gate.ptr(), sl.shared.up.ptr(), sl.shared.down.ptr()
+                    steps.append(sl.shared)
+                steps.append(ex)
+            else:
+                m = sl.mlp
+                assert m is not None
+                one = ctypes.POINTER(native.Mat) * 1
+                g, u, d = one(m.gate.ptr()), one(m.up.ptr()), one(m.down.ptr())
+                self.keep += [g, u, d]
+                L.gate, L.up, L.down = (ctypes.cast(a, ctypes.POINTER(ctypes.POINTER(native.Mat))) for a in (g, u, d))
+                L.E = 0
+                steps.append(m)
+            for st in steps:
+                if isinstance(st, MLAStep):
+                    bs, mods = st.keep[0], st.keep[2]
+                    pairs = [(mod, bs[k]) for k, mod in mods.items()]
+                else:
+                    pairs = list(zip(st.layers, (st.gate, st.up, st.down)))
+                for mod, b in pairs:
+                    sent = b.sentinel or (None, None, 0)
+                    checks.append((mod.__dict__, mod._parameters, b, *sent))
+        self.layers_arr, self.n = arr, len(layers)
+        self.mla_steps = [sl.mla for sl in layers]
+        self.checks = checks
+        self.tensors = [(t, t.data_ptr()) for t in tensors]
+        self.rope = layers[0].mla.rope
+
+    @staticmethod
+    def build(layers: Sequence[StackLayer], final_norm: torch.Tensor, eps: float, hidden: int,
+              modules: Sequence[torch.nn.Module], owners: Sequence[tuple[torch.nn.Module, Any]]) -> StackStep | None:
+        """None when the library is unavailable, a piece is not native, or a tensor is not a
+        contiguous CPU float32 / bfloat16 one (norms) or float32 one (routers). ``owners``: (module,
+        step) of every per-layer step used; the stack declines once a module's ``step`` is another."""
+        if native.library() is None or not layers:
+            return None
+        def ok(t: torch.Tensor | None, dtypes: tuple[torch.dtype, ...]) -> bool:
+            return t is None or (t.device.type == "cpu" and t.dtype in dtypes and t.is_contiguous())
+        fl = (torch.float32, torch.bfloat16)
+        if not ok(final_norm, fl) or final_norm.numel() != hidden:
+            return None
+        for sl in layers:
+            if sl.mla.reduce is not None or sl.mla.wround != 0 or sl.mla.h != hidden:
+                return None
+            if not (ok(sl.attn_norm, fl) and ok(sl.ffn_norm, fl)) or sl.attn_norm.dtype != sl.ffn_norm.dtype:
+                return None
+            parts = [p for p in (sl.mlp, sl.experts, sl.shared) if p is not None]
+            if any(p.reduce is not None or p.gate.wround != 0 or p.h != hidden for p in parts):
+                return None
+            if sl.experts is not None:
+                if sl.router is None or not ok(sl.router, (torch.float32,)) or not ok(sl.bias, (torch.float32,)):
+                    return None
+                if len(sl.experts.gate.mats) > 1024 or sl.n_group > 1024:
+                    return None
+            elif sl.mlp is None:
+                return None
+        return StackStep(layers, final_norm, eps, hidden, modules, owners)
+
+    def live(self) -> bool:
+        """Every per-layer step, bound layer and watched tensor is as at build time and no module
+        has hooks."""
+        for d, st in self.owners:
+            if d.get("step") is not st:
+                return False
+        for d, params, b, name, t, ptr in self.checks:  # what bound() checks, inlined
+            if d.get("qp_native") is not b or name is not None and (params.get(name) is not t or t.data_ptr() != ptr):
+                return False
+        for t, ptr in self.tensors:
+            if t.data_ptr() != ptr:
+                return False
+        for m in self.modules:
+            if m._forward_hooks or m._forward_pre_hooks:
+                return False
+        return not (_global_hooks())
+
+    def __call__(self, x: torch.Tensor, rot: torch.Tensor, caches: Sequence[Any]) -> torch.Tensor | None:
+        """x [B, 1, hidden] float32 (the embeddings), ``rot`` as :class:`MLAStep` takes it,
+        ``caches`` every layer's ``LatentCache``: appends each layer's latent and key and returns
+        the final norm of the last residual [B, 1, hidden]; None when the step cannot run now."""
+        lib = native._lib
+        b = x.shape[0]
+        if (lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() != b * self.h
+                or b > NATIVE_ROWS or len(caches) != self.n or not self.live()):
+            return None
+        c0 = caches[0]
+        for c in caches:
+            if c.length != c0.length or c.latent.dtype != c0.latent.dtype or c.latent.shape[0] != b:
+                return None
+        if c0.latent.dtype not in (torch.float32, torch.bfloat16) or c0.latent.device.type != "cpu":
+            return None
+        r = rot
+        if r.dtype != torch.float32 or r.dim() != 2 or b != 1 or not r.is_contiguous():
+            r = rot.reshape(-1, self.rope, self.rope).to(torch.float32)
+            if r.shape[0] == 1 and b > 1:
+                r = r.expand(b, -1, -1)
+            r = r.contiguous()
+            if r.shape[0] != b:
+                return None
+        pos = [c.reserve(1) for c in caches]  # may grow (re-allocate) the caches: pointers after
+        lat, kr = c0.latent, c0.k_rope
+        strides = (lat.stride(2), lat.stride(0), kr.stride(2), kr.stride(0))
+        if any((c.latent.stride(2), c.latent.stride(0), c.k_rope.stride(2), c.k_rope.stride(0)) != strides
+               for c in caches) or len(set(pos)) != 1:
+            for c in caches:
+                c.unreserve(1)
+            return None
+        import ctypes
+
+        vp = ctypes.c_void_p * self.n
+        lats, krs = vp(*[c.latent.data_ptr() for c in caches]), vp(*[c.k_rope.data_ptr() for c in caches])
+        x2 = x.reshape(b, self.h).clone(memory_format=torch.contiguous_format)
+        out = torch.empty(b, 1, self.h)
+        fn = self.final_norm
+        rc = lib.qp_model_step(self.layers_arr, self.n, self.h, b, x2.data_ptr(), r.data_ptr(), lats, krs,
+                               strides[0], strides[1], strides[2], strides[3], pos[0],
+                               int(lat.dtype == torch.bfloat16), fn.data_ptr(), int(fn.dtype == torch.bfloat16),
+                               self.eps, out.data_ptr(), 0)
+        if rc != 0:
+            for c in caches:
+                c.unreserve(1)
+            native.check(rc, "model_step")
+        return out
+
+
+def _global_hooks() -> bool:
+    """Whether global module forward hooks are registered (``register_module_forward_hook``)."""
+    from torch.nn.modules import module as _m
+
+    return bool(_m._global_forward_hooks or _m._global_forward_pre_hooks)

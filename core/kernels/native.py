@@ -52,7 +52,7 @@ MODES = {"exact": 0, "fast": 1}
 FAST_FORMS = frozenset({"Q4_0", "Q8_0"})
 #: the symbols this module calls; a library missing one is rebuilt, then refused
 SYMBOLS = ("qp_form_info", "qp_isa", "qp_check", "qp_dequant", "qp_act_rows", "qp_gemm", "qp_mlp",
-           "qp_mla_pre", "qp_mla_post", "qp_mla_step", "qp_fp8_has_nan")
+           "qp_mla_pre", "qp_mla_post", "qp_mla_step", "qp_model_step", "qp_fp8_has_nan")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -190,6 +190,19 @@ class MLA(ctypes.Structure):
         ("o", ctypes.POINTER(Mat)), ("g", ctypes.POINTER(Mat))]
 
 
+class Layer(ctypes.Structure):
+    """``qp_layer``: one decoder layer of the whole-stack decode step (``qp_model_step``)."""
+
+    _fields_ = [  # noqa: RUF012
+        ("mla", ctypes.POINTER(MLA)), ("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
+        ("norm_bf16", ctypes.c_int32), ("eps", ctypes.c_float), ("E", ctypes.c_int32), ("top_k", ctypes.c_int32),
+        ("n_group", ctypes.c_int32), ("topk_group", ctypes.c_int32), ("norm_topk", ctypes.c_int32),
+        ("scaling", ctypes.c_float), ("router", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+        ("gate", ctypes.POINTER(ctypes.POINTER(Mat))), ("up", ctypes.POINTER(ctypes.POINTER(Mat))),
+        ("down", ctypes.POINTER(ctypes.POINTER(Mat))),
+        ("sg", ctypes.POINTER(Mat)), ("su", ctypes.POINTER(Mat)), ("sd", ctypes.POINTER(Mat))]
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     i64, p, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     mp = ctypes.POINTER(Mat)
@@ -205,6 +218,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "qp_mla_pre": ([ctypes.POINTER(MLA), i64, p, p, p, p, p, i32], i32),
         "qp_mla_post": ([ctypes.POINTER(MLA), i64, p, p, i64, i64, p, i64, i64, i64, i32, p, p, i32], i32),
         "qp_mla_step": ([ctypes.POINTER(MLA), i64, p, p, p, i64, i64, p, i64, i64, i64, i32, p, i32], i32),
+        "qp_model_step": ([ctypes.POINTER(Layer), i32, i64, i64, p, p, p, p, i64, i64, i64, i64, i64, i32, p, i32,
+                           ctypes.c_float, p, i32], i32),
         "qp_fp8_has_nan": ([p, i64], i32),
     }
     for name, (args, res) in sig.items():

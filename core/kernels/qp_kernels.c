@@ -1859,3 +1859,191 @@ int qp_mla_step(const qp_mla *m, int64_t B, const float *x, const float *rot, vo
     return rc;
 }
 
+
+/* ---- one decode step of the whole decoder stack ------------------------------------------------
+ * Every layer of a DeepSeek-V3-shaped stack for B sequences at one position in one call: input
+ * norm, the absorbed MLA step (qp_mla_step, appending to the layer's cache), residual, post-
+ * attention norm, the dense gated MLP or the MoE (sigmoid router with the correction bias and
+ * group-limited top-k, the routed experts and the shared experts through qp_mlp), residual; then
+ * the final norm. The arithmetic is the per-layer steps' own, in their order (a float32 model): the
+ * choice of experts is route_one's (scores float32 sigmoids, the biased choice and the weights in
+ * double, ties to the lower id), each token's experts summed in ascending id order. */
+
+typedef struct {
+    const qp_mla *mla;
+    const void *attn_norm, *ffn_norm;  /* [H], f32 or bf16 (norm_bf16) */
+    int32_t norm_bf16;
+    float eps;
+    int32_t E;                         /* routed experts; 0: a dense MLP (gate / up / down [0]) */
+    int32_t top_k, n_group, topk_group, norm_topk;
+    float scaling;
+    const float *router;               /* [E, H] float32 */
+    const float *bias;                 /* [E] float32, or NULL */
+    const qp_mat *const *gate;
+    const qp_mat *const *up;
+    const qp_mat *const *down;
+    const qp_mat *sg, *su, *sd;        /* shared experts, or NULL */
+} qp_layer;
+
+static void norm_into(const float *x, float *o, int64_t n, const void *w, int bf16, float eps) {
+    float ss = dot_f32(x, x, n);
+    float r = 1.f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) {
+        float wi = bf16 ? bits_f32((uint32_t)((const uint16_t *)w)[i] << 16) : ((const float *)w)[i];
+        o[i] = wi * (x[i] * r);
+    }
+}
+
+static int layer_ok(const qp_layer *l, int64_t H) {
+    if (!l->mla || !mla_ok(l->mla) || l->mla->H != H || !l->attn_norm || !l->ffn_norm) return 0;
+    if (!l->gate || !l->up || !l->down) return 0;
+    const int E = l->E > 0 ? l->E : 1;
+    for (int e = 0; e < E; e++)
+        if (!l->gate[e] || !l->up[e] || !l->down[e] || !mat_ok(l->gate[e]) || l->gate[e]->k != H || l->down[e]->n != H)
+            return 0;
+    if (l->E > 0) {
+        if (!l->router || l->top_k < 1 || l->top_k > l->E || l->n_group < 1 || l->E % l->n_group
+            || l->topk_group < 1 || l->topk_group > l->n_group
+            || l->top_k > l->topk_group * (l->E / l->n_group)) return 0;
+        if (l->sg && (!l->su || !l->sd || !mat_ok(l->sg) || l->sg->k != H || l->sd->n != H)) return 0;
+    }
+    return 1;
+}
+
+/* route_one of the core model for one normed row h: ids (ascending) and weights of its top_k experts */
+static void route_row(const qp_layer *l, const float *h, int64_t H, double *sc, double *ch, int32_t *ids, float *ws) {
+    const int E = l->E, per = E / l->n_group, G = l->n_group;
+    for (int e = 0; e < E; e++) {
+        float s = 1.f / (1.f + expf(-dot_f32(h, l->router + (int64_t)e * H, H)));
+        sc[e] = (double)s;
+        ch[e] = (double)s + (l->bias ? (double)l->bias[e] : 0.0);
+    }
+    double gs[1024];
+    int take[1024];
+    for (int g = 0; g < G; g++) {
+        double a = -INFINITY, b = -INFINITY;  /* the two largest of the group */
+        for (int j = 0; j < per; j++) {
+            double v = ch[g * per + j];
+            if (v > a) { b = a; a = v; } else if (v > b) b = v;
+        }
+        gs[g] = per >= 2 ? a + b : a;
+        take[g] = 0;
+    }
+    for (int k = 0; k < l->topk_group; k++) {  /* highest group score first, ties to the lower id */
+        int best = -1;
+        for (int g = 0; g < G; g++)
+            if (!take[g] && (best < 0 || gs[g] > gs[best])) best = g;
+        take[best] = 1;
+    }
+    int chosen[1024], n = 0;
+    for (int k = 0; k < l->top_k; k++) {
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+            if (!take[e / per]) continue;
+            int used = 0;
+            for (int j = 0; j < n; j++) used |= chosen[j] == e;
+            if (!used && (best < 0 || ch[e] > ch[best])) best = e;
+        }
+        chosen[n++] = best;
+    }
+    double total = 0.0;
+    for (int j = 0; j < n; j++) total += sc[chosen[j]];
+    total += 1e-20;
+    /* ascending ids, weights as route_one's floats */
+    for (int j = 0; j < n; j++) {
+        int lo = j;
+        for (int i = j + 1; i < n; i++) if (chosen[i] < chosen[lo]) lo = i;
+        int t = chosen[j]; chosen[j] = chosen[lo]; chosen[lo] = t;
+    }
+    for (int j = 0; j < n; j++) {
+        double w = sc[chosen[j]];
+        if (l->norm_topk) w = w / total;
+        ids[j] = chosen[j];
+        ws[j] = (float)(w * (double)l->scaling);
+    }
+}
+
+/* the MoE of one layer for B normed rows h [B, H]: out [B, H] = routed (+ shared) */
+static int moe_rows(const qp_layer *l, int64_t B, int64_t H, const float *h, float *out, float *tmp, int wround) {
+    const int E = l->E, K = l->top_k;
+    const int64_t P = B * K;
+    double *sc = (double *)malloc(sizeof(double) * (size_t)(2 * E));
+    int32_t *ids = (int32_t *)malloc(sizeof(int32_t) * (size_t)(P * 3 + E + 1));
+    float *ws = (float *)malloc(sizeof(float) * (size_t)(P * 2));
+    const qp_mat **mats = (const qp_mat **)malloc(sizeof(qp_mat *) * (size_t)(3 * P + 3));
+    int rc = 0;
+    if (!sc || !ids || !ws || !mats) { rc = -2; goto done; }
+    int32_t *pe = ids + P, *prow = pe + P, *slot = prow + P;
+    float *pw = ws + P;
+    for (int64_t b = 0; b < B; b++) route_row(l, h + b * H, H, sc, sc + E, ids + b * K, ws + b * K);
+    /* pairs grouped by expert (ascending id), rows ascending within one expert */
+    for (int e = 0; e < E; e++) slot[e] = -1;
+    int used = 0;
+    int64_t p = 0;
+    for (int e = 0; e < E; e++) {
+        for (int64_t b = 0; b < B; b++)
+            for (int j = 0; j < K; j++)
+                if (ids[b * K + j] == e) {
+                    if (slot[e] < 0) {
+                        slot[e] = used;
+                        mats[used] = l->gate[e]; mats[P + used] = l->up[e]; mats[2 * P + used] = l->down[e];
+                        used++;
+                    }
+                    pe[p] = slot[e]; prow[p] = (int32_t)b; pw[p] = ws[b * K + j]; p++;
+                }
+    }
+    rc = qp_mlp(mats, mats + P, mats + 2 * P, used, B, h, H, (int)p, pe, prow, pw, out, H, wround);
+    if (rc == 0 && l->sg) {
+        const qp_mat *g1[1] = {l->sg}, *u1[1] = {l->su}, *d1[1] = {l->sd};
+        for (int64_t b = 0; b < B; b++) { pe[b] = 0; prow[b] = (int32_t)b; pw[b] = 1.f; }
+        rc = qp_mlp(g1, u1, d1, 1, B, h, H, (int)B, pe, prow, pw, tmp, H, wround);
+        if (rc == 0)
+            for (int64_t i = 0; i < B * H; i++) out[i] = out[i] + tmp[i];
+    }
+done:
+    free(sc); free(ids); free(ws); free(mats);
+    return rc;
+}
+
+/* the whole stack for B rows x [B, H] (the embeddings; overwritten by the residual stream) at
+ * position pos of every sequence: layer i's latent / key rows at lat[i] / kr[i] (strides as in
+ * qp_mla_step, the same for every layer); rot [B, rope, rope]; out [B, H] = the final norm of the
+ * last residual. */
+int qp_model_step(const qp_layer *layers, int L, int64_t H, int64_t B, float *x, const float *rot,
+                  void *const *lat, void *const *kr, int64_t ld_lat, int64_t lds_b, int64_t ld_kr, int64_t krs_b,
+                  int64_t pos, int lat_bf16, const void *fnorm, int fnorm_bf16, float feps, float *out, int wround) {
+    if (L <= 0 || H <= 0 || B <= 0 || pos < 0 || !fnorm || wround != 0) return -1;
+    for (int i = 0; i < L; i++) {
+        if (!layer_ok(&layers[i], H) || !lat[i] || !kr[i]) return -1;
+        if (layers[i].E > 1024 || layers[i].n_group > 1024) return -1;
+    }
+    float *h = (float *)malloc(sizeof(float) * (size_t)(3 * B * H));
+    if (!h) return -2;
+    float *a = h + B * H, *t = a + B * H;
+    int rc = 0;
+    for (int i = 0; i < L && rc == 0; i++) {
+        const qp_layer *l = &layers[i];
+        for (int64_t b = 0; b < B; b++) norm_into(x + b * H, h + b * H, H, l->attn_norm, l->norm_bf16, l->eps);
+        rc = qp_mla_step(l->mla, B, h, rot, lat[i], ld_lat, lds_b, kr[i], ld_kr, krs_b, pos, lat_bf16, a, wround);
+        if (rc) break;
+        for (int64_t j = 0; j < B * H; j++) x[j] = x[j] + a[j];
+        for (int64_t b = 0; b < B; b++) norm_into(x + b * H, h + b * H, H, l->ffn_norm, l->norm_bf16, l->eps);
+        if (l->E > 0) rc = moe_rows(l, B, H, h, a, t, wround);
+        else {
+            int32_t *pe = (int32_t *)malloc(sizeof(int32_t) * (size_t)(2 * B));
+            float *pw = (float *)malloc(sizeof(float) * (size_t)B);
+            if (!pe || !pw) rc = -2;
+            else {
+                for (int64_t b = 0; b < B; b++) { pe[b] = 0; pe[B + b] = (int32_t)b; pw[b] = 1.f; }
+                rc = qp_mlp(l->gate, l->up, l->down, 1, B, h, H, (int)B, pe, pe + B, pw, a, H, wround);
+            }
+            free(pe); free(pw);
+        }
+        if (rc) break;
+        for (int64_t j = 0; j < B * H; j++) x[j] = x[j] + a[j];
+    }
+    if (rc == 0)
+        for (int64_t b = 0; b < B; b++) norm_into(x + b * H, out + b * H, H, fnorm, fnorm_bf16, feps);
+    free(h);
+    return rc;
+}

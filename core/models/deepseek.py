@@ -21,7 +21,7 @@ from torch import nn
 
 from ..generate import GenerationMixin, LatentCache, MLACache
 from ..kernels import compute
-from ..kernels.compute import NATIVE_ROWS, MLAStep, MLPStep
+from ..kernels.compute import NATIVE_ROWS, MLAStep, MLPStep, StackLayer, StackStep
 from ..layers.embedding import Embedding, TiedHead
 from ..layers.linear import (
     FloatParams,
@@ -636,12 +636,53 @@ class TextModel(nn.Module):
         self.rotary = Rotary(cfg.rope, cfg.qk_rope_head_dim, cfg.rope_interleave)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, d, self.rotary) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, d.ck("model.norm"))
+        #: the whole stack's decode step (:meth:`_stack_step`)
+        self._stack: StackStep | None = None
+        self._stack_tried = False
 
     def qp_fuse(self) -> None:
         """After loading: each MoE layer learns the next one (for expert prefetch)."""
         moes = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
         for a, b in zip(moes, moes[1:]):
             object.__setattr__(a, "qp_next", b)  # a reference, not a submodule (no second name, no state)
+        self._stack, self._stack_tried = None, False  # built on the first decode step, after every layer's fuse
+
+    def _stack_step(self) -> StackStep | None:
+        """The whole stack's native decode step (:class:`quantplug.kernels.compute.StackStep`),
+        built once on first use; None when any layer runs another way (experts served from files
+        or split over ranks, a piece without a native form, a non-float32 model)."""
+        if self._stack is not None or self._stack_tried:
+            return self._stack
+        self._stack_tried = True
+        parts: list[StackLayer] = []
+        owners: list[tuple[nn.Module, Any]] = []
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            attn, mlp, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+            if attn.step is None or n1.eps != n2.eps:
+                return None
+            owners.append((attn, attn.step))
+            if isinstance(mlp, MLP):
+                if mlp.step is None:
+                    return None
+                parts.append(StackLayer(mla=attn.step, attn_norm=n1.weight, ffn_norm=n2.weight, eps=n1.eps, mlp=mlp.step))
+                owners.append((mlp, mlp.step))
+                continue
+            assert isinstance(mlp, MoE)
+            ex, cfg, shared = mlp.experts, mlp.gate.cfg, mlp.shared_experts
+            if (ex.step is None or ex.qp_store is not None or ex.qp_parallel is not None
+                    or (ex.first, ex.count, ex.slot_base) != (0, ex.n, 0) or len(ex.step.gate.mats) != ex.n
+                    or (shared is not None and shared.step is None)):
+                return None
+            owners += [(ex, ex.step)] + ([] if shared is None else [(shared, shared.step)])
+            parts.append(StackLayer(mla=attn.step, attn_norm=n1.weight, ffn_norm=n2.weight, eps=n1.eps,
+                                    experts=ex.step, router=mlp.gate.weight, bias=mlp.gate.e_score_correction_bias,
+                                    top_k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                                    norm_topk=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor,
+                                    shared=None if shared is None else shared.step))
+        self._stack = StackStep.build(parts, self.norm.weight, self.norm.eps, self.norm.weight.numel(),
+                                      list(self.layers.modules()) + [self.norm], owners)
+        return self._stack
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: MLACache | None = None) -> torch.Tensor:
@@ -653,6 +694,12 @@ class TextModel(nn.Module):
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0).expand(ids.shape[0], -1)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        if cache is not None and ids.shape[1] == 1 and x.dtype == torch.float32 and ids.shape[0] <= NATIVE_ROWS:
+            st = self._stack_step()
+            if st is not None:
+                out = st(x, self.rotary._rotation(cos, sin), cache.layers)
+                if out is not None:
+                    return out
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, None if cache is None else cache.layers[i])
         return self.norm(x)
