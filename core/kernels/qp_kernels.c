@@ -1047,7 +1047,7 @@ static void exact_rows_32(const qp_mat *m, const qp_in *in, int64_t r0, int64_t 
                 __m512 lo[RT], hi[RT];
                 for (int a = 0; a < rt; a++) {
                     const uint8_t *blk = m->w + (r + a) * m->ldw + b * size;
-                    _mm_prefetch((const char *)(blk + PF_AHEAD), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(blk + RT * m->ldw), _MM_HINT_T1);
                     if (type == QP_BF16) bf16x32((const uint16_t *)blk, &lo[a], &hi[a]);
                     else deq_block512(type, blk, &lo[a], &hi[a]);
                 }
@@ -1202,17 +1202,20 @@ static QP_IQ_UNUSED void row_scales(const qp_mat *m, int64_t r, int64_t ng, floa
         if (has_g) V = _mm512_mul_ps(V, vg);                                                        \
         if (wround) V = round_vec(V, wround);                                                       \
     }
-#define QP_FUSED_SCALED(NAME, RAWI)                                                                 \
-static void NAME(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy, int wround) { \
+#define QP_FUSED_SCALED(NAME, RAWI, ANY)                                                            \
+static void NAME(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy, int wround_) { \
     y -= r0;                                                                                        \
     const int64_t K = m->k, gk = m->gk, ldx = in->ldx, ldw = m->ldw, step = gk % 32 ? 16 : 32;       \
-    const void *zp = m->z;                                                                          \
+    const void *zp = ANY ? m->z : NULL;                                                             \
     const float gs = m->gs;                                                                         \
-    const int has_g = m->gmode == QG_AFTER && gs != 1.f, nan = m->nan;                              \
+    const int has_g = ANY && m->gmode == QG_AFTER && gs != 1.f, nan = ANY && m->nan;                \
+    const int wround = ANY ? wround_ : 0;                                                           \
     const __m512 lut = _mm512_loadu_ps(E2M1), vg = _mm512_set1_ps(gs);                            \
     const int64_t ng = (K + gk - 1) / gk;                                                           \
     float sv[QP_NG_MAX], zv[QP_NG_MAX];                                                             \
     (void)lut; (void)nan;                                                                           \
+    /* the same bytes RT rows ahead, into L2: rows shorter than the hardware prefetcher's ramp */ \
+    const int64_t pf = RT * ldw;                                                                    \
     for (int64_t r = r0; r < r1; r++) {                                                             \
         const uint8_t *restrict row = m->w + r * ldw;                                               \
         row_scales(m, r, ng, sv, zv);                                                               \
@@ -1227,6 +1230,7 @@ static void NAME(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int x
                 if (step == 32) {                                                                   \
                     for (int64_t i = c0; i < end; i += 32) {                                        \
                         __m512 v0, v1;                                                              \
+                        if (i0 == 0) _mm_prefetch((const char *)(row + pf) + i, _MM_HINT_T1);        \
                         { const int64_t ii = i; (void)ii; QP_SCALE16(RAWI(i), v0) }                 \
                         { QP_SCALE16(RAWI(i + 16), v1) }                                            \
                         a0 = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x0 + i), a0);                       \
@@ -1264,10 +1268,16 @@ static void NAME(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int x
 #define RAW_INT4(i) raw16_int4(row, i)
 #define RAW_FP8(i) fp8x16_div256(row + (i), nan)
 #define RAW_FP4(i) _mm512_permutexvar_ps(nib16(row, i), lut)
-QP_FUSED_SCALED(fused_int8, RAW_INT8)
-QP_FUSED_SCALED(fused_int4, RAW_INT4)
-QP_FUSED_SCALED(fused_fp8, RAW_FP8)
-QP_FUSED_SCALED(fused_fp4, RAW_FP4)
+/* each form twice: for any matrix, and specialized for the plain one (no zero points, no global
+ * scale after, no NaN codes, a float32 model), whose per-16-weight branches then fold away */
+QP_FUSED_SCALED(fused_int8, RAW_INT8, 1)
+QP_FUSED_SCALED(fused_int4, RAW_INT4, 1)
+QP_FUSED_SCALED(fused_fp8, RAW_FP8, 1)
+QP_FUSED_SCALED(fused_fp4, RAW_FP4, 1)
+QP_FUSED_SCALED(plain_int8, RAW_INT8, 0)
+QP_FUSED_SCALED(plain_int4, RAW_INT4, 0)
+QP_FUSED_SCALED(plain_fp8, RAW_FP8, 0)
+QP_FUSED_SCALED(plain_fp4, RAW_FP4, 0)
 #undef QP_FUSED_SCALED
 #undef QP_SCALE16
 #endif
@@ -1279,11 +1289,12 @@ static void rows_any(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, i
     else if (((m->type == QP_Q4_0 || m->type == QP_Q8_0) && wround == QR_NONE)
              || (m->type == QP_BF16 && wround != QR_F16 && m->k % 32 == 0)) exact_rows_32(m, in, r0, r1, xm, y, ldy);
     else if (m->type >= QP_INT4 && (m->gk % 16 == 0) && m->k % 16 == 0 && !m->big && (m->k + m->gk - 1) / m->gk <= QP_NG_MAX) {
+        const int plain = !m->z && !(m->gmode == QG_AFTER && m->gs != 1.f) && !m->nan && wround == QR_NONE;
         switch (m->type) {
-            case QP_INT8: fused_int8(m, in, r0, r1, xm, y, ldy, wround); break;
-            case QP_INT4: fused_int4(m, in, r0, r1, xm, y, ldy, wround); break;
-            case QP_FP8: fused_fp8(m, in, r0, r1, xm, y, ldy, wround); break;
-            default: fused_fp4(m, in, r0, r1, xm, y, ldy, wround); break;
+            case QP_INT8: (plain ? plain_int8 : fused_int8)(m, in, r0, r1, xm, y, ldy, wround); break;
+            case QP_INT4: (plain ? plain_int4 : fused_int4)(m, in, r0, r1, xm, y, ldy, wround); break;
+            case QP_FP8: (plain ? plain_fp8 : fused_fp8)(m, in, r0, r1, xm, y, ldy, wround); break;
+            default: (plain ? plain_fp4 : fused_fp4)(m, in, r0, r1, xm, y, ldy, wround); break;
         }
     }
 #endif
