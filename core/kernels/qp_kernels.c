@@ -962,7 +962,7 @@ static void fast_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, 
                 float dw[RT];
                 for (int a = 0; a < rt; a++) {
                     const uint8_t *blk = m->w + (r + a) * m->ldw + b * size;
-                    _mm_prefetch((const char *)(blk + PF_AHEAD), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(blk + RT * m->ldw), _MM_HINT_T1);
                     dw[a] = f16_to_f32(blk);
                     v[a] = codes(type, blk);
                     u[a] = _mm256_sign_epi8(v[a], v[a]);
@@ -1064,6 +1064,84 @@ static void exact_rows_32(const qp_mat *m, const qp_in *in, int64_t r0, int64_t 
     }
 }
 
+#endif
+
+#ifdef QP_AVX512
+/* 16 decoded weights v at element off of the super-block starting at c0, into every x row's sums */
+static inline void kq_fma(__m512 acc[MT][2], int mt, const float *x, int64_t ldx, int64_t at, int half, __m512 v) {
+    for (int i = 0; i < mt; i++) acc[i][half] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + (int64_t)i * ldx + at), acc[i][half]);
+}
+
+/* exact Q4_K / Q5_K / Q6_K rows: each super-block decoded in registers with deq_q45_k_sb512's /
+ * deq_q6_k_sb512's float32 operations (the same weights, bit for bit) and multiplied into the sums
+ * at once, instead of through a buffer; the row RT rows ahead prefetched into L2 */
+static void kq_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy) {
+    y -= r0;
+    const int type = m->type, five = type == QP_Q5_K;
+    const int64_t nsb = m->k / QKK, bsize = type == QP_Q4_K ? 144 : type == QP_Q5_K ? 176 : 210, ldx = in->ldx;
+    const __m128i m4 = _mm_set1_epi8(15), one = _mm_set1_epi8(1), m3 = _mm_set1_epi8(3), c32 = _mm_set1_epi8(32);
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = m->w + r * m->ldw;
+        for (int i0 = 0; i0 < xm; i0 += MT) {
+            const int mt = xm - i0 < MT ? xm - i0 : MT;
+            const float *xr = in->x + (int64_t)i0 * ldx;
+            __m512 acc[MT][2];
+            for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+            for (int64_t sb = 0; sb < nsb; sb++) {
+                const uint8_t *b = row + sb * bsize;
+                const int64_t c0 = sb * QKK;
+                if (i0 == 0) for (int64_t o = 0; o < bsize; o += 64) _mm_prefetch((const char *)(b + RT * m->ldw + o), _MM_HINT_T1);
+                if (type == QP_Q6_K) {
+                    const float d = f16_to_f32(b + 208);
+                    const int8_t *scales = (const int8_t *)(b + 192);
+                    for (int h = 0; h < 2; h++) {
+                        const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+                        for (int part = 0; part < 2; part++) {
+                            const int l = 16 * part, is = l / 16;
+                            __m128i lq0 = _mm_loadu_si128((const __m128i *)(ql + l)), lq1 = _mm_loadu_si128((const __m128i *)(ql + l + 32));
+                            __m128i hq = _mm_loadu_si128((const __m128i *)(qh + l));
+                            __m128i q0 = _mm_or_si128(_mm_and_si128(lq0, m4), _mm_slli_epi16(_mm_and_si128(hq, m3), 4));
+                            __m128i q1 = _mm_or_si128(_mm_and_si128(lq1, m4), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hq, 2), m3), 4));
+                            __m128i q2 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(lq0, 4), m4), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hq, 4), m3), 4));
+                            __m128i q3 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(lq1, 4), m4), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hq, 6), m3), 4));
+                            const float s0 = d * (float)scales[8 * h + is], s1 = d * (float)scales[8 * h + is + 2];
+                            const float s2 = d * (float)scales[8 * h + is + 4], s3 = d * (float)scales[8 * h + is + 6];
+                            const int64_t at = c0 + 128 * h + l;
+                            kq_fma(acc, mt, xr, ldx, at, 0, _mm512_mul_ps(i8x16_ps(_mm_sub_epi8(q0, c32)), _mm512_set1_ps(s0)));
+                            kq_fma(acc, mt, xr, ldx, at + 32, 1, _mm512_mul_ps(i8x16_ps(_mm_sub_epi8(q1, c32)), _mm512_set1_ps(s1)));
+                            kq_fma(acc, mt, xr, ldx, at + 64, 0, _mm512_mul_ps(i8x16_ps(_mm_sub_epi8(q2, c32)), _mm512_set1_ps(s2)));
+                            kq_fma(acc, mt, xr, ldx, at + 96, 1, _mm512_mul_ps(i8x16_ps(_mm_sub_epi8(q3, c32)), _mm512_set1_ps(s3)));
+                        }
+                    }
+                } else {
+                    const float d = f16_to_f32(b), dmin = f16_to_f32(b + 2);
+                    uint8_t sc[8], mn[8];
+                    scale_min_k4(b + 4, sc, mn);
+                    const uint8_t *qh = b + 16, *qs = b + (five ? 48 : 16);
+                    for (int j = 0; j < 4; j++) {
+                        const int s0 = 2 * j, s1 = 2 * j + 1;
+                        const __m512 dl0 = _mm512_set1_ps(d * (float)sc[s0]), ml0 = _mm512_set1_ps(dmin * (float)mn[s0]);
+                        const __m512 dl1 = _mm512_set1_ps(d * (float)sc[s1]), ml1 = _mm512_set1_ps(dmin * (float)mn[s1]);
+                        for (int half = 0; half < 2; half++) {
+                            const int l = 16 * half;
+                            __m128i q = _mm_loadu_si128((const __m128i *)(qs + 32 * j + l));
+                            __m128i lo = _mm_and_si128(q, m4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
+                            if (five) {
+                                __m128i h = _mm_loadu_si128((const __m128i *)(qh + l));
+                                lo = _mm_or_si128(lo, _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 2 * j), one), 4));
+                                hi = _mm_or_si128(hi, _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 2 * j + 1), one), 4));
+                            }
+                            const int64_t at = c0 + 64 * j + l;
+                            kq_fma(acc, mt, xr, ldx, at, 0, _mm512_sub_ps(_mm512_mul_ps(dl0, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo))), ml0));
+                            kq_fma(acc, mt, xr, ldx, at + 32, 1, _mm512_sub_ps(_mm512_mul_ps(dl1, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi))), ml1));
+                        }
+                    }
+                }
+            }
+            for (int i = 0; i < mt; i++) y[(int64_t)(i0 + i) * ldy + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
+        }
+    }
+}
 #endif
 
 /* the segment the generic kernel decodes at a time: whole blocks, at most 256 values */
@@ -1288,6 +1366,7 @@ static void rows_any(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, i
 #ifdef QP_AVX512
     else if (((m->type == QP_Q4_0 || m->type == QP_Q8_0) && wround == QR_NONE)
              || (m->type == QP_BF16 && wround != QR_F16 && m->k % 32 == 0)) exact_rows_32(m, in, r0, r1, xm, y, ldy);
+    else if ((m->type == QP_Q4_K || m->type == QP_Q5_K || m->type == QP_Q6_K) && wround == QR_NONE) kq_rows(m, in, r0, r1, xm, y, ldy);
     else if (m->type >= QP_INT4 && (m->gk % 16 == 0) && m->k % 16 == 0 && !m->big && (m->k + m->gk - 1) / m->gk <= QP_NG_MAX) {
         const int plain = !m->z && !(m->gmode == QG_AFTER && m->gs != 1.f) && !m->nan && wround == QR_NONE;
         switch (m->type) {
