@@ -150,7 +150,7 @@ def build(root: Path, llama_py: str | None) -> dict[str, Path]:
         _gguf_with_merges(d / "model.tmp.gguf", d / "model.gguf")
         (d / "model.tmp.gguf").unlink()
     exports = {"fp8": ("fp8", {}), "ct-w4a16": ("compressed_tensors", {}),
-               "modelslim-w4a8": ("modelslim", {"recipes": ["w4a8"]}), "quark-mxfp4": ("quark", {}),
+               "modelslim-w4a8": ("modelslim", {"recipes": ["w4a8"], "float_dtype": "bfloat16"}), "quark-mxfp4": ("quark", {}),
                "modelopt-nvfp4": ("modelopt", {}), "modelopt-nvfp4-act": ("modelopt", {"algo": "NVFP4"}),
                "modelopt-fp8": ("modelopt", {"algo": "FP8"}), "gptq": ("gptq", {}), "awq": ("awq", {})}
     for name, (backend, opts) in exports.items():

@@ -208,3 +208,37 @@ def test_export_w8a8_and_w4a8_within_quantization_error(tmp_path):
             assert experts._int4k.dtype == torch.uint8 and not hasattr(experts, "weight")
     # int8 everywhere is within a few percent; int4 experts cost more but stay bounded
     assert errs["w8a8"] < 0.05 and errs["w4a8"] < 0.25 and errs["w8a8"] < errs["w4a8"]
+
+
+def test_export_float_dtype_writes_unquantized_tensors_as_a_bfloat16_release_stores_them(tmp_path):
+    """``float_dtype="bfloat16"``: FLOAT linears (lm_head, W4A8's kv_b_proj), embeddings and norms
+    as BF16, the router's correction bias F32, quantized tensors unchanged; it loads and gives the
+    float32 export's logits within bfloat16 rounding."""
+    import json
+    import struct
+
+    from quantplug.testing import random_state, tiny_config, write_checkpoint
+    from quantplug_modelslim.export import export_modelslim
+
+    cfg = tiny_config(hidden_size=128, moe_intermediate_size=64, intermediate_size=128)
+    dense = quantplug.load(write_checkpoint(tmp_path / "dense", cfg, random_state(cfg, seed=2)))
+    ids = torch.randint(0, cfg["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(3))
+    f32, = export_modelslim(dense, dense.quantplug_plan, tmp_path / "f32", {"calibration": [ids], "recipes": ["w4a8"]})
+    bf16, = export_modelslim(dense, dense.quantplug_plan, tmp_path / "bf16",
+                             {"calibration": [ids], "recipes": ["w4a8"], "float_dtype": "bfloat16"})
+
+    def dtypes(res) -> dict[str, str]:
+        with open(res.files[0], "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            return {k: v["dtype"] for k, v in json.loads(fh.read(n)).items() if k != "__metadata__"}
+
+    a, b = dtypes(f32), dtypes(bf16)
+    assert b["lm_head.weight"] == b["model.embed_tokens.weight"] == b["model.norm.weight"] == "BF16"
+    assert b["model.layers.1.self_attn.kv_b_proj.weight"] == "BF16"
+    assert b["model.layers.1.mlp.gate.e_score_correction_bias"] == "F32"
+    assert {k for k, v in a.items() if v != b[k]} == {k for k, v in b.items() if v == "BF16"}
+    assert all(v == "F32" for k, v in a.items() if b[k] == "BF16")
+    with torch.no_grad():
+        want = quantplug.load(f32.path)(ids)
+        got = quantplug.load(bf16.path)(ids)
+    assert 0 < rel_err(got, want) < 2e-2

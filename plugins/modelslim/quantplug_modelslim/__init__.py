@@ -77,6 +77,9 @@ def quantplug_options() -> list[OptionSpec]:
         OptionSpec("recipes", list, ["w8a8", "w4a8"], None, "export: which ModelSlim checkpoints to write",
                    scope="export"),
         OptionSpec("calibration", list, None, None, "export: calibration batches (token id tensors)", scope="export"),
+        OptionSpec("float_dtype", str, "float32", ("float32", "bfloat16", "float16"),
+                   "export: dtype of the FLOAT (unquantized) tensors written; a release quantized from a "
+                   "bfloat16 model stores them as bfloat16", scope="export"),
     ]
 
 

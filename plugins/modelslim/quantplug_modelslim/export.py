@@ -47,6 +47,12 @@ def _calibrate(model: torch.nn.Module, batches: list[torch.Tensor]) -> dict[str,
     return ranges
 
 
+#: the export option ``float_dtype``: the dtype FLOAT tensors are written in (msmodelslim keeps the
+#: source model's: a release quantized from a bfloat16 model stores them as bfloat16); the router's
+#: correction bias stays float32, as DeepSeek-V3 stores it
+FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def export_modelslim(model: torch.nn.Module, plan: LoadPlan, destination: Path,
                      options: Mapping[str, Any]) -> list[ExportResult]:
     recipes = options.get("recipes", ["w8a8", "w4a8"])
@@ -55,10 +61,11 @@ def export_modelslim(model: torch.nn.Module, plan: LoadPlan, destination: Path,
     ranges = _calibrate(model, batches)
     state = dense_state(model)
     linears = {name for name, _ in named_linears(model)}
+    fdt = FLOAT_DTYPES[options.get("float_dtype", "float32")]
     out = []
     for recipe in recipes:
         dest = Path(destination) / recipe
-        out.append(_write(state, linears, plan, dest, recipe, ranges))
+        out.append(_write(state, linears, plan, dest, recipe, ranges, fdt))
     return out
 
 
@@ -71,12 +78,14 @@ def _linear_type(name: str, recipe: str) -> str:
 
 
 def _write(state: Mapping[str, torch.Tensor], linears: set[str], plan: LoadPlan, dest: Path, recipe: str,
-           ranges: dict[str, tuple[float, float]]) -> ExportResult:
+           ranges: dict[str, tuple[float, float]], float_dtype: torch.dtype = torch.float32) -> ExportResult:
     dest.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     desc: dict[str, Any] = {"model_quant_type": "W8A8", "version": "1.0.0"}
 
     def put(name: str, t: torch.Tensor, typ: str) -> None:
+        if typ == "FLOAT" and t.is_floating_point() and not name.endswith("e_score_correction_bias"):
+            t = t.to(float_dtype)  # msmodelslim saves FLOAT tensors in the source model's dtype
         tensors[name] = t.contiguous()
         desc[name] = typ
 
