@@ -7,7 +7,7 @@ experts of 256 (top-4) + 1 shared, MLA q_lora 256 / kv_lora 128, vocab 32000: ~1
 parameters, random weights (std 0.02), written once as a bf16 safetensors checkpoint, then
 exported by each bundled backend's own ``quantplug_export`` (GGUF F32 / Q8_0 / Q4_0 through
 quantplug's gguf-py writer, DeepSeek FP8 block, compressed-tensors W4A16 experts-only, ModelSlim
-W4A8 experts + W8A8 attention, Quark MXFP4 (routed experts float, as amd-quark writes them),
+W4A8 experts + W8A8 attention (its FLOAT tensors written as bfloat16: `float_dtype`), Quark MXFP4 (routed experts float, as amd-quark writes them),
 ModelOpt NVFP4 / FP8 (every decoder linear, experts per expert), GPTQ / AWQ int4 group 32 with zero
 points). compressed-tensors has no FP4 exporter: its NVFP4 / MXFP4 rows are written here by
 :func:`write_ct_fp4` with compressed-tensors' quantization rules (every decoder linear, experts
