@@ -610,7 +610,14 @@ class StackStep:
             r = r.contiguous()
             if r.shape[0] != b:
                 return None
-        pos = [c.reserve(1) for c in caches]  # may grow (re-allocate) the caches: pointers after
+        pos: list[int] = []
+        try:
+            for c in caches:
+                pos.append(c.reserve(1))  # may grow (re-allocate) the cache: pointers are read after
+        except BaseException:
+            for c in caches[:len(pos)]:
+                c.unreserve(1)
+            raise
         lat, kr = c0.latent, c0.k_rope
         strides = (lat.stride(2), lat.stride(0), kr.stride(2), kr.stride(0))
         if any((c.latent.stride(2), c.latent.stride(0), c.k_rope.stride(2), c.k_rope.stride(0)) != strides
