@@ -310,3 +310,21 @@ def test_whole_stack_step_declines_for_hooks_served_experts_and_bfloat16(ckpts, 
     served = quantplug.load(ckpts["Q8_0"], progress=False, options={"expert_cache_mb": 64})
     got, _ = decode(served)
     assert calls[0] == 12 and rel_err(got, want) < 1e-5
+
+
+@needs_native
+def test_whole_stack_step_at_the_context_limit_leaves_every_cache_as_it_was(tmp_path, monkeypatch):
+    from quantplug.generate import GenerationError
+    from quantplug.testing import write_checkpoint
+
+    calls = _count_stack_calls(monkeypatch)
+    cfg = {**CFG32, "max_position_embeddings": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+    lm = quantplug.load(write_checkpoint(tmp_path / "d", cfg, random_state(cfg)), progress=False).text_lm()
+    cache = new_cache(lm, 1, 16)
+    with torch.inference_mode():
+        lm.next_logits(torch.zeros(1, 15, dtype=torch.long), cache)
+        lm.next_logits(torch.zeros(1, 1, dtype=torch.long), cache)
+        assert calls[0] == 1 and cache.length == 16
+        with pytest.raises(GenerationError, match="sequence of 17 tokens exceeds"):
+            lm.next_logits(torch.zeros(1, 1, dtype=torch.long), cache)
+    assert [c.length for c in cache.layers] == [16] * len(cache.layers)
