@@ -1280,14 +1280,14 @@ static QP_IQ_UNUSED void row_scales(const qp_mat *m, int64_t r, int64_t ng, floa
         if (has_g) V = _mm512_mul_ps(V, vg);                                                        \
         if (wround) V = round_vec(V, wround);                                                       \
     }
-#define QP_FUSED_SCALED(NAME, RAWI, ANY)                                                            \
+#define QP_FUSED_SCALED(NAME, RAWI, ANY, WR)                                                        \
 static void NAME(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy, int wround_) { \
     y -= r0;                                                                                        \
     const int64_t K = m->k, gk = m->gk, ldx = in->ldx, ldw = m->ldw, step = gk % 32 ? 16 : 32;       \
     const void *zp = ANY ? m->z : NULL;                                                             \
     const float gs = m->gs;                                                                         \
     const int has_g = ANY && m->gmode == QG_AFTER && gs != 1.f, nan = ANY && m->nan;                \
-    const int wround = ANY ? wround_ : 0;                                                           \
+    const int wround = ANY ? wround_ : WR;                                                          \
     const __m512 lut = _mm512_loadu_ps(E2M1), vg = _mm512_set1_ps(gs);                            \
     const int64_t ng = (K + gk - 1) / gk;                                                           \
     float sv[QP_NG_MAX], zv[QP_NG_MAX];                                                             \
@@ -1346,16 +1346,21 @@ static void NAME(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int x
 #define RAW_INT4(i) raw16_int4(row, i)
 #define RAW_FP8(i) fp8x16_div256(row + (i), nan)
 #define RAW_FP4(i) _mm512_permutexvar_ps(nib16(row, i), lut)
-/* each form twice: for any matrix, and specialized for the plain one (no zero points, no global
- * scale after, no NaN codes, a float32 model), whose per-16-weight branches then fold away */
-QP_FUSED_SCALED(fused_int8, RAW_INT8, 1)
-QP_FUSED_SCALED(fused_int4, RAW_INT4, 1)
-QP_FUSED_SCALED(fused_fp8, RAW_FP8, 1)
-QP_FUSED_SCALED(fused_fp4, RAW_FP4, 1)
-QP_FUSED_SCALED(plain_int8, RAW_INT8, 0)
-QP_FUSED_SCALED(plain_int4, RAW_INT4, 0)
-QP_FUSED_SCALED(plain_fp8, RAW_FP8, 0)
-QP_FUSED_SCALED(plain_fp4, RAW_FP4, 0)
+/* each form three times: for any matrix, and specialized for the plain one (no zero points, no
+ * global scale after, no NaN codes) in a float32 and in a bfloat16 model, whose per-16-weight
+ * branches then fold away */
+QP_FUSED_SCALED(fused_int8, RAW_INT8, 1, 0)
+QP_FUSED_SCALED(fused_int4, RAW_INT4, 1, 0)
+QP_FUSED_SCALED(fused_fp8, RAW_FP8, 1, 0)
+QP_FUSED_SCALED(fused_fp4, RAW_FP4, 1, 0)
+QP_FUSED_SCALED(plain_int8, RAW_INT8, 0, QR_NONE)
+QP_FUSED_SCALED(plain_int4, RAW_INT4, 0, QR_NONE)
+QP_FUSED_SCALED(plain_fp8, RAW_FP8, 0, QR_NONE)
+QP_FUSED_SCALED(plain_fp4, RAW_FP4, 0, QR_NONE)
+QP_FUSED_SCALED(plain_int8_bf16, RAW_INT8, 0, QR_BF16)
+QP_FUSED_SCALED(plain_int4_bf16, RAW_INT4, 0, QR_BF16)
+QP_FUSED_SCALED(plain_fp8_bf16, RAW_FP8, 0, QR_BF16)
+QP_FUSED_SCALED(plain_fp4_bf16, RAW_FP4, 0, QR_BF16)
 #undef QP_FUSED_SCALED
 #undef QP_SCALE16
 #endif
@@ -1368,12 +1373,13 @@ static void rows_any(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, i
              || (m->type == QP_BF16 && wround != QR_F16 && m->k % 32 == 0)) exact_rows_32(m, in, r0, r1, xm, y, ldy);
     else if ((m->type == QP_Q4_K || m->type == QP_Q5_K || m->type == QP_Q6_K) && wround == QR_NONE) kq_rows(m, in, r0, r1, xm, y, ldy);
     else if (m->type >= QP_INT4 && (m->gk % 16 == 0) && m->k % 16 == 0 && !m->big && (m->k + m->gk - 1) / m->gk <= QP_NG_MAX) {
-        const int plain = !m->z && !(m->gmode == QG_AFTER && m->gs != 1.f) && !m->nan && wround == QR_NONE;
+        const int simple = !m->z && !(m->gmode == QG_AFTER && m->gs != 1.f) && !m->nan;
+        const int p32 = simple && wround == QR_NONE, p16 = simple && wround == QR_BF16;
         switch (m->type) {
-            case QP_INT8: (plain ? plain_int8 : fused_int8)(m, in, r0, r1, xm, y, ldy, wround); break;
-            case QP_INT4: (plain ? plain_int4 : fused_int4)(m, in, r0, r1, xm, y, ldy, wround); break;
-            case QP_FP8: (plain ? plain_fp8 : fused_fp8)(m, in, r0, r1, xm, y, ldy, wround); break;
-            default: (plain ? plain_fp4 : fused_fp4)(m, in, r0, r1, xm, y, ldy, wround); break;
+            case QP_INT8: (p32 ? plain_int8 : p16 ? plain_int8_bf16 : fused_int8)(m, in, r0, r1, xm, y, ldy, wround); break;
+            case QP_INT4: (p32 ? plain_int4 : p16 ? plain_int4_bf16 : fused_int4)(m, in, r0, r1, xm, y, ldy, wround); break;
+            case QP_FP8: (p32 ? plain_fp8 : p16 ? plain_fp8_bf16 : fused_fp8)(m, in, r0, r1, xm, y, ldy, wround); break;
+            default: (p32 ? plain_fp4 : p16 ? plain_fp4_bf16 : fused_fp4)(m, in, r0, r1, xm, y, ldy, wround); break;
         }
     }
 #endif
