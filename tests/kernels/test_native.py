@@ -206,17 +206,22 @@ def test_bfloat16_rows_multiply_within_float32_rounding(dtype, m):
 @needs_native
 @pytest.mark.parametrize("case", SCALED)
 @pytest.mark.parametrize("m", [1, 3, 5, 17])
-def test_scaled_forms_multiply_within_float32_rounding(case, m):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scaled_forms_multiply_within_float32_rounding(case, m, dtype):
+    """Every scaled form, with and without NaN codes (the general and the plain kernels), in a
+    float32 model and a bfloat16 one (weights rounded to bfloat16 first, as dequantize(...).to
+    (bfloat16) rounds them)."""
     n, k = 70, 256
     form, w, tensors = _scaled_cases(n, k)[case]
-    b = bound(form, w, n, k, **tensors)
+    b = bound(form, w, n, k, dtype=dtype, **tensors)
     dense = reference_dequantize(b.weights, n, k).nan_to_num()
     if form.dtype == "FP8":
         w.view(torch.uint8)[:1, :2] = 0  # no NaN codes for this check
-        b = bound(form, w, n, k, **tensors)
+        b = bound(form, w, n, k, dtype=dtype, **tensors)
         dense = reference_dequantize(b.weights, n, k)
+    dense = dense.to(dtype).float()
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    y = native.gemm(x, [b.ptr()])
+    y = native.gemm(x, [b.ptr()], wround=b.wround)
     assert ((y.double() - x.double() @ dense.double().t()).abs() <= f64_bound(x, dense)).all()
 
 
