@@ -2066,7 +2066,7 @@ static int moe_rows(const qp_layer *l, int64_t B, int64_t H, const float *h, flo
     double *sc = (double *)malloc(sizeof(double) * (size_t)(2 * E));
     int32_t *ids = (int32_t *)malloc(sizeof(int32_t) * (size_t)(P * 3 + E + 1));
     float *ws = (float *)malloc(sizeof(float) * (size_t)(P * 2));
-    const qp_mat **mats = (const qp_mat **)malloc(sizeof(qp_mat *) * (size_t)(3 * P + 3));
+    const qp_mat **mats = (const qp_mat **)malloc(sizeof(qp_mat *) * (size_t)(3 * (P + 1)));
     int rc = 0;
     if (!sc || !ids || !ws || !mats) { rc = -2; goto done; }
     int32_t *pe = ids + P, *prow = pe + P, *slot = prow + P;
@@ -2082,13 +2082,29 @@ static int moe_rows(const qp_layer *l, int64_t B, int64_t H, const float *h, flo
                 if (ids[b * K + j] == e) {
                     if (slot[e] < 0) {
                         slot[e] = used;
-                        mats[used] = l->gate[e]; mats[P + used] = l->up[e]; mats[2 * P + used] = l->down[e];
+                        mats[used] = l->gate[e]; mats[P + 1 + used] = l->up[e]; mats[2 * (P + 1) + used] = l->down[e];
                         used++;
                     }
                     pe[p] = slot[e]; prow[p] = (int32_t)b; pw[p] = ws[b * K + j]; p++;
                 }
     }
-    rc = qp_mlp(mats, mats + P, mats + 2 * P, used, B, h, H, (int)p, pe, prow, pw, out, H, wround);
+    /* the shared experts as one more expert of the same call when they are shaped and quantized as
+     * the routed ones, weight 1 for every row, after the routed pairs: each row's sum is then
+     * (routed sum) + 1 * shared, the two-call result bit for bit, in one parallel region */
+    if (l->sg && l->sg->n == l->gate[0]->n && l->sd->k == l->down[0]->k) {
+        mats[used] = l->sg; mats[P + 1 + used] = l->su; mats[2 * (P + 1) + used] = l->sd;
+        int32_t *pe2 = (int32_t *)malloc(sizeof(int32_t) * (size_t)(2 * (p + B)));
+        float *pw2 = (float *)malloc(sizeof(float) * (size_t)(p + B));
+        if (!pe2 || !pw2) { free(pe2); free(pw2); rc = -2; goto done; }
+        int32_t *prow2 = pe2 + p + B;
+        memcpy(pe2, pe, sizeof(int32_t) * (size_t)p); memcpy(prow2, prow, sizeof(int32_t) * (size_t)p);
+        memcpy(pw2, pw, sizeof(float) * (size_t)p);
+        for (int64_t b = 0; b < B; b++) { pe2[p + b] = used; prow2[p + b] = (int32_t)b; pw2[p + b] = 1.f; }
+        rc = qp_mlp(mats, mats + (P + 1), mats + 2 * (P + 1), used + 1, B, h, H, (int)(p + B), pe2, prow2, pw2, out, H, wround);
+        free(pe2); free(pw2);
+        if (rc != -3) goto done;  /* -3: the shared experts quantize their inputs otherwise: two calls */
+    }
+    rc = qp_mlp(mats, mats + (P + 1), mats + 2 * (P + 1), used, B, h, H, (int)p, pe, prow, pw, out, H, wround);
     if (rc == 0 && l->sg) {
         const qp_mat *g1[1] = {l->sg}, *u1[1] = {l->su}, *d1[1] = {l->sd};
         for (int64_t b = 0; b < B; b++) { pe[b] = 0; prow[b] = (int32_t)b; pw[b] = 1.f; }
