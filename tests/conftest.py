@@ -24,6 +24,24 @@ def _fresh_default_manager():
     reset_plugin_manager()
 
 
+@pytest.fixture(scope="session")
+def two_layer(tmp_path_factory) -> Callable[[str], Path]:
+    """``two_layer(kind)``: a tiny 2-layer checkpoint ("dense", "fp8" or "gguf"), written once per
+    session. Shared: tests read it (or copy it) and never write into it."""
+    from quantplug.testing import formats, random_state, tiny_config, write_checkpoint
+
+    made: dict[str, Path] = {}
+    writers = {"dense": write_checkpoint, "fp8": formats.fp8, "gguf": formats.gguf}
+
+    def get(kind: str) -> Path:
+        if kind not in made:
+            cfg = tiny_config(num_hidden_layers=2)
+            made[kind] = Path(writers[kind](tmp_path_factory.mktemp(kind) / "c", cfg, random_state(cfg)))
+        return made[kind]
+
+    return get
+
+
 @pytest.fixture
 def pm() -> PluginManager:
     """A plugin manager with the core defaults only (no entry points)."""

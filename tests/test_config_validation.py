@@ -15,7 +15,7 @@ import pytest
 from conftest import VENDOR
 from quantplug.errors import ConfigError, QuantplugError
 from quantplug.plan import build_plan
-from quantplug.testing import formats, random_state, tiny_config, write_checkpoint
+from quantplug.testing import formats, random_state, tiny_config
 from quantplug.validation import Fields
 
 RAW = re.compile(r"failed in quantplug_|\b[A-Z]\w*(Error|Exception): |object has no attribute|cannot convert|"
@@ -47,16 +47,8 @@ def _refused(path: Path, *patterns: str) -> str:
     return msg
 
 
-@pytest.fixture(scope="module")
-def gguf_dir(tmp_path_factory):
-    cfg = tiny_config(num_hidden_layers=2)
-    return formats.gguf(tmp_path_factory.mktemp("g") / "gguf", cfg, random_state(cfg))
-
-
-@pytest.fixture(scope="module")
-def dense_dir(tmp_path_factory):
-    cfg = tiny_config(num_hidden_layers=2)
-    return write_checkpoint(tmp_path_factory.mktemp("d") / "dense", cfg, random_state(cfg))
+gguf_dir = pytest.fixture(scope="module", name="gguf_dir")(lambda two_layer: two_layer("gguf"))
+dense_dir = pytest.fixture(scope="module", name="dense_dir")(lambda two_layer: two_layer("dense"))
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), [1], "1", -1, 1.5])

@@ -15,20 +15,11 @@ from quantplug.errors import ConfigError, QuantplugError
 from quantplug.options import CORE_OPTIONS
 from quantplug.plan import build_plan
 from quantplug.plugins import PluginManager
-from quantplug.testing import formats, random_state, tiny_config, write_checkpoint
 from quantplug.types import Claim, OptionSpec
 
 
-@pytest.fixture(scope="module")
-def fp8_ckpt(tmp_path_factory):
-    cfg = tiny_config(num_hidden_layers=2)
-    return formats.fp8(tmp_path_factory.mktemp("fp8") / "c", cfg, random_state(cfg))
-
-
-@pytest.fixture(scope="module")
-def dense_ckpt(tmp_path_factory):
-    cfg = tiny_config(num_hidden_layers=2)
-    return write_checkpoint(tmp_path_factory.mktemp("dense") / "c", cfg, random_state(cfg))
+fp8_ckpt = pytest.fixture(scope="module", name="fp8_ckpt")(lambda two_layer: two_layer("fp8"))
+dense_ckpt = pytest.fixture(scope="module", name="dense_ckpt")(lambda two_layer: two_layer("dense"))
 
 
 def test_issue_example_bogus_option_is_refused_on_an_fp8_checkpoint(fp8_ckpt):

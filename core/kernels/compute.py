@@ -235,6 +235,18 @@ def _same_act(bs: Sequence[Bound]) -> bool:
     return True
 
 
+def _rotations(rot: torch.Tensor, b: int, rope: int) -> torch.Tensor | None:
+    """``rot`` ([rope, rope] for every row, or one per row) as the native steps read it: float32,
+    contiguous, one [rope, rope] matrix per row of b (shared when b is 1); None when it holds
+    neither one nor b matrices."""
+    if rot.dtype == torch.float32 and rot.dim() == 2 and b == 1 and rot.is_contiguous():
+        return rot
+    r = rot.reshape(-1, rope, rope).to(torch.float32)
+    if r.shape[0] == 1 and b > 1:
+        r = r.expand(b, -1, -1)
+    return r.contiguous() if r.shape[0] == b else None
+
+
 class MLPStep:
     """A gated MLP ``down(silu(gate(x)) * up(x))`` for few rows in one native call: a dense MLP or
     shared experts (``f(x)``, x [M, H]), or routed experts (``f(x, pairs)``: ``pairs`` = (row,
@@ -432,14 +444,9 @@ class MLAStep:
         x2 = x.reshape(b, self.h)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
-        r = rot
-        if r.dtype != torch.float32 or r.dim() != 2 or b != 1 or not r.is_contiguous():
-            r = rot.reshape(-1, self.rope, self.rope).to(torch.float32)
-            if r.shape[0] == 1 and b > 1:
-                r = r.expand(b, -1, -1)
-            r = r.contiguous()
-            if r.shape[0] != b:
-                return None
+        r = _rotations(rot, b, self.rope)
+        if r is None:
+            return None
         pos = cache.reserve(1)
         out = torch.empty(b, 1, self.h)
         rc = lib.qp_mla_step(self.ref, b, x2.data_ptr(), r.data_ptr(), lat.data_ptr(), lat.stride(2), lat.stride(0),
@@ -602,14 +609,9 @@ class StackStep:
                 return None
         if c0.latent.dtype not in (torch.float32, torch.bfloat16) or c0.latent.device.type != "cpu":
             return None
-        r = rot
-        if r.dtype != torch.float32 or r.dim() != 2 or b != 1 or not r.is_contiguous():
-            r = rot.reshape(-1, self.rope, self.rope).to(torch.float32)
-            if r.shape[0] == 1 and b > 1:
-                r = r.expand(b, -1, -1)
-            r = r.contiguous()
-            if r.shape[0] != b:
-                return None
+        r = _rotations(rot, b, self.rope)
+        if r is None:
+            return None
         pos: list[int] = []
         try:
             for c in caches:

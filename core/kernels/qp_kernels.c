@@ -441,13 +441,14 @@ static void deq_q3_k_sb(const uint8_t *b, float *o) {
  * (so bit-equal): 16 values per vector, each vector within one sub-block of 16 or 32 */
 static inline __m512 i8x16_ps(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
 
-static void deq_q6_k_sb512(const uint8_t *b, float *o) {
+/* a Q6_K super-block's 256 weights in 16 registers, v[k] = values [16k, 16k + 16) */
+static inline __attribute__((always_inline)) void q6_k_regs(const uint8_t *b, __m512 v[16]) {
     const float d = f16_to_f32(b + 208);
     const int8_t *scales = (const int8_t *)(b + 192);
     const __m128i m4 = _mm_set1_epi8(15), m3 = _mm_set1_epi8(3), c32 = _mm_set1_epi8(32);
-    for (int h = 0; h < 2; h++) {
+    _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
         const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
-        for (int part = 0; part < 2; part++) {       /* l in [16 part, 16 part + 16) */
+        _Pragma("GCC unroll 2") for (int part = 0; part < 2; part++) {       /* l in [16 part, 16 part + 16) */
             const int l = 16 * part, is = l / 16;
             __m128i lq0 = _mm_loadu_si128((const __m128i *)(ql + l)), lq1 = _mm_loadu_si128((const __m128i *)(ql + l + 32));
             __m128i hq = _mm_loadu_si128((const __m128i *)(qh + l));
@@ -456,26 +457,26 @@ static void deq_q6_k_sb512(const uint8_t *b, float *o) {
             __m128i q2 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(lq0, 4), m4), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hq, 4), m3), 4));
             __m128i q3 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(lq1, 4), m4), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hq, 6), m3), 4));
             /* the OR of a 4-bit and a shifted 2-bit field never carries across bytes */
-            float *y = o + 128 * h;
             const float s0 = d * (float)scales[8 * h + is], s1 = d * (float)scales[8 * h + is + 2];
             const float s2 = d * (float)scales[8 * h + is + 4], s3 = d * (float)scales[8 * h + is + 6];
-            _mm512_storeu_ps(y + l, _mm512_mul_ps(i8x16_ps(_mm_sub_epi8(q0, c32)), _mm512_set1_ps(s0)));
-            _mm512_storeu_ps(y + l + 32, _mm512_mul_ps(i8x16_ps(_mm_sub_epi8(q1, c32)), _mm512_set1_ps(s1)));
-            _mm512_storeu_ps(y + l + 64, _mm512_mul_ps(i8x16_ps(_mm_sub_epi8(q2, c32)), _mm512_set1_ps(s2)));
-            _mm512_storeu_ps(y + l + 96, _mm512_mul_ps(i8x16_ps(_mm_sub_epi8(q3, c32)), _mm512_set1_ps(s3)));
+            const int k = (128 * h + l) / 16;
+            v[k] = _mm512_mul_ps(i8x16_ps(_mm_sub_epi8(q0, c32)), _mm512_set1_ps(s0));
+            v[k + 2] = _mm512_mul_ps(i8x16_ps(_mm_sub_epi8(q1, c32)), _mm512_set1_ps(s1));
+            v[k + 4] = _mm512_mul_ps(i8x16_ps(_mm_sub_epi8(q2, c32)), _mm512_set1_ps(s2));
+            v[k + 6] = _mm512_mul_ps(i8x16_ps(_mm_sub_epi8(q3, c32)), _mm512_set1_ps(s3));
         }
     }
 }
 
 /* Q4_K / Q5_K: sub-block s of 32 values, dl * q - ml (a product then a difference, two roundings) */
-static void deq_q45_k_sb512(const uint8_t *b, float *o, int five) {
+static inline __attribute__((always_inline)) void q45_k_regs(const uint8_t *b, int five, __m512 v[16]) {
     const float d = f16_to_f32(b), dmin = f16_to_f32(b + 2);
     uint8_t sc[8], mn[8];
     scale_min_k4(b + 4, sc, mn);
     const uint8_t *qh = b + 16, *qs = b + (five ? 48 : 16);
     const __m128i m4 = _mm_set1_epi8(15), one = _mm_set1_epi8(1);
-    for (int j = 0; j < 4; j++)
-        for (int half = 0; half < 2; half++) {          /* bytes 32j + 16 half .. + 16 */
+    _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++)
+        _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) {          /* bytes 32j + 16 half .. + 16 */
             const int l = 16 * half;
             __m128i q = _mm_loadu_si128((const __m128i *)(qs + 32 * j + l));
             __m128i lo = _mm_and_si128(q, m4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
@@ -488,9 +489,21 @@ static void deq_q45_k_sb512(const uint8_t *b, float *o, int five) {
             const int s0 = 2 * j, s1 = 2 * j + 1;
             const __m512 dl0 = _mm512_set1_ps(d * (float)sc[s0]), ml0 = _mm512_set1_ps(dmin * (float)mn[s0]);
             const __m512 dl1 = _mm512_set1_ps(d * (float)sc[s1]), ml1 = _mm512_set1_ps(dmin * (float)mn[s1]);
-            _mm512_storeu_ps(o + 64 * j + l, _mm512_sub_ps(_mm512_mul_ps(dl0, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo))), ml0));
-            _mm512_storeu_ps(o + 64 * j + 32 + l, _mm512_sub_ps(_mm512_mul_ps(dl1, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi))), ml1));
+            v[4 * j + half] = _mm512_sub_ps(_mm512_mul_ps(dl0, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo))), ml0);
+            v[4 * j + 2 + half] = _mm512_sub_ps(_mm512_mul_ps(dl1, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi))), ml1);
         }
+}
+
+/* a K-quant super-block (Q4_K / Q5_K / Q6_K) in 16 registers */
+static inline __attribute__((always_inline)) void kq_regs(int type, const uint8_t *b, __m512 v[16]) {
+    if (type == QP_Q6_K) q6_k_regs(b, v);
+    else q45_k_regs(b, type == QP_Q5_K, v);
+}
+
+static void deq_k_sb512(int type, const uint8_t *b, float *o) {
+    __m512 v[16];
+    kq_regs(type, b, v);
+    for (int k = 0; k < 16; k++) _mm512_storeu_ps(o + 16 * k, v[k]);
 }
 #endif
 
@@ -513,9 +526,7 @@ static void deq_block(int type, const uint8_t *b, float *o) {
         case QP_Q2_K: deq_q2_k_sb(b, o); break;
         case QP_Q3_K: deq_q3_k_sb(b, o); break;
 #ifdef QP_AVX512
-        case QP_Q4_K: deq_q45_k_sb512(b, o, 0); break;
-        case QP_Q5_K: deq_q45_k_sb512(b, o, 1); break;
-        case QP_Q6_K: deq_q6_k_sb512(b, o); break;
+        case QP_Q4_K: case QP_Q5_K: case QP_Q6_K: deq_k_sb512(type, b, o); break;
 #else
         case QP_Q4_K: deq_q4_k_sb(b, o); break;
         case QP_Q5_K: deq_q5_k_sb(b, o); break;
@@ -1077,9 +1088,8 @@ static inline void kq_fma(__m512 acc[MT][2], int mt, const float *x, int64_t ldx
  * at once, instead of through a buffer; the row RT rows ahead prefetched into L2 */
 static void kq_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy) {
     y -= r0;
-    const int type = m->type, five = type == QP_Q5_K;
+    const int type = m->type;
     const int64_t nsb = m->k / QKK, bsize = type == QP_Q4_K ? 144 : type == QP_Q5_K ? 176 : 210, ldx = in->ldx;
-    const __m128i m4 = _mm_set1_epi8(15), one = _mm_set1_epi8(1), m3 = _mm_set1_epi8(3), c32 = _mm_set1_epi8(32);
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = m->w + r * m->ldw;
         for (int i0 = 0; i0 < xm; i0 += MT) {
@@ -1089,54 +1099,10 @@ static void kq_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, in
             for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
             for (int64_t sb = 0; sb < nsb; sb++) {
                 const uint8_t *b = row + sb * bsize;
-                const int64_t c0 = sb * QKK;
                 if (i0 == 0) for (int64_t o = 0; o < bsize; o += 64) _mm_prefetch((const char *)(b + RT * m->ldw + o), _MM_HINT_T1);
-                if (type == QP_Q6_K) {
-                    const float d = f16_to_f32(b + 208);
-                    const int8_t *scales = (const int8_t *)(b + 192);
-                    for (int h = 0; h < 2; h++) {
-                        const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
-                        for (int part = 0; part < 2; part++) {
-                            const int l = 16 * part, is = l / 16;
-                            __m128i lq0 = _mm_loadu_si128((const __m128i *)(ql + l)), lq1 = _mm_loadu_si128((const __m128i *)(ql + l + 32));
-                            __m128i hq = _mm_loadu_si128((const __m128i *)(qh + l));
-                            __m128i q0 = _mm_or_si128(_mm_and_si128(lq0, m4), _mm_slli_epi16(_mm_and_si128(hq, m3), 4));
-                            __m128i q1 = _mm_or_si128(_mm_and_si128(lq1, m4), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hq, 2), m3), 4));
-                            __m128i q2 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(lq0, 4), m4), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hq, 4), m3), 4));
-                            __m128i q3 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(lq1, 4), m4), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hq, 6), m3), 4));
-                            const float s0 = d * (float)scales[8 * h + is], s1 = d * (float)scales[8 * h + is + 2];
-                            const float s2 = d * (float)scales[8 * h + is + 4], s3 = d * (float)scales[8 * h + is + 6];
-                            const int64_t at = c0 + 128 * h + l;
-                            kq_fma(acc, mt, xr, ldx, at, 0, _mm512_mul_ps(i8x16_ps(_mm_sub_epi8(q0, c32)), _mm512_set1_ps(s0)));
-                            kq_fma(acc, mt, xr, ldx, at + 32, 1, _mm512_mul_ps(i8x16_ps(_mm_sub_epi8(q1, c32)), _mm512_set1_ps(s1)));
-                            kq_fma(acc, mt, xr, ldx, at + 64, 0, _mm512_mul_ps(i8x16_ps(_mm_sub_epi8(q2, c32)), _mm512_set1_ps(s2)));
-                            kq_fma(acc, mt, xr, ldx, at + 96, 1, _mm512_mul_ps(i8x16_ps(_mm_sub_epi8(q3, c32)), _mm512_set1_ps(s3)));
-                        }
-                    }
-                } else {
-                    const float d = f16_to_f32(b), dmin = f16_to_f32(b + 2);
-                    uint8_t sc[8], mn[8];
-                    scale_min_k4(b + 4, sc, mn);
-                    const uint8_t *qh = b + 16, *qs = b + (five ? 48 : 16);
-                    for (int j = 0; j < 4; j++) {
-                        const int s0 = 2 * j, s1 = 2 * j + 1;
-                        const __m512 dl0 = _mm512_set1_ps(d * (float)sc[s0]), ml0 = _mm512_set1_ps(dmin * (float)mn[s0]);
-                        const __m512 dl1 = _mm512_set1_ps(d * (float)sc[s1]), ml1 = _mm512_set1_ps(dmin * (float)mn[s1]);
-                        for (int half = 0; half < 2; half++) {
-                            const int l = 16 * half;
-                            __m128i q = _mm_loadu_si128((const __m128i *)(qs + 32 * j + l));
-                            __m128i lo = _mm_and_si128(q, m4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
-                            if (five) {
-                                __m128i h = _mm_loadu_si128((const __m128i *)(qh + l));
-                                lo = _mm_or_si128(lo, _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 2 * j), one), 4));
-                                hi = _mm_or_si128(hi, _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 2 * j + 1), one), 4));
-                            }
-                            const int64_t at = c0 + 64 * j + l;
-                            kq_fma(acc, mt, xr, ldx, at, 0, _mm512_sub_ps(_mm512_mul_ps(dl0, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo))), ml0));
-                            kq_fma(acc, mt, xr, ldx, at + 32, 1, _mm512_sub_ps(_mm512_mul_ps(dl1, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi))), ml1));
-                        }
-                    }
-                }
+                __m512 v[16];
+                kq_regs(type, b, v);
+                _Pragma("GCC unroll 16") for (int k = 0; k < 16; k++) kq_fma(acc, mt, xr, ldx, sb * QKK + 16 * k, k & 1, v[k]);
             }
             for (int i = 0; i < mt; i++) y[(int64_t)(i0 + i) * ldy + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
         }

@@ -663,7 +663,7 @@ def test_avx2_and_portable_builds_compute_the_same(monkeypatch, tmp_path, march,
     test_ggml_blocks_decode_bit_exact_with_gguf_py("Q4_K")
     for case in SCALED:
         test_scaled_forms_decode_to_their_definition_bit_for_bit(case, torch.bfloat16)
-        test_scaled_forms_multiply_within_float32_rounding(case, 3)
+        test_scaled_forms_multiply_within_float32_rounding(case, 3, torch.bfloat16)
     for mode in ("exact", "fast"):
         test_groups_place_each_weights_rows_and_columns(mode)
     test_fp8_activation_quantization_equals_the_backends_torch_emulations()
