@@ -1246,7 +1246,61 @@ static QP_IQ_UNUSED void row_scales(const qp_mat *m, int64_t r, int64_t ng, floa
         if (has_g) V = _mm512_mul_ps(V, vg);                                                        \
         if (wround) V = round_vec(V, wround);                                                       \
     }
+/* rows [r0, r1) (a multiple of 4) in groups of 4 against xm x rows (two at a time): each x
+ * vector loaded once for the 4 rows; every row's sums in the order the one-row loop makes them
+ * (bit-identical results); gk a multiple of 32 */
+#define QP_FUSED_SCALED4(NAME, RAWI, ANY, WR)                                                       \
+static void NAME##_rows4(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy, int wround_) { \
+    y -= r0;                                                                                        \
+    const int64_t K = m->k, gk = m->gk, ldx = in->ldx, ldw = m->ldw;                                \
+    const void *zp = ANY ? m->z : NULL;                                                             \
+    const float gs = m->gs;                                                                         \
+    const int has_g = ANY && m->gmode == QG_AFTER && gs != 1.f, nan = ANY && m->nan;                \
+    const int wround = ANY ? wround_ : WR;                                                          \
+    const __m512 lut = _mm512_loadu_ps(E2M1), vg = _mm512_set1_ps(gs);                            \
+    const int64_t ng = (K + gk - 1) / gk, pf = RT * ldw;                                            \
+    float svz[8][ng];  /* the 4 rows' scales and zero points (ng <= QP_NG_MAX: 128 KiB at most) */ \
+    float (*sv)[ng] = svz, (*zv)[ng] = svz + 4;                                                     \
+    (void)lut; (void)nan;                                                                           \
+    for (int64_t r = r0; r < r1; r += 4) {                                                          \
+        const uint8_t *restrict rows[4];                                                            \
+        for (int a = 0; a < 4; a++) { rows[a] = m->w + (r + a) * ldw; row_scales(m, r + a, ng, sv[a], zv[a]); } \
+        for (int i0 = 0; i0 < xm; i0 += 2) {                                                        \
+            const int two = xm - i0 >= 2;                                                           \
+            const float *restrict x0 = in->x + (int64_t)i0 * ldx, *restrict x1 = x0 + (two ? ldx : 0); \
+            __m512 acc[4][4];                                                                       \
+            for (int a = 0; a < 4; a++) acc[a][0] = acc[a][1] = acc[a][2] = acc[a][3] = _mm512_setzero_ps(); \
+            for (int64_t c0 = 0; c0 < K; c0 += gk) {                                                \
+                const int64_t j = c0 / gk, end = c0 + gk < K ? c0 + gk : K;                         \
+                __m512 vsa[4], vza[4];                                                              \
+                for (int a = 0; a < 4; a++) { vsa[a] = _mm512_set1_ps(sv[a][j]); vza[a] = _mm512_set1_ps(zp ? zv[a][j] : 0.f); } \
+                for (int64_t i = c0; i < end; i += 32) {                                            \
+                    const __m512 xa = _mm512_loadu_ps(x0 + i), xb = _mm512_loadu_ps(x0 + i + 16);   \
+                    const __m512 xc = _mm512_loadu_ps(x1 + i), xd = _mm512_loadu_ps(x1 + i + 16);   \
+                    _Pragma("GCC unroll 4") for (int a = 0; a < 4; a++) {                           \
+                        const uint8_t *restrict row = rows[a];                                      \
+                        const __m512 vs = vsa[a], vz = vza[a];                                      \
+                        __m512 v0, v1;                                                              \
+                        (void)vz;                                                                   \
+                        if (i0 == 0) _mm_prefetch((const char *)(row + pf) + i, _MM_HINT_T1);        \
+                        QP_SCALE16(RAWI(i), v0)                                                     \
+                        QP_SCALE16(RAWI(i + 16), v1)                                                \
+                        acc[a][0] = _mm512_fmadd_ps(v0, xa, acc[a][0]);                             \
+                        acc[a][1] = _mm512_fmadd_ps(v1, xb, acc[a][1]);                             \
+                        if (two) { acc[a][2] = _mm512_fmadd_ps(v0, xc, acc[a][2]);                  \
+                                   acc[a][3] = _mm512_fmadd_ps(v1, xd, acc[a][3]); }                \
+                    }                                                                               \
+                }                                                                                   \
+            }                                                                                       \
+            for (int a = 0; a < 4; a++) {                                                           \
+                y[(int64_t)i0 * ldy + r + a] = _mm512_reduce_add_ps(_mm512_add_ps(acc[a][0], acc[a][1])); \
+                if (two) y[(int64_t)(i0 + 1) * ldy + r + a] = _mm512_reduce_add_ps(_mm512_add_ps(acc[a][2], acc[a][3])); \
+            }                                                                                       \
+        }                                                                                           \
+    }                                                                                               \
+}
 #define QP_FUSED_SCALED(NAME, RAWI, ANY, WR)                                                        \
+QP_FUSED_SCALED4(NAME, RAWI, ANY, WR)                                                               \
 static void NAME(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy, int wround_) { \
     y -= r0;                                                                                        \
     const int64_t K = m->k, gk = m->gk, ldx = in->ldx, ldw = m->ldw, step = gk % 32 ? 16 : 32;       \
@@ -1260,6 +1314,12 @@ static void NAME(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int x
     (void)lut; (void)nan;                                                                           \
     /* the same bytes RT rows ahead, into L2: rows shorter than the hardware prefetcher's ramp */ \
     const int64_t pf = RT * ldw;                                                                    \
+    /* groups of 4 rows sharing each load of x (the x rows stay in L2 / L1 for 4x fewer reads) */  \
+    if (step == 32 && r1 - r0 >= 4) {                                                               \
+        const int64_t rq = r0 + (r1 - r0) / 4 * 4;                                                  \
+        NAME##_rows4(m, in, r0, rq, xm, y + r0, ldy, wround_);                                      \
+        r0 = rq;                                                                                    \
+    }                                                                                               \
     for (int64_t r = r0; r < r1; r++) {                                                             \
         const uint8_t *restrict row = m->w + r * ldw;                                               \
         row_scales(m, r, ng, sv, zv);                                                               \
