@@ -50,6 +50,8 @@ ISA_NAMES = {3: "AVX512 + VNNI", 4: "AVX512", 2: "AVX2", 0: "portable C"}
 MODES = {"exact": 0, "fast": 1}
 #: forms with a fast (integer dot product) mode
 FAST_FORMS = frozenset({"Q4_0", "Q8_0"})
+#: the smallest non-zero magnitude of a scaled form's codes (FP8 E4M3: 2^-9; FP4 E2M1: 0.5)
+MIN_CODE = {"FP8": 2.0 ** -9, "FP4": 0.5, "INT4": 1.0, "INT8": 1.0}
 #: the symbols this module calls; a library missing one is rebuilt, then refused
 SYMBOLS = ("qp_form_info", "qp_isa", "qp_check", "qp_dequant", "qp_act_rows", "qp_gemm", "qp_mlp",
            "qp_mla_pre", "qp_mla_post", "qp_mla_step", "qp_model_step", "qp_fp8_has_nan")
@@ -173,7 +175,7 @@ class Mat(ctypes.Structure):
         ("w", ctypes.c_void_p), ("ldw", ctypes.c_int64), ("s", ctypes.c_void_p), ("lds", ctypes.c_int64),
         ("gk", ctypes.c_int64), ("gn", ctypes.c_int64), ("z", ctypes.c_void_p), ("gs", ctypes.c_float),
         ("mode", ctypes.c_int32), ("nan", ctypes.c_int32), ("big", ctypes.c_int32), ("gmode", ctypes.c_int32),
-        ("zi8", ctypes.c_int32), ("rowsum", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("os", ctypes.c_void_p), ("act", Act)]
+        ("zi8", ctypes.c_int32), ("tiny", ctypes.c_int32), ("rowsum", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("os", ctypes.c_void_p), ("act", Act)]
 
 
 class MLA(ctypes.Structure):
@@ -331,15 +333,20 @@ class Bound:
         ino = (weights.input_offset.to(torch.float32).reshape(-1).tolist()
                if weights.input_offset is not None else [0.0] * count)
         nan = int(f.dtype == "FP8" and has_nan_codes(weights.weight))
-        big = int(f.dtype == "FP8" and scale is not None and bool(_effective_scales(scale, f.scale, f.global_mode, gs, count)
-                                                                   .abs().nan_to_num(0.0).max() >= 2.0 ** 119))
+        eff = (_effective_scales(scale, f.scale, f.global_mode, gs, count).abs().nan_to_num(0.0)
+               if f.scaled and scale is not None else None)
+        big = int(f.dtype == "FP8" and eff is not None and bool(eff.max() >= 2.0 ** 119))
+        # a weight q * s may be subnormal: the smallest non-zero code times the smallest non-zero
+        # scale below 2^-126 (then no kernel may flush it: the bfloat16 conversion instruction would)
+        nz = eff[eff > 0] if eff is not None else None
+        tiny = int(nz is not None and nz.numel() > 0 and float(nz.min()) * MIN_CODE.get(f.dtype, 1.0) < 2.0 ** -126)
         self.mats = (Mat * count)()
         base = weights.weight.data_ptr()
         for i in range(count):
             m = self.mats[i]
             m.type, m.n, m.k = FORMS[f.dtype][0], out_features, in_features
             m.w, m.ldw = base + i * slot_w, rb
-            m.mode, m.nan, m.big = MODES[self.mode], nan, big
+            m.mode, m.nan, m.big, m.tiny = MODES[self.mode], nan, big, tiny
             if f.scaled:
                 assert scale is not None
                 m.sdt = SCALE_ENCODINGS[f.scale]

@@ -65,6 +65,9 @@ enum { QA_NONE = 0, QA_FP8 = 1, QA_FP8_STATIC = 2, QA_INT8_SYM = 3, QA_INT8_ASYM
 enum { QG_AFTER = 0, QG_TIMES = 1, QG_OVER = 2 };
 enum { QE_FLOAT = 0, QE_STATIC = 1, QE_DYNAMIC = 2 };
 enum { QR_NONE = 0, QR_BF16 = 1, QR_F16 = 2 };
+/* the kernels' own: QR_BF16 for weights known normal or zero (no subnormals, no NaN), where the
+ * AVX512-BF16 conversion (round to nearest even; it flushes subnormal inputs) gives the same bits */
+#define QR_BF16_NORMAL 3
 
 /* elements and bytes of one block of a form (0: unknown form) */
 int qp_form_info(int type, int64_t *elems, int64_t *bytes) {
@@ -173,6 +176,7 @@ typedef struct {
     int32_t big;                   /* FP8: some effective scale >= 2^119 (its fold by 256 would overflow) */
     int32_t gmode;                 /* QG_*: how gs combines with the scale */
     int32_t zi8;                   /* zero points are int8 */
+    int32_t tiny;                  /* scaled forms: some weight may be subnormal (a scale below 2^-117) */
     const int32_t *rowsum;         /* INT8 integer path: sum of each row's codes */
     const int32_t *bias;           /* QE_STATIC: integer bias per row */
     const float *os;               /* QE_STATIC: output scale per row */
@@ -567,7 +571,11 @@ static inline __m512 fp8x16_div256(const uint8_t *p, int nan) {
  * >= 2^119, else the generic path runs) */
 static inline float fp8_fold(float s) { return s * 256.f; }
 static inline __m512 round_vec(__m512 v, int wround) {
-    if (wround == QR_BF16) {
+#if defined(__AVX512BF16__)
+    if (wround == QR_BF16_NORMAL)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+#endif
+    if (wround == QR_BF16 || wround == QR_BF16_NORMAL) {
         __m512i b = _mm512_castps_si512(v);
         __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
         __m512i r = _mm512_and_si512(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
@@ -1387,6 +1395,10 @@ QP_FUSED_SCALED(plain_int8_bf16, RAW_INT8, 0, QR_BF16)
 QP_FUSED_SCALED(plain_int4_bf16, RAW_INT4, 0, QR_BF16)
 QP_FUSED_SCALED(plain_fp8_bf16, RAW_FP8, 0, QR_BF16)
 QP_FUSED_SCALED(plain_fp4_bf16, RAW_FP4, 0, QR_BF16)
+QP_FUSED_SCALED(plain_int8_bf16n, RAW_INT8, 0, QR_BF16_NORMAL)
+QP_FUSED_SCALED(plain_int4_bf16n, RAW_INT4, 0, QR_BF16_NORMAL)
+QP_FUSED_SCALED(plain_fp8_bf16n, RAW_FP8, 0, QR_BF16_NORMAL)
+QP_FUSED_SCALED(plain_fp4_bf16n, RAW_FP4, 0, QR_BF16_NORMAL)
 #undef QP_FUSED_SCALED
 #undef QP_SCALE16
 #endif
@@ -1401,11 +1413,16 @@ static void rows_any(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, i
     else if (m->type >= QP_INT4 && (m->gk % 16 == 0) && m->k % 16 == 0 && !m->big && (m->k + m->gk - 1) / m->gk <= QP_NG_MAX) {
         const int simple = !m->z && !(m->gmode == QG_AFTER && m->gs != 1.f) && !m->nan;
         const int p32 = simple && wround == QR_NONE, p16 = simple && wround == QR_BF16;
+#if defined(__AVX512BF16__)
+        const int p16n = p16 && !m->tiny;
+#else
+        const int p16n = 0;
+#endif
         switch (m->type) {
-            case QP_INT8: (p32 ? plain_int8 : p16 ? plain_int8_bf16 : fused_int8)(m, in, r0, r1, xm, y, ldy, wround); break;
-            case QP_INT4: (p32 ? plain_int4 : p16 ? plain_int4_bf16 : fused_int4)(m, in, r0, r1, xm, y, ldy, wround); break;
-            case QP_FP8: (p32 ? plain_fp8 : p16 ? plain_fp8_bf16 : fused_fp8)(m, in, r0, r1, xm, y, ldy, wround); break;
-            default: (p32 ? plain_fp4 : p16 ? plain_fp4_bf16 : fused_fp4)(m, in, r0, r1, xm, y, ldy, wround); break;
+            case QP_INT8: (p32 ? plain_int8 : p16n ? plain_int8_bf16n : p16 ? plain_int8_bf16 : fused_int8)(m, in, r0, r1, xm, y, ldy, wround); break;
+            case QP_INT4: (p32 ? plain_int4 : p16n ? plain_int4_bf16n : p16 ? plain_int4_bf16 : fused_int4)(m, in, r0, r1, xm, y, ldy, wround); break;
+            case QP_FP8: (p32 ? plain_fp8 : p16n ? plain_fp8_bf16n : p16 ? plain_fp8_bf16 : fused_fp8)(m, in, r0, r1, xm, y, ldy, wround); break;
+            default: (p32 ? plain_fp4 : p16n ? plain_fp4_bf16n : p16 ? plain_fp4_bf16 : fused_fp4)(m, in, r0, r1, xm, y, ldy, wround); break;
         }
     }
 #endif

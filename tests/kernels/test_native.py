@@ -225,6 +225,28 @@ def test_scaled_forms_multiply_within_float32_rounding(case, m, dtype):
     assert ((y.double() - x.double() @ dense.double().t()).abs() <= f64_bound(x, dense)).all()
 
 
+@needs_native
+def test_subnormal_weights_in_a_bfloat16_model_are_kept_not_flushed():
+    """FP8 codes times a scale of 2^-136: every weight is subnormal. The binding marks the matrix
+    ``tiny``, so the bfloat16 rounding that keeps subnormals runs (the AVX512-BF16 conversion
+    instruction would flush them to zero); with x ~ 2^130 the products are O(1) and must match
+    ``dequantize(...).to(bfloat16)``. A scale of 2^-7 leaves the matrix unmarked."""
+    n, k = 64, 256
+    g = torch.Generator().manual_seed(11)
+    w = (torch.randn(n, k, generator=g) * 50).clamp(-440, 440).to(torch.float8_e4m3fn)
+    form = Form("FP8", scale="F32", group=128, rows=128)
+    for exp, tiny in ((-136, 1), (-7, 0)):
+        scale = torch.full((1, 2), 2.0 ** exp)
+        b = bound(form, w, n, k, dtype=torch.bfloat16, scale=scale)
+        assert b.mats[0].tiny == tiny
+        dense = (w.float() * 2.0 ** exp).to(torch.bfloat16).float()
+        x = torch.randn(3, k, generator=g) * 2.0 ** (-exp - 10)  # products below 1
+        y = native.gemm(x, [b.ptr()], wround=b.wround)
+        ref = x.double() @ dense.double().t()
+        assert ref.abs().max() > 1e-3
+        assert ((y.double() - ref).abs() <= f64_bound(x, dense)).all()
+
+
 def _g16_cases(n: int, k: int) -> dict[str, tuple[Form, torch.Tensor, dict]]:
     g = torch.Generator().manual_seed(k)
     cases = {c: v for c, v in _scaled_cases(n, k).items() if "g16" in c}
