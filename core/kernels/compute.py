@@ -477,8 +477,8 @@ class StackStep:
     """A decode step of the whole decoder stack for B <= :data:`NATIVE_ROWS` sequences at one
     position in one native call (``qp_model_step``): per layer the input norm, the MLA step, the
     residual, the post-attention norm, the dense MLP or the MoE (routing included), the residual;
-    then the final norm. The same arithmetic as the per-layer steps in the same order (float32
-    models only), without a Python round trip per layer.
+    then the final norm. The same arithmetic as the per-layer steps in the same order (in a
+    bfloat16 model with their roundings to bfloat16), without a Python round trip per layer.
 
     ``watch``: (owner dict, key, tensor) of every tensor the step reads outside the bound layers
     (norm weights, router weights); the step declines (returns None, the per-layer path runs) when
@@ -546,6 +546,10 @@ class StackStep:
         self.checks = checks
         self.tensors = [(t, t.data_ptr()) for t in tensors]
         self.rope = layers[0].mla.rope
+        self.wround = layers[0].mla.wround
+        #: the model dtype the step takes and returns (float32, or bfloat16 with every rounding of
+        #: the per-layer path: each norm, module output and residual sum)
+        self.dtype = torch.bfloat16 if self.wround else torch.float32
 
     @staticmethod
     def build(layers: Sequence[StackLayer], final_norm: torch.Tensor, eps: float, hidden: int,
@@ -558,15 +562,20 @@ class StackStep:
         def ok(t: torch.Tensor | None, dtypes: tuple[torch.dtype, ...]) -> bool:
             return t is None or (t.device.type == "cpu" and t.dtype in dtypes and t.is_contiguous())
         fl = (torch.float32, torch.bfloat16)
-        if not ok(final_norm, fl) or final_norm.numel() != hidden:
+        wround = layers[0].mla.wround
+        # a float32 model, or a bfloat16 one (norm weights bfloat16, as RMSNorm then multiplies)
+        if wround not in (0, native.WROUND[torch.bfloat16]) or not ok(final_norm, fl) or final_norm.numel() != hidden:
+            return None
+        norms = [final_norm] + [n for sl in layers for n in (sl.attn_norm, sl.ffn_norm)]
+        if wround and any(n.dtype != torch.bfloat16 for n in norms):
             return None
         for sl in layers:
-            if sl.mla.reduce is not None or sl.mla.wround != 0 or sl.mla.h != hidden:
+            if sl.mla.reduce is not None or sl.mla.wround != wround or sl.mla.h != hidden:
                 return None
             if not (ok(sl.attn_norm, fl) and ok(sl.ffn_norm, fl)) or sl.attn_norm.dtype != sl.ffn_norm.dtype:
                 return None
             parts = [p for p in (sl.mlp, sl.experts, sl.shared) if p is not None]
-            if any(p.reduce is not None or p.gate.wround != 0 or p.h != hidden for p in parts):
+            if any(p.reduce is not None or p.gate.wround != wround or p.h != hidden for p in parts):
                 return None
             if sl.experts is not None:
                 if sl.router is None or not ok(sl.router, (torch.float32,)) or not ok(sl.bias, (torch.float32,)):
@@ -600,7 +609,7 @@ class StackStep:
         the final norm of the last residual [B, 1, hidden]; None when the step cannot run now."""
         lib = native._lib
         b = x.shape[0]
-        if (lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() != b * self.h
+        if (lib is None or x.dtype != self.dtype or x.device.type != "cpu" or x.numel() != b * self.h
                 or b > NATIVE_ROWS or len(caches) != self.n or not self.live()):
             return None
         c0 = caches[0]
@@ -631,18 +640,18 @@ class StackStep:
 
         vp = ctypes.c_void_p * self.n
         lats, krs = vp(*[c.latent.data_ptr() for c in caches]), vp(*[c.k_rope.data_ptr() for c in caches])
-        x2 = x.reshape(b, self.h).clone(memory_format=torch.contiguous_format)
+        x2 = x.reshape(b, self.h).to(torch.float32, copy=True, memory_format=torch.contiguous_format)
         out = torch.empty(b, 1, self.h)
         fn = self.final_norm
         rc = lib.qp_model_step(self.layers_arr, self.n, self.h, b, x2.data_ptr(), r.data_ptr(), lats, krs,
                                strides[0], strides[1], strides[2], strides[3], pos[0],
                                int(lat.dtype == torch.bfloat16), fn.data_ptr(), int(fn.dtype == torch.bfloat16),
-                               self.eps, out.data_ptr(), 0)
+                               self.eps, out.data_ptr(), self.wround)
         if rc != 0:
             for c in caches:
                 c.unreserve(1)
             native.check(rc, "model_step")
-        return out
+        return out if self.dtype == torch.float32 else out.to(self.dtype)  # bfloat16 values: exact
 
 
 def _global_hooks() -> bool:

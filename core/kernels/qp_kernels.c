@@ -2024,13 +2024,21 @@ typedef struct {
     const qp_mat *sg, *su, *sd;        /* shared experts, or NULL */
 } qp_layer;
 
-static void norm_into(const float *x, float *o, int64_t n, const void *w, int bf16, float eps) {
+/* RMSNorm of one row as RMSNorm.forward computes it: float32 statistics; in a bfloat16 model
+ * (round) the normalized row is rounded to bfloat16, then the product with the weight */
+static void norm_into(const float *x, float *o, int64_t n, const void *w, int bf16, float eps, int round) {
     float ss = dot_f32(x, x, n);
     float r = 1.f / sqrtf(ss / (float)n + eps);
     for (int64_t i = 0; i < n; i++) {
         float wi = bf16 ? bits_f32((uint32_t)((const uint16_t *)w)[i] << 16) : ((const float *)w)[i];
-        o[i] = wi * (x[i] * r);
+        o[i] = round ? round_bf16(wi * round_bf16(x[i] * r)) : wi * (x[i] * r);
     }
+}
+
+/* x = x + a, both rounded to bfloat16 first in a bfloat16 model (a module's output, then the sum) */
+static void add_rows(float *x, float *a, int64_t n, int round) {
+    if (round) for (int64_t j = 0; j < n; j++) x[j] = round_bf16(x[j] + round_bf16(a[j]));
+    else for (int64_t j = 0; j < n; j++) x[j] = x[j] + a[j];
 }
 
 static int layer_ok(const qp_layer *l, int64_t H) {
@@ -2134,7 +2142,7 @@ static int moe_rows(const qp_layer *l, int64_t B, int64_t H, const float *h, flo
     /* the shared experts as one more expert of the same call when they are shaped and quantized as
      * the routed ones, weight 1 for every row, after the routed pairs: each row's sum is then
      * (routed sum) + 1 * shared, the two-call result bit for bit, in one parallel region */
-    if (l->sg && l->sg->n == l->gate[0]->n && l->sd->k == l->down[0]->k) {
+    if (l->sg && wround == QR_NONE && l->sg->n == l->gate[0]->n && l->sd->k == l->down[0]->k) {
         mats[used] = l->sg; mats[P + 1 + used] = l->su; mats[2 * (P + 1) + used] = l->sd;
         int32_t *pe2 = (int32_t *)malloc(sizeof(int32_t) * (size_t)(2 * (p + B)));
         float *pw2 = (float *)malloc(sizeof(float) * (size_t)(p + B));
@@ -2152,7 +2160,9 @@ static int moe_rows(const qp_layer *l, int64_t B, int64_t H, const float *h, flo
         const qp_mat *g1[1] = {l->sg}, *u1[1] = {l->su}, *d1[1] = {l->sd};
         for (int64_t b = 0; b < B; b++) { pe[b] = 0; prow[b] = (int32_t)b; pw[b] = 1.f; }
         rc = qp_mlp(g1, u1, d1, 1, B, h, H, (int)B, pe, prow, pw, tmp, H, wround);
-        if (rc == 0)
+        if (rc == 0 && wround == QR_BF16)  /* each module's output in the model dtype, then their sum */
+            for (int64_t i = 0; i < B * H; i++) out[i] = round_bf16(round_bf16(out[i]) + round_bf16(tmp[i]));
+        else if (rc == 0)
             for (int64_t i = 0; i < B * H; i++) out[i] = out[i] + tmp[i];
     }
 done:
@@ -2167,7 +2177,8 @@ done:
 int qp_model_step(const qp_layer *layers, int L, int64_t H, int64_t B, float *x, const float *rot,
                   void *const *lat, void *const *kr, int64_t ld_lat, int64_t lds_b, int64_t ld_kr, int64_t krs_b,
                   int64_t pos, int lat_bf16, const void *fnorm, int fnorm_bf16, float feps, float *out, int wround) {
-    if (L <= 0 || H <= 0 || B <= 0 || pos < 0 || !fnorm || wround != 0) return -1;
+    if (L <= 0 || H <= 0 || B <= 0 || pos < 0 || !fnorm || (wround != QR_NONE && wround != QR_BF16)) return -1;
+    const int rnd = wround == QR_BF16;  /* a bfloat16 model: x holds bfloat16 values */
     for (int i = 0; i < L; i++) {
         if (!layer_ok(&layers[i], H) || !lat[i] || !kr[i]) return -1;
         if (layers[i].E > 1024 || layers[i].n_group > 1024) return -1;
@@ -2178,11 +2189,11 @@ int qp_model_step(const qp_layer *layers, int L, int64_t H, int64_t B, float *x,
     int rc = 0;
     for (int i = 0; i < L && rc == 0; i++) {
         const qp_layer *l = &layers[i];
-        for (int64_t b = 0; b < B; b++) norm_into(x + b * H, h + b * H, H, l->attn_norm, l->norm_bf16, l->eps);
+        for (int64_t b = 0; b < B; b++) norm_into(x + b * H, h + b * H, H, l->attn_norm, l->norm_bf16, l->eps, rnd);
         rc = qp_mla_step(l->mla, B, h, rot, lat[i], ld_lat, lds_b, kr[i], ld_kr, krs_b, pos, lat_bf16, a, wround);
         if (rc) break;
-        for (int64_t j = 0; j < B * H; j++) x[j] = x[j] + a[j];
-        for (int64_t b = 0; b < B; b++) norm_into(x + b * H, h + b * H, H, l->ffn_norm, l->norm_bf16, l->eps);
+        add_rows(x, a, B * H, rnd);
+        for (int64_t b = 0; b < B; b++) norm_into(x + b * H, h + b * H, H, l->ffn_norm, l->norm_bf16, l->eps, rnd);
         if (l->E > 0) rc = moe_rows(l, B, H, h, a, t, wround);
         else {
             int32_t *pe = (int32_t *)malloc(sizeof(int32_t) * (size_t)(2 * B));
@@ -2195,10 +2206,10 @@ int qp_model_step(const qp_layer *layers, int L, int64_t H, int64_t B, float *x,
             free(pe); free(pw);
         }
         if (rc) break;
-        for (int64_t j = 0; j < B * H; j++) x[j] = x[j] + a[j];
+        add_rows(x, a, B * H, rnd);
     }
     if (rc == 0)
-        for (int64_t b = 0; b < B; b++) norm_into(x + b * H, out + b * H, H, fnorm, fnorm_bf16, feps);
+        for (int64_t b = 0; b < B; b++) norm_into(x + b * H, out + b * H, H, fnorm, fnorm_bf16, feps, rnd);
     free(h);
     return rc;
 }

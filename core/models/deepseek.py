@@ -650,7 +650,7 @@ class TextModel(nn.Module):
     def _stack_step(self) -> StackStep | None:
         """The whole stack's native decode step (:class:`quantplug.kernels.compute.StackStep`),
         built once on first use; None when any layer runs another way (experts served from files
-        or split over ranks, a piece without a native form, a non-float32 model)."""
+        or split over ranks, a piece without a native form, a float16 model)."""
         if self._stack is not None or self._stack_tried:
             return self._stack
         self._stack_tried = True
@@ -694,7 +694,7 @@ class TextModel(nn.Module):
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0).expand(ids.shape[0], -1)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        if cache is not None and ids.shape[1] == 1 and x.dtype == torch.float32 and ids.shape[0] <= NATIVE_ROWS:
+        if cache is not None and ids.shape[1] == 1 and ids.shape[0] <= NATIVE_ROWS:
             st = self._stack_step()
             if st is not None:
                 out = st(x, self.rotary._rotation(cos, sin), cache.layers)
