@@ -1030,10 +1030,15 @@ static inline void deq_block512(int type, const uint8_t *blk, __m512 *lo, __m512
     __m512 d = _mm512_set1_ps(f16_to_f32(blk));
     __m128i l, h;
     if (type == QP_Q4_0) {
+        /* the block's 16 possible weights d * (q - 8) in one register (each the same float32
+         * product as below), looked up by nibble: permutexvar reads an index's low 4 bits only,
+         * so neither nibble needs masking */
+        const __m512 tab = _mm512_mul_ps(d, _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f,
+                                                           0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f));
         __m128i qv = _mm_loadu_si128((const __m128i *)(blk + 2));
-        __m128i m = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
-        l = _mm_sub_epi8(_mm_and_si128(qv, m), eight);
-        h = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(qv, 4), m), eight);
+        *lo = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(qv), tab);
+        *hi = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_srli_epi16(qv, 4)), tab);
+        return;
     } else {
         l = _mm_loadu_si128((const __m128i *)(blk + 2));
         h = _mm_loadu_si128((const __m128i *)(blk + 18));
