@@ -608,6 +608,11 @@ static inline __m512i nib16(const uint8_t *row, int64_t i) {  /* 16 nibbles from
     __m128i b = _mm_loadl_epi64((const __m128i *)(row + i / 2)), f = _mm_set1_epi8(15);
     return _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(_mm_and_si128(b, f), _mm_and_si128(_mm_srli_epi16(b, 4), f)));
 }
+/* the 16 nibbles' indices as permutexvar reads them (only each index's low 4 bits count: no masks) */
+static inline __m512i idx16(const uint8_t *row, int64_t i) {
+    __m128i b = _mm_loadl_epi64((const __m128i *)(row + i / 2));
+    return _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, _mm_srli_epi16(b, 4)));
+}
 static inline __m512 raw16_int4(const uint8_t *row, int64_t i) {
     return _mm512_cvtepi32_ps(_mm512_sub_epi32(nib16(row, i), _mm512_set1_epi32(8)));
 }
@@ -1262,7 +1267,7 @@ static QP_IQ_UNUSED void row_scales(const qp_mat *m, int64_t r, int64_t ng, floa
 /* rows [r0, r1) (a multiple of 4) in groups of 4 against xm x rows (two at a time): each x
  * vector loaded once for the 4 rows; every row's sums in the order the one-row loop makes them
  * (bit-identical results); gk a multiple of 32 */
-#define QP_FUSED_SCALED4(NAME, RAWI, ANY, WR)                                                       \
+#define QP_FUSED_SCALED4(NAME, RAWI, ANY, WR, TAB, BASE)                                            \
 static void NAME##_rows4(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy, int wround_) { \
     y -= r0;                                                                                        \
     const int64_t K = m->k, gk = m->gk, ldx = in->ldx, ldw = m->ldw;                                \
@@ -1285,8 +1290,10 @@ static void NAME##_rows4(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r
             for (int a = 0; a < 4; a++) acc[a][0] = acc[a][1] = acc[a][2] = acc[a][3] = _mm512_setzero_ps(); \
             for (int64_t c0 = 0; c0 < K; c0 += gk) {                                                \
                 const int64_t j = c0 / gk, end = c0 + gk < K ? c0 + gk : K;                         \
-                __m512 vsa[4], vza[4];                                                              \
+                __m512 vsa[4], vza[4], taba[4];                                                     \
                 for (int a = 0; a < 4; a++) { vsa[a] = _mm512_set1_ps(sv[a][j]); vza[a] = _mm512_set1_ps(zp ? zv[a][j] : 0.f); } \
+                if (TAB) for (int a = 0; a < 4; a++) {                                              \
+                    const __m512 vs = vsa[a], vz = vza[a]; (void)vz; QP_SCALE16(BASE, taba[a]) }    \
                 for (int64_t i = c0; i < end; i += 32) {                                            \
                     const __m512 xa = _mm512_loadu_ps(x0 + i), xb = _mm512_loadu_ps(x0 + i + 16);   \
                     const __m512 xc = _mm512_loadu_ps(x1 + i), xd = _mm512_loadu_ps(x1 + i + 16);   \
@@ -1296,8 +1303,9 @@ static void NAME##_rows4(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r
                         __m512 v0, v1;                                                              \
                         (void)vz;                                                                   \
                         if (i0 == 0) _mm_prefetch((const char *)(row + pf) + i, _MM_HINT_T1);        \
-                        QP_SCALE16(RAWI(i), v0)                                                     \
-                        QP_SCALE16(RAWI(i + 16), v1)                                                \
+                        if (TAB) { v0 = _mm512_permutexvar_ps(idx16(row, i), taba[a]);              \
+                                   v1 = _mm512_permutexvar_ps(idx16(row, i + 16), taba[a]); }       \
+                        else { QP_SCALE16(RAWI(i), v0) QP_SCALE16(RAWI(i + 16), v1) }               \
                         acc[a][0] = _mm512_fmadd_ps(v0, xa, acc[a][0]);                             \
                         acc[a][1] = _mm512_fmadd_ps(v1, xb, acc[a][1]);                             \
                         if (two) { acc[a][2] = _mm512_fmadd_ps(v0, xc, acc[a][2]);                  \
@@ -1312,8 +1320,8 @@ static void NAME##_rows4(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r
         }                                                                                           \
     }                                                                                               \
 }
-#define QP_FUSED_SCALED(NAME, RAWI, ANY, WR)                                                        \
-QP_FUSED_SCALED4(NAME, RAWI, ANY, WR)                                                               \
+#define QP_FUSED_SCALED(NAME, RAWI, ANY, WR, TAB, BASE)                                             \
+QP_FUSED_SCALED4(NAME, RAWI, ANY, WR, TAB, BASE)                                                    \
 static void NAME(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy, int wround_) { \
     y -= r0;                                                                                        \
     const int64_t K = m->k, gk = m->gk, ldx = in->ldx, ldw = m->ldw, step = gk % 32 ? 16 : 32;       \
@@ -1344,12 +1352,15 @@ static void NAME(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int x
                 const int64_t j = c0 / gk, end = c0 + gk < K ? c0 + gk : K;                         \
                 const __m512 vs = _mm512_set1_ps(sv[j]);                                            \
                 const __m512 vz = _mm512_set1_ps(zp ? zv[j] : 0.f);                                 \
+                __m512 tab = vs;  /* not for the NVFP4 branch: its groups are one step each */     \
+                if (TAB && (step == 32 || gk != 16 || (K & 31))) QP_SCALE16(BASE, tab)              \
                 if (step == 32) {                                                                   \
                     for (int64_t i = c0; i < end; i += 32) {                                        \
                         __m512 v0, v1;                                                              \
                         if (i0 == 0) _mm_prefetch((const char *)(row + pf) + i, _MM_HINT_T1);        \
-                        { const int64_t ii = i; (void)ii; QP_SCALE16(RAWI(i), v0) }                 \
-                        { QP_SCALE16(RAWI(i + 16), v1) }                                            \
+                        if (TAB) { v0 = _mm512_permutexvar_ps(idx16(row, i), tab);                  \
+                                   v1 = _mm512_permutexvar_ps(idx16(row, i + 16), tab); }           \
+                        else { QP_SCALE16(RAWI(i), v0) QP_SCALE16(RAWI(i + 16), v1) }               \
                         a0 = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x0 + i), a0);                       \
                         a1 = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x0 + i + 16), a1);                  \
                         if (two) { b0 = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x1 + i), b0);            \
@@ -1370,7 +1381,8 @@ static void NAME(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int x
                 } else {                                                                            \
                     for (int64_t i = c0; i < end; i += 16) {                                        \
                         __m512 v0;                                                                  \
-                        QP_SCALE16(RAWI(i), v0)                                                     \
+                        if (TAB) v0 = _mm512_permutexvar_ps(idx16(row, i), tab);                    \
+                        else QP_SCALE16(RAWI(i), v0)                                                \
                         a0 = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x0 + i), a0);                       \
                         if (two) b0 = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x1 + i), b0);              \
                     }                                                                               \
@@ -1381,6 +1393,10 @@ static void NAME(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int x
         }                                                                                           \
     }                                                                                               \
 }
+/* INT4 / FP4: the group's 16 possible weights made once (the same operations on each code value
+ * as QP_SCALE16 makes per weight: bit-identical) and looked up per nibble: INT4_BASE the codes
+ * q - 8, lut the E2M1 values */
+#define INT4_BASE _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f)
 #define RAW_INT8(i) raw16_int8(row, i)
 #define RAW_INT4(i) raw16_int4(row, i)
 #define RAW_FP8(i) fp8x16_div256(row + (i), nan)
@@ -1388,22 +1404,22 @@ static void NAME(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int x
 /* each form three times: for any matrix, and specialized for the plain one (no zero points, no
  * global scale after, no NaN codes) in a float32 and in a bfloat16 model, whose per-16-weight
  * branches then fold away */
-QP_FUSED_SCALED(fused_int8, RAW_INT8, 1, 0)
-QP_FUSED_SCALED(fused_int4, RAW_INT4, 1, 0)
-QP_FUSED_SCALED(fused_fp8, RAW_FP8, 1, 0)
-QP_FUSED_SCALED(fused_fp4, RAW_FP4, 1, 0)
-QP_FUSED_SCALED(plain_int8, RAW_INT8, 0, QR_NONE)
-QP_FUSED_SCALED(plain_int4, RAW_INT4, 0, QR_NONE)
-QP_FUSED_SCALED(plain_fp8, RAW_FP8, 0, QR_NONE)
-QP_FUSED_SCALED(plain_fp4, RAW_FP4, 0, QR_NONE)
-QP_FUSED_SCALED(plain_int8_bf16, RAW_INT8, 0, QR_BF16)
-QP_FUSED_SCALED(plain_int4_bf16, RAW_INT4, 0, QR_BF16)
-QP_FUSED_SCALED(plain_fp8_bf16, RAW_FP8, 0, QR_BF16)
-QP_FUSED_SCALED(plain_fp4_bf16, RAW_FP4, 0, QR_BF16)
-QP_FUSED_SCALED(plain_int8_bf16n, RAW_INT8, 0, QR_BF16_NORMAL)
-QP_FUSED_SCALED(plain_int4_bf16n, RAW_INT4, 0, QR_BF16_NORMAL)
-QP_FUSED_SCALED(plain_fp8_bf16n, RAW_FP8, 0, QR_BF16_NORMAL)
-QP_FUSED_SCALED(plain_fp4_bf16n, RAW_FP4, 0, QR_BF16_NORMAL)
+QP_FUSED_SCALED(fused_int8, RAW_INT8, 1, 0, 0, lut)
+QP_FUSED_SCALED(fused_int4, RAW_INT4, 1, 0, 1, INT4_BASE)
+QP_FUSED_SCALED(fused_fp8, RAW_FP8, 1, 0, 0, lut)
+QP_FUSED_SCALED(fused_fp4, RAW_FP4, 1, 0, 1, lut)
+QP_FUSED_SCALED(plain_int8, RAW_INT8, 0, QR_NONE, 0, lut)
+QP_FUSED_SCALED(plain_int4, RAW_INT4, 0, QR_NONE, 1, INT4_BASE)
+QP_FUSED_SCALED(plain_fp8, RAW_FP8, 0, QR_NONE, 0, lut)
+QP_FUSED_SCALED(plain_fp4, RAW_FP4, 0, QR_NONE, 1, lut)
+QP_FUSED_SCALED(plain_int8_bf16, RAW_INT8, 0, QR_BF16, 0, lut)
+QP_FUSED_SCALED(plain_int4_bf16, RAW_INT4, 0, QR_BF16, 1, INT4_BASE)
+QP_FUSED_SCALED(plain_fp8_bf16, RAW_FP8, 0, QR_BF16, 0, lut)
+QP_FUSED_SCALED(plain_fp4_bf16, RAW_FP4, 0, QR_BF16, 1, lut)
+QP_FUSED_SCALED(plain_int8_bf16n, RAW_INT8, 0, QR_BF16_NORMAL, 0, lut)
+QP_FUSED_SCALED(plain_int4_bf16n, RAW_INT4, 0, QR_BF16_NORMAL, 1, INT4_BASE)
+QP_FUSED_SCALED(plain_fp8_bf16n, RAW_FP8, 0, QR_BF16_NORMAL, 0, lut)
+QP_FUSED_SCALED(plain_fp4_bf16n, RAW_FP4, 0, QR_BF16_NORMAL, 1, lut)
 #undef QP_FUSED_SCALED
 #undef QP_SCALE16
 #endif
