@@ -161,6 +161,13 @@ class Tokenizer:
         tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges") or []
         if not isinstance(tokens, list) or not tokens:
             raise CheckpointError(f"{file}: tokenizer.ggml.tokens is missing or empty")
+        # typed like llama.cpp reads them: a value of another type is refused, not replaced by a default
+        for key, want, ok in (("tokenizer.ggml.merges", "an array of strings", isinstance(merges, list)),
+                              ("tokenizer.ggml.pre", "a string", isinstance(meta.get("tokenizer.ggml.pre", ""), str)),
+                              ("tokenizer.ggml.token_type", "an array of integers",
+                               isinstance(meta.get("tokenizer.ggml.token_type", []), list))):
+            if not ok:
+                raise CheckpointError(f"{file}: metadata {key} = {str(meta.get(key))[:40]}: expected {want}")
         self = cls("gguf", file, config, meta.get("tokenizer.chat_template"))
         vocab = {t: i for i, t in enumerate(tokens)}
         pairs = []
@@ -543,8 +550,15 @@ def read_gguf_tokenizer(file: Path, keys_only: bool = False) -> dict[str, Any]:
     from .checkpoint.gguf_index import _ARRAY, _SCALARS, _STRING, GGUF_MAGIC, MAX_KV, _Cursor
 
     out: dict[str, Any] = {}
-    with open(file, "rb") as fh:
-        buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        fh = open(file, "rb")  # noqa: SIM115 (closed below)
+    except OSError as exc:
+        raise CheckpointError(f"{file}: cannot open ({exc.strerror})") from None
+    with fh:
+        try:
+            buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:  # an empty file
+            raise CheckpointError(f"{file}: not a GGUF file (empty)") from None
         try:
             if bytes(buf[:4]) != GGUF_MAGIC:
                 raise CheckpointError(f"{file}: not a GGUF file")
