@@ -165,7 +165,10 @@ class Tokenizer:
         for key, want, ok in (("tokenizer.ggml.merges", "an array of strings", isinstance(merges, list)),
                               ("tokenizer.ggml.pre", "a string", isinstance(meta.get("tokenizer.ggml.pre", ""), str)),
                               ("tokenizer.ggml.token_type", "an array of integers",
-                               isinstance(meta.get("tokenizer.ggml.token_type", []), list))):
+                               isinstance(meta.get("tokenizer.ggml.token_type", []), list)),
+                              *((k, f"a token id in [0, {len(tokens)})", k not in meta or (
+                                  type(meta[k]) is int and 0 <= meta[k] < len(tokens)))
+                                for k in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"))):
             if not ok:
                 raise CheckpointError(f"{file}: metadata {key} = {str(meta.get(key))[:40]}: expected {want}")
         self = cls("gguf", file, config, meta.get("tokenizer.chat_template"))

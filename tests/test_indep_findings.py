@@ -169,3 +169,40 @@ def test_autoround_extra_config_data_type_is_typed_even_with_bits_16(tmp_path: P
     (ckpt / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(QuantplugError, match=r"extra_config\..*data_type = 7: expected a string"):
         quantplug.plan(ckpt)
+
+
+def _retype_gguf(ckpt: Path, name: str, ttype: int) -> None:
+    g = F.parse_gguf((ckpt / "model.gguf").read_bytes())
+    assert g is not None
+    kvs = [g.blob[kv.span[0]:kv.span[1]] for kv in g.kvs]
+    infos = [F.gguf_info_bytes(t.name, t.dims, ttype, t.offset) if t.name == name else g.blob[t.span[0]:t.span[1]]
+             for t in g.infos]
+    assert any(t.name == name for t in g.infos)
+    (ckpt / "model.gguf").write_bytes(F.emit_gguf(g, kvs, infos))
+
+
+def test_gguf_type_shrunk_within_the_alignment_padding_is_refused(tmp_path: Path) -> None:
+    """F32 -> F16 of the 4-element router bias: 16 bytes become 8, and the tensor after it still
+    starts at the next 32-byte boundary, so the tiling check alone passed and the bias was read
+    from half of its old bytes. The padding after a tensor must be zeros."""
+    ckpt = _copy(VENDOR / "gguf_tq1_0_dsv3", tmp_path / "c")
+    _retype_gguf(ckpt, "blk.0.exp_probs_b.bias", 1)
+    with pytest.raises(CheckpointError, match=r"the alignment padding after tensor .*exp_probs_b.* is not zeros"):
+        quantplug.plan(ckpt)
+
+
+def test_every_vendor_gguf_has_zero_padding() -> None:
+    for d in sorted(p for p in VENDOR.glob("gguf_*") if p.is_dir()):
+        quantplug.plan(d)
+
+
+@pytest.mark.parametrize("key, value", [("tokenizer.ggml.bos_token_id", False), ("tokenizer.ggml.eos_token_id", 1 << 30)])
+def test_gguf_bos_eos_ids_are_typed_token_ids(tmp_path: Path, key: str, value: object) -> None:
+    ckpt = _copy(VENDOR / "gguf_iq2_xs_dsv3", tmp_path / "c")
+    g = F.parse_gguf((ckpt / "model.gguf").read_bytes())
+    assert g is not None
+    vtype = 7 if isinstance(value, bool) else 4
+    kvs = [F.gguf_kv_bytes(kv.key, vtype, value) if kv.key == key else g.blob[kv.span[0]:kv.span[1]] for kv in g.kvs]
+    (ckpt / "model.gguf").write_bytes(F.emit_gguf(g, kvs, [g.blob[t.span[0]:t.span[1]] for t in g.infos]))
+    with pytest.raises(CheckpointError, match=rf"metadata {key} = .*: expected a token id in \[0, 320\)"):
+        load_tokenizer(ckpt)
