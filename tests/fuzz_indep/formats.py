@@ -178,7 +178,7 @@ def parse_gguf(blob: bytes) -> GGUF | None:
             off_at = r.p
             off = r.take("<Q")
             infos.append(TInfo(name, dims, tt, off, (start, r.p), start, ndim_at, type_at, off_at))
-        align = next((kv.value for kv in kvs if kv.key == "general.alignment" and kv.vtype == 4), 32)
+        align = next((kv.value for kv in kvs if kv.key == "general.alignment" and kv.vtype == 4), 32) or 1
         data_start = r.p + (-r.p % align)
         return GGUF(version, kvs, infos, r.p, data_start, align, blob)
     except (struct.error, ValueError, UnicodeDecodeError):

@@ -99,6 +99,8 @@ def _regions(ctx: Ctx, name: str, blob: bytes) -> Callable[[int, int], str]:
             v for kv in g.kvs for v in kv.extra.values()}
 
         def meaning(a: int, b: int) -> str:
+            if g.header_end <= a and b <= g.data_start:
+                return "data"  # alignment padding: no reader looks at its bytes
             if b <= 24 or (kv_end <= a < g.data_start) or (a < g.data_start and b > kv_end):
                 return "struct"
             if a >= g.data_start:
@@ -592,6 +594,10 @@ def m_gguf(ctx: Ctx) -> Mutation | None:
                 if row % nb == 0:
                     dims[0] = row // nb * ne
             detail = f"{t.name}: type {t.ttype} -> {tt}, dims {t.dims} -> {dims}"
+            if dims == t.dims and F.GGML_BLOCK.get(tt) == F.GGML_BLOCK.get(t.ttype):
+                # the same block geometry (Q4_0 <-> IQ4_NL, F16 <-> BF16): the bytes read as another
+                # code book, which no reader can tell from the publisher's own choice
+                meaning = "data"
         elif kind == "tdims":
             v = ctx.pick(["swap", "double", "zero", "huge", "add", "drop", "five"])
             if v == "swap" and len(dims) >= 2:
@@ -1247,7 +1253,8 @@ def make_case(run_seed: int, index: int, seeds: list[tuple[str, Path]], dst: Pat
         tries += 1
         try:
             m = MUTATORS[rng.choices(names, weights)[0]][0](ctx)
-        except (ValueError, IndexError, KeyError, TypeError, AttributeError):
+        except (ValueError, IndexError, KeyError, TypeError, AttributeError, RecursionError, ZeroDivisionError,
+                OSError, struct.error):
             m = None  # not applicable to this file (an empty object, a file an earlier mutation broke)
         if m is not None:
             done.append(m)
@@ -1259,6 +1266,11 @@ def make_case(run_seed: int, index: int, seeds: list[tuple[str, Path]], dst: Pat
             if f.is_file() and not f.is_symlink() and f.stat().st_size == sizes.get(m.file) and \
                     _header(f.read_bytes(), m.file) == _header((src / m.file).read_bytes(), m.file):
                 m.meaning = "data"
+        # a later mutation may have replaced the symlink that left the directory
+        if m.meaning == "escape" and m.file:
+            real = os.path.realpath(dst / m.file)
+            if os.path.commonpath([real, os.path.realpath(dst)]) == os.path.realpath(dst):
+                m.meaning = "struct"
     return seed_name, done
 
 

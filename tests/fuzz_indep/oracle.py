@@ -75,6 +75,19 @@ UNREAD_KEYS: tuple[tuple[str, str, str], ...] = (
      "any export quantplug reads; DeepSeek's MLA is computed unquantized)"),
     (r"config\.json:quantization_config\.(producer|global_compression_ratio|quantization_status|version|format_version)"
      r"(\..*)?", "", "provenance / statistics written by the exporter"),
+    (r"config\.json:quantization_config\.(global_quant_config|layer(_type)?_quant_config\..*)\.weight\."
+     r"(scale_type|mx_element_dtype|symmetric|zero_point_type|round_method|scale_calculation_mode|is_scale_quant|"
+     r"is_dynamic|block_size|observer_cls)", "",
+     "Quark: implied by the one spec the backend runs (dtype fp4, per_group 32, e8m0), or quantization-time"),
+    (r"config\.json:quantization_config\.kv_cache_quant_config(\..*)?", "", "Quark: KV-cache quantization, "
+     "optional at inference (the cache is kept in the model dtype)"),
+    (r"config\.json:quantization_config\.to_quant_block_names", "", "AutoRound: calibration scope"),
+    (r"config\.json:quantization_config\.global_quant_config\.bias", "", "Quark: bias quantization; DeepSeek-V3 "
+     "linears have no bias"),
+    (r"config\.json:quantization_config\..*input_activations\.actorder", "", "compressed-tensors: activation "
+     "ordering applies to weights only"),
+    (r"config\.json:quantization_config\.(damp_percent|static_groups|true_sequential|mse|sym)", "",
+     "GPTQ calibration settings; AWQ's zero_point decides symmetry (sym is typed where GPTQ reads it)"),
     (r"config\.json:quantization_config\.(autoround_version|kv_cache_post_rope|enable_quanted_input|"
      r".*enable_buffer_reuse|export\.(kv_cache_group|min_kv_scale))(\..*)?", "",
      "exporter / calibration settings that do not change the stored weights' meaning"),
@@ -262,7 +275,7 @@ def classify(stages: list[Stage], mutations: list[Any], logits: Any, base: Any,
         elif loaded and meaning == "struct" and same is False:
             worst = "silent-wrong-load"
             reason = f"loaded with other logits (max |diff| {float((logits - base).abs().max()) if logits.shape == base.shape else 'shape'})"
-        elif loaded and meaning == "lenient" and any(lenient_key(m, present) for m in mutations
+        elif loaded and meaning == "lenient" and not refused and any(lenient_key(m, present) for m in mutations
                                                      if m.meaning == "lenient"):
             worst = "lenient"
             reason = f"accepted ({'same' if same else 'other'} logits): " + "; ".join(m.detail for m in mutations)
