@@ -540,7 +540,7 @@ def m_gguf(ctx: Ctx) -> Mutation | None:
         if kind == "kvvalue":
             v, extreme = _extreme(ctx, kv.vtype, kv.value)
             kv_blobs[i] = F.gguf_kv_bytes(kv.key, kv.vtype, v)
-            meaning = "lenient" if extreme else "data"
+            meaning = "lenient" if extreme and v != kv.value else "data"
             if kv.key == "general.alignment" or kv.key.startswith("quantplug."):
                 meaning = "struct"
             detail = f"{kv.key}: {kv.value!r:.40} -> {v!r:.40}"
@@ -857,7 +857,7 @@ def _wrong(ctx: Ctx, v: Any) -> tuple[Any, str]:
         return None, "same"
     # null: an empty object or list is as absent as null; a scalar is a type error
     new = ctx.pick([0, "", [], {}, -1, True])
-    return new, "same" if new in ([], {}) else "type"
+    return new, "same" if new in ([], {}, "") else "type"
 
 
 #: config keys whose values are floats (an integer there is just a round value)

@@ -79,9 +79,12 @@ UNREAD_KEYS: tuple[tuple[str, str, str], ...] = (
      r"(scale_type|mx_element_dtype|symmetric|zero_point_type|round_method|scale_calculation_mode|is_scale_quant|"
      r"is_dynamic|block_size|observer_cls)", "",
      "Quark: implied by the one spec the backend runs (dtype fp4, per_group 32, e8m0), or quantization-time"),
+    (r"config\.json:quantization_config\.(quant_mode|algo_config|export\.weight_merge_groups)(\..*)?", "",
+     "Quark: export / calibration settings (algo_config: see docs/fuzzing.md, not read at all)"),
     (r"config\.json:quantization_config\.kv_cache_quant_config(\..*)?", "", "Quark: KV-cache quantization, "
      "optional at inference (the cache is kept in the model dtype)"),
-    (r"config\.json:quantization_config\.to_quant_block_names", "", "AutoRound: calibration scope"),
+    (r"config\.json:quantization_config\.(to_quant_block_names|block_name_to_quantize)", "",
+     "AutoRound / GPTQ: calibration scope"),
     (r"config\.json:quantization_config\.global_quant_config\.bias", "", "Quark: bias quantization; DeepSeek-V3 "
      "linears have no bias"),
     (r"config\.json:quantization_config\..*input_activations\.actorder", "", "compressed-tensors: activation "
@@ -299,11 +302,17 @@ def combined_meaning(mutations: list[Any]) -> str:
     return max(ms, key=RANK.__getitem__, default="none")
 
 
+#: the unknown keys ``mutators.m_json`` adds
+ADDED_KEYS = frozenset({"zzz_unknown", "", "\u0000", "__proto__"})
+
+
 def lenient_key(m: Any, present: set[str] = frozenset()) -> bool:
     """Whether accepting mutation ``m`` (meaning ``lenient``) is a finding: config.json keys that
     define the model or its quantization, any key of a quantization sidecar or GGUF metadata
     quantplug reads; not keys no reader of the format uses (``UNREAD_KEYS``)."""
     key = m.key
+    if key.rsplit(".", 1)[-1] in ADDED_KEYS:
+        return False  # a key the json.add mutator made up: an unknown key is ignored, like transformers does
     if m.file == "config.json":
         top = key.removeprefix("text_config.").split(".")[0].split("[")[0]
         if top not in MODEL_KEYS:

@@ -213,7 +213,7 @@ def run(cases: int, seed: int, workers: int, out: Path, *, start: int = 0, timeo
                         pool.restarts += 1
                         pool.start(wid)
                         continue
-                    maxrss = max(maxrss, res.pop("maxrss_kb", 0))
+                    maxrss = max(maxrss, res.get("maxrss_kb", 0))
                     results.append(res)
                     del pool.busy[wid]
                 elif time.time() - since > timeout:
