@@ -206,3 +206,36 @@ def test_gguf_bos_eos_ids_are_typed_token_ids(tmp_path: Path, key: str, value: o
     (ckpt / "model.gguf").write_bytes(F.emit_gguf(g, kvs, [g.blob[t.span[0]:t.span[1]] for t in g.infos]))
     with pytest.raises(CheckpointError, match=rf"metadata {key} = .*: expected a token id in \[0, 320\)"):
         load_tokenizer(ckpt)
+
+
+@pytest.mark.parametrize("template", [
+    # `~` doubles a string per step: 2^60 characters after 60 (it was compiled to an unchecked join)
+    "{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+    # the replace filter (the str.replace method was bounded, the filter not): 3.6e9 characters
+    "{% set s = 'a' * 60000 %}{{ s | replace('a', s) }}",
+    # join of a list of bounded strings: 128 x 120,000 characters
+    "{% set ns = namespace(l=['ab' * 60000]) %}{% for i in range(7) %}{% set ns.l = ns.l + ns.l %}{% endfor %}"
+    "{{ ns.l | join }}",
+])
+def test_chat_template_growth_by_concat_join_replace_is_refused_before_allocating(template: str) -> None:
+    """Each needed gigabytes before the render failed (a MemoryError, or the OOM killer without an
+    address-space limit); now refused by the sandbox's size bound before the allocation."""
+    import resource
+
+    from quantplug.tokenizer import render_bounded
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (min(hard, 8 << 30) if hard != resource.RLIM_INFINITY else 8 << 30, hard))
+    try:
+        with pytest.raises(CheckpointError, match="refused by the sandbox: a value of"):
+            render_bounded(template, {}, "t")
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def test_chat_template_concat_join_replace_still_render() -> None:
+    from quantplug.tokenizer import render_bounded
+
+    assert render_bounded("{{ 'a' ~ 1 ~ none }}|{{ [1, 'x'] | join(', ') }}|{{ [{'n': 'p'}, {'n': 'q'}] | "
+                          "join('+', attribute='n') }}|{{ 'aXbX' | replace('X', '--', 1) }}", {}, "t") == \
+        "a1None|1, x|p+q|a--bX"

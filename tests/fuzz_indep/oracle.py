@@ -147,6 +147,8 @@ def run_stage(name: str, fn: Any, root: Path, names: set[str]) -> Stage:
     except QuantplugError as exc:
         st.message = str(exc)
         st.status = judge_message(st.message, root, names) or "refused"
+        if "out of memory" in st.message:  # the worker's address-space limit caught an unbounded allocation
+            st.status = "oom"
         st.where = _where(exc)
     except MemoryError as exc:
         st.status, st.message, st.where = "oom", f"MemoryError {exc}", _where(exc)
