@@ -252,11 +252,18 @@ def _sandbox() -> Any:
 
     wide_format = re.compile(r"\d{6,}|%[^a-zA-Z%]*\*")
 
-    def joined(parts: list[str], sep: str = "") -> str:
-        """``sep.join(parts)``, its length checked before it is built (``~`` and ``|join`` of bounded
+    def joined(parts: Any, sep: str = "") -> str:
+        """``sep.join(str(p) for p in parts)``, its length counted while the parts are made, so a
+        lazy sequence (``map('center', 60000)``) stops at the bound (``~`` and ``|join`` of bounded
         values still double a string per step: 60 steps are 2^60 characters)."""
-        sized(range(sum(map(len, parts)) + len(sep) * max(len(parts) - 1, 0)))
-        return sep.join(parts)
+        out: list[str] = []
+        total = 0
+        for p in parts:
+            text = str(p)
+            total += len(text) + (len(sep) if out else 0)
+            sized(range(total))
+            out.append(text)
+        return sep.join(out)
 
     class Codegen(CodeGenerator):
         """``a ~ b ~ c`` through :func:`joined` (jinja compiles it to an unchecked ``str_join``)."""
@@ -276,7 +283,7 @@ def _sandbox() -> Any:
         code_generator_class = Codegen
 
         def qp_concat(self, items: tuple[Any, ...]) -> str:
-            return joined([str(x) for x in items])
+            return joined(items)
 
         def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
             if operator == "*":
@@ -354,8 +361,8 @@ def _sandbox() -> Any:
     def join(ctx: Any, value: Any, d: Any = "", attribute: Any = None) -> Any:
         from jinja2.filters import make_attrgetter
 
-        items = list(value) if attribute is None else list(map(make_attrgetter(ctx.environment, attribute), value))
-        return joined([str(x) for x in items], str(d))
+        items = value if attribute is None else map(make_attrgetter(ctx.environment, attribute), value)
+        return joined(items, str(d))
     join.__dict__.update(getattr(real_join, "__dict__", {}))
     env.filters["join"] = join
 

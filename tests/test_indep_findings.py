@@ -239,3 +239,19 @@ def test_chat_template_concat_join_replace_still_render() -> None:
     assert render_bounded("{{ 'a' ~ 1 ~ none }}|{{ [1, 'x'] | join(', ') }}|{{ [{'n': 'p'}, {'n': 'q'}] | "
                           "join('+', attribute='n') }}|{{ 'aXbX' | replace('X', '--', 1) }}", {}, "t") == \
         "a1None|1, x|p+q|a--bX"
+
+
+def test_chat_template_join_of_a_lazy_map_stops_at_the_bound() -> None:
+    """60,000 strings of 60,000 characters made one by one by ``map('center')``: the join used to
+    hold all 3.6e9 characters before its size was known."""
+    import resource
+
+    from quantplug.tokenizer import render_bounded
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (min(hard, 8 << 30) if hard != resource.RLIM_INFINITY else 8 << 30, hard))
+    try:
+        with pytest.raises(CheckpointError, match="refused by the sandbox: a value of"):
+            render_bounded("{{ ('a' * 60000) | list | map('center', 60000) | join | length }}", {}, "t")
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
