@@ -54,7 +54,10 @@ class Ctx:
         return sorted(p.name for p in self.root.iterdir() if (p.is_file() or p.is_symlink()) and pred(p.name))
 
     def read(self, name: str) -> bytes:
-        return (self.root / name).read_bytes()
+        p = self.root / name
+        if not p.is_file():  # a FIFO or /dev/zero an earlier mutation put there: never read it
+            raise ValueError(f"{name} is not a regular file")
+        return p.read_bytes()
 
     def write(self, name: str, data: bytes | str) -> None:
         p = self.root / name
@@ -463,7 +466,7 @@ def _extreme(ctx: Ctx, t: int, v: Any) -> tuple[Any, bool]:
         lo, hi = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
         x = ctx.pick([0, hi, lo, v + 1, v * 2, max(lo, v - 1), r.randrange(lo, hi)])
         x = min(hi, max(lo, x))
-        return x, x in (0, hi, lo) or x > 1 << 20
+        return x, (x in (hi, lo) and x != 0) or x > 1 << 20  # 0 is a valid id / count for many keys
     if t == F.STRING:
         return ctx.pick(["", "x" * 1000, "deepseek3", "llama", str(v)[::-1], "\u202e" + str(v), "a\0b"]), False
     return v, False
@@ -477,7 +480,8 @@ _GGUF_READ = ("general.architecture", "general.alignment", "quantplug.", "tokeni
 
 
 def _gguf_read(key: str) -> bool:
-    return key.startswith(_GGUF_READ) and key != "deepseek2.head_count_kv"
+    return key.startswith(_GGUF_READ) and key not in (
+        "deepseek2.head_count_kv", "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token")
 
 
 def m_gguf(ctx: Ctx) -> Mutation | None:
@@ -594,9 +598,12 @@ def m_gguf(ctx: Ctx) -> Mutation | None:
                 if row % nb == 0:
                     dims[0] = row // nb * ne
             detail = f"{t.name}: type {t.ttype} -> {tt}, dims {t.dims} -> {dims}"
-            if dims == t.dims and F.GGML_BLOCK.get(tt) == F.GGML_BLOCK.get(t.ttype):
-                # the same block geometry (Q4_0 <-> IQ4_NL, F16 <-> BF16): the bytes read as another
-                # code book, which no reader can tell from the publisher's own choice
+            old_b, new_b = F.GGML_BLOCK.get(t.ttype), F.GGML_BLOCK.get(tt)
+            if dims == t.dims and old_b and new_b and dims[0] % old_b[0] == 0 and dims[0] % new_b[0] == 0 and \
+                    dims[0] // old_b[0] * old_b[1] == dims[0] // new_b[0] * new_b[1]:
+                # the same bytes per row (Q4_0 <-> IQ4_NL, IQ4_NL <-> Q4_K on 256-wide rows, F16 <->
+                # BF16): the bytes read as another code book, which no reader can tell from the
+                # publisher's own choice
                 meaning = "data"
         elif kind == "tdims":
             v = ctx.pick(["swap", "double", "zero", "huge", "add", "drop", "five"])
