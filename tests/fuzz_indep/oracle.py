@@ -83,6 +83,8 @@ UNREAD_KEYS: tuple[tuple[str, str, str], ...] = (
      "Quark: export / calibration settings (algo_config: see docs/fuzzing.md, not read at all)"),
     (r"config\.json:quantization_config\.kv_cache_quant_config(\..*)?", "", "Quark: KV-cache quantization, "
      "optional at inference (the cache is kept in the model dtype)"),
+    (r"config\.json:quantization_config\.(moe_sparsity_config|.*target_device)(\..*)?", "",
+     "compressed-tensors MoE sparsity / Quark target device: not read by any reader of the format"),
     (r"config\.json:quantization_config\.(to_quant_block_names|block_name_to_quantize)", "",
      "AutoRound / GPTQ: calibration scope"),
     (r"config\.json:quantization_config\.global_quant_config\.bias", "", "Quark: bias quantization; DeepSeek-V3 "
