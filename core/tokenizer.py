@@ -161,6 +161,16 @@ class Tokenizer:
         tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges") or []
         if not isinstance(tokens, list) or not tokens:
             raise CheckpointError(f"{file}: tokenizer.ggml.tokens is missing or empty")
+        # typed like llama.cpp reads them: a value of another type is refused, not replaced by a default
+        for key, want, ok in (("tokenizer.ggml.merges", "an array of strings", isinstance(merges, list)),
+                              ("tokenizer.ggml.pre", "a string", isinstance(meta.get("tokenizer.ggml.pre", ""), str)),
+                              ("tokenizer.ggml.token_type", "an array of integers",
+                               isinstance(meta.get("tokenizer.ggml.token_type", []), list)),
+                              *((k, f"a token id in [0, {len(tokens)})", k not in meta or (
+                                  type(meta[k]) is int and 0 <= meta[k] < len(tokens)))
+                                for k in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"))):
+            if not ok:
+                raise CheckpointError(f"{file}: metadata {key} = {str(meta.get(key))[:40]}: expected {want}")
         self = cls("gguf", file, config, meta.get("tokenizer.chat_template"))
         vocab = {t: i for i, t in enumerate(tokens)}
         pairs = []
@@ -227,6 +237,7 @@ class _Deadline(BaseException):
 
 
 def _sandbox() -> Any:
+    from jinja2.compiler import CodeGenerator
     from jinja2.exceptions import SecurityError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -241,11 +252,38 @@ def _sandbox() -> Any:
 
     wide_format = re.compile(r"\d{6,}|%[^a-zA-Z%]*\*")
 
+    def joined(parts: Any, sep: str = "") -> str:
+        """``sep.join(str(p) for p in parts)``, its length counted while the parts are made, so a
+        lazy sequence (``map('center', 60000)``) stops at the bound (``~`` and ``|join`` of bounded
+        values still double a string per step: 60 steps are 2^60 characters)."""
+        out: list[str] = []
+        total = 0
+        for p in parts:
+            text = str(p)
+            total += len(text) + (len(sep) if out else 0)
+            sized(range(total))
+            out.append(text)
+        return sep.join(out)
+
+    class Codegen(CodeGenerator):
+        """``a ~ b ~ c`` through :func:`joined` (jinja compiles it to an unchecked ``str_join``)."""
+
+        def visit_Concat(self, node: Any, frame: Any) -> None:
+            self.write("environment.qp_concat((")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
+
     class Bounded(ImmutableSandboxedEnvironment):
         """The sandbox, with string growth bounded: ``*`` / ``+`` / ``%`` / ``**`` results, widths
         passed to string methods and filters, format widths."""
 
         intercepted_binops = frozenset({"*", "+", "%", "**"})
+        code_generator_class = Codegen
+
+        def qp_concat(self, items: tuple[Any, ...]) -> str:
+            return joined(items)
 
         def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
             if operator == "*":
@@ -318,6 +356,26 @@ def _sandbox() -> Any:
         return real_lipsum(n, html, min, max)
 
     env.filters["tojson"] = tojson
+    real_join: Any = env.filters["join"]
+
+    def join(ctx: Any, value: Any, d: Any = "", attribute: Any = None) -> Any:
+        from jinja2.filters import make_attrgetter
+
+        items = value if attribute is None else map(make_attrgetter(ctx.environment, attribute), value)
+        return joined(items, str(d))
+    join.__dict__.update(getattr(real_join, "__dict__", {}))
+    env.filters["join"] = join
+
+    def replace(ctx: Any, s: Any, old: Any, new: Any, count: Any = None) -> Any:
+        text = str(s)
+        if isinstance(old, str) and isinstance(new, str):
+            width(count)
+            hits = (text.count(old) if old else len(text) + 1) if count is None else min(int(count), len(text) + 1)
+            sized(range(len(text) + max(hits, 0) * len(new)))
+        return sized(real_replace(ctx, s, old, new, count))
+    real_replace: Any = env.filters["replace"]
+    replace.__dict__.update(getattr(real_replace, "__dict__", {}))
+    env.filters["replace"] = replace
     env.globals["raise_exception"] = raise_exception
     env.globals["lipsum"] = lipsum
     return env
@@ -543,8 +601,15 @@ def read_gguf_tokenizer(file: Path, keys_only: bool = False) -> dict[str, Any]:
     from .checkpoint.gguf_index import _ARRAY, _SCALARS, _STRING, GGUF_MAGIC, MAX_KV, _Cursor
 
     out: dict[str, Any] = {}
-    with open(file, "rb") as fh:
-        buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        fh = open(file, "rb")  # noqa: SIM115 (closed below)
+    except OSError as exc:
+        raise CheckpointError(f"{file}: cannot open ({exc.strerror})") from None
+    with fh:
+        try:
+            buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:  # an empty file
+            raise CheckpointError(f"{file}: not a GGUF file (empty)") from None
         try:
             if bytes(buf[:4]) != GGUF_MAGIC:
                 raise CheckpointError(f"{file}: not a GGUF file")

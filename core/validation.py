@@ -49,7 +49,10 @@ def json_depth_ok(text: str, limit: int = MAX_JSON_DEPTH) -> bool:
 def read_bounded(path: Path, max_bytes: int, *, error: type[Exception] = ConfigError, what: str = "") -> bytes:
     """A file's bytes, its size checked against ``max_bytes`` before it is read; failures name the file."""
     try:
-        size = path.stat().st_size
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
+            raise error(f"{path}: {_special(st.st_mode)}, not a regular file")
+        size = st.st_size
         if size > max_bytes:
             raise error(f"{path}: {size:,} bytes, more than the {max_bytes:,} accepted{what}")
         return path.read_bytes()
@@ -76,8 +79,28 @@ def read_json(path: Path, *, error: type[Exception] = ConfigError, max_bytes: in
     except _DuplicateKey as exc:
         raise error(f"{path}: key {exc.args[0]!r} appears twice in one JSON object (which one a reader "
                     "takes differs between parsers)") from None
-    except (ValueError, RecursionError) as exc:
-        raise error(f"{path}: not valid JSON ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise error(f"{path}: not valid JSON at line {exc.lineno} column {exc.colno}: {_json_problem(exc.msg)}") from None
+    except (ValueError, RecursionError):
+        raise error(f"{path}: not valid JSON") from None
+
+
+#: the JSON decoder's messages, said in our words (its own text is Python's, not the user's)
+_JSON_PROBLEMS = (
+    ("Expecting value", "expected a value"),
+    ("Expecting property name", "expected a key in double quotes"),
+    ("Expecting ',' delimiter", "expected ',' or the end of the object or list"),
+    ("Expecting ':' delimiter", "expected ':' after a key"),
+    ("Unterminated string", "a string is not closed"),
+    ("Invalid control character", "a control character inside a string"),
+    ("Invalid \\escape", "an invalid escape sequence"),
+    ("Invalid \\u", "an invalid \\u escape"),
+    ("Extra data", "more text after the JSON value"),
+)
+
+
+def _json_problem(msg: str) -> str:
+    return next((ours for theirs, ours in _JSON_PROBLEMS if msg.startswith(theirs)), "malformed")
 
 
 class _DuplicateKey(Exception):
@@ -112,16 +135,32 @@ def contained(root: Path, name: Any, what: str) -> Path:
     full = root / p
     if len(parts) == 1:  # fast path (one lstat): a plain file directly in root cannot leave it
         try:
-            if not stat.S_ISLNK(os.lstat(full).st_mode):
-                return full
+            mode = os.lstat(full).st_mode
         except OSError:
             return full  # absent: whoever opens it reports that
+        if not stat.S_ISLNK(mode):
+            _not_special(full, mode, what)
+            return full
     base = Path(os.path.realpath(root))
     real = Path(os.path.realpath(full))
     if real != base and base not in real.parents:
         raise CheckpointError(f"{what}: {name!r} resolves to {real}, outside the checkpoint directory {base} "
                               "(a symlink leaving the directory)")
+    with contextlib.suppress(OSError):
+        _not_special(full, os.stat(full).st_mode, what)
     return full
+
+
+def _special(mode: int) -> str:
+    return ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a special file")
+
+
+def _not_special(full: Path, mode: int, what: str) -> None:
+    """A FIFO, socket or device where a file is expected is refused before anything opens it (opening
+    a FIFO blocks until a writer comes; a device never ends)."""
+    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode) and not stat.S_ISLNK(mode):
+        raise CheckpointError(f"{what}: {full.name!r} is {_special(mode)}, not a regular file")
 
 
 def check_inside(root: Path, files: Iterable[Path], what: str) -> None:

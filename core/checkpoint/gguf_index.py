@@ -22,6 +22,7 @@ import contextlib
 import functools
 import math
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -308,9 +309,12 @@ def _check_tiling(file: Path, tensors: list[TensorInfo], data_start: int, alignm
     the last one's padding at most. A range that overlaps another (an offset moved onto another
     tensor's data, a type that grew a tensor) or leaves bytes no tensor accounts for (a type
     changed Q4_0 -> Q2_K shrinks a tensor: the rest of its old bytes would be silently skipped) is
-    refused, naming the tensors around it."""
+    refused, naming the tensors around it. The alignment padding after each tensor must be zeros (as
+    llama.cpp and gguf-py write it): a type changed to a smaller one within the padding (F32 -> F16
+    of a 4-element bias) leaves its old bytes there."""
     spans = sorted((t.offset, t.offset + t.nbytes, t.label) for t in tensors)
     expected, before = data_start, "the start of the data section"
+    pads: list[tuple[int, int, str]] = []
     for start, end, name in spans:
         if start < expected:
             raise CheckpointError(f"{file}: {before} and tensor {name} overlap (bytes {start}..{expected} belong "
@@ -320,11 +324,23 @@ def _check_tiling(file: Path, tensors: list[TensorInfo], data_start: int, alignm
                                   f"tensor: tensor data must tile the data section (up to {alignment}-byte alignment "
                                   "padding); a tensor's type or shape in the header does not match its data")
         expected, before = -(-end // alignment) * alignment, f"tensor {name}"
+        if min(expected, file_size) > end:
+            pads.append((end, min(expected, file_size), name))
     last_end = spans[-1][1] if spans else data_start
     if file_size > max(expected, data_start):
         raise CheckpointError(f"{file}: bytes {max(last_end, data_start)}..{file_size} after {before} belong to no "
                               f"tensor: tensor data must tile the data section (up to {alignment}-byte alignment "
                               "padding); a tensor's type or shape in the header does not match its data")
+    if pads:  # at most alignment - 1 bytes after each tensor: one small read each
+        try:
+            with open(file, "rb") as fh:
+                for start, end, name in pads:
+                    if any(os.pread(fh.fileno(), end - start, start)):
+                        raise CheckpointError(f"{file}: the alignment padding after tensor {name} (bytes {start}..{end})"
+                                              " is not zeros: a tensor's type or shape in the header does not match "
+                                              "its data")
+        except OSError as exc:
+            raise CheckpointError(f"{file}: cannot read ({exc.strerror})") from None
 
 
 def index_gguf(root: Path) -> tuple[dict[str, TensorInfo], list[Path], dict[str, Any]]:

@@ -7,6 +7,7 @@ which its Python API does not expose, come from the same header's JSON.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -70,6 +71,10 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
+        if not isinstance(entry, dict):
+            # the safetensors library also takes an entry written as a JSON array of its fields
+            raise CheckpointError(f"tensor {name} in {file.name}: header entry {str(entry)[:60]}: expected an object "
+                                  "with dtype, shape and data_offsets")
         dtype = entry["dtype"]
         if dtype not in TORCH_DTYPES:
             raise CheckpointError(f"tensor {name} in {file.name}: dtype {dtype} is not supported; "
@@ -119,7 +124,7 @@ def index_safetensors(root: Path) -> tuple[dict[str, TensorInfo], list[Path], di
     index_path = root / INDEX_NAME
     tensors: dict[str, TensorInfo] = {}
     packs: dict[Path, qpack.QPack] = {}
-    if index_path.is_file() or index_path.is_symlink():
+    if index_path.is_symlink() or os.path.lexists(index_path):  # not only a file: a FIFO there is refused
         weight_map = read_index(root)
         shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (root / s).is_file()]

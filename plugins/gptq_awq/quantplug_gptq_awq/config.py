@@ -178,4 +178,5 @@ def _unquantized(val: Fields) -> bool:
     """An auto-round ``extra_config`` entry that leaves its layers in float (16 bits or more, or a
     float ``data_type``)."""
     bits = val.opt_int("bits", 1, 64)
-    return (bits is not None and bits >= 16) or val.get_str("data_type", "int") in FLOAT_TYPES
+    data_type = val.get_str("data_type", "int")  # typed even where bits alone decide
+    return (bits is not None and bits >= 16) or data_type in FLOAT_TYPES
