@@ -146,7 +146,7 @@ def contained(root: Path, name: Any, what: str) -> Path:
     if real != base and base not in real.parents:
         raise CheckpointError(f"{what}: {name!r} resolves to {real}, outside the checkpoint directory {base} "
                               "(a symlink leaving the directory)")
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError):  # absent or unreadable: whoever opens it reports that
         _not_special(full, os.stat(full).st_mode, what)
     return full
 

@@ -403,11 +403,8 @@ class MLAStep:
             assert kb is not None and vb is not None
             if len(kb.mats) != nh or len(vb.mats) != nh:
                 return None
-            arr = ctypes.POINTER(native.Mat) * nh
-            ka, va = arr(*[kb.ptr(h) for h in range(nh)]), arr(*[vb.ptr(h) for h in range(nh)])
-            keep += [ka, va]
-            st.k_b = ctypes.cast(ka, ctypes.POINTER(ctypes.POINTER(native.Mat)))
-            st.v_b = ctypes.cast(va, ctypes.POINTER(ctypes.POINTER(native.Mat)))
+            st.k_b = _mat_array([kb.ptr(h) for h in range(nh)], keep)
+            st.v_b = _mat_array([vb.ptr(h) for h in range(nh)], keep)
         st.q_a_norm, st.kv_a_norm = norms[0].data_ptr(), norms[1].data_ptr()
         step = MLAStep(st, keep, nh, kv_lora, rope, v, hidden, g is not None, reduce)
         step.ref = ctypes.byref(st)
@@ -506,11 +503,7 @@ class StackStep:
             if sl.experts is not None:
                 ex = sl.experts
                 n = len(ex.gate.mats)
-                mp = ctypes.POINTER(native.Mat) * n
-                g, u, d = mp(*[ex.gate.ptr(s) for s in range(n)]), mp(*[ex.up.ptr(s) for s in range(n)]), \
-                    mp(*[ex.down.ptr(s) for s in range(n)])
-                self.keep += [g, u, d]
-                L.gate, L.up, L.down = (ctypes.cast(a, ctypes.POINTER(ctypes.POINTER(native.Mat))) for a in (g, u, d))
+                L.gate, L.up, L.down = (_mat_array([b.ptr(s) for s in range(n)], self.keep) for b in (ex.gate, ex.up, ex.down))
                 L.E, L.top_k, L.n_group, L.topk_group = n, sl.top_k, sl.n_group, sl.topk_group
                 L.norm_topk, L.scaling = int(sl.norm_topk), sl.scaling
                 assert sl.router is not None
@@ -526,10 +519,7 @@ class StackStep:
             else:
                 m = sl.mlp
                 assert m is not None
-                one = ctypes.POINTER(native.Mat) * 1
-                g, u, d = one(m.gate.ptr()), one(m.up.ptr()), one(m.down.ptr())
-                self.keep += [g, u, d]
-                L.gate, L.up, L.down = (ctypes.cast(a, ctypes.POINTER(ctypes.POINTER(native.Mat))) for a in (g, u, d))
+                L.gate, L.up, L.down = (_mat_array([b.ptr()], self.keep) for b in (m.gate, m.up, m.down))
                 L.E = 0
                 steps.append(m)
             for st in steps:
@@ -542,7 +532,7 @@ class StackStep:
                     sent = b.sentinel or (None, None, 0)
                     checks.append((mod.__dict__, mod._parameters, b, *sent))
         self.layers_arr, self.n = arr, len(layers)
-        self.mla_steps = [sl.mla for sl in layers]
+        self.mla_steps = [sl.mla for sl in layers]  # kept alive: the layers' C structs point into them
         self.checks = checks
         self.tensors = [(t, t.data_ptr()) for t in tensors]
         self.rope = layers[0].mla.rope
@@ -652,6 +642,16 @@ class StackStep:
                 c.unreserve(1)
             native.check(rc, "model_step")
         return out if self.dtype == torch.float32 else out.to(self.dtype)  # bfloat16 values: exact
+
+
+def _mat_array(ptrs: Sequence[Any], keep: list[Any]) -> Any:
+    """``Mat`` pointers as the C array (``const qp_mat *const *``) a step struct holds; the array is
+    appended to ``keep``, which must live as long as the struct."""
+    import ctypes
+
+    arr = (ctypes.POINTER(native.Mat) * len(ptrs))(*ptrs)
+    keep.append(arr)
+    return ctypes.cast(arr, ctypes.POINTER(ctypes.POINTER(native.Mat)))
 
 
 def _global_hooks() -> bool:
