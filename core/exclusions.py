@@ -37,6 +37,7 @@ from typing import Literal
 
 from .errors import ConfigError
 from .types import Problem
+from .validation import regex_problem
 
 #: other engines' module names -> the checkpoint (Hugging Face DeepSeek-V3) shard names they stand for
 ALIASES: Mapping[str, tuple[str, ...]] = {
@@ -101,8 +102,9 @@ class Exclusions:
             if e.startswith("re:"):
                 try:
                     out.append((e, "regex", re.compile(e[3:])))
-                except re.error as exc:
-                    raise ConfigError(f"{self.source} entry {e!r}: not a valid regular expression ({exc})") from None
+                except (re.error, RecursionError, OverflowError, ValueError) as exc:
+                    raise ConfigError(f"{self.source} entry {e!r}: not a valid regular expression "
+                                      f"({regex_problem(exc)})") from None
             elif _is_pattern(e):
                 out.append((e, "pattern", re.compile(fnmatch.translate(e))))
             else:

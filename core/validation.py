@@ -99,6 +99,32 @@ _JSON_PROBLEMS = (
 )
 
 
+#: the regular-expression compiler's messages, said in our words
+_REGEX_PROBLEMS = (
+    ("unterminated character set", "a [ set is not closed"),
+    ("missing ), unterminated subpattern", "a ( group is not closed"),
+    ("unbalanced parenthesis", "a ) without its ("),
+    ("nothing to repeat", "a repeat (*, +, ?, {n}) with nothing before it"),
+    ("multiple repeat", "two repeats in a row"),
+    ("bad escape", "an unknown backslash escape"),
+    ("bad character range", "a character range whose end is before its start"),
+    ("look-behind requires fixed-width pattern", "a look-behind of variable width"),
+    ("unknown extension", "an unknown (? extension"),
+    ("missing -, : or )", "an unfinished (? flag group"),
+    ("missing group name", "a group without its name"),
+    ("unknown group name", "a reference to an unknown group"),
+    ("invalid group reference", "a reference to an unknown group"),
+)
+
+
+def regex_problem(exc: BaseException) -> str:
+    """What is wrong with a pattern ``re.compile`` refused, in our words, with the position."""
+    if not isinstance(exc, re.error):
+        return "too deeply nested or too large"
+    what = next((ours for theirs, ours in _REGEX_PROBLEMS if exc.msg.startswith(theirs)), "malformed")
+    return what if exc.pos is None else f"{what}, at position {exc.pos}"
+
+
 def _json_problem(msg: str) -> str:
     return next((ours for theirs, ours in _JSON_PROBLEMS if msg.startswith(theirs)), "malformed")
 
@@ -193,7 +219,7 @@ class Fields:
     The one way quantplug and its plugins read checkpoint metadata (``quantplug.api.Fields``):
     every reader either returns a value of the promised type and range, or raises a
     :class:`ConfigError` such as ``/ckpt/config.json: quantization_config.exclude[2] = 're:[':
-    expected a valid regular expression (unterminated character set at position 0)``. A key that
+    expected a valid regular expression (a [ set is not closed, at position 0)``. A key that
     is absent (or ``null``) takes the default given; a present value of another type is never
     replaced by a default.
     """
@@ -371,10 +397,8 @@ class Fields:
         try:
             return re.compile(pattern)
         except (re.error, RecursionError, OverflowError, ValueError) as exc:
-            msg = exc.msg if isinstance(exc, re.error) else type(exc).__name__
-            pos = f" at position {exc.pos}" if isinstance(exc, re.error) and exc.pos is not None else ""
             raise ConfigError(f"{self.where(key)} = {_short(pattern)}: expected a valid regular expression "
-                              f"({msg}{pos})") from None
+                              f"({regex_problem(exc)})") from None
 
     def expect(self, cond: bool, key: str, expected: str) -> None:
         """Fail naming ``key`` (and its value) unless ``cond``: a cross-field rule."""

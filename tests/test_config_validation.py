@@ -112,7 +112,7 @@ def test_quark_invalid_regex_names_file_and_key_path(tmp_path):
     # before: "plugin quark failed in quantplug_validate_plan: error: unterminated character set at position 0"
     path = _quark(tmp_path, lambda q: q.update(exclude=["lm_head", "re:["]))
     _refused(path, r"config\.json: quantization_config\.exclude\[1\] = '\[': expected a valid regular expression "
-                   r"\(unterminated character set at position 0\)")
+                   r"\(a \[ set is not closed, at position 0\)")
 
 
 @pytest.mark.parametrize("key,value,pattern", [
@@ -387,3 +387,21 @@ def test_eos_ids_are_typed(dense_dir, tmp_path, file, value, pattern):
     # before: int('two') / int(nan) raised a raw ValueError from generate
     with pytest.raises(ConfigError, match=pattern):
         model.generate(torch.tensor([[1, 2]]), 2)
+
+
+@pytest.mark.parametrize("pattern", ["[", "(a", "a)", "*", "a**", r"\q", "[z-a]", "(?<=a+)b", "(?x", "(?P<>a)",
+                                     r"(?P=nope)"])
+def test_regex_errors_are_said_in_our_words(pattern):
+    """Every regular-expression error names the key and position in quantplug's words, none of the
+    regex compiler's own text."""
+    import re
+
+    from quantplug.validation import Fields
+
+    with pytest.raises(re.error) as compiler:
+        re.compile(pattern)
+    with pytest.raises(ConfigError) as ours:
+        Fields({"x": pattern}, "/c/config.json").regex("x", pattern)
+    text = str(ours.value)
+    assert text.startswith("/c/config.json: x = ") and "expected a valid regular expression (" in text
+    assert compiler.value.msg not in text and "malformed" not in text, text
