@@ -258,6 +258,17 @@ class Generation:
     def __next__(self) -> torch.Tensor:
         return next(self._it)
 
+    def _next(self, ids: torch.Tensor, step: int) -> torch.Tensor:
+        """The next token of every sequence after ``ids``: a greedy pick that no processor changes
+        (not sampling; EOS not masked at this step) comes with the logits from the model's
+        ``next_tokens`` (one native call per decode step), anything else from :meth:`_pick`."""
+        s = self.settings
+        greedy = not s["do_sample"] and not (step < s["min_new_tokens"] and self.eos)
+        next_tokens = getattr(self.lm, "next_tokens", None) if greedy else None
+        if next_tokens is not None:
+            return next_tokens(ids, self.cache)[1]
+        return self._pick(self.lm.next_logits(ids, self.cache), step)
+
     def _pick(self, logits: torch.Tensor, step: int) -> torch.Tensor:
         scores = process_logits(logits, step=step, eos=self.eos, **self.settings)
         if not self.settings["do_sample"]:
@@ -273,13 +284,13 @@ class Generation:
         finished = torch.zeros(b, dtype=torch.bool, device=self.input_ids.device)
         t0 = time.perf_counter()
         with torch.inference_mode(), gc_paused():
-            tok = self._pick(self.lm.next_logits(self.input_ids, self.cache), 0)
+            tok = self._next(self.input_ids, 0)
         self.prefill_seconds = time.perf_counter() - t0
         for step in range(self.max_new_tokens):
             if step:
                 t0 = time.perf_counter()
                 with torch.inference_mode(), gc_paused():
-                    tok = self._pick(self.lm.next_logits(tok[:, None], self.cache), step)
+                    tok = self._next(tok[:, None], step)
             if len(self.eos):
                 tok = torch.where(finished, eos[0], tok)
                 finished = finished | torch.isin(tok, eos)

@@ -488,6 +488,9 @@ class StackStep:
 
         self.h, self.eps, self.final_norm = hidden, eps, final_norm
         self.modules = list(modules)
+        # each module's own forward-hook dicts, held: torch registers a hook by adding to these
+        # dicts (never by replacing them), so a step's hook check reads one object per dict
+        self.hook_dicts = tuple(d for m in self.modules for d in (m._forward_hooks, m._forward_pre_hooks))
         self.owners = [(m.__dict__, st) for m, st in owners]
         self.keep: list[Any] = []
         arr = (native.Layer * len(layers))()
@@ -588,19 +591,38 @@ class StackStep:
         for t, ptr in self.tensors:
             if t.data_ptr() != ptr:
                 return False
-        for m in self.modules:
-            if m._forward_hooks or m._forward_pre_hooks:
-                return False
-        return not (_global_hooks())
+        return not (any(self.hook_dicts) or _global_hooks())
 
     def __call__(self, x: torch.Tensor, rot: torch.Tensor, caches: Sequence[Any]) -> torch.Tensor | None:
-        """x [B, 1, hidden] float32 (the embeddings), ``rot`` as :class:`MLAStep` takes it,
-        ``caches`` every layer's ``LatentCache``: appends each layer's latent and key and returns
-        the final norm of the last residual [B, 1, hidden]; None when the step cannot run now."""
+        """x [B, 1, hidden] in the model dtype (the embeddings), ``rot`` as :class:`MLAStep` takes
+        it, ``caches`` every layer's ``LatentCache``: appends each layer's latent and key and
+        returns the final norm of the last residual [B, 1, hidden]; None when the step cannot run
+        now."""
+        if x.dtype != self.dtype or x.device.type != "cpu" or x.numel() != x.shape[0] * self.h:
+            return None
+        got = self._run(x.shape[0], x, None, None, rot, caches, None, False)
+        return None if got is None else got[0]
+
+    def logits(self, ids: torch.Tensor, embed: Bound | None, rot: torch.Tensor, caches: Sequence[Any],
+               head: Bound | None, pick: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+        """A whole decode step from token ids ``ids`` [B, 1] (int64): the rows of ``embed`` (the
+        embedding's binding, decoded exactly as its lookup does), the stack as :meth:`__call__`,
+        then ``head`` (the LM head's binding, or None) in the same native call. Returns (the final
+        norm [B, 1, hidden] in the model dtype, float32 logits [B, vocab] or None without ``head``,
+        with ``pick`` and a head the greedy tokens [B] as ``logits.argmax(-1)``, else None);
+        None when the step cannot run now (nothing appended)."""
+        b = ids.shape[0]
+        if (embed is None or ids.dtype != torch.int64 or ids.device.type != "cpu" or ids.numel() != b
+                or embed.k != self.h or embed.model_dtype != self.dtype or embed.slots is not None
+                or head is not None and (head.k != self.h or head.model_dtype != self.dtype or head.slots is not None)):
+            return None
+        return self._run(b, None, ids.contiguous(), embed, rot, caches, head, pick and head is not None)
+
+    def _run(self, b: int, x: torch.Tensor | None, ids: torch.Tensor | None, embed: Bound | None,
+             rot: torch.Tensor, caches: Sequence[Any], head: Bound | None, pick: bool
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
         lib = native._lib
-        b = x.shape[0]
-        if (lib is None or x.dtype != self.dtype or x.device.type != "cpu" or x.numel() != b * self.h
-                or b > NATIVE_ROWS or len(caches) != self.n or not self.live()):
+        if lib is None or b > NATIVE_ROWS or len(caches) != self.n or not self.live():
             return None
         c0 = caches[0]
         for c in caches:
@@ -630,18 +652,28 @@ class StackStep:
 
         vp = ctypes.c_void_p * self.n
         lats, krs = vp(*[c.latent.data_ptr() for c in caches]), vp(*[c.k_rope.data_ptr() for c in caches])
-        x2 = x.reshape(b, self.h).to(torch.float32, copy=True, memory_format=torch.contiguous_format)
+        if x is None:
+            x2 = torch.empty(b, self.h)
+        else:
+            x2 = x.reshape(b, self.h).to(torch.float32, copy=True, memory_format=torch.contiguous_format)
         out = torch.empty(b, 1, self.h)
+        logits = None if head is None else torch.empty(b, head.n)
+        best = torch.empty(b, dtype=torch.int64) if pick else None
         fn = self.final_norm
-        rc = lib.qp_model_step(self.layers_arr, self.n, self.h, b, x2.data_ptr(), r.data_ptr(), lats, krs,
-                               strides[0], strides[1], strides[2], strides[3], pos[0],
-                               int(lat.dtype == torch.bfloat16), fn.data_ptr(), int(fn.dtype == torch.bfloat16),
-                               self.eps, out.data_ptr(), self.wround)
+        rc = lib.qp_decode_step(self.layers_arr, self.n, self.h, b, None if ids is None else ids.data_ptr(),
+                                None if embed is None else embed.ptr(), x2.data_ptr(), r.data_ptr(), lats, krs,
+                                strides[0], strides[1], strides[2], strides[3], pos[0],
+                                int(lat.dtype == torch.bfloat16), fn.data_ptr(), int(fn.dtype == torch.bfloat16),
+                                self.eps, out.data_ptr(), None if head is None else head.ptr(),
+                                None if logits is None else logits.data_ptr(),
+                                None if best is None else best.data_ptr(), self.wround)
         if rc != 0:
             for c in caches:
                 c.unreserve(1)
+            if rc == -4:  # a token id outside the embedding: the module path raises its own error
+                return None
             native.check(rc, "model_step")
-        return out if self.dtype == torch.float32 else out.to(self.dtype)  # bfloat16 values: exact
+        return (out if self.dtype == torch.float32 else out.to(self.dtype)), logits, best  # bfloat16 values: exact
 
 
 def _mat_array(ptrs: Sequence[Any], keep: list[Any]) -> Any:

@@ -1062,33 +1062,47 @@ static inline void bf16x32(const uint16_t *p, __m512 *lo, __m512 *hi) {
 /* exact Q4_0 / Q8_0 with float32 weights, and bfloat16 rows (a float weight kept as stored, e.g. a
  * bfloat16 lm_head; already the model dtype's values, so callers take it for QR_NONE / QR_BF16):
  * 32-value blocks decoded in registers, RT rows x MT x rows, prefetching ahead */
-static void exact_rows_32(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy) {
-    y -= r0;
+/* one tile: rt weight rows from r times mt x rows from i0 (inlined with constant rt / mt for the
+ * full tiles, so that the rt x mt sums stay in registers) */
+static inline __attribute__((always_inline)) void exact_tile_32(const qp_mat *m, const qp_in *in, int64_t r, int i0,
+                                                               const int rt, const int mt, float *y, int64_t ldy) {
     const int type = m->type, size = type == QP_Q4_0 ? 18 : type == QP_Q8_0 ? 34 : 64;
     const int64_t nb = m->k / QK;
+    __m512 acc[RT][MT];
+    for (int a = 0; a < rt; a++) for (int i = 0; i < mt; i++) acc[a][i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 lo[RT], hi[RT];
+        for (int a = 0; a < rt; a++) {
+            const uint8_t *blk = m->w + (r + a) * m->ldw + b * size;
+            _mm_prefetch((const char *)(blk + RT * m->ldw), _MM_HINT_T1);
+            if (type == QP_BF16) bf16x32((const uint16_t *)blk, &lo[a], &hi[a]);
+            else deq_block512(type, blk, &lo[a], &hi[a]);
+        }
+        for (int i = 0; i < mt; i++) {
+            const float *xb = in->x + (int64_t)(i0 + i) * in->ldx + b * QK;
+            __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+            for (int a = 0; a < rt; a++)
+                acc[a][i] = _mm512_fmadd_ps(hi[a], x1, _mm512_fmadd_ps(lo[a], x0, acc[a][i]));
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        for (int a = 0; a < rt; a++) y[(int64_t)(i0 + i) * ldy + r + a] = _mm512_reduce_add_ps(acc[a][i]);
+}
+
+/* exact Q4_0 / Q8_0 with float32 weights, and bfloat16 rows (a float weight kept as stored, e.g. a
+ * bfloat16 lm_head; already the model dtype's values, so callers take it for QR_NONE / QR_BF16):
+ * 32-value blocks decoded in registers, RT rows x MT x rows, prefetching ahead */
+static void exact_rows_32(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy) {
+    y -= r0;
     for (int64_t r = r0; r < r1; r += RT) {
         int rt = r1 - r < RT ? (int)(r1 - r) : RT;
         for (int i0 = 0; i0 < xm; i0 += MT) {
             int mt = xm - i0 < MT ? xm - i0 : MT;
-            __m512 acc[RT][MT];
-            for (int a = 0; a < RT; a++) for (int i = 0; i < MT; i++) acc[a][i] = _mm512_setzero_ps();
-            for (int64_t b = 0; b < nb; b++) {
-                __m512 lo[RT], hi[RT];
-                for (int a = 0; a < rt; a++) {
-                    const uint8_t *blk = m->w + (r + a) * m->ldw + b * size;
-                    _mm_prefetch((const char *)(blk + RT * m->ldw), _MM_HINT_T1);
-                    if (type == QP_BF16) bf16x32((const uint16_t *)blk, &lo[a], &hi[a]);
-                    else deq_block512(type, blk, &lo[a], &hi[a]);
-                }
-                for (int i = 0; i < mt; i++) {
-                    const float *xb = in->x + (int64_t)(i0 + i) * in->ldx + b * QK;
-                    __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-                    for (int a = 0; a < rt; a++)
-                        acc[a][i] = _mm512_fmadd_ps(hi[a], x1, _mm512_fmadd_ps(lo[a], x0, acc[a][i]));
-                }
-            }
-            for (int i = 0; i < mt; i++)
-                for (int a = 0; a < rt; a++) y[(int64_t)(i0 + i) * ldy + r + a] = _mm512_reduce_add_ps(acc[a][i]);
+            if (rt == RT && mt == MT) exact_tile_32(m, in, r, i0, RT, MT, y, ldy);
+            else if (rt == RT && mt == 1) exact_tile_32(m, in, r, i0, RT, 1, y, ldy);
+            else if (rt == RT && mt == 2) exact_tile_32(m, in, r, i0, RT, 2, y, ldy);
+            else if (rt == RT && mt == 3) exact_tile_32(m, in, r, i0, RT, 3, y, ldy);
+            else exact_tile_32(m, in, r, i0, rt, mt, y, ldy);
         }
     }
 }
@@ -2232,5 +2246,49 @@ int qp_model_step(const qp_layer *layers, int L, int64_t H, int64_t B, float *x,
     if (rc == 0)
         for (int64_t b = 0; b < B; b++) norm_into(x + b * H, out + b * H, H, fnorm, fnorm_bf16, feps, rnd);
     free(h);
+    return rc;
+}
+
+/* ---- one decode step from token ids to logits ---------------------------------------------------
+ * qp_model_step with the embedding lookup before it and the LM head after it, so that a decode
+ * step crosses from Python into C once: x [B, H] = rows ids of emb exactly decoded (rounded to the
+ * model dtype, as the embedding's own lookup; emb NULL: x holds the embeddings already), the stack
+ * into hid [B, H], then logits [B, head->n] = hid through head (a bfloat16 model: rounded to
+ * bfloat16, as the head's output in the model dtype; head NULL: no logits) and, when best is given,
+ * each row's greedy pick best[b] as torch.argmax takes it (the first NaN, else the first largest).
+ * Every argument is checked before any cache row is written; -4: a token id outside the embedding. */
+int qp_decode_step(const qp_layer *layers, int L, int64_t H, int64_t B, const int64_t *ids, const qp_mat *emb,
+                   float *x, const float *rot, void *const *lat, void *const *kr, int64_t ld_lat, int64_t lds_b,
+                   int64_t ld_kr, int64_t krs_b, int64_t pos, int lat_bf16, const void *fnorm, int fnorm_bf16,
+                   float feps, float *hid, const qp_mat *head, float *logits, int64_t *best, int wround) {
+    if (B <= 0 || H <= 0 || (wround != QR_NONE && wround != QR_BF16)) return -1;
+    if (emb) {
+        if (!ids || !mat_ok(emb) || emb->k != H) return -1;
+        for (int64_t b = 0; b < B; b++)
+            if (ids[b] < 0 || ids[b] >= emb->n) return -4;
+    }
+    if (head && (!logits || !mat_ok(head) || head->k != H)) return -1;
+    if (emb) {
+        const int64_t seg = seg_len(emb);
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t c0 = 0; c0 < H; c0 += seg) deq_seg(emb, ids[b], c0, seg, x + b * H + c0, wround);
+    }
+    int rc = qp_model_step(layers, L, H, B, x, rot, lat, kr, ld_lat, lds_b, ld_kr, krs_b, pos, lat_bf16,
+                           fnorm, fnorm_bf16, feps, hid, wround);
+    if (rc || !head) return rc;
+    const int64_t zero = 0;
+    rc = qp_gemm(&head, 1, B, H, hid, H, &zero, &B, &zero, &zero, logits, head->n, wround);
+    if (rc == 0 && wround == QR_BF16)
+        for (int64_t i = 0; i < B * head->n; i++) logits[i] = round_bf16(logits[i]);
+    if (rc == 0 && best)
+        for (int64_t b = 0; b < B; b++) {
+            const float *v = logits + b * head->n;
+            int64_t at = 0;
+            for (int64_t i = 0; i < head->n; i++) {
+                if (v[i] != v[i]) { at = i; break; }
+                if (v[i] > v[at]) at = i;
+            }
+            best[b] = at;
+        }
     return rc;
 }

@@ -65,6 +65,7 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.interleave = interleave
         self._rot: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._step_table: tuple[torch.dtype, int, torch.Tensor] | None = None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
@@ -94,6 +95,13 @@ class Rotary(nn.Module):
         memo = self._rot
         if memo is not None and memo[0] is cos and memo[1] is sin:
             return memo[2]
+        rot = self._matrices(cos, sin)
+        r = rot[0] if rot.shape[0] == 1 else rot.unsqueeze(1)
+        object.__setattr__(self, "_rot", (cos, sin, r))
+        return r
+
+    def _matrices(self, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """[B, d, d]: the rotation matrix of each row of ``cos`` / ``sin`` [B, 1, d]."""
         b, _, d = cos.shape
         h = d // 2
         c, s = cos[:, 0, :h], sin[:, 0, :h]
@@ -104,6 +112,21 @@ class Rotary(nn.Module):
         else:                # out[j] = x[j] c - x[h+j] s;   out[h+j] = x[h+j] c + x[j] s
             lo, hi = j, h + j
         rot[:, lo, j], rot[:, hi, j], rot[:, hi, h + j], rot[:, lo, h + j] = c, -s, c, s
-        r = rot[0] if b == 1 else rot.unsqueeze(1)
-        object.__setattr__(self, "_rot", (cos, sin, r))
-        return r
+        return rot
+
+    #: positions per block of :meth:`step_rotation`'s table
+    STEP_BLOCK = 64
+
+    def step_rotation(self, pos: int, dtype: torch.dtype) -> torch.Tensor:
+        """The rotation matrix of position ``pos`` as the native decode step reads it: float32
+        [d, d], the values of :meth:`_rotation` of that position's ``cos_sin`` in ``dtype``. Made
+        :data:`STEP_BLOCK` positions at a time and kept (one block), so a decode step costs no
+        tensor op here."""
+        tab = self._step_table
+        if tab is None or tab[0] != dtype or not 0 <= pos - tab[1] < tab[2].shape[0]:
+            start = pos - pos % self.STEP_BLOCK
+            positions = torch.arange(start, start + self.STEP_BLOCK, device=self.inv_freq.device).unsqueeze(1)
+            cos, sin = self.cos_sin(positions, dtype)
+            tab = (dtype, start, self._matrices(cos, sin).to(torch.float32).contiguous())
+            object.__setattr__(self, "_step_table", tab)
+        return tab[2][pos - tab[1]]

@@ -684,6 +684,31 @@ class TextModel(nn.Module):
                                       list(self.layers.modules()) + [self.norm], owners)
         return self._stack
 
+    def decode_logits(self, ids: torch.Tensor, cache: MLACache, head: nn.Module,
+                      pick: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """One decode step (``ids`` [B, 1] after the ``cache``'s tokens) from token ids to float32
+        logits [B, vocab] through ``head``, in one native call: the embedding lookup, the whole
+        stack (:meth:`_stack_step`) and the head; what :meth:`forward` and then ``head`` compute.
+        Returns (logits, with ``pick`` the greedy tokens [B] = ``logits.argmax(-1)``, else None);
+        None (nothing appended) when a piece runs another way: then the caller runs the modules."""
+        if ids.dim() != 2 or ids.shape[1] != 1 or ids.shape[0] > NATIVE_ROWS:
+            return None
+        st = self._stack_step()
+        if st is None:
+            return None
+        emb = self.embed_tokens
+        if emb.qp_parallel is not None or _hooked(emb):
+            return None
+        embed = compute.bound(emb)
+        hb = None
+        if not _hooked(head) and getattr(head, "qp_parallel", None) is None:
+            hb = compute.bound(head.qp_tied_embedding() if isinstance(head, TiedHead) else head)
+        if embed is None or hb is None:
+            return None
+        rot = self.rotary.step_rotation(cache.length, st.dtype)
+        got = st.logits(ids, embed, rot, cache.layers, hb, pick)
+        return None if got is None or got[1] is None else (got[1], got[2])
+
     def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: MLACache | None = None) -> torch.Tensor:
         """Hidden states [B, T, hidden] of ``ids`` [B, T]; ``positions`` [B, T] default to the
@@ -703,6 +728,11 @@ class TextModel(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, None if cache is None else cache.layers[i])
         return self.norm(x)
+
+
+def _hooked(m: nn.Module) -> bool:
+    """Whether a module has forward hooks of its own (a fused step would skip them)."""
+    return bool(m._forward_hooks or m._forward_pre_hooks)
 
 
 class DeepseekV3ForCausalLM(GenerationMixin, nn.Module):
@@ -748,7 +778,21 @@ class DeepseekV3ForCausalLM(GenerationMixin, nn.Module):
 
     def next_logits(self, input_ids: torch.Tensor, cache: MLACache) -> torch.Tensor:
         """float32 logits [B, vocab] of the last position only (the LM head runs on one token)."""
+        if input_ids.shape[1] == 1:
+            y = self.model.decode_logits(input_ids, cache, self.lm_head)
+            if y is not None:
+                return y[0]
         return self.lm_head(self.model(input_ids, None, cache)[:, -1]).float()
+
+    def next_tokens(self, input_ids: torch.Tensor, cache: MLACache) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`next_logits` and the greedy pick from them (``argmax(-1)``, [B] int64); a decode
+        step picks in the same native call as it computes the logits."""
+        if input_ids.shape[1] == 1:
+            y = self.model.decode_logits(input_ids, cache, self.lm_head, pick=True)
+            if y is not None and y[1] is not None:
+                return y[0], y[1]
+        logits = self.next_logits(input_ids, cache)
+        return logits, logits.argmax(dim=-1)
 
     def text_lm(self) -> DeepseekV3ForCausalLM:
         return self

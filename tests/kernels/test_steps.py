@@ -214,14 +214,18 @@ def _per_layer(model: torch.nn.Module) -> None:
 
 
 def _count_stack_calls(monkeypatch) -> list[int]:
+    """Calls of the whole-stack step: alone (``TextModel.forward``) or inside a whole decode step
+    from token ids to logits (``next_logits``)."""
     lib = native.library()
-    real, calls = lib.qp_model_step, [0]
+    calls = [0]
+    for name in ("qp_model_step", "qp_decode_step"):
+        real = getattr(lib, name)
 
-    def counted(*args):
-        calls[0] += 1
-        return real(*args)
+        def counted(*args, _real=real):
+            calls[0] += 1
+            return _real(*args)
 
-    monkeypatch.setattr(lib, "qp_model_step", counted)
+        monkeypatch.setattr(lib, name, counted)
     return calls
 
 
@@ -346,3 +350,124 @@ def test_whole_stack_step_at_the_context_limit_leaves_every_cache_as_it_was(tmp_
         with pytest.raises(GenerationError, match="sequence of 17 tokens exceeds"):
             lm.next_logits(torch.zeros(1, 1, dtype=torch.long), cache)
     assert [c.length for c in cache.layers] == [16] * len(cache.layers)
+
+
+# -- a decode step from token ids to logits in one native call ------------------------------------
+
+def _modules_path(model: torch.nn.Module, monkeypatch) -> None:
+    """Decode steps through the modules from now on (embedding, ``TextModel.forward`` with its
+    stack step, the LM head), not the one-call step."""
+    monkeypatch.setattr(type(model.text_lm().model), "decode_logits", lambda self, ids, cache, head: None)
+
+
+@needs_native
+@pytest.mark.parametrize(("ckpt", "dtype", "kernels"), [("Q4_0", torch.float32, "exact"), ("Q4_0", torch.float32, "fast"),
+                                                        ("Q8_0", torch.bfloat16, "exact"), ("K-mix", torch.float32, "exact")])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_one_call_decode_step_equals_the_modules_bit_for_bit(ckpts, ckpt, dtype, kernels, batch, monkeypatch):
+    """The embedding rows decoded in C, the stack, and the LM head (its output rounded to the
+    model dtype) in one call = the modules' own lookup, stack step and head: the same logits and
+    cached latents, bit for bit."""
+    model = quantplug.load(ckpts[ckpt], progress=False, dtype=dtype, options={"kernels": kernels})
+    steps = _count_decode_steps(monkeypatch)
+    got, latent = decode(model, batch=batch)
+    assert steps[0] == 6
+    _modules_path(model, monkeypatch)
+    ref, ref_latent = decode(model, batch=batch)
+    assert steps[0] == 6
+    assert torch.equal(got, ref) and torch.equal(latent, ref_latent)
+
+
+def _count_decode_steps(monkeypatch) -> list[int]:
+    """Calls of the whole decode step from token ids to logits (with an embedding and a head)."""
+    lib = native.library()
+    real, calls = lib.qp_decode_step, [0]
+
+    def counted(*args):
+        calls[0] += args[5] is not None and args[20] is not None
+        return real(*args)
+
+    monkeypatch.setattr(lib, "qp_decode_step", counted)
+    return calls
+
+
+@needs_native
+def test_one_call_decode_step_with_a_tied_head_and_float_weights(tmp_path, monkeypatch):
+    """tie_word_embeddings: the head is the embedding's own matrix (one binding for both)."""
+    from quantplug.testing import write_checkpoint
+
+    cfg = {**CFG32, "tie_word_embeddings": True}
+    model = quantplug.load(write_checkpoint(tmp_path / "tied", cfg, random_state(cfg)), progress=False)
+    steps = _count_decode_steps(monkeypatch)
+    got, latent = decode(model, batch=2)
+    assert steps[0] == 6
+    _modules_path(model, monkeypatch)
+    ref, ref_latent = decode(model, batch=2)
+    assert torch.equal(got, ref) and torch.equal(latent, ref_latent)
+
+
+@needs_native
+def test_one_call_decode_step_declines_for_hooks_on_the_embedding_or_the_head(ckpts, monkeypatch):
+    model = quantplug.load(ckpts["Q8_0"], progress=False)
+    want, _ = decode(model)
+    steps = _count_decode_steps(monkeypatch)
+    for mod in (model.model.embed_tokens, model.lm_head):
+        seen: list[int] = []
+        handle = mod.register_forward_hook(lambda m, i, o, seen=seen: seen.append(1))
+        got, _ = decode(model)
+        handle.remove()
+        assert steps[0] == 0 and len(seen) == 7  # the prompt and every step ran the hooked module
+        assert torch.equal(got, want)
+    decode(model)
+    assert steps[0] == 6
+
+
+@needs_native
+def test_one_call_decode_step_with_a_bad_token_id_appends_nothing(ckpts):
+    """An id outside the vocabulary: the modules' own error, no cache row written."""
+    model = quantplug.load(ckpts["Q8_0"], progress=False)
+    with torch.inference_mode():
+        cache = new_cache(model, 1, 16)
+        model.next_logits(torch.zeros(1, 4, dtype=torch.long), cache)
+        with pytest.raises(IndexError):
+            model.next_logits(torch.full((1, 1), 256, dtype=torch.long), cache)
+        assert [c.length for c in cache.layers] == [4] * len(cache.layers)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleave", [True, False])
+def test_step_rotation_table_equals_the_rotation_of_each_position(dtype, interleave):
+    """The decode step's rotations, made a block of positions at a time, are the one-position
+    rotation's values exactly (yarn scaling included), across block boundaries."""
+    from quantplug.layers.rope import Rotary
+
+    cfg = parse_model_config({**CFG32, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                                           "original_max_position_embeddings": 64}},
+                             "DeepseekV3ForCausalLM", False)
+    rot = Rotary(cfg.rope, 32, interleave)
+    for pos in (0, 1, 63, 64, 65, 200, 127, 4000):
+        cos, sin = rot.cos_sin(torch.tensor([[pos]]), dtype)
+        want = rot._rotation(cos, sin).float()
+        assert torch.equal(rot.step_rotation(pos, dtype), want), pos
+
+
+@needs_native
+@pytest.mark.parametrize(("nan_rows", "want"), [((), 0), ((12,), 12), ((3, 12), 3)])
+def test_greedy_pick_in_the_decode_step_is_torch_argmax(tmp_path, monkeypatch, nan_rows, want):
+    """The pick made in C beside the logits: ties to the first largest, a NaN logit wins (the first
+    one), as ``torch.argmax``."""
+    from quantplug.testing import write_checkpoint
+
+    model = quantplug.load(write_checkpoint(tmp_path / "f", CFG32, random_state(CFG32)), progress=False)
+    w = model.lm_head.weight
+    with torch.no_grad():  # in place: the bound head reads the same tensor
+        w.copy_(w[5].expand_as(w))  # every row equal: every logit ties
+        for r in nan_rows:
+            w[r, 0] = float("nan")
+    steps = _count_decode_steps(monkeypatch)
+    with torch.inference_mode():
+        cache = new_cache(model, 2, 8)
+        model.next_logits(torch.tensor([[1, 2], [3, 4]]), cache)
+        logits, picked = model.next_tokens(torch.tensor([[5], [6]]), cache)
+    assert steps[0] == 1 and picked.dtype == torch.int64
+    assert picked.tolist() == [want, want] == logits.argmax(-1).tolist()
