@@ -967,43 +967,60 @@ static inline __m256i codes(int type, const uint8_t *blk) {
 }
 #endif
 
-/* fast Q4_0 / Q8_0: weights as signed codes v, x as int8 blocks: dot = sum |v| * sign(x, v) */
-static void fast_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy) {
-    y -= r0;  /* y holds rows [r0, r1): y[i * ldy + r - r0] */
+#if defined(__AVX2__)
+/* one fast tile: rt weight rows from r times mt x rows from i0 (inlined with constant rt / mt for
+ * the full tiles, so that the sums stay in registers) */
+static inline __attribute__((always_inline)) void fast_tile(const qp_mat *m, const qp_in *in, int64_t r, int i0,
+                                                           const int rt, const int mt, float *y, int64_t ldy) {
     const int type = m->type, size = type == QP_Q4_0 ? 18 : 34;
     const int64_t nb = m->k / QK;
     const int8_t *xq = in->q8;
     const float *xd = in->d8;
+    __m256 acc[RT][MT];
+    for (int a = 0; a < rt; a++) for (int i = 0; i < mt; i++) acc[a][i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i v[RT], u[RT];
+        float dw[RT];
+        for (int a = 0; a < rt; a++) {
+            const uint8_t *blk = m->w + (r + a) * m->ldw + b * size;
+            _mm_prefetch((const char *)(blk + RT * m->ldw), _MM_HINT_T1);
+            dw[a] = f16_to_f32(blk);
+            v[a] = codes(type, blk);
+            u[a] = _mm256_sign_epi8(v[a], v[a]);
+        }
+        for (int i = 0; i < mt; i++) {
+            int64_t xi = (int64_t)(i0 + i);
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + xi * m->k + b * QK));
+            float xdb = xd[xi * nb + b];
+            for (int a = 0; a < rt; a++) {
+                __m256i d = dot_u8s8(u[a], _mm256_sign_epi8(xv, v[a]));
+                acc[a][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(dw[a] * xdb), acc[a][i]);
+            }
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        for (int a = 0; a < rt; a++) y[(int64_t)(i0 + i) * ldy + r + a] = hsum256(acc[a][i]);
+}
+#endif
+
+/* fast Q4_0 / Q8_0: weights as signed codes v, x as int8 blocks: dot = sum |v| * sign(x, v) */
+static void fast_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy) {
+    y -= r0;  /* y holds rows [r0, r1): y[i * ldy + r - r0] */
     for (int64_t r = r0; r < r1; r += RT) {
         int rt = r1 - r < RT ? (int)(r1 - r) : RT;
         for (int i0 = 0; i0 < xm; i0 += MT) {
             int mt = xm - i0 < MT ? xm - i0 : MT;
 #if defined(__AVX2__)
-            __m256 acc[RT][MT];
-            for (int a = 0; a < RT; a++) for (int i = 0; i < MT; i++) acc[a][i] = _mm256_setzero_ps();
-            for (int64_t b = 0; b < nb; b++) {
-                __m256i v[RT], u[RT];
-                float dw[RT];
-                for (int a = 0; a < rt; a++) {
-                    const uint8_t *blk = m->w + (r + a) * m->ldw + b * size;
-                    _mm_prefetch((const char *)(blk + RT * m->ldw), _MM_HINT_T1);
-                    dw[a] = f16_to_f32(blk);
-                    v[a] = codes(type, blk);
-                    u[a] = _mm256_sign_epi8(v[a], v[a]);
-                }
-                for (int i = 0; i < mt; i++) {
-                    int64_t xi = (int64_t)(i0 + i);
-                    __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + xi * m->k + b * QK));
-                    float xdb = xd[xi * nb + b];
-                    for (int a = 0; a < rt; a++) {
-                        __m256i d = dot_u8s8(u[a], _mm256_sign_epi8(xv, v[a]));
-                        acc[a][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(dw[a] * xdb), acc[a][i]);
-                    }
-                }
-            }
-            for (int i = 0; i < mt; i++)
-                for (int a = 0; a < rt; a++) y[(int64_t)(i0 + i) * ldy + r + a] = hsum256(acc[a][i]);
+            if (rt == RT && mt == MT) fast_tile(m, in, r, i0, RT, MT, y, ldy);
+            else if (rt == RT && mt == 1) fast_tile(m, in, r, i0, RT, 1, y, ldy);
+            else if (rt == RT && mt == 2) fast_tile(m, in, r, i0, RT, 2, y, ldy);
+            else if (rt == RT && mt == 3) fast_tile(m, in, r, i0, RT, 3, y, ldy);
+            else fast_tile(m, in, r, i0, rt, mt, y, ldy);
 #else
+            const int type = m->type, size = type == QP_Q4_0 ? 18 : 34;
+            const int64_t nb = m->k / QK;
+            const int8_t *xq = in->q8;
+            const float *xd = in->d8;
             for (int a = 0; a < rt; a++) {
                 const uint8_t *wr = m->w + (r + a) * m->ldw;
                 for (int i = 0; i < mt; i++) {
