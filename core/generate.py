@@ -290,7 +290,7 @@ class Generation:
             if step:
                 t0 = time.perf_counter()
                 with torch.inference_mode(), gc_paused():
-                    tok = self._next(tok[:, None], step)
+                    tok = self._next(tok.unsqueeze(1), step)
             if len(self.eos):
                 tok = torch.where(finished, eos[0], tok)
                 finished = finished | torch.isin(tok, eos)

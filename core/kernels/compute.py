@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ..errors import QuantplugError
 from . import native
@@ -491,6 +492,7 @@ class StackStep:
         # each module's own forward-hook dicts, held: torch registers a hook by adding to these
         # dicts (never by replacing them), so a step's hook check reads one object per dict
         self.hook_dicts = tuple(d for m in self.modules for d in (m._forward_hooks, m._forward_pre_hooks))
+        self._hooks_clear_at = -1
         self.owners = [(m.__dict__, st) for m, st in owners]
         self.keep: list[Any] = []
         arr = (native.Layer * len(layers))()
@@ -591,7 +593,20 @@ class StackStep:
         for t, ptr in self.tensors:
             if t.data_ptr() != ptr:
                 return False
-        return not (any(self.hook_dicts) or _global_hooks())
+        return self._no_hooks()
+
+    def _no_hooks(self) -> bool:
+        """No module of the stack has forward hooks, nor are there global ones. torch registers
+        every hook with a new ``RemovableHandle``, whose class counter then moves: while it
+        stands where it stood at the last check that found none, there still are none (a hook
+        written into a module's hook dict by hand, bypassing ``register_*``, is not seen then)."""
+        n = RemovableHandle.next_id
+        if n == self._hooks_clear_at:
+            return True
+        if any(self.hook_dicts) or _global_hooks():
+            return False
+        self._hooks_clear_at = n
+        return True
 
     def __call__(self, x: torch.Tensor, rot: torch.Tensor, caches: Sequence[Any]) -> torch.Tensor | None:
         """x [B, 1, hidden] in the model dtype (the embeddings), ``rot`` as :class:`MLAStep` takes
