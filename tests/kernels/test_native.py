@@ -788,3 +788,41 @@ def test_concurrent_first_builds_compile_once(tmp_path):
     assert all(p.returncode == 0 for p in procs), outs
     files = sorted(x.name for x in (tmp_path / "kernels").iterdir())
     assert len([f for f in files if f.endswith(".so")]) == 1, files
+
+
+@needs_native
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 4, 5])
+def test_fast_products_quantize_activations_as_documented(ggml_type, rows):
+    """Fast Q4_0 / Q8_0: each 32 activations as int8 codes rint(x / d), d = max |x| / 127 (a
+    zero block: codes 0; a block with an infinity: scale NaN), integer block dot products with
+    the weight codes, times the two scales: a numpy model of that arithmetic, within float32
+    summation order (a code off by one would be ~1e-3 off)."""
+    n, k = 40, 256
+    raw = np.ascontiguousarray(random_rows(ggml_type, (n, k), np.random.default_rng(1), scale=1e-2))
+    b = Bound(Weights(Form(ggml_type), torch.from_numpy(raw)), n, k, None, torch.float32, "fast", "w")
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    x[0, 32:64] = 0.0  # a zero block
+    if rows > 1:
+        x[1, 100] = float("inf")  # row 1: block 3 holds an infinity
+    got = native.gemm(x, [b.ptr()]).numpy()
+    size = 18 if ggml_type == "Q4_0" else 34
+    blocks = raw.reshape(n, k // 32, size)
+    dw = blocks[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if ggml_type == "Q4_0":
+        qs = blocks[:, :, 2:]
+        codes = np.concatenate([(qs & 15).astype(np.int32) - 8, (qs >> 4).astype(np.int32) - 8], axis=-1)
+    else:
+        codes = blocks[:, :, 2:].view(np.int8).astype(np.int32)
+    xb = x.numpy().reshape(rows, k // 32, 32)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        amax = np.abs(xb).max(-1)
+        d = np.where(np.isfinite(amax), amax / np.float32(127), np.nan).astype(np.float32)
+        inv = np.where(np.isfinite(d) & (d != 0), np.float32(1) / d, np.float32(0)).astype(np.float32)
+        q = np.nan_to_num(np.rint(xb * inv[..., None]), nan=0.0).astype(np.int32)
+        dots = np.einsum("rbj,nbj->rnb", q, codes).astype(np.float64)
+        want = (dots * dw[None].astype(np.float64) * d[:, None, :].astype(np.float64)).sum(-1)
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    fin = np.isfinite(want)
+    assert fin.sum() >= n * (rows - (rows > 1))
+    np.testing.assert_allclose(got[fin], want[fin], rtol=2e-5, atol=1e-6)
