@@ -7,7 +7,9 @@ binding as ``qp_native``. Every product of the layer then comes here first:
 * few input rows per weight (a decode step, batches up to :data:`NATIVE_ROWS`, a step's expert
   rows): the native row kernels, all siblings of one input and all row groups of stacked experts
   in one call;
-* more rows (prefill) in exact mode: the weight decoded natively a block of rows at a time into a
+* more rows (a prompt, a prompt's expert groups) in exact mode, up to :data:`NATIVE_PREFILL_ROWS`:
+  the same native row kernels, 4 input rows per pass over each block of weight rows;
+* still more rows in exact mode: the weight decoded natively a block of rows at a time into a
   reused buffer and multiplied by torch's matmul (BLAS), the activations quantized natively first
   when the form says so;
 * otherwise (no native library, tensors off the CPU, fast mode or integer products with many rows,
@@ -31,8 +33,15 @@ from ..errors import QuantplugError
 from . import native
 from .native import Bound
 
-#: input rows per weight up to which the native row kernels run
+#: input rows per weight up to which the native row kernels run (one-call steps, batched decode)
 NATIVE_ROWS = 16
+#: input rows per weight up to which an exact product (a prefill, a prompt's expert groups) of a
+#: weight-only form stays on the native row kernels: for forms decoded in registers (Q4_0 / Q8_0,
+#: INT4 / INT8 / FP8 / FP4), and for the other forms (decoded into a buffer per 4 rows); above
+#: them, a block of rows is decoded and multiplied by torch's matmul. Measured on [256, 512]
+#: weights, 2 threads: native 150-290 us vs decode + matmul 300-440 us at 64-128 rows for the
+#: first; K-quants cross at ~40.
+NATIVE_PREFILL_ROWS = (128, 32)
 #: dense weight elements decoded at once for a many-row product (1 MiB of float32: the block
 #: stays in cache between its decoding and its matmul)
 CHUNK_ELEMS = 1 << 18
@@ -109,6 +118,23 @@ def _out(y: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
     return (y if x.dtype == torch.float32 else y.to(x.dtype)).view(*x.shape[:-1], n)
 
 
+_IN_REGISTERS = frozenset({"Q4_0", "Q8_0", "INT4", "INT8", "FP8", "FP4"})
+
+
+def _native_rows(b: Bound) -> int:
+    """The most input rows the native row kernels take for ``b`` in exact mode (see
+    :data:`NATIVE_PREFILL_ROWS`). Forms that quantize their activations (FP8 / int8 / FP4
+    emulation) stay at :data:`NATIVE_ROWS`: an activation code sits on a rounding boundary often
+    enough in a prompt that the kernels' float32 summation order, not torch's, moves it by a whole
+    step (a ModelOpt FP8-static fixture's logits 7% apart), so prompts keep the torch matmul the
+    reference path uses."""
+    if b.form.act is not None:
+        return NATIVE_ROWS
+    f = b.form.dtype
+    cheap = f in _IN_REGISTERS and (f not in ("Q4_0", "Q8_0") or b.model_dtype == torch.float32)
+    return NATIVE_PREFILL_ROWS[0] if cheap else NATIVE_PREFILL_ROWS[1]
+
+
 def _many(b: Bound) -> bool:
     """Whether a many-row product may take the decode-and-matmul path (exact float products):
     not for float weights already in the model dtype (their own matmul is best)."""
@@ -141,7 +167,7 @@ def linear(layer: Any, x: torch.Tensor, slot: int | None = None) -> torch.Tensor
     rows = _rows(x, b.k)
     if rows == 0:
         return None
-    if rows <= NATIVE_ROWS or b.mode == "fast":
+    if rows <= NATIVE_ROWS or b.mode == "fast" or (rows <= _native_rows(b) and _many(b)):
         y = native.gemm(native._as_f32_rows(x, b.k), [b.ptr(slot)], wround=b.wround)
         return _out(y, x, b.n)
     if not _many(b):
@@ -160,7 +186,8 @@ def fused(layers: Sequence[Any], x: torch.Tensor) -> torch.Tensor | None:
     k = bs[0].k  # type: ignore[union-attr]
     rows = _rows(x, k)
     fast = all(b.mode == "fast" for b in bs)  # type: ignore[union-attr]
-    if rows == 0 or (rows > NATIVE_ROWS and not fast) or any(b.k != k for b in bs):  # type: ignore[union-attr]
+    many = all(b is not None and _many(b) and rows <= _native_rows(b) for b in bs)
+    if rows == 0 or (rows > NATIVE_ROWS and not fast and not many) or any(b.k != k for b in bs):  # type: ignore[union-attr]
         return None
     y = native.gemm(native._as_f32_rows(x, k), [b.ptr() for b in bs], wround=bs[0].wround)  # type: ignore[union-attr]
     return _out(y, x, y.shape[-1])
@@ -177,7 +204,8 @@ def grouped(layer: Any, x: torch.Tensor, groups: Sequence[tuple[int, int]],
     b0 = bs[0]
     assert b0 is not None
     most = max(n for _, n in groups)
-    if most <= NATIVE_ROWS or all(b.mode == "fast" for b in bs if b is not None):
+    if (most <= NATIVE_ROWS or all(b.mode == "fast" for b in bs if b is not None)
+            or all(b is not None and _many(b) and most <= _native_rows(b) for b in bs)):
         mats, spec, start = [], [], 0
         for slot, n in groups:
             if not 0 <= slot < len(b0.mats):
@@ -214,7 +242,7 @@ def stacked_all(layer: Any, x: torch.Tensor) -> torch.Tensor | None:
     if b is None or not native.native_ok(x):
         return None
     nh, t, k = x.shape[-3], x.shape[-2], x.shape[-1]
-    if x.numel() != nh * t * k or t > NATIVE_ROWS or nh != len(b.mats):
+    if x.numel() != nh * t * k or nh != len(b.mats) or t > NATIVE_ROWS and not (_many(b) and t <= _native_rows(b)):
         return None
     x2 = native._as_f32_rows(x.reshape(nh * t, k), k)
     y = native.gemm(x2, [b.ptr(h) for h in range(nh)], [(h * t, t, h * t, 0) for h in range(nh)],

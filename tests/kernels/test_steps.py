@@ -471,3 +471,29 @@ def test_greedy_pick_in_the_decode_step_is_torch_argmax(tmp_path, monkeypatch, n
         logits, picked = model.next_tokens(torch.tensor([[5], [6]]), cache)
     assert steps[0] == 1 and picked.dtype == torch.int64
     assert picked.tolist() == [want, want] == logits.argmax(-1).tolist()
+
+
+@needs_native
+@pytest.mark.parametrize(("ckpt", "decodes"), [("Q4_0", False), ("Q8_0", False), ("K-mix", True)])
+def test_prompts_of_weight_only_forms_stay_on_the_row_kernels(ckpts, ckpt, decodes, monkeypatch):
+    """A 40-token prompt: Q4_0 / Q8_0 (decoded in registers) run the native row kernels with no
+    weight decoded into a buffer; K-quants (past 32 rows) decode and matmul. Either way the
+    logits are the torch exact path's within float32 summation order."""
+    from quantplug.kernels import compute
+
+    model = quantplug.load(ckpts[ckpt], progress=False)
+    real, seen = compute._dequant_mm, []
+
+    def counted(*args, **kwargs):
+        seen.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compute, "_dequant_mm", counted)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():
+        got = model(ids)
+    assert bool(seen) == decodes
+    assert compute._native_rows(compute.bound(model.model.layers[0].self_attn.o_proj)) >= (32 if decodes else 128)
+    with native.disabled(), torch.inference_mode():
+        ref = quantplug.load(ckpts[ckpt], progress=False)(ids)
+    assert rel_err(got, ref) < 1e-5
