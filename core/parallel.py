@@ -917,8 +917,9 @@ def _loaded_comm_failed() -> bool:
 
 
 def guard_model(model: nn.Module, comm: Comm) -> None:
-    """Publish any exception of ``model``'s forward / ``next_logits`` (generation) to the other
-    ranks (:meth:`Comm.guard`), so they raise naming this rank instead of waiting."""
+    """Publish any exception of ``model``'s forward / ``next_logits`` / ``next_tokens``
+    (generation) to the other ranks (:meth:`Comm.guard`), so they raise naming this rank instead
+    of waiting."""
     import functools
 
     def wrap(fn: Callable[..., Any], during: str) -> Callable[..., Any]:
@@ -933,6 +934,8 @@ def guard_model(model: nn.Module, comm: Comm) -> None:
     lm = text_lm() if callable(text_lm) else None
     if lm is not None and hasattr(lm, "next_logits"):
         lm.next_logits = wrap(lm.next_logits, "generate")
+        if hasattr(lm, "next_tokens"):
+            lm.next_tokens = wrap(lm.next_tokens, "generate")
         if lm is not model:
             lm.forward = wrap(lm.forward, "forward")
 

@@ -789,9 +789,9 @@ class DeepseekV3ForCausalLM(GenerationMixin, nn.Module):
         step picks in the same native call as it computes the logits."""
         if input_ids.shape[1] == 1:
             y = self.model.decode_logits(input_ids, cache, self.lm_head, pick=True)
-            if y is not None and y[1] is not None:
-                return y[0], y[1]
-        logits = self.next_logits(input_ids, cache)
+            if y is not None:  # the step ran (its token appended): its pick, or one from its logits
+                return y[0], (y[1] if y[1] is not None else y[0].argmax(dim=-1))
+        logits = self.lm_head(self.model(input_ids, None, cache)[:, -1]).float()
         return logits, logits.argmax(dim=-1)
 
     def text_lm(self) -> DeepseekV3ForCausalLM:

@@ -308,11 +308,13 @@ def test_every_rank_matches_single_process(runs, world, name):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_each_rank_reads_only_its_byte_ranges(runs, world):
-    """bf16 on disk -> fp32: every tensor goes through preadv, so the process's read bytes
-    (``rchar``) are the slices, headers and config only, not the whole checkpoint."""
+    """The process's read bytes (``rchar``) are at most the rank's planned slices plus headers
+    and config, not the whole checkpoint. (Tensors converted on load, here the float32 norms and
+    router, go through preadv and count; weights kept in their stored bfloat16 are mapped and
+    fault in without counting, so ``rchar`` can be below the plan.)"""
     for rank, rec in enumerate(_results(runs, world, "dense-hub-bf16")):
         planned = rec["report"]["bytes_read"]
-        assert planned <= rec["rchar"] <= planned + 128 * 1024, (world, rank, rec["rchar"], planned)
+        assert 0 < rec["rchar"] <= planned + 128 * 1024, (world, rank, rec["rchar"], planned)
         whole = rec["parallel"]["replicated_bytes"] + rec["parallel"]["sharded_bytes"]
         assert rec["rchar"] < (0.62 if world == 2 else 0.4) * whole
 
