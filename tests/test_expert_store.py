@@ -17,6 +17,7 @@ import torch
 from quantplug import experts
 from quantplug.api import stats_sources
 from quantplug.errors import LoadError, PlanError
+from quantplug.kernels import native
 from quantplug.loader import model_bytes
 from quantplug.testing import formats, random_state, tiny_config, to_layout, wrap_kimi, write_checkpoint
 
@@ -27,6 +28,15 @@ from gguf_fixtures import write_kquant_gguf  # noqa: E402
 VENDOR = Path(__file__).parent / "data" / "vendor"
 IDS = torch.tensor([[3, 17, 42, 99, 5, 150, 7, 64], [11, 2, 130, 77, 31, 9, 120, 45]])
 TOL = 1e-6
+#: ModelSlim W8A8 quantizes every attention input to int8 per token. On the native kernels both
+#: loads run each expert row alike (TOL holds); on the torch paths (QUANTPLUG_NATIVE=0) the served
+#: experts are multiplied in other batch shapes, ~1e-8 apart in float32, which moves one int8
+#: code of a later layer's input (2.6e-4 in the logits measured)
+TOL_INT8_TORCH = 1e-3
+
+
+def _tol(name: str) -> float:
+    return TOL_INT8_TORCH if name == "modelslim-w8a8-vendor" and native.library() is None else TOL
 
 
 def _installed(module: str) -> bool:
@@ -148,7 +158,7 @@ def test_served_experts_equal_the_in_memory_load(built, name):
     ids = IDS % vocab
     with torch.no_grad():
         want, got = ref(ids), served(ids)
-    assert _rel(got, want) <= TOL, name
+    assert _rel(got, want) <= _tol(name), name
     st = cache.stats()
     assert st["misses"] > 0 and st["evictions"] > 0 and cache.used <= cache.budget
     # memory: the model's own tensors shrank by the experts; the cache stays in its budget
@@ -159,7 +169,7 @@ def test_served_experts_equal_the_in_memory_load(built, name):
     t_got, l_got = _greedy(served, ids[:1], 4)
     assert t_got == t_ref
     for a, b in zip(l_got, l_ref):
-        assert _rel(a, b) <= TOL, name
+        assert _rel(a, b) <= _tol(name), name
     assert cache.stats()["peak_bytes"] <= cache.budget
 
 
