@@ -649,7 +649,7 @@ class StackStep:
     def logits(self, ids: torch.Tensor, embed: Bound | None, rot: torch.Tensor, caches: Sequence[Any],
                head: Bound | None, pick: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
         """A whole decode step from token ids ``ids`` [B, 1] (int64): the rows of ``embed`` (the
-        embedding's binding, decoded exactly as its lookup does), the stack as :meth:`__call__`,
+        embedding's binding, decoded exactly as its lookup does), the stack as a call of the step,
         then ``head`` (the LM head's binding, or None) in the same native call. Returns (the final
         norm [B, 1, hidden] in the model dtype, float32 logits [B, vocab] or None without ``head``,
         with ``pick`` and a head the greedy tokens [B] as ``logits.argmax(-1)``, else None);
