@@ -7,7 +7,7 @@ experts of 256 (top-4) + 1 shared, MLA q_lora 256 / kv_lora 128, vocab 32000: ~1
 parameters, random weights (std 0.02), written once as a bf16 safetensors checkpoint, then
 exported by each bundled backend's own ``quantplug_export`` (GGUF F32 / Q8_0 / Q4_0 through
 quantplug's gguf-py writer, DeepSeek FP8 block, compressed-tensors W4A16 experts-only, ModelSlim
-W4A8 experts + W8A8 attention (its FLOAT tensors written as bfloat16: `float_dtype`), Quark MXFP4 (routed experts float, as amd-quark writes them),
+W4A8 experts + W8A8 attention (its FLOAT tensors written as bfloat16: `float_dtype`), Quark MXFP4 (routed experts float, as amd-quark writes them; bfloat16: `float_dtype`),
 ModelOpt NVFP4 / FP8 (every decoder linear, experts per expert), GPTQ / AWQ int4 group 32 with zero
 points). compressed-tensors has no FP4 exporter: its NVFP4 / MXFP4 rows are written here by
 :func:`write_ct_fp4` with compressed-tensors' quantization rules (every decoder linear, experts
@@ -153,7 +153,7 @@ def build(root: Path, llama_py: str | None) -> dict[str, Path]:
         _gguf_with_merges(d / "model.tmp.gguf", d / "model.gguf")
         (d / "model.tmp.gguf").unlink()
     exports = {"fp8": ("fp8", {}), "ct-w4a16": ("compressed_tensors", {}),
-               "modelslim-w4a8": ("modelslim", {"recipes": ["w4a8"], "float_dtype": "bfloat16"}), "quark-mxfp4": ("quark", {}),
+               "modelslim-w4a8": ("modelslim", {"recipes": ["w4a8"], "float_dtype": "bfloat16"}), "quark-mxfp4": ("quark", {"float_dtype": "bfloat16"}),
                "modelopt-nvfp4": ("modelopt", {}), "modelopt-nvfp4-act": ("modelopt", {"algo": "NVFP4"}),
                "modelopt-fp8": ("modelopt", {"algo": "FP8"}), "gptq": ("gptq", {}), "awq": ("awq", {})}
     for name, (backend, opts) in exports.items():

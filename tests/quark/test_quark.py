@@ -169,6 +169,29 @@ def test_export_matches_vendor_layout(tmp_path):
     assert rel_err(out, REF["vendor_logits"]) <= 1e-4
 
 
+def test_export_writes_unquantized_tensors_in_float_dtype(tmp_path):
+    """``float_dtype=bfloat16``: the tensors amd-quark leaves unquantized (embeddings, norms,
+    lm_head, the routed experts) as bfloat16, as it writes them for a bfloat16 model; the router's
+    correction bias stays float32; the MXFP4 codes and scales are the float32 export's."""
+    dense = quantplug.load(FIX)
+    from quantplug_quark.export import export_quark
+
+    f32 = load_file(str(export_quark(dense, dense.quantplug_plan, tmp_path / "f32", {}).path / "model.safetensors"))
+    res = export_quark(dense, dense.quantplug_plan, tmp_path / "bf16", {"float_dtype": "bfloat16"})
+    bf = load_file(str(res.path / "model.safetensors"))
+    assert bf.keys() == f32.keys()
+    for k, v in bf.items():
+        if f32[k].dtype == torch.uint8:
+            assert torch.equal(v, f32[k]), k
+        elif k.endswith("e_score_correction_bias"):
+            assert v.dtype == torch.float32, k
+        else:
+            assert v.dtype == torch.bfloat16 and torch.equal(v, f32[k].to(torch.bfloat16)), k
+    assert any(".mlp.experts." in k and v.dtype == torch.bfloat16 for k, v in bf.items())
+    _, out = _logits(res.path)
+    assert rel_err(out, REF["vendor_logits"]) <= 3e-2
+
+
 def test_cli_explain_names_quark():
     r = subprocess.run([sys.executable, "-m", "quantplug.cli", "explain", str(FIX), "model.layers.1.self_attn.q_b_proj"],
                        capture_output=True, text=True, timeout=120)

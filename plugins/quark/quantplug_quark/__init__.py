@@ -36,7 +36,11 @@ def quantplug_detect(checkpoint: Any) -> Claim | None:
 @hookimpl
 def quantplug_options() -> list[OptionSpec]:
     return [OptionSpec("dequantize", bool, False, None,
-                       "keep a dense copy of every MXFP4 linear after loading: faster forward, more memory")]
+                       "keep a dense copy of every MXFP4 linear after loading: faster forward, more memory"),
+            OptionSpec("float_dtype", str, "float32", ("float32", "bfloat16", "float16"),
+                       "export: dtype of the unquantized tensors written (lm_head, norms, embeddings and the "
+                       "routed experts amd-quark keeps float); amd-quark writes a bfloat16 model's as bfloat16",
+                       scope="export")]
 
 
 @hookimpl

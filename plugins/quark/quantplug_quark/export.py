@@ -42,6 +42,11 @@ def quark_config(exclude: list[str]) -> dict[str, Any]:
     }
 
 
+#: the export option ``float_dtype``: the dtype unquantized tensors are written in (amd-quark keeps
+#: the source model's); the router's correction bias stays float32, as DeepSeek-V3 stores it
+FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def export_quark(model: torch.nn.Module, plan: LoadPlan, destination: Path,
                  options: Mapping[str, Any]) -> ExportResult:
     dest = Path(destination)
@@ -51,11 +56,14 @@ def export_quark(model: torch.nn.Module, plan: LoadPlan, destination: Path,
     linears = {name for name, _ in named_linears(model)}
     # routed experts stay float, in the transformers 5 fused layout (as amd-quark writes them)
     state = convert_expert_layout(dense_state(model), "fused")
+    fdt = FLOAT_DTYPES[options.get("float_dtype", "float32")]
     tensors: dict[str, torch.Tensor] = {}
     for name, w in state.items():
         module = name.removesuffix(".weight")
         if module in linears and module not in exclude:
             tensors[name], tensors[f"{module}.weight_scale"] = quantize_mxfp4(w)
+        elif w.is_floating_point() and not name.endswith("e_score_correction_bias"):
+            tensors[name] = w.to(fdt)
         else:
             tensors[name] = w
     save_file(tensors, str(dest / "model.safetensors"))
