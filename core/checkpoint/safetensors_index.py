@@ -124,7 +124,7 @@ def index_safetensors(root: Path) -> tuple[dict[str, TensorInfo], list[Path], di
     index_path = root / INDEX_NAME
     tensors: dict[str, TensorInfo] = {}
     packs: dict[Path, qpack.QPack] = {}
-    if index_path.is_symlink() or os.path.lexists(index_path):  # not only a file: a FIFO there is refused
+    if os.path.lexists(index_path):  # a symlink (even broken) or any file there, a FIFO too: read_index refuses what is not a file
         weight_map = read_index(root)
         shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (root / s).is_file()]

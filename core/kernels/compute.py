@@ -135,6 +135,12 @@ def _native_rows(b: Bound) -> int:
     return NATIVE_PREFILL_ROWS[0] if cheap else NATIVE_PREFILL_ROWS[1]
 
 
+def _row_kernels(b: Bound, rows: int) -> bool:
+    """Whether ``rows`` input rows through ``b`` in exact mode take the native row kernels (few
+    rows, or a prompt within :func:`_native_rows` of a form the decode-and-matmul path takes)."""
+    return rows <= NATIVE_ROWS or (_many(b) and rows <= _native_rows(b))
+
+
 def _many(b: Bound) -> bool:
     """Whether a many-row product may take the decode-and-matmul path (exact float products):
     not for float weights already in the model dtype (their own matmul is best)."""
@@ -167,7 +173,7 @@ def linear(layer: Any, x: torch.Tensor, slot: int | None = None) -> torch.Tensor
     rows = _rows(x, b.k)
     if rows == 0:
         return None
-    if rows <= NATIVE_ROWS or b.mode == "fast" or (rows <= _native_rows(b) and _many(b)):
+    if b.mode == "fast" or _row_kernels(b, rows):
         y = native.gemm(native._as_f32_rows(x, b.k), [b.ptr(slot)], wround=b.wround)
         return _out(y, x, b.n)
     if not _many(b):
@@ -186,8 +192,7 @@ def fused(layers: Sequence[Any], x: torch.Tensor) -> torch.Tensor | None:
     k = bs[0].k  # type: ignore[union-attr]
     rows = _rows(x, k)
     fast = all(b.mode == "fast" for b in bs)  # type: ignore[union-attr]
-    many = all(b is not None and _many(b) and rows <= _native_rows(b) for b in bs)
-    if rows == 0 or (rows > NATIVE_ROWS and not fast and not many) or any(b.k != k for b in bs):  # type: ignore[union-attr]
+    if rows == 0 or not (fast or all(_row_kernels(b, rows) for b in bs)) or any(b.k != k for b in bs):  # type: ignore[union-attr,arg-type]
         return None
     y = native.gemm(native._as_f32_rows(x, k), [b.ptr() for b in bs], wround=bs[0].wround)  # type: ignore[union-attr]
     return _out(y, x, y.shape[-1])
@@ -204,8 +209,7 @@ def grouped(layer: Any, x: torch.Tensor, groups: Sequence[tuple[int, int]],
     b0 = bs[0]
     assert b0 is not None
     most = max(n for _, n in groups)
-    if (most <= NATIVE_ROWS or all(b.mode == "fast" for b in bs if b is not None)
-            or all(b is not None and _many(b) and most <= _native_rows(b) for b in bs)):
+    if all(b.mode == "fast" for b in bs if b is not None) or all(b is not None and _row_kernels(b, most) for b in bs):
         mats, spec, start = [], [], 0
         for slot, n in groups:
             if not 0 <= slot < len(b0.mats):
@@ -242,7 +246,7 @@ def stacked_all(layer: Any, x: torch.Tensor) -> torch.Tensor | None:
     if b is None or not native.native_ok(x):
         return None
     nh, t, k = x.shape[-3], x.shape[-2], x.shape[-1]
-    if x.numel() != nh * t * k or nh != len(b.mats) or t > NATIVE_ROWS and not (_many(b) and t <= _native_rows(b)):
+    if x.numel() != nh * t * k or nh != len(b.mats) or not _row_kernels(b, t):
         return None
     x2 = native._as_f32_rows(x.reshape(nh * t, k), k)
     y = native.gemm(x2, [b.ptr(h) for h in range(nh)], [(h * t, t, h * t, 0) for h in range(nh)],

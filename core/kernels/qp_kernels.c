@@ -876,8 +876,7 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d) {
         _mm_storeu_si128((__m128i *)(q + b * QK + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, vid))));
         d[b] = db;
     }
-    return;
-#endif
+#else
     for (int64_t b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
         float amax = 0.f;
@@ -891,6 +890,7 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d) {
         for (int j = 0; j < QK; j++) q[b * QK + j] = (int8_t)lrintf(xb[j] * id);
         d[b] = db;
     }
+#endif
 }
 
 static int is_int_path(const qp_mat *m) { return m->type == QP_INT8 && m->act.epi != QE_FLOAT; }
@@ -954,6 +954,18 @@ static int same_input(const qp_mat *a, const qp_mat *b) {
 
 #define MT 4  /* x rows per pass over the weights */
 #define RT 4  /* weight rows per pass over x */
+
+/* a tile call with constant sizes for the full tiles (rt = RT, mt = 1..MT): the inlined tile then
+ * keeps its rt x mt sums in registers (with runtime sizes GCC keeps them on the stack); an edge
+ * tile with its runtime sizes */
+#define QP_TILE(tile, m, in, r, i0, rt, mt, y, ldy)                              \
+    do {                                                                          \
+        if ((rt) == RT && (mt) == MT) tile(m, in, r, i0, RT, MT, y, ldy);         \
+        else if ((rt) == RT && (mt) == 1) tile(m, in, r, i0, RT, 1, y, ldy);      \
+        else if ((rt) == RT && (mt) == 2) tile(m, in, r, i0, RT, 2, y, ldy);      \
+        else if ((rt) == RT && (mt) == 3) tile(m, in, r, i0, RT, 3, y, ldy);      \
+        else tile(m, in, r, i0, rt, mt, y, ldy);                                  \
+    } while (0)
 #ifndef PF_AHEAD
 #define PF_AHEAD 2048
 #endif
@@ -986,8 +998,7 @@ static inline __m256i codes(int type, const uint8_t *blk) {
 #endif
 
 #if defined(__AVX2__)
-/* one fast tile: rt weight rows from r times mt x rows from i0 (inlined with constant rt / mt for
- * the full tiles, so that the sums stay in registers) */
+/* one fast tile: rt weight rows from r times mt x rows from i0 (called through QP_TILE) */
 static inline __attribute__((always_inline)) void fast_tile(const qp_mat *m, const qp_in *in, int64_t r, int i0,
                                                            const int rt, const int mt, float *y, int64_t ldy) {
     const int type = m->type, size = type == QP_Q4_0 ? 18 : 34;
@@ -1029,11 +1040,7 @@ static void fast_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, 
         for (int i0 = 0; i0 < xm; i0 += MT) {
             int mt = xm - i0 < MT ? xm - i0 : MT;
 #if defined(__AVX2__)
-            if (rt == RT && mt == MT) fast_tile(m, in, r, i0, RT, MT, y, ldy);
-            else if (rt == RT && mt == 1) fast_tile(m, in, r, i0, RT, 1, y, ldy);
-            else if (rt == RT && mt == 2) fast_tile(m, in, r, i0, RT, 2, y, ldy);
-            else if (rt == RT && mt == 3) fast_tile(m, in, r, i0, RT, 3, y, ldy);
-            else fast_tile(m, in, r, i0, rt, mt, y, ldy);
+            QP_TILE(fast_tile, m, in, r, i0, rt, mt, y, ldy);
 #else
             const int type = m->type, size = type == QP_Q4_0 ? 18 : 34;
             const int64_t nb = m->k / QK;
@@ -1097,8 +1104,7 @@ static inline void bf16x32(const uint16_t *p, __m512 *lo, __m512 *hi) {
 /* exact Q4_0 / Q8_0 with float32 weights, and bfloat16 rows (a float weight kept as stored, e.g. a
  * bfloat16 lm_head; already the model dtype's values, so callers take it for QR_NONE / QR_BF16):
  * 32-value blocks decoded in registers, RT rows x MT x rows, prefetching ahead */
-/* one tile: rt weight rows from r times mt x rows from i0 (inlined with constant rt / mt for the
- * full tiles, so that the rt x mt sums stay in registers) */
+/* one exact tile: rt weight rows from r times mt x rows from i0 (called through QP_TILE) */
 static inline __attribute__((always_inline)) void exact_tile_32(const qp_mat *m, const qp_in *in, int64_t r, int i0,
                                                                const int rt, const int mt, float *y, int64_t ldy) {
     const int type = m->type, size = type == QP_Q4_0 ? 18 : type == QP_Q8_0 ? 34 : 64;
@@ -1133,11 +1139,7 @@ static void exact_rows_32(const qp_mat *m, const qp_in *in, int64_t r0, int64_t 
         int rt = r1 - r < RT ? (int)(r1 - r) : RT;
         for (int i0 = 0; i0 < xm; i0 += MT) {
             int mt = xm - i0 < MT ? xm - i0 : MT;
-            if (rt == RT && mt == MT) exact_tile_32(m, in, r, i0, RT, MT, y, ldy);
-            else if (rt == RT && mt == 1) exact_tile_32(m, in, r, i0, RT, 1, y, ldy);
-            else if (rt == RT && mt == 2) exact_tile_32(m, in, r, i0, RT, 2, y, ldy);
-            else if (rt == RT && mt == 3) exact_tile_32(m, in, r, i0, RT, 3, y, ldy);
-            else exact_tile_32(m, in, r, i0, rt, mt, y, ldy);
+            QP_TILE(exact_tile_32, m, in, r, i0, rt, mt, y, ldy);
         }
     }
 }
@@ -2244,7 +2246,7 @@ done:
  * position pos of every sequence: layer i's latent / key rows at lat[i] / kr[i] (strides as in
  * qp_mla_step, the same for every layer); rot [B, rope, rope]; out [B, H] = the final norm of the
  * last residual. */
-int qp_model_step(const qp_layer *layers, int L, int64_t H, int64_t B, float *x, const float *rot,
+static int qp_model_step(const qp_layer *layers, int L, int64_t H, int64_t B, float *x, const float *rot,
                   void *const *lat, void *const *kr, int64_t ld_lat, int64_t lds_b, int64_t ld_kr, int64_t krs_b,
                   int64_t pos, int lat_bf16, const void *fnorm, int fnorm_bf16, float feps, float *out, int wround) {
     if (L <= 0 || H <= 0 || B <= 0 || pos < 0 || !fnorm || (wround != QR_NONE && wround != QR_BF16)) return -1;

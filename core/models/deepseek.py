@@ -707,7 +707,10 @@ class TextModel(nn.Module):
             return None
         rot = self.rotary.step_rotation(cache.length, st.dtype)
         got = st.logits(ids, embed, rot, cache.layers, hb, pick)
-        return None if got is None or got[1] is None else (got[1], got[2])
+        if got is None:
+            return None
+        assert got[1] is not None  # a head was given
+        return got[1], got[2]
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: MLACache | None = None) -> torch.Tensor:
@@ -778,21 +781,24 @@ class DeepseekV3ForCausalLM(GenerationMixin, nn.Module):
 
     def next_logits(self, input_ids: torch.Tensor, cache: MLACache) -> torch.Tensor:
         """float32 logits [B, vocab] of the last position only (the LM head runs on one token)."""
-        if input_ids.shape[1] == 1:
-            y = self.model.decode_logits(input_ids, cache, self.lm_head)
-            if y is not None:
-                return y[0]
-        return self.lm_head(self.model(input_ids, None, cache)[:, -1]).float()
+        return self._next(input_ids, cache, False)[0]
 
     def next_tokens(self, input_ids: torch.Tensor, cache: MLACache) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`next_logits` and the greedy pick from them (``argmax(-1)``, [B] int64); a decode
         step picks in the same native call as it computes the logits."""
+        logits, picks = self._next(input_ids, cache, True)
+        assert picks is not None
+        return logits, picks
+
+    def _next(self, input_ids: torch.Tensor, cache: MLACache, pick: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A decode step in one native call where :meth:`TextModel.decode_logits` runs it, else
+        the modules; (logits, the greedy picks when ``pick``)."""
         if input_ids.shape[1] == 1:
-            y = self.model.decode_logits(input_ids, cache, self.lm_head, pick=True)
-            if y is not None:  # the step ran (its token appended): its pick, or one from its logits
-                return y[0], (y[1] if y[1] is not None else y[0].argmax(dim=-1))
+            y = self.model.decode_logits(input_ids, cache, self.lm_head, pick)
+            if y is not None:
+                return y
         logits = self.lm_head(self.model(input_ids, None, cache)[:, -1]).float()
-        return logits, logits.argmax(dim=-1)
+        return logits, (logits.argmax(dim=-1) if pick else None)
 
     def text_lm(self) -> DeepseekV3ForCausalLM:
         return self

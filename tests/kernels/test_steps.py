@@ -214,18 +214,16 @@ def _per_layer(model: torch.nn.Module) -> None:
 
 
 def _count_stack_calls(monkeypatch) -> list[int]:
-    """Calls of the whole-stack step: alone (``TextModel.forward``) or inside a whole decode step
-    from token ids to logits (``next_logits``)."""
+    """Calls of the whole-stack step (``qp_decode_step``: alone from ``TextModel.forward``, or
+    with the embedding and head from ``next_logits``)."""
     lib = native.library()
-    calls = [0]
-    for name in ("qp_model_step", "qp_decode_step"):
-        real = getattr(lib, name)
+    real, calls = lib.qp_decode_step, [0]
 
-        def counted(*args, _real=real):
-            calls[0] += 1
-            return _real(*args)
+    def counted(*args):
+        calls[0] += 1
+        return real(*args)
 
-        monkeypatch.setattr(lib, name, counted)
+    monkeypatch.setattr(lib, "qp_decode_step", counted)
     return calls
 
 
@@ -357,7 +355,7 @@ def test_whole_stack_step_at_the_context_limit_leaves_every_cache_as_it_was(tmp_
 def _modules_path(model: torch.nn.Module, monkeypatch) -> None:
     """Decode steps through the modules from now on (embedding, ``TextModel.forward`` with its
     stack step, the LM head), not the one-call step."""
-    monkeypatch.setattr(type(model.text_lm().model), "decode_logits", lambda self, ids, cache, head: None)
+    monkeypatch.setattr(type(model.text_lm().model), "decode_logits", lambda self, ids, cache, head, pick=False: None)
 
 
 @needs_native
