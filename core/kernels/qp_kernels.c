@@ -1032,6 +1032,75 @@ static inline __attribute__((always_inline)) void fast_tile(const qp_mat *m, con
 }
 #endif
 
+#if defined(QP_AVX512) && defined(__AVX512VNNI__)
+/* Two blocks per 512-bit register (VNNI: one vpdpbusd per 64 weights and x row, where the AVX2 tile
+ * needs a sign and a dot per 32). Lanes 0-7 hold block b, lanes 8-15 block b + 1 (last: block b
+ * alone, the upper half zero). vpdpbusd multiplies unsigned by signed bytes: the weights go in
+ * unsigned, offset by o (Q4_0: the codes q = v + 8 as stored; Q8_0: v + 128, v ^ 0x80), x signed,
+ * and sum v x = sum (v + o) x - o sum x: the second term per x row and lane (one vpdpbusd of o with
+ * x, shared by the tile's weight rows) starts the sums, so every lane is the exact int32 dot. */
+static inline __m512i pair_codes(int type, const uint8_t *blk, int size, int last) {
+    if (type == QP_Q4_0) {  /* [q0 low nibbles, q0 high, q1 low, q1 high]: x's byte order */
+        const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 2));
+        const __m128i q1 = last ? _mm_setzero_si128() : _mm_loadu_si128((const __m128i *)(blk + size + 2));
+        const __m256i q = _mm256_set_m128i(q1, q0);
+        __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1);
+        z = _mm512_and_si512(z, _mm512_set1_epi8(15));
+        return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));
+    }
+    const __m256i w0 = _mm256_loadu_si256((const __m256i *)(blk + 2));
+    const __m256i w1 = last ? _mm256_set1_epi8((char)0x80) : _mm256_loadu_si256((const __m256i *)(blk + size + 2));
+    return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1), _mm512_set1_epi8((char)0x80));
+}
+
+/* two float32 scales a, b (b = 0 for a last lone block) as lanes 0-7 = a, 8-15 = b */
+static inline __m512 pair_scales(__m128 ab) {
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                 _mm512_castps128_ps512(ab));
+}
+
+/* one fast tile (512-bit VNNI): rt weight rows from r times mt x rows from i0 (through QP_TILE) */
+static inline __attribute__((always_inline)) void fast_tile512(const qp_mat *m, const qp_in *in, int64_t r, int i0,
+                                                              const int rt, const int mt, float *y, int64_t ldy) {
+    const int type = m->type, size = type == QP_Q4_0 ? 18 : 34;
+    const int64_t nb = m->k / QK;
+    const int8_t *xq = in->q8;
+    const float *xd = in->d8;
+    const __m512i zero = _mm512_setzero_si512(), off = _mm512_set1_epi8(type == QP_Q4_0 ? 8 : (char)0x80);
+    __m512 acc[RT][MT];
+    for (int a = 0; a < rt; a++) for (int i = 0; i < mt; i++) acc[a][i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b += 2) {
+        const int last = b + 1 == nb;
+        __m512i w[RT];
+        __m512 dw[RT];
+        for (int a = 0; a < rt; a++) {
+            const uint8_t *blk = m->w + (r + a) * m->ldw + b * size;
+            _mm_prefetch((const char *)(blk + RT * m->ldw), _MM_HINT_T1);
+            _mm_prefetch((const char *)(blk + RT * m->ldw + 64), _MM_HINT_T1);
+            uint16_t h0, h1 = 0;
+            memcpy(&h0, blk, 2);
+            if (!last) memcpy(&h1, blk + size, 2);
+            dw[a] = pair_scales(_mm_cvtph_ps(_mm_cvtsi32_si128((int)((uint32_t)h0 | (uint32_t)h1 << 16))));
+            w[a] = pair_codes(type, blk, size, last);
+        }
+        const __mmask64 km = last ? 0xFFFFFFFFull : ~0ull;
+        for (int i = 0; i < mt; i++) {
+            const int64_t xi = (int64_t)(i0 + i);
+            const __m512i xv = _mm512_maskz_loadu_epi8(km, xq + xi * m->k + b * QK);
+            const float *xdb = xd + xi * nb + b;
+            const __m512 dx = pair_scales(_mm_setr_ps(xdb[0], last ? 0.f : xdb[1], 0.f, 0.f));
+            const __m512i cx = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, off, xv));
+            for (int a = 0; a < rt; a++) {
+                const __m512i d = _mm512_dpbusd_epi32(cx, w[a], xv);
+                acc[a][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(dw[a], dx), acc[a][i]);
+            }
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        for (int a = 0; a < rt; a++) y[(int64_t)(i0 + i) * ldy + r + a] = _mm512_reduce_add_ps(acc[a][i]);
+}
+#endif
+
 /* fast Q4_0 / Q8_0: weights as signed codes v, x as int8 blocks: dot = sum |v| * sign(x, v) */
 static void fast_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy) {
     y -= r0;  /* y holds rows [r0, r1): y[i * ldy + r - r0] */
@@ -1039,7 +1108,9 @@ static void fast_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, 
         int rt = r1 - r < RT ? (int)(r1 - r) : RT;
         for (int i0 = 0; i0 < xm; i0 += MT) {
             int mt = xm - i0 < MT ? xm - i0 : MT;
-#if defined(__AVX2__)
+#if defined(QP_AVX512) && defined(__AVX512VNNI__)
+            QP_TILE(fast_tile512, m, in, r, i0, rt, mt, y, ldy);
+#elif defined(__AVX2__)
             QP_TILE(fast_tile, m, in, r, i0, rt, mt, y, ldy);
 #else
             const int type = m->type, size = type == QP_Q4_0 ? 18 : 34;

@@ -694,6 +694,8 @@ def test_avx2_and_portable_builds_compute_the_same(monkeypatch, tmp_path, march,
     test_integer_w8a8_epilogues_equal_int_mm()
     test_fp8_nan_code_scan_finds_every_placement(True)
     test_groups_of_16_multiply_at_every_length(288)
+    for ggml_type in ("Q4_0", "Q8_0"):
+        test_fast_products_quantize_activations_as_documented(ggml_type, 5, 288)
 
 
 def test_no_compiler_means_torch_paths_and_a_reason(monkeypatch, tmp_path):
@@ -793,20 +795,24 @@ def test_concurrent_first_builds_compile_once(tmp_path):
 @needs_native
 @pytest.mark.parametrize("ggml_type", ["Q4_0", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 4, 5])
-def test_fast_products_quantize_activations_as_documented(ggml_type, rows):
+@pytest.mark.parametrize("k", [256, 288])
+def test_fast_products_quantize_activations_as_documented(ggml_type, rows, k):
     """Fast Q4_0 / Q8_0: each 32 activations as int8 codes rint(x / d), d = max |x| / 127 (a
     zero block: codes 0; a block with an infinity: scale NaN), integer block dot products with
     the weight codes, times the two scales: a numpy model of that arithmetic, within float32
-    summation order (a code off by one would be ~1e-3 off)."""
-    n, k = 40, 256
+    summation order (a code off by one would be ~1e-3 off). An odd number of blocks per row (the
+    AVX512 tile takes two at a time) and the extreme codes (Q8_0 -128 and 127, Q4_0 0 and 15)."""
+    n = 40
     raw = np.ascontiguousarray(random_rows(ggml_type, (n, k), np.random.default_rng(1), scale=1e-2))
+    size = 18 if ggml_type == "Q4_0" else 34
+    ext = raw.reshape(n, k // 32, size)
+    ext[::3, -1, 2:6] = (0x80, 0x7F, 0x80, 0x7F) if ggml_type == "Q8_0" else (0x0F, 0xF0, 0xFF, 0x00)
     b = Bound(Weights(Form(ggml_type), torch.from_numpy(raw)), n, k, None, torch.float32, "fast", "w")
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     x[0, 32:64] = 0.0  # a zero block
     if rows > 1:
         x[1, 100] = float("inf")  # row 1: block 3 holds an infinity
     got = native.gemm(x, [b.ptr()]).numpy()
-    size = 18 if ggml_type == "Q4_0" else 34
     blocks = raw.reshape(n, k // 32, size)
     dw = blocks[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float32)
     if ggml_type == "Q4_0":

@@ -240,7 +240,13 @@ def test_whole_stack_step_equals_the_per_layer_steps(ckpts, ckpt, kernels, batch
     ref, ref_latent = decode(model, batch=batch)
     assert calls[0] == 6
     torch.testing.assert_close(latent, ref_latent, rtol=1e-5, atol=1e-6)
-    assert rel_err(got, ref) < 1e-5  # the same kernels in the same order; only norm sums differ
+    errs = sorted(rel_err(got[s], ref[s]) for s in range(len(got)))
+    if kernels == "exact":
+        assert errs[-1] < 1e-5  # the same kernels in the same order; only norm sums differ
+    else:
+        # fast mode rounds every product's input to int8 codes: a last-bit difference of the two
+        # paths' norm sums can move one code of one step (that step ~1e-3 off); never two steps
+        assert errs[-2] < 1e-5 and errs[-1] < 1e-2
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
