@@ -11,7 +11,9 @@ binding as ``qp_native``. Every product of the layer then comes here first:
   the same native row kernels, 4 input rows per pass over each block of weight rows;
 * still more rows in exact mode: the weight decoded natively a block of rows at a time into a
   reused buffer and multiplied by torch's matmul (BLAS), the activations quantized natively first
-  when the form says so;
+  when the form says so. A prompt's expert groups are decided one by one: the groups within the
+  row kernels' rows in one native call, only the larger ones decoded (a 256-token prompt gives
+  the bench model's experts ~32 rows each, and the largest group past 128 rows);
 * otherwise (no native library, tensors off the CPU, fast mode or integer products with many rows,
   a form the C code refuses) these functions return None and the caller runs ``scheme.apply``.
 
@@ -210,33 +212,50 @@ def grouped(layer: Any, x: torch.Tensor, groups: Sequence[tuple[int, int]],
     assert b0 is not None
     most = max(n for _, n in groups)
     if all(b.mode == "fast" for b in bs if b is not None) or all(b is not None and _row_kernels(b, most) for b in bs):
-        mats, spec, start = [], [], 0
-        for slot, n in groups:
-            if not 0 <= slot < len(b0.mats):
-                raise QuantplugError(f"{b0.where}: expert slot {slot} outside the stack of {len(b0.mats)}")
+        return _grouped_native(bs, x, groups)
+    if not all(_many(b) for b in bs if b is not None):
+        return None
+    # a prompt's expert groups: each group on the row kernels while it is within their rows, the
+    # larger ones decoded and multiplied (deciding for all groups by the largest one decoded every
+    # expert of a 256-token prompt for its ~32 rows)
+    small = [all(b is not None and _row_kernels(b, n) for b in bs) for _, n in groups]
+    x2 = native._as_f32_rows(x, b0.k)
+    if any(small):
+        out = _grouped_native(bs, x2, groups, small)
+    else:
+        out = torch.empty(x2.shape[0], sum(b.n for b in bs if b is not None), dtype=torch.float32)
+    start = 0
+    for (slot, n), native_done in zip(groups, small):
+        col = 0
+        for b in bs:
+            assert b is not None
+            if not native_done:
+                _dequant_mm(b, x2[start:start + n], slot, out[start:start + n, col:col + b.n])
+            col += b.n
+        start += n
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def _grouped_native(bs: Sequence[Bound | None], x: torch.Tensor, groups: Sequence[tuple[int, int]],
+                    which: Sequence[bool] | None = None) -> torch.Tensor:
+    """:func:`grouped`'s groups (those ``which`` marks, default all) in one native call: outputs
+    [rows, sum N] float32 for a float32 ``x``, else in x's dtype; rows of other groups zero."""
+    b0 = bs[0]
+    assert b0 is not None
+    mats, spec, start = [], [], 0
+    for g, (slot, n) in enumerate(groups):
+        if not 0 <= slot < len(b0.mats):
+            raise QuantplugError(f"{b0.where}: expert slot {slot} outside the stack of {len(b0.mats)}")
+        if which is None or which[g]:
             col = 0
             for b in bs:
                 assert b is not None
                 mats.append(b.ptr(slot))
                 spec.append((start, n, start, col))
                 col += b.n
-            start += n
-        y = native.gemm(native._as_f32_rows(x, b0.k), mats, spec, out_rows=x.shape[0], wround=b0.wround)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
-    if not all(_many(b) for b in bs if b is not None):
-        return None
-    x2 = native._as_f32_rows(x, b0.k)
-    width = sum(b.n for b in bs if b is not None)
-    out = torch.empty(x2.shape[0], width, dtype=torch.float32)
-    start = 0
-    for slot, n in groups:
-        col = 0
-        for b in bs:
-            assert b is not None
-            _dequant_mm(b, x2[start:start + n], slot, out[start:start + n, col:col + b.n])
-            col += b.n
         start += n
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
+    y = native.gemm(native._as_f32_rows(x, b0.k), mats, spec, out_rows=x.shape[0], wround=b0.wround)
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def stacked_all(layer: Any, x: torch.Tensor) -> torch.Tensor | None:

@@ -501,3 +501,42 @@ def test_prompts_of_weight_only_forms_stay_on_the_row_kernels(ckpts, ckpt, decod
     with native.disabled(), torch.inference_mode():
         ref = quantplug.load(ckpts[ckpt], progress=False)(ids)
     assert rel_err(got, ref) < 1e-5
+
+
+@needs_native
+@pytest.mark.parametrize("ckpt", ["Q4_0", "K-mix"])
+def test_prompt_expert_groups_choose_row_kernels_per_group(ckpts, ckpt, monkeypatch):
+    """A prompt's routed-expert groups: each group within the row kernels' rows runs natively (all
+    of them in one call), only a larger one is decoded and multiplied; the outputs are the torch
+    path's within float32 summation order."""
+    from quantplug.kernels import compute
+
+    model = quantplug.load(ckpts[ckpt], progress=False)
+    experts = model.model.layers[1].mlp.experts
+    gate, up = experts.gate_proj, experts.up_proj
+    big = compute._native_rows(compute.bound(gate)) + 3
+    groups = [(2, 3), (5, big), (7, 1)]
+    x = torch.randn(4 + big, gate.in_features, generator=torch.Generator().manual_seed(11))
+    real, decoded, calls = compute._dequant_mm, [], []
+
+    def counted(b, x2, slot, out):
+        decoded.append((slot, x2.shape[0]))
+        return real(b, x2, slot, out)
+
+    real_gemm = native.gemm
+
+    def gemm(x2, mats, *args, **kwargs):
+        calls.append(len(mats))
+        return real_gemm(x2, mats, *args, **kwargs)
+
+    monkeypatch.setattr(compute, "_dequant_mm", counted)
+    monkeypatch.setattr(native, "gemm", gemm)
+    with torch.inference_mode():
+        got = compute.grouped(gate, x, groups, [up])
+    assert decoded == [(5, big), (5, big)]  # gate and up of the large group only
+    assert calls == [4]  # gate and up of the two small groups, one native call
+    with native.disabled(), torch.inference_mode():
+        ref_model = quantplug.load(ckpts[ckpt], progress=False)
+        ref_experts = ref_model.model.layers[1].mlp.experts
+        ref = torch.cat([ref_experts.gate_proj.forward_grouped(x, groups), ref_experts.up_proj.forward_grouped(x, groups)], 1)
+    assert rel_err(got, ref) < 1e-5
