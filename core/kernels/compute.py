@@ -152,11 +152,14 @@ def _many(b: Bound) -> bool:
     return b.mode == "exact" and not same and (act is None or act.integer == "float")
 
 
-def _dequant_mm(b: Bound, x2: torch.Tensor, slot: int | None, out: torch.Tensor) -> torch.Tensor:
+def _dequant_mm(b: Bound, x2: torch.Tensor, slot: int | None, out: torch.Tensor,
+                xa: torch.Tensor | None = None) -> torch.Tensor:
     """``out`` [M, N] = x' @ W^T for float32 rows ``x2`` [M, K], W decoded natively a block of rows
-    at a time (rounded to the model dtype), x' the activations as the form quantizes them."""
+    at a time (rounded to the model dtype), x' the activations as the form quantizes them (``xa``:
+    already quantized so, by a sibling with the same activation quantization)."""
     mat = b.ptr(slot)
-    xa = native.act_rows(mat, x2) if b.form.act is not None else x2
+    if xa is None:
+        xa = native.act_rows(mat, x2) if b.form.act is not None else x2
     n, k = b.n, b.k
     step = max(1, min(n, CHUNK_ELEMS // max(k, 1)))
     buf = _buffer(step * k).view(step, k)
@@ -226,14 +229,27 @@ def grouped(layer: Any, x: torch.Tensor, groups: Sequence[tuple[int, int]],
         out = torch.empty(x2.shape[0], sum(b.n for b in bs if b is not None), dtype=torch.float32)
     start = 0
     for (slot, n), native_done in zip(groups, small):
-        col = 0
+        col, xs = 0, x2[start:start + n]
+        # siblings (gate beside up) that quantize their input alike quantize it once
+        xa = native.act_rows(b0.ptr(slot), xs) if not native_done and _shared_act(bs, slot) else None
         for b in bs:
             assert b is not None
             if not native_done:
-                _dequant_mm(b, x2[start:start + n], slot, out[start:start + n, col:col + b.n])
+                _dequant_mm(b, xs, slot, out[start:start + n, col:col + b.n], xa)
             col += b.n
         start += n
     return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def _shared_act(bs: Sequence[Bound | None], slot: int) -> bool:
+    """Whether the stacked matrices of ``slot`` all quantize their input, and identically."""
+    keys = set()
+    for b in bs:
+        if b is None or b.form.act is None:
+            return False
+        a = b.mats[slot].act
+        keys.add((a.kind, a.group, a.ue8m0, a.epi, a.scale, a.offset, a.floor))
+    return len(keys) == 1
 
 
 def _grouped_native(bs: Sequence[Bound | None], x: torch.Tensor, groups: Sequence[tuple[int, int]],

@@ -758,16 +758,12 @@ static void act_fp8_row(const qp_act *a, const float *x, int64_t k, float *o) {
  * going up to the even code; -0 and NaN give +) */
 static inline float e2m1_rne(float v) {
     const float a = fabsf(v);
-    float q;
-    if (!(a == a)) q = 6.f;
-    else if (a <= 0.25f) q = 0.f;
-    else if (a < 0.75f) q = 0.5f;
-    else if (a <= 1.25f) q = 1.f;
-    else if (a < 1.75f) q = 1.5f;
-    else if (a <= 2.5f) q = 2.f;
-    else if (a < 3.5f) q = 3.f;
-    else if (a <= 5.f) q = 4.f;
-    else q = 6.f;
+    /* the steps up the grid as a sum of comparisons, each step's bound open or closed as the ties
+     * go (to even); sums of halves are exact in any order, and without branches the loops over a
+     * row vectorize */
+    float q = (a > 0.25f ? 0.5f : 0.f) + (a >= 0.75f ? 0.5f : 0.f) + (a > 1.25f ? 0.5f : 0.f) +
+              (a >= 1.75f ? 0.5f : 0.f) + (a > 2.5f ? 1.f : 0.f) + (a >= 3.5f ? 1.f : 0.f) + (a > 5.f ? 2.f : 0.f);
+    q = a == a ? q : 6.f;
     return v < 0.f ? -q : q;
 }
 
@@ -788,10 +784,10 @@ static void act_fp4_row(const qp_act *a, const float *x, int64_t k, float *o) {
         const int64_t c1 = c0 + g < k ? c0 + g : k;
         float amax = 0.f, b;
         int nan = 0;
-        for (int64_t i = c0; i < c1; i++) {
-            float v = fabsf(x[i]);
-            if (v != v) nan = 1;
-            else if (v > amax) amax = v;
+        for (int64_t i = c0; i < c1; i++) {  /* branch-free: vectorizes */
+            const float v = fabsf(x[i]);
+            nan |= v != v;
+            amax = v > amax ? v : amax;
         }
         if (nan) amax = NAN;
         if (a->kind == QA_NVFP4) {

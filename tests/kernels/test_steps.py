@@ -519,9 +519,9 @@ def test_prompt_expert_groups_choose_row_kernels_per_group(ckpts, ckpt, monkeypa
     x = torch.randn(4 + big, gate.in_features, generator=torch.Generator().manual_seed(11))
     real, decoded, calls = compute._dequant_mm, [], []
 
-    def counted(b, x2, slot, out):
+    def counted(b, x2, slot, out, xa=None):
         decoded.append((slot, x2.shape[0]))
-        return real(b, x2, slot, out)
+        return real(b, x2, slot, out, xa)
 
     real_gemm = native.gemm
 
@@ -538,5 +538,35 @@ def test_prompt_expert_groups_choose_row_kernels_per_group(ckpts, ckpt, monkeypa
     with native.disabled(), torch.inference_mode():
         ref_model = quantplug.load(ckpts[ckpt], progress=False)
         ref_experts = ref_model.model.layers[1].mlp.experts
+        ref = torch.cat([ref_experts.gate_proj.forward_grouped(x, groups), ref_experts.up_proj.forward_grouped(x, groups)], 1)
+    assert rel_err(got, ref) < 1e-5
+
+
+@needs_native
+def test_prompt_expert_groups_with_activation_quantization_quantize_once_per_group(monkeypatch):
+    """ModelOpt NVFP4 with its activation emulation (the vendor fixture): a group past the row
+    kernels' rows is decoded and multiplied, its input quantized once for gate and up (their input
+    scales are one); the outputs are the torch path's within float32 summation order."""
+    from quantplug.kernels import compute
+
+    path = VENDOR / "modelopt_nvfp4_dsv3"
+    model = quantplug.load(path, progress=False)
+    experts = model.model.layers[1].mlp.experts
+    gate, up = experts.gate_proj, experts.up_proj
+    big = compute._native_rows(compute.bound(gate)) + 5
+    groups = [(1, 2), (3, big)]
+    x = torch.randn(2 + big, gate.in_features, generator=torch.Generator().manual_seed(12))
+    real, quantized = native.act_rows, []
+
+    def counted(mat, x2):
+        quantized.append(x2.shape[0])
+        return real(mat, x2)
+
+    monkeypatch.setattr(native, "act_rows", counted)
+    with torch.inference_mode():
+        got = compute.grouped(gate, x, groups, [up])
+    assert quantized == [big]
+    with native.disabled(), torch.inference_mode():
+        ref_experts = quantplug.load(path, progress=False).model.layers[1].mlp.experts
         ref = torch.cat([ref_experts.gate_proj.forward_grouped(x, groups), ref_experts.up_proj.forward_grouped(x, groups)], 1)
     assert rel_err(got, ref) < 1e-5
