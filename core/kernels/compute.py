@@ -218,9 +218,8 @@ def grouped(layer: Any, x: torch.Tensor, groups: Sequence[tuple[int, int]],
         return _grouped_native(bs, x, groups)
     if not all(_many(b) for b in bs if b is not None):
         return None
-    # a prompt's expert groups: each group on the row kernels while it is within their rows, the
-    # larger ones decoded and multiplied (deciding for all groups by the largest one decoded every
-    # expert of a 256-token prompt for its ~32 rows)
+    # a prompt's expert groups: each group on the row kernels while it is within their rows, only
+    # the larger ones decoded and multiplied
     small = [all(b is not None and _row_kernels(b, n) for b in bs) for _, n in groups]
     x2 = native._as_f32_rows(x, b0.k)
     if any(small):
@@ -229,27 +228,23 @@ def grouped(layer: Any, x: torch.Tensor, groups: Sequence[tuple[int, int]],
         out = torch.empty(x2.shape[0], sum(b.n for b in bs if b is not None), dtype=torch.float32)
     start = 0
     for (slot, n), native_done in zip(groups, small):
-        col, xs = 0, x2[start:start + n]
-        # siblings (gate beside up) that quantize their input alike quantize it once
-        xa = native.act_rows(b0.ptr(slot), xs) if not native_done and _shared_act(bs, slot) else None
-        for b in bs:
-            assert b is not None
-            if not native_done:
+        if not native_done:
+            xs, col = x2[start:start + n], 0
+            # siblings (gate beside up) that quantize their input alike quantize it once
+            xa = native.act_rows(b0.ptr(slot), xs) if _shared_act(bs, slot) else None
+            for b in bs:
+                assert b is not None
                 _dequant_mm(b, xs, slot, out[start:start + n, col:col + b.n], xa)
-            col += b.n
+                col += b.n
         start += n
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def _shared_act(bs: Sequence[Bound | None], slot: int) -> bool:
     """Whether the stacked matrices of ``slot`` all quantize their input, and identically."""
-    keys = set()
-    for b in bs:
-        if b is None or b.form.act is None:
-            return False
-        a = b.mats[slot].act
-        keys.add((a.kind, a.group, a.ue8m0, a.epi, a.scale, a.offset, a.floor))
-    return len(keys) == 1
+    if any(b is None or b.form.act is None for b in bs):
+        return False
+    return len({_act_key(b.mats[slot].act) for b in bs if b is not None}) == 1
 
 
 def _grouped_native(bs: Sequence[Bound | None], x: torch.Tensor, groups: Sequence[tuple[int, int]],
@@ -291,16 +286,18 @@ def stacked_all(layer: Any, x: torch.Tensor) -> torch.Tensor | None:
 
 def _same_act(bs: Sequence[Bound]) -> bool:
     """Whether the matrices quantize their input identically (static scales included)."""
-    first = bs[0].mats[0].act
-    key = (first.kind, first.group, first.ue8m0, first.epi, first.scale, first.offset, first.floor)
+    key = _act_key(bs[0].mats[0].act)
     for b in bs:
         if b.mode != bs[0].mode and (b.mode == "fast") != (bs[0].mode == "fast"):
             return False
-        for m in b.mats:
-            a = m.act
-            if (a.kind, a.group, a.ue8m0, a.epi, a.scale, a.offset, a.floor) != key:
-                return False
+        if any(_act_key(m.act) != key for m in b.mats):
+            return False
     return True
+
+
+def _act_key(a: Any) -> tuple:
+    """What decides how a native matrix quantizes its input (its ``act`` fields)."""
+    return (a.kind, a.group, a.ue8m0, a.epi, a.scale, a.offset, a.floor)
 
 
 def _rotations(rot: torch.Tensor, b: int, rope: int) -> torch.Tensor | None:

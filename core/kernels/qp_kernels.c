@@ -45,6 +45,9 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define QP_AVX512 1
+#if defined(__AVX512VNNI__)
+#define QP_VNNI512 1  /* 512-bit int8 dot products */
+#endif
 #endif
 
 /* the IQ and ternary ggml types' block decoders (bit-exact with gguf-py), keyed by ggml type id */
@@ -100,7 +103,7 @@ int qp_form_info(int type, int64_t *elems, int64_t *bytes) {
 
 /* Which SIMD path this build took: 3 AVX512 (with VNNI), 4 AVX512 without VNNI, 2 AVX2, 0 portable C. */
 int qp_isa(void) {
-#if defined(QP_AVX512) && defined(__AVX512VNNI__)
+#ifdef QP_VNNI512
     return 3;
 #elif defined(QP_AVX512)
     return 4;
@@ -1028,7 +1031,7 @@ static inline __attribute__((always_inline)) void fast_tile(const qp_mat *m, con
 }
 #endif
 
-#if defined(QP_AVX512) && defined(__AVX512VNNI__)
+#ifdef QP_VNNI512
 /* Two blocks per 512-bit register (VNNI: one vpdpbusd per 64 weights and x row, where the AVX2 tile
  * needs a sign and a dot per 32). Lanes 0-7 hold block b, lanes 8-15 block b + 1 (last: block b
  * alone, the upper half zero). vpdpbusd multiplies unsigned by signed bytes: the weights go in
@@ -1097,14 +1100,15 @@ static inline __attribute__((always_inline)) void fast_tile512(const qp_mat *m, 
 }
 #endif
 
-/* fast Q4_0 / Q8_0: weights as signed codes v, x as int8 blocks: dot = sum |v| * sign(x, v) */
+/* fast Q4_0 / Q8_0: x as int8 blocks, integer block dots with the weight codes (the 512-bit VNNI
+ * tile; AVX2: dot = sum |v| * sign(x, v); else portable C) */
 static void fast_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy) {
     y -= r0;  /* y holds rows [r0, r1): y[i * ldy + r - r0] */
     for (int64_t r = r0; r < r1; r += RT) {
         int rt = r1 - r < RT ? (int)(r1 - r) : RT;
         for (int i0 = 0; i0 < xm; i0 += MT) {
             int mt = xm - i0 < MT ? xm - i0 : MT;
-#if defined(QP_AVX512) && defined(__AVX512VNNI__)
+#ifdef QP_VNNI512
             QP_TILE(fast_tile512, m, in, r, i0, rt, mt, y, ldy);
 #elif defined(__AVX2__)
             QP_TILE(fast_tile, m, in, r, i0, rt, mt, y, ldy);
@@ -1311,7 +1315,7 @@ static void int_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, i
             const uint8_t *u = in->u8 + (int64_t)i * K;
             int64_t c = 0;
             int32_t dot = 0;
-#if defined(QP_AVX512) && defined(__AVX512VNNI__)
+#ifdef QP_VNNI512
             __m512i acc = _mm512_setzero_si512();
             for (; c + 64 <= K; c += 64)
                 acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512((const void *)(u + c)), _mm512_loadu_si512((const void *)(wr + c)));

@@ -503,6 +503,13 @@ def test_prompts_of_weight_only_forms_stay_on_the_row_kernels(ckpts, ckpt, decod
     assert rel_err(got, ref) < 1e-5
 
 
+def _torch_gate_up(path, x: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
+    """Layer 1's routed gate and up outputs side by side, on the torch paths (native kernels off)."""
+    with native.disabled(), torch.inference_mode():
+        experts = quantplug.load(path, progress=False).model.layers[1].mlp.experts
+        return torch.cat([experts.gate_proj.forward_grouped(x, groups), experts.up_proj.forward_grouped(x, groups)], 1)
+
+
 @needs_native
 @pytest.mark.parametrize("ckpt", ["Q4_0", "K-mix"])
 def test_prompt_expert_groups_choose_row_kernels_per_group(ckpts, ckpt, monkeypatch):
@@ -535,11 +542,7 @@ def test_prompt_expert_groups_choose_row_kernels_per_group(ckpts, ckpt, monkeypa
         got = compute.grouped(gate, x, groups, [up])
     assert decoded == [(5, big), (5, big)]  # gate and up of the large group only
     assert calls == [4]  # gate and up of the two small groups, one native call
-    with native.disabled(), torch.inference_mode():
-        ref_model = quantplug.load(ckpts[ckpt], progress=False)
-        ref_experts = ref_model.model.layers[1].mlp.experts
-        ref = torch.cat([ref_experts.gate_proj.forward_grouped(x, groups), ref_experts.up_proj.forward_grouped(x, groups)], 1)
-    assert rel_err(got, ref) < 1e-5
+    assert rel_err(got, _torch_gate_up(ckpts[ckpt], x, groups)) < 1e-5
 
 
 @needs_native
@@ -566,7 +569,4 @@ def test_prompt_expert_groups_with_activation_quantization_quantize_once_per_gro
     with torch.inference_mode():
         got = compute.grouped(gate, x, groups, [up])
     assert quantized == [big]
-    with native.disabled(), torch.inference_mode():
-        ref_experts = quantplug.load(path, progress=False).model.layers[1].mlp.experts
-        ref = torch.cat([ref_experts.gate_proj.forward_grouped(x, groups), ref_experts.up_proj.forward_grouped(x, groups)], 1)
-    assert rel_err(got, ref) < 1e-5
+    assert rel_err(got, _torch_gate_up(path, x, groups)) < 1e-5
