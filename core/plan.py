@@ -30,7 +30,7 @@ from .checkpoint.gguf_index import GGUF_FLOATS
 from .errors import PlanError, group_problems
 from .layers.linear import LinearScheme, PlannedModule, QuantLinear, Source, StackedLinear
 from .memory import gc_paused
-from .models.config import ModelConfig, check_against_tensors, parse_model_config
+from .models.config import ModelConfig, check_against_tensors
 from .models.registry import ArchSpec, get_arch
 from .options import resolve as resolve_options
 from .plugins import PluginManager, get_plugin_manager
@@ -417,7 +417,7 @@ def _build_plan(path: str | Path, backend: str | None, options: Mapping[str, Any
     options = dict(options or {})
     ckpt = Checkpoint.open(path)
     arch = get_arch(ckpt.config, pm.architectures())
-    mcfg = parse_model_config(ckpt.config, arch.name, arch.wrapped, str(ckpt.path / "config.json"))
+    mcfg = arch.parse_config(ckpt.config, str(ckpt.path / "config.json"))
     check_against_tensors(mcfg, ckpt.tensors)
     quant_config_fields(ckpt.config, str(ckpt.path / "config.json"))  # an object with a string quant_method, if any
     claim = pm.detect(ckpt, backend)

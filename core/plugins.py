@@ -389,21 +389,11 @@ class PluginManager:
     # -- architectures ------------------------------------------------------------------------
 
     def architectures(self) -> dict[str, Any]:
-        """Architectures added by plugins (``quantplug_architectures``), checked for clashes."""
-        from .models.registry import ARCHITECTURES
+        """Architectures added by plugins (``quantplug_architectures``), checked for clashes with
+        each other and with those registered through the ``quantplug.architectures`` entry points."""
+        from .models.registry import check_plugin_architectures
 
-        out: dict[str, Any] = {}
-        owner: dict[str, PluginInfo] = {}
-        for answer, info in self.call("quantplug_architectures", None, firstresult=False):
-            for name, spec in answer.items():
-                if spec.name != name:
-                    raise QuantplugError(f"plugin {info}: quantplug_architectures[{name!r}] is ArchSpec "
-                                         f"{spec.name!r}; its name must be its key")
-                if name in ARCHITECTURES or name in out:
-                    other = "the core" if name in ARCHITECTURES else f"plugin {owner[name]}"
-                    raise QuantplugError(f"plugin {info} adds architecture {name!r}, which {other} already defines")
-                out[name], owner[name] = spec, info
-        return out
+        return check_plugin_architectures(self.call("quantplug_architectures", None, firstresult=False))
 
     # -- detection ----------------------------------------------------------------------------
 

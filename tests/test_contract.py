@@ -252,7 +252,7 @@ def test_architecture_clash_names_both(tmp_path, ckpt):
 
     pm = PluginManager(entry_points=False, env={})
     pm.register(Arch(), "arch")
-    with pytest.raises(api.QuantplugError, match="the core already defines"):
+    with pytest.raises(api.QuantplugError, match=r"which quantplug \S+ \(entry point quantplug.architectures\) already defines"):
         build_plan(ckpt, plugin_manager=pm)
 
 
