@@ -23,8 +23,16 @@ from torch import nn
 from .errors import QuantplugError
 from .kernels import compute, native
 from .kernels.compute import NATIVE_ROWS
+from .layers.embedding import Embedding, TiedHead
 from .layers.linear import DenseScheme, FloatParams, QuantLinear, StackedLinear
-from .models.deepseek import MLA, MLP, Embedding, Experts, TiedHead
+from .models.declarations import (
+    EngineExperts,
+    EngineLatentAttention,
+    EngineMLP,
+    LatentAttention,
+    RoutedExperts,
+    declared,
+)
 
 
 class KVBFromSplit(nn.Module):
@@ -40,15 +48,17 @@ class KVBFromSplit(nn.Module):
     :func:`quantplug.api.dense_state` folds back, up to float rounding.
     """
 
-    def __init__(self, attn: MLA) -> None:
+    def __init__(self, attn: LatentAttention) -> None:
         super().__init__()
-        self.k_b: StackedLinear = attn.k_b
-        self.v_b: StackedLinear = attn.v_b
+        k_b, v_b = getattr(attn, "k_b", None), getattr(attn, "v_b", None)
+        if not isinstance(k_b, StackedLinear) or not isinstance(v_b, StackedLinear):
+            raise QuantplugError(f"{attn.qp_ckpt}: split K/V needs k_b / v_b per-head stacks")
+        self.k_b, self.v_b = k_b, v_b
         self.heads = attn.num_heads
-        self.nope, self.v = attn.cfg.qk_nope_head_dim, attn.cfg.v_head_dim
+        self.nope, self.v = attn.qk_nope_head_dim, attn.v_head_dim
         self.in_features = attn.kv_lora_rank
         self.out_features = self.heads * (self.nope + self.v)
-        self.qp_ckpt = attn.o_proj.qp_ckpt.rsplit(".", 1)[0] + ".kv_b_proj"
+        self.qp_ckpt = attn.qp_ckpt + ".kv_b_proj"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -88,13 +98,12 @@ class AbsorbedMLA:
     quantized rows cannot be formed here (the engine then attends on the float latent).
     """
 
-    def __init__(self, attn: MLA) -> None:
-        cfg = attn.cfg
-        self.heads, self.nope, self.v, self.kv_lora = attn.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, attn.kv_lora_rank
+    def __init__(self, attn: LatentAttention) -> None:
+        self.heads, self.nope, self.v, self.kv_lora = attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim, attn.kv_lora_rank
         self.split = attn.layout.kind != "dense"
-        self.k_b: StackedLinear | None = attn.k_b if self.split else None
-        self.v_b: StackedLinear | None = attn.v_b if self.split else None
-        self.kv_b: QuantLinear | None = None if self.split else attn.kv_b_proj
+        self.k_b: StackedLinear | None = getattr(attn, "k_b", None) if self.split else None
+        self.v_b: StackedLinear | None = getattr(attn, "v_b", None) if self.split else None
+        self.kv_b: QuantLinear | None = None if self.split else getattr(attn, "kv_b_proj", None)
         kv_b = self.kv_b
         self.where = attn.qp_ckpt
         bound = None if kv_b is None else compute.bound(kv_b)
@@ -212,23 +221,32 @@ def text_model(model: nn.Module) -> nn.Module:
     return lm
 
 
+def _engine_entries(lm: nn.Module) -> dict[str, tuple[nn.Module, object]]:
+    """The modules the text model's ``qp_engine_plan`` names, by name, with their entries."""
+    return {name: (mod, entry) for name, mod, entry in
+            declared(lm, "qp_engine_plan", (EngineMLP, EngineExperts, EngineLatentAttention))}
+
+
 def planned_modules(model: nn.Module) -> dict[str, Projection]:
-    """Every projection of the loaded DeepSeek-V3 text model, by the Hugging Face / vLLM module
-    name an engine gives it:
+    """Every projection of the loaded text model, by the Hugging Face / vLLM module name an engine
+    gives it:
 
     * each linear by its own name (``model.layers.{i}.self_attn.q_b_proj``, ``...mlp.down_proj``,
-      ``lm_head``...), and the merged names engines fuse them under:
-      ``self_attn.fused_qkv_a_proj`` (q_a_proj + kv_a_proj_with_mqa) and ``mlp.gate_up_proj`` /
-      ``mlp.shared_experts.gate_up_proj`` (gate + up), computed in one call where the scheme
+      ``lm_head``...), and the merged names engines fuse them under, as the architecture's
+      ``qp_engine_plan`` declares them (:mod:`quantplug.models.declarations`; DeepSeek-V3:
+      ``self_attn.fused_qkv_a_proj`` = q_a_proj + kv_a_proj_with_mqa and ``mlp.gate_up_proj`` /
+      ``mlp.shared_experts.gate_up_proj`` = gate + up), computed in one call where the scheme
       fused them at load (:meth:`LinearScheme.fuse`);
     * ``self_attn.kv_b_proj`` also for split K/V layers (:class:`KVBFromSplit`);
     * ``mlp.experts``: the routed experts, ``fn(x, topk_ids, topk_weights)`` -> the weighted sum
       of each token's experts (quantplug's grouped expert forward);
     * ``model.embed_tokens``: the embedding, ``fn(ids)``.
 
-    ``model`` is what ``quantplug.load`` returned (unsplit: no tensor parallelism).
+    ``model`` is what ``quantplug.load`` returned (unsplit: no tensor parallelism). A module
+    holding a member its engine entry lists as ``unsupported`` is refused, naming it and why.
     """
     lm = text_model(model)
+    engine = _engine_entries(lm)
     out: dict[str, Projection] = {}
     for name, mod in lm.named_modules():
         if getattr(mod, "qp_parallel", None) is not None:
@@ -241,29 +259,44 @@ def planned_modules(model: nn.Module) -> dict[str, Projection]:
         elif isinstance(mod, TiedHead):
             emb = mod._embed[0]
             out[name] = Projection(mod, [emb], emb.dim, [emb.vocab], [_describe(mod)])
-        elif isinstance(mod, Experts):
-            p = _single(mod)
-            p.fn = _routed(mod)
-            p.in_features, p.out_features = mod.gate_proj.in_features, [mod.down_proj.out_features]
-            p.schemes = [f"{x.scheme.describe()}" for x in (mod.gate_proj, mod.up_proj, mod.down_proj)]
-            out[name] = p
-        elif isinstance(mod, MLA):
-            if mod.cfg.mla_use_output_gate:
-                raise QuantplugError(f"{name}: the MLA output gate (mla_use_output_gate, Kimi-K3) is not part of "
-                                     "the engines' DeepSeek-V3 attention")
-            if mod.q_lora is not None:
-                out[f"{name}.fused_qkv_a_proj"] = _merged([mod.q_a_proj, mod.kv_a_proj_with_mqa], mod.qkv_a)
-            if mod.layout.kind != "dense":
-                split = KVBFromSplit(mod)
-                out[f"{name}.kv_b_proj"] = _single(split, [
-                    f"K half dequantized per call from {mod.layout.k_b} (the engine needs its transpose); "
-                    f"V half through {mod.layout.v_b}'s scheme"])
-        elif isinstance(mod, MLP):
-            out[f"{name}.gate_up_proj"] = _merged([mod.gate_proj, mod.up_proj], mod.gate_up)
+        elif name in engine:
+            _engine_projections(name, mod, engine[name][1], out)
     return out
 
 
-def _routed(experts: Experts) -> Callable[..., torch.Tensor]:
+def _engine_projections(name: str, mod: nn.Module, entry: object, out: dict[str, Projection]) -> None:
+    """The projections one ``qp_engine_plan`` entry adds (see :func:`planned_modules`)."""
+    if isinstance(entry, EngineExperts):
+        if not isinstance(mod, RoutedExperts):
+            raise QuantplugError(f"{name} ({type(mod).__name__}) is declared EngineExperts but has no "
+                                 "step / forward_step (quantplug.models.declarations.RoutedExperts)")
+        gate, up, down = (getattr(mod, s) for s in entry.stacks)
+        p = _single(mod)
+        p.fn = _routed(mod)
+        p.in_features, p.out_features = gate.in_features, [down.out_features]
+        p.schemes = [f"{x.scheme.describe()}" for x in (gate, up, down)]
+        out[name] = p
+    elif isinstance(entry, EngineLatentAttention):
+        for member, why in entry.unsupported:
+            if isinstance(getattr(mod, member, None), nn.Module):
+                raise QuantplugError(f"{name}.{member}: {why}")
+        if not isinstance(mod, LatentAttention):
+            raise QuantplugError(f"{name} ({type(mod).__name__}) is declared EngineLatentAttention but lacks the "
+                                 "fields of quantplug.models.declarations.LatentAttention")
+        q_a, kv_a = getattr(mod, entry.q_a, None), getattr(mod, entry.kv_a, None)
+        if isinstance(q_a, QuantLinear) and isinstance(kv_a, QuantLinear):
+            out[f"{name}.{entry.merged}"] = _merged([q_a, kv_a], getattr(mod, entry.fused, None))
+        if mod.layout.kind != "dense":
+            split = KVBFromSplit(mod)
+            out[f"{name}.kv_b_proj"] = _single(split, [
+                f"K half dequantized per call from {mod.layout.k_b} (the engine needs its transpose); "
+                f"V half through {mod.layout.v_b}'s scheme"])
+    elif isinstance(entry, EngineMLP):
+        out[f"{name}.{entry.merged}"] = _merged([getattr(mod, entry.gate), getattr(mod, entry.up)],
+                                               getattr(mod, entry.fused, None))
+
+
+def _routed(experts: RoutedExperts) -> Callable[..., torch.Tensor]:
     """``fn(x, topk_ids, topk_weights)`` of the routed experts, as quantplug's own model runs them:
     up to :data:`NATIVE_ROWS` tokens in one native call of the experts' step (``MLPStep``: gate,
     up, silu, down and the weighted sum of every token's experts), more through the grouped
@@ -284,14 +317,15 @@ def planned_mlps(model: nn.Module) -> dict[str, nn.Module]:
     :data:`NATIVE_ROWS` rows where the three are bound to forms), for an engine whose MLP module
     holds exactly these three planned linears."""
     lm = text_model(model)
-    return {name: mod for name, mod in lm.named_modules() if isinstance(mod, MLP)}
+    return {name: mod for name, (mod, entry) in _engine_entries(lm).items() if isinstance(entry, EngineMLP)}
 
 
 def absorbed_attention(model: nn.Module) -> dict[str, AbsorbedMLA]:
     """:class:`AbsorbedMLA` of every MLA layer of the loaded text model, by Hugging Face module
     name (``model.layers.{i}.self_attn``)."""
     lm = text_model(model)
-    return {name: AbsorbedMLA(mod) for name, mod in lm.named_modules() if isinstance(mod, MLA)}
+    return {name: AbsorbedMLA(mod) for name, (mod, entry) in _engine_entries(lm).items()
+            if isinstance(entry, EngineLatentAttention) and isinstance(mod, LatentAttention)}
 
 
 def float_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -6,12 +6,14 @@ layouts and the open-shape fused part of a Source."""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import archs
 import pytest
 import quantplug
 import quantplug.api as api
 import torch
+from quantplug.errors import QuantplugError
 from quantplug.plugins import PluginManager
 from quantplug.testing import random_state, tiny_config, to_layout, write_checkpoint
 from torch import nn
@@ -190,3 +192,45 @@ def test_a_fused_part_of_open_shape_is_resolved_from_the_header(tmp_path):
     bad[name] = bad[name][:, :-1]
     with pytest.raises(api.PlanError, match="axis 1 does not split into 2 equal parts"):
         quantplug.plan(write_checkpoint(tmp_path / "bad", cfg, bad), plugin_manager=_pm(_OpenExperts())).raise_for_problems()
+
+
+# -- engine mappings (qp_engine_plan) ---------------------------------------------------------------
+
+def test_bridge_and_parallel_know_no_model_class():
+    """The engine bridge and the tensor-parallel loader read declarations only: neither imports
+    an architecture's module."""
+    import ast
+
+    import quantplug.bridge
+    import quantplug.parallel
+
+    for mod in (quantplug.bridge, quantplug.parallel):
+        tree = ast.parse(Path(mod.__file__).read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not any("deepseek" in m or "kimi" in m for m in imported), (mod.__name__, imported)
+
+
+def test_engine_plan_names_the_merged_projections_and_refuses_unsupported_members(tmp_path):
+    """A model class that is not DeepSeek's MLA class, declaring the same engine plan, is mapped
+    the same way; a member the plan marks unsupported is refused by name."""
+    from quantplug import bridge
+    from quantplug.models import deepseek
+    from quantplug.models.declarations import EngineLatentAttention
+
+    cfg = tiny_config()
+    path = write_checkpoint(tmp_path / "ck", cfg, random_state(cfg))
+    model = quantplug.load(path)
+    names = set(bridge.planned_modules(model))
+    assert {"model.layers.0.self_attn.fused_qkv_a_proj", "model.layers.0.mlp.gate_up_proj",
+            "model.layers.1.mlp.shared_experts.gate_up_proj", "model.layers.1.mlp.experts"} <= names
+    assert set(bridge.absorbed_attention(model)) == {f"model.layers.{i}.self_attn" for i in range(cfg["num_hidden_layers"])}
+
+    plan = dict(deepseek.DeepseekV3ForCausalLM.qp_engine_plan)
+    plan["model.layers.*.self_attn"] = EngineLatentAttention(unsupported=(("o_proj", "no place for it here"),))
+    sub = type("Sub", (deepseek.DeepseekV3ForCausalLM,), {"qp_engine_plan": plan})
+    model.__class__ = sub
+    with pytest.raises(QuantplugError, match=r"model\.layers\.0\.self_attn\.o_proj: no place for it here"):
+        bridge.planned_modules(model)
+    plan.pop("model.layers.*.mlp")
+    plan["model.layers.*.self_attn"] = deepseek.DeepseekV3ForCausalLM.qp_engine_plan["model.layers.*.self_attn"]
+    assert "model.layers.0.mlp.gate_up_proj" not in bridge.planned_modules(model)  # undeclared: not merged

@@ -190,6 +190,80 @@ DenseRule = Unstack | FoldHeads
 
 
 # ---------------------------------------------------------------------------------------------
+# Engine entries (qp_engine_plan: how an engine's own module tree takes the planned modules)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EngineMLP:
+    """A gated MLP (``down(act(gate(x)) * up(x))``) an engine runs with a merged gate + up
+    projection named ``<module>.<merged>`` (vLLM ``MergedColumnParallelLinear``), computed in one
+    call where the scheme fused the pair at load (the module's ``fused`` attribute, or None).
+    :func:`quantplug.bridge.planned_mlps` hands the module itself to engines that run it whole."""
+
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+    merged: str = "gate_up_proj"
+    fused: str = "gate_up"
+
+
+@dataclass(frozen=True)
+class EngineExperts:
+    """Routed experts an engine calls as ``fn(x, topk_ids, topk_weights)``: the module implements
+    :class:`RoutedExperts` (its ``stacks`` are the gate / up / down ``StackedLinear``)."""
+
+    stacks: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class EngineLatentAttention:
+    """Multi-head latent attention an engine runs in its own attention module: ``q_a`` and
+    ``kv_a`` merged as ``<module>.<merged>`` (one call where the module's ``fused`` attribute
+    holds their fused product), K/V up-projections as a dense ``kv_b`` or per-head ``k_b`` /
+    ``v_b`` stacks (the engine gets a ``kv_b_proj`` either way), and the absorbed per-head
+    products (:class:`quantplug.bridge.AbsorbedMLA`). The module implements
+    :class:`LatentAttention`. ``unsupported``: members an engine's latent attention has no
+    place for, with why (``(member, reason)``): a module holding one is refused by name."""
+
+    q_a: str = "q_a_proj"
+    kv_a: str = "kv_a_proj_with_mqa"
+    merged: str = "fused_qkv_a_proj"
+    fused: str = "qkv_a"
+    unsupported: tuple[tuple[str, str], ...] = ()
+
+
+EngineEntry = EngineMLP | EngineExperts | EngineLatentAttention
+
+
+@runtime_checkable
+class RoutedExperts(Protocol):
+    """Routed experts an :class:`EngineExperts` entry names."""
+
+    #: the experts' native step (one call for a few tokens' experts), or None
+    step: Any
+
+    def forward_step(self, x: torch.Tensor, ids: Any, weights: Any) -> torch.Tensor:
+        """Each row's experts ``ids[r]`` weighted by ``weights[r]`` (Python lists), natively."""
+        ...
+
+    def __call__(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class LatentAttention(Protocol):
+    """Latent attention an :class:`EngineLatentAttention` entry names (DeepSeek's MLA): the
+    heads it computes, the latent width, the head dims, and how K/V are stored (``layout.kind``
+    ``"dense"``: a ``kv_b_proj`` member; otherwise ``k_b`` / ``v_b`` stacks)."""
+
+    qp_ckpt: str
+    num_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    layout: Any
+
+
+# ---------------------------------------------------------------------------------------------
 # Reading the declarations
 # ---------------------------------------------------------------------------------------------
 
@@ -210,12 +284,16 @@ def _entry_members(entry: object) -> tuple[tuple[str, ...], tuple[str, ...]]:
         return entry.stacks, ()
     if isinstance(entry, FoldHeads):
         return tuple(p.member for p in entry.parts), ()
+    if isinstance(entry, EngineMLP):
+        return (entry.gate, entry.up, entry.down), ()
+    if isinstance(entry, EngineExperts):
+        return entry.stacks, ()
     return (), ()
 
 
 def declared(model: nn.Module, attr: str, kinds: tuple[type, ...]) -> Iterator[tuple[str, nn.Module, Any]]:
     """``(module name in model, module, entry)`` for every module an entry of the declaration
-    ``attr`` (``"qp_tp_plan"`` or ``"qp_dense_state"``) of a module in ``model`` applies to,
+    ``attr`` (``"qp_tp_plan"``, ``"qp_dense_state"`` or ``"qp_engine_plan"``) of a module in ``model`` applies to,
     in module order. Entries must be instances of ``kinds``."""
     roots = [(name, mod) for name, mod in model.named_modules() if getattr(type(mod), attr, None)]
     seen: dict[int, str] = {}

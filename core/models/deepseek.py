@@ -43,6 +43,10 @@ from .config import ModelConfig
 from .declarations import (
     ColumnParallel,
     DenseRule,
+    EngineEntry,
+    EngineExperts,
+    EngineLatentAttention,
+    EngineMLP,
     ExpertParallel,
     FeatureParallel,
     FoldHeads,
@@ -149,6 +153,8 @@ class MLA(nn.Module):
         self.num_heads = nh
         #: latent dims the cache holds per token (not split over ranks)
         self.kv_lora_rank, self.qk_rope_head_dim = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        #: per-head widths of the K / V up-projections (:class:`~quantplug.models.declarations.LatentAttention`)
+        self.qk_nope_head_dim, self.v_head_dim = cfg.qk_nope_head_dim, cfg.v_head_dim
         self._kv_b_heads: tuple[torch.Tensor, torch.Tensor] | None = None
         #: q_a_proj and kv_a_proj_with_mqa (same input) in one call when their scheme fuses them
         self.qkv_a: Any = None
@@ -757,6 +763,16 @@ class DeepseekV3ForCausalLM(GenerationMixin, nn.Module):
         "model.layers.*.mlp.shared_experts": FeatureParallel(column=("gate_proj", "up_proj"), row=("down_proj",)),
         "model.layers.*.mlp.experts": ExpertParallel(stacks=("gate_proj", "up_proj", "down_proj")),
         "lm_head": ColumnParallel(gather=True),
+    }
+    #: how an engine's own DeepSeek-V3 module tree (vLLM, transformers) takes the planned
+    #: modules (``quantplug.bridge`` reads it)
+    qp_engine_plan: ClassVar[Mapping[str, EngineEntry]] = {
+        "model.layers.*.self_attn": EngineLatentAttention(unsupported=(
+            ("g_proj", "the MLA output gate (mla_use_output_gate) is not part of the engines' DeepSeek-V3 attention"),
+        )),
+        "model.layers.*.mlp": EngineMLP(),
+        "model.layers.*.mlp.shared_experts": EngineMLP(),
+        "model.layers.*.mlp.experts": EngineExperts(),
     }
     #: stacked layers back to the hub layout (``quantplug.api.dense_state`` reads it)
     qp_dense_state: ClassVar[Mapping[str, DenseRule]] = {
