@@ -89,10 +89,13 @@ from .layers.linear import (
 from .layers.norm import RMSNorm
 from .layers.rope import Rotary
 from .memory import read_into
-from .models.config import ModelConfig, RopeConfig
+from .models.config import ModelConfig, RopeConfig, parse_model_config
 from .models.declarations import (
     ColumnParallel,
     DeclarationError,
+    EngineExperts,
+    EngineLatentAttention,
+    EngineMLP,
     ExpertGroup,
     ExpertParallel,
     FeatureParallel,
@@ -100,6 +103,8 @@ from .models.declarations import (
     HeadGroup,
     HeadParallel,
     HeadPart,
+    LatentAttention,
+    RoutedExperts,
     RowParallel,
     TiedModule,
     Unstack,
@@ -107,7 +112,7 @@ from .models.declarations import (
     ckpt_name,
     declared,
 )
-from .models.deepseek import PlanOracle
+from .models.deepseek import MLA, MLP, DecoderLayer, DeepseekV3ForCausalLM, Experts, MoE, PlanOracle, Router
 from .models.registry import ArchSpec
 from .plan import LoadPlan
 from .stats import StatsSource, expose_stats, stats_sources
@@ -341,6 +346,10 @@ __all__ = [
     # adding an architecture
     "ArchSpec", "Embedding", "FloatParams", "PlanOracle", "QuantLinear", "RMSNorm", "Rotary", "StackedLinear",
     "FusedLayout", "PerIndexLayout", "StackLayout", "StackedLayout",
+    # ... from the core's blocks (1.6): the DeepSeek-V3 model and its parts, its config parser
+    "DecoderLayer", "DeepseekV3ForCausalLM", "Experts", "MLA", "MLP", "MoE", "Router", "parse_model_config",
+    # ... declaring how engines take it (qp_engine_plan, 1.6)
+    "EngineExperts", "EngineLatentAttention", "EngineMLP", "LatentAttention", "RoutedExperts",
     # ... and declaring its tensor-parallel plan (qp_tp_plan) and dense-state mapping (qp_dense_state)
     "ColumnParallel", "DeclarationError", "ExpertGroup", "ExpertParallel", "FeatureParallel", "FoldHeads", "HeadGroup",
     "HeadParallel", "HeadPart", "RowParallel", "TiedModule", "Unstack", "VocabParallel",

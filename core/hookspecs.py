@@ -89,11 +89,21 @@ PROJECT = "quantplug"
 #:   declared protocol instead of a backend's attributes; ``quantplug.api.stored_dtype`` (what a
 #:   module's weight is stored as, fused experts included); ``quantplug.api.qpack`` (the
 #:   version-2 expert pack of safetensors checkpoints: layout constants and reader).
+#: * 1.6: architectures register through the ``quantplug.architectures`` entry-point group (the
+#:   core's own too; ``quantplug_architectures`` stays for a backend that adds one beside its
+#:   format); ``ArchSpec.config`` declares an architecture's config schema; an architecture
+#:   declares how engines take its modules (``qp_engine_plan``: ``EngineLatentAttention`` /
+#:   ``EngineMLP`` / ``EngineExperts``, module protocols ``LatentAttention`` / ``RoutedExperts``)
+#:   instead of the bridge testing model classes; the core's DeepSeek-V3 blocks are public for
+#:   composition (``DeepseekV3ForCausalLM``, ``DecoderLayer``, ``MLA``, ``MLP``, ``MoE``,
+#:   ``Experts``, ``Router``, ``parse_model_config``).
+#:   Design note: an architecture is a declaration the core reads (config schema, skeleton,
+#:   tensor-parallel plan, dense-state and engine mappings); the core holds no list of them.
 #:
 #: A plugin declares at least the version of every feature it uses (:data:`API_SINCE`,
 #: :data:`SCHEME_SINCE`, each hook's ``versionadded``); ``quantplug.testing.contract`` checks it
 #: and the conformance kit runs that check.
-CONTRACT_VERSION = "1.5"
+CONTRACT_VERSION = "1.6"
 #: When each name of ``quantplug.api`` entered the contract; names not listed date from 1.1, when
 #: ``quantplug.api`` itself was added.
 API_SINCE: dict[str, str] = {
@@ -107,6 +117,9 @@ API_SINCE: dict[str, str] = {
     **dict.fromkeys(("ColumnParallel", "RowParallel", "FeatureParallel", "HeadParallel", "ExpertParallel",
                      "VocabParallel", "HeadGroup", "ExpertGroup", "TiedModule", "Unstack", "FoldHeads", "HeadPart",
                      "DeclarationError", "FusedLayout", "PerIndexLayout", "StackedLayout", "StackLayout"), "1.5"),
+    **dict.fromkeys(("DecoderLayer", "DeepseekV3ForCausalLM", "Experts", "MLA", "MLP", "MoE", "Router",
+                     "parse_model_config", "EngineExperts", "EngineLatentAttention", "EngineMLP", "LatentAttention",
+                     "RoutedExperts"), "1.6"),
 }
 #: When each optional ``LinearScheme`` member a scheme may define entered the contract (members
 #: not listed: 1.0).

@@ -675,6 +675,8 @@ class TextModel(nn.Module):
                 owners.append((mlp, mlp.step))
                 continue
             assert isinstance(mlp, MoE)
+            if type(mlp.gate) is not Router:  # the native step routes as Router does (an architecture's own router: not)
+                return None
             ex, cfg, shared = mlp.experts, mlp.gate.cfg, mlp.shared_experts
             if (ex.step is None or ex.qp_store is not None or ex.qp_parallel is not None
                     or (ex.first, ex.count, ex.slot_base) != (0, ex.n, 0) or len(ex.step.gate.mats) != ex.n
