@@ -22,11 +22,13 @@ import torch
 from safetensors.torch import save_file
 
 _PLAIN_FLOATS = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
-_LAZY = {"BackendConformance": "conformance", "hf_logits": "reference", "rel_err": "reference"}
+_LAZY = {"ArchitectureConformance": "arch_conformance", "BackendConformance": "conformance", "hf_logits": "reference",
+         "rel_err": "reference"}
 
 
 def __getattr__(name: str) -> Any:
-    """``BackendConformance``, ``hf_logits``, ``rel_err``: imported on first use (pytest, transformers)."""
+    """``ArchitectureConformance``, ``BackendConformance``, ``hf_logits``, ``rel_err``: imported on first use
+    (pytest, transformers)."""
     if name in _LAZY:
         import importlib
 
