@@ -123,7 +123,7 @@ class ArchitectureConformance:
         with forbid_data_reads(arch_kit.path) as reads:
             plan = self._plan(arch_kit.path)
         if reads:
-            _fail(f"[plan reads no tensor data] planning read tensor data:\n  " + "\n  ".join(reads.events[:5]))
+            _fail("[plan reads no tensor data] planning read tensor data:\n  " + "\n  ".join(reads.events[:5]))
         if plan.errors:
             _fail("[clean plan] the architecture's own float checkpoint plans with problems:\n  "
                   + "\n  ".join(p.describe() for p in plan.errors))
