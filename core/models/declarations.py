@@ -198,7 +198,7 @@ class EngineMLP:
     """A gated MLP (``down(act(gate(x)) * up(x))``) an engine runs with a merged gate + up
     projection named ``<module>.<merged>`` (vLLM ``MergedColumnParallelLinear``), computed in one
     call where the scheme fused the pair at load (the module's ``fused`` attribute, or None).
-    :func:`quantplug.bridge.planned_mlps` hands the module itself to engines that run it whole."""
+    ``quantplug.bridge.planned_mlps`` hands the module itself to engines that run it whole."""
 
     gate: str = "gate_proj"
     up: str = "up_proj"
@@ -221,7 +221,7 @@ class EngineLatentAttention:
     ``kv_a`` merged as ``<module>.<merged>`` (one call where the module's ``fused`` attribute
     holds their fused product), K/V up-projections as a dense ``kv_b`` or per-head ``k_b`` /
     ``v_b`` stacks (the engine gets a ``kv_b_proj`` either way), and the absorbed per-head
-    products (:class:`quantplug.bridge.AbsorbedMLA`). The module implements
+    products (``quantplug.bridge.AbsorbedMLA``). The module implements
     :class:`LatentAttention`. ``unsupported``: members an engine's latent attention has no
     place for, with why (``(member, reason)``): a module holding one is refused by name."""
 

@@ -45,7 +45,7 @@ class ArchSpec:
     ``text_config`` and text weights under ``language_model.``; ``skip_rules``: checkpoint
     tensors left out on purpose (listed in the plan); ``config``: the architecture's config
     schema, a parser from config.json to the model config (default: the core's DeepSeek-V3
-    parser, :func:`quantplug.models.config.parse_model_config`); it raises ``ConfigError`` naming
+    parser, :func:`quantplug.api.parse_model_config`); it raises ``ConfigError`` naming
     the file and key of anything it refuses."""
 
     name: str
