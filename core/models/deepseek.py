@@ -326,6 +326,9 @@ class MLA(nn.Module):
 
 
 class MLP(nn.Module):
+    """Gated MLP ``down(silu(gate(x)) * up(x))`` (dense layers and shared experts); one native
+    call for a few rows where the three are bound to weight forms."""
+
     def __init__(self, d: Decisions, base: str, hidden: int, inter: int) -> None:
         super().__init__()
         self.qp_ckpt = d.ck(base)
@@ -567,6 +570,10 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
+    """Mixture of experts: ``gate`` (the router: ``gate(x)`` -> expert ids and weights per row,
+    ``gate.route_one`` for one token), the routed :class:`Experts` and optional shared experts
+    (an :class:`MLP`). An architecture may put its own router in ``gate``."""
+
     #: the next MoE layer, whose likely experts a decode step prefetches when experts are served
     #: from the checkpoint's files (set by the text model after loading)
     qp_next: Any = None
@@ -618,6 +625,10 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One pre-norm decoder layer ``model.layers.{i}``: ``x + attn(norm(x))``, then
+    ``x + mlp(norm(x))``; the MLP is a :class:`MoE` from ``first_k_dense_replace`` on, else a
+    dense :class:`MLP`."""
+
     def __init__(self, cfg: ModelConfig, i: int, d: Decisions, rotary: Rotary) -> None:
         super().__init__()
         base = f"model.layers.{i}"
