@@ -88,13 +88,30 @@ def _print_plan(d: dict[str, Any]) -> None:
     for rule, names in d["skipped"].items():
         print(f"skipped {len(names)} tensor(s) by rule {rule}")
     if d["problems"]:
-        groups = d.get("problem_groups") or [f"{p['severity']}: {p['message']}" for p in d["problems"]]
-        distinct = f", {len(groups)} line(s): problems sharing a cause said once" if len(groups) != len(d["problems"]) else ""
-        print(f"problems ({len(d['problems'])}{distinct}):")
-        for line in groups:
-            print(f"  {line}")
+        print(f"problems:     {len(d['problems'])} (on stderr)")
+        _print_problems(d)
     else:
         print("problems:     none")
+
+
+def _print_problems(d: dict[str, Any]) -> None:
+    """A plan's problems on stderr, one line per cause (as every command's errors are)."""
+    groups = d.get("problem_groups") or [f"{p['severity']}: {p['message']}" for p in d["problems"]]
+    distinct = f", {len(groups)} line(s): problems sharing a cause said once" if len(groups) != len(d["problems"]) else ""
+    print(f"problems ({len(d['problems'])}{distinct}):", file=sys.stderr)
+    for line in groups:
+        print(f"  {line}", file=sys.stderr)
+
+
+def _non_negative(text: str) -> int:
+    """argparse type: an integer >= 0 (a usage error naming the value otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
 
 
 def _ckpt_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -112,7 +129,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     p = build_plan(args.path, backend=args.backend, options=_ckpt_options(args), world_size=args.tp)
     d = p.to_dict()
     if args.json:
-        print(json.dumps(d, indent=2))
+        print(json.dumps(d, indent=2))  # the problems are in the JSON too
+        if d["problems"]:
+            _print_problems(d)
     else:
         _print_plan(d)
         if p.parallel is not None:
@@ -244,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text, encoded with the checkpoint's tokenizer")
     src.add_argument("--tokens", help="comma-separated prompt token ids (no tokenizer needed)")
-    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--max-new-tokens", type=_non_negative, default=32, help="tokens to generate (>= 0)")
     g.add_argument("--temperature", type=float, default=None, help="sample at this temperature (0 or unset: greedy)")
     g.add_argument("--top-p", type=float, default=None, help="sample from the top-p nucleus")
     g.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")

@@ -203,8 +203,9 @@ def process_logits(logits: torch.Tensor, *, step: int, eos: Sequence[int], min_n
 
 def _check_args(max_new_tokens: int, min_new_tokens: int, do_sample: bool, temperature: float,
                 top_k: int | None, top_p: float | None) -> None:
-    if max_new_tokens < 0 or min_new_tokens < 0:
-        raise GenerationError(f"max_new_tokens ({max_new_tokens}) and min_new_tokens ({min_new_tokens}) must be >= 0")
+    for name, value in (("max_new_tokens", max_new_tokens), ("min_new_tokens", min_new_tokens)):
+        if value < 0:  # only the argument that is wrong (the CLI has --max-new-tokens, not min_new_tokens)
+            raise GenerationError(f"{name} must be >= 0, got {value}")
     if do_sample and not temperature > 0:
         raise GenerationError(f"temperature must be > 0 when sampling, got {temperature}")
     if top_k is not None and top_k < 1:

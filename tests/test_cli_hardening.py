@@ -80,3 +80,32 @@ def test_an_unexpected_error_while_building_the_parser_is_exit_3(monkeypatch, ca
     err = capsys.readouterr().err
     _one_line(err)
     assert "unexpected Panic: native panic at startup" in err
+
+
+def test_plan_problems_go_to_stderr(dense, tmp_path, capsys):
+    """docs/cli.md: the plan on stdout, its problems on stderr (one line per cause), exit 1."""
+    import shutil
+
+    from quantplug.testing.probes import rename_stored_tensor
+
+    work = tmp_path / "broken"
+    shutil.copytree(dense, work)
+    rename_stored_tensor(next(work.glob("*.safetensors")), "model.layers.0.self_attn.o_proj.weight")
+    assert main(["plan", str(work)]) == 1
+    out, err = capsys.readouterr()
+    assert "architecture: DeepseekV3ForCausalLM" in out and "o_proj.weight" not in out
+    assert "problems (" in err and "model.layers.0.self_attn.o_proj.weight" in err
+    assert main(["plan", str(work), "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out)["problems"] and "model.layers.0.self_attn.o_proj.weight" in err
+    assert main(["plan", str(dense)]) == 0
+    out, err = capsys.readouterr()
+    assert "problems:     none" in out and not err
+
+
+def test_negative_max_new_tokens_is_a_usage_error_naming_the_flag(dense, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", str(dense), "--tokens", "1,2", "--max-new-tokens", "-1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--max-new-tokens" in err and "expected an integer >= 0, got -1" in err and "min_new_tokens" not in err
