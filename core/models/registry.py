@@ -35,6 +35,7 @@ _VISION = (
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "DeepseekV3ForCausalLM": ArchSpec("DeepseekV3ForCausalLM", deepseek.DeepseekV3ForCausalLM, False, _TEXT_SKIPS),
+    "DeepseekV32ForCausalLM": ArchSpec("DeepseekV32ForCausalLM", deepseek.DeepseekV32ForCausalLM, False, _TEXT_SKIPS),
     "KimiK25ForConditionalGeneration": ArchSpec(
         "KimiK25ForConditionalGeneration", deepseek.KimiK25ForConditionalGeneration, True, _TEXT_SKIPS + _VISION),
     "KimiK3ForConditionalGeneration": ArchSpec(
