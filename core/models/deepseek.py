@@ -365,7 +365,7 @@ class MLA(nn.Module):
                 ikeys = cache.index_keys()
         keep = None  # DSA prompt: [b, 1, t, n], True where a query attends (causal and selected)
         if sparse:
-            assert self.indexer is not None and ikeys is not None
+            assert self.indexer is not None and ikeys is not None and qr is not None
             idx = self.indexer.select(x, qr, cos, sin, ikeys[:, 0], past)   # [b, t, k]
             if t == 1:
                 # a decode step reads its selected rows only (all are <= its position)

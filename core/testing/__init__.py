@@ -93,8 +93,8 @@ def text_names(cfg: Mapping[str, Any], layout: str = "hub") -> dict[str, tuple[i
             out[f"{a}.g_proj.weight"] = (nh * vd, h)
         out[f"{a}.o_proj.weight"] = (h, nh * vd)
         if is_dsa(cfg):  # DeepSeek-V3.2's lightning indexer
-            ih, idim = cfg.get("index_n_heads", 64), cfg.get("index_head_dim", 128)
-            out[f"{a}.indexer.wq_b.weight"] = (ih * idim, ql)
+            ih, idim = int(cfg.get("index_n_heads", 64)), int(cfg.get("index_head_dim", 128))
+            out[f"{a}.indexer.wq_b.weight"] = (ih * idim, int(ql or 0))
             out[f"{a}.indexer.wk.weight"] = (idim, h)
             out[f"{a}.indexer.k_norm.weight"] = (idim,)
             out[f"{a}.indexer.k_norm.bias"] = (idim,)

@@ -32,7 +32,12 @@ def hf_model(cfg: Mapping[str, Any], state: Mapping[str, torch.Tensor]) -> torch
     """transformers' model of ``cfg`` with the weights of ``state`` (see :func:`hf_logits`), fp32
     eager, in eval mode: DeepseekV3ForCausalLM, or DeepseekV32ForCausalLM for a DeepSeek-V3.2 config
     (DSA, ``quantplug.testing.is_dsa``)."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, DeepseekV32Config, DeepseekV32ForCausalLM
+    from transformers import (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        DeepseekV32Config,
+        DeepseekV32ForCausalLM,
+    )
 
     from . import is_dsa
 
