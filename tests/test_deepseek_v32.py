@@ -252,3 +252,109 @@ def test_config_errors(tmp_path, state, change, message):
     with pytest.raises(ConfigError) as e:
         quantplug.plan(path)
     assert message in str(e.value)
+
+
+# -- the load option indexer=fp8: DeepSeek's reference FP8 indexer -----------------------------------
+
+CFG64 = {**CFG, "index_head_dim": 64}  # the reference's Hadamard needs a power of two
+
+
+def _sylvester(d: int) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def _act_quant_formula(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's act_quant, ue8m0, one block per row, a row at a time: s = 2^ceil(log2(amax / 448))."""
+    import math
+
+    rows = x.reshape(-1, x.shape[-1]).float()
+    q, s = torch.empty_like(rows), torch.empty(rows.shape[0], 1)
+    for i, v in enumerate(rows):
+        r = float(torch.tensor(max(float(v.abs().max()), 1e-4), dtype=torch.float32) * torch.tensor(1 / 448))
+        mant, exp = math.frexp(r)
+        s[i] = 2.0 ** (exp if mant > 0.5 else exp - 1)
+        q[i] = (v / s[i]).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    return q.view(x.shape), s.view(*x.shape[:-1], 1)
+
+
+def test_hadamard_and_act_quant_match_their_formulas():
+    from quantplug.models.deepseek import act_quant_ue8m0, hadamard
+
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(2)) * 3
+    assert rel_err(hadamard(x), x @ _sylvester(64) / 8) <= 1e-6
+    x[0, 0] = 448 * 2.0 ** -3  # amax / 448 exactly a power of two: the scale is that power
+    x[0, 1] = 1e-6             # amax clamped to 1e-4
+    q8, s = act_quant_ue8m0(x)
+    q_ref, s_ref = _act_quant_formula(x)
+    assert q8.dtype == torch.float8_e4m3fn and torch.equal(s, s_ref) and torch.equal(q8.float(), q_ref)
+    assert float(s[0, 0]) == 2.0 ** -3 and float(s[0, 1]) == 2.0 ** -22
+
+
+@pytest.fixture(scope="module")
+def fp8_indexer(tmp_path_factory):
+    st = random_state(CFG64, seed=9)
+    path = write_checkpoint(tmp_path_factory.mktemp("v32i") / "c", CFG64, st)
+    return path, quantplug.load(path, options={"indexer": "fp8"})
+
+
+def test_fp8_indexer_scores_match_the_reference_formula(fp8_indexer):
+    _, model = fp8_indexer
+    ix = model.model.layers[1].self_attn.indexer
+    assert ix.qp_indexer == "fp8"
+    g = torch.Generator().manual_seed(4)
+    t, h, d, rope = 12, 8, 64, 32
+    x, qr = torch.randn(1, t, 64, generator=g), torch.randn(1, t, 64, generator=g)
+    cos, sin = model.model.rotary.cos_sin(torch.arange(t).unsqueeze(0), torch.float32)
+    keys, scales = ix.keys(x, cos, sin)
+    assert keys.dtype == torch.float8_e4m3fn and scales.shape == (1, 1, t, 1)
+    with torch.no_grad():
+        ours = ix.scores(x, qr, cos, sin, keys[:, 0], scales[:, 0], past=0)
+        # the reference, from the weights: half-split RoPE on the first 32 dims, Hadamard, act_quant, fp8_index
+
+        def rope_first(v):  # v [t, ..., d]
+            c, s = cos[0].view(t, *([1] * (v.dim() - 2)), rope), sin[0].view(t, *([1] * (v.dim() - 2)), rope)
+            r = v[..., :rope]
+            half = torch.cat([-r[..., rope // 2:], r[..., :rope // 2]], -1)
+            return torch.cat([r * c + half * s, v[..., rope:]], -1)
+
+        q = rope_first((qr[0] @ ix.wq_b.weight.t()).view(t, h, d))
+        k = rope_first(torch.nn.functional.layer_norm(x[0] @ ix.wk.weight.t(), (d,), ix.k_norm.weight,
+                                                      ix.k_norm.bias, 1e-6))
+        q8, qs = _act_quant_formula(q @ _sylvester(d) / 8)
+        k8, ks = _act_quant_formula(k @ _sylvester(d) / 8)
+        w = (x[0] @ ix.weights_proj.weight.t()) * h ** -0.5
+        ref = torch.zeros(t, t)
+        for hh in range(h):
+            ref += torch.relu(q8[:, hh] @ k8.t()) * (w[:, hh] * qs[:, hh, 0] * d ** -0.5).unsqueeze(1)
+        ref = ref * ks[:, 0].unsqueeze(0)
+        ref = ref.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    assert torch.equal(torch.isinf(ours[0]), torch.isinf(ref))
+    fin = torch.isfinite(ref)
+    assert rel_err(ours[0][fin], ref[fin]) <= 1e-5
+    assert torch.equal(ours[0].topk(TOPK).indices.sort().values, ref.topk(TOPK).indices.sort().values)
+    # and close to the exact float32 scores (the quantization's error, not another computation)
+    ix.qp_indexer = "exact"
+    try:
+        k32, _ = ix.keys(x, cos, sin)
+        exact = ix.scores(x, qr, cos, sin, k32[:, 0], None, past=0)
+    finally:
+        ix.qp_indexer = "fp8"
+    assert 0 < rel_err(ours[0][fin], exact[0][fin]) < 0.1
+
+
+def test_fp8_indexer_caches_fp8_keys_and_decodes_consistently(fp8_indexer):
+    _, model = fp8_indexer
+    steps, seq, cache = _ours_greedy(model, IDS, 4)
+    layer = cache.layers[0]
+    assert layer.index_keys().dtype == torch.float8_e4m3fn and layer.index_scales().shape == (2, 1, 20, 1)
+    assert cache.bytes_per_token() == CFG["num_hidden_layers"] * ((32 + 32) * 4 + 64 + 4)
+    with torch.no_grad():
+        assert rel_err(steps[-1], model(seq)[:, -1]) <= 1e-5
+
+
+def test_fp8_indexer_needs_a_power_of_two_head(ckpt):
+    with pytest.raises(ConfigError, match="index_head_dim = 48 must be a power of two"):
+        quantplug.load(ckpt, options={"indexer": "fp8"})

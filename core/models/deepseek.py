@@ -154,10 +154,44 @@ class LayerNorm(FloatParams):
         return y.to(x.dtype)
 
 
+#: values of the load option ``indexer``: transformers' float32 scoring, or DeepSeek's reference FP8 indexer
+INDEXER_MODES = ("exact", "fp8")
+#: e4m3's largest finite value
+_E4M3_MAX = 448.0
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """The Walsh-Hadamard transform over the last dim (a power of two, d), Sylvester order, times
+    d^-0.5 (DeepSeek's ``rotate_activation``): the butterfly, log2(d) steps of sums and differences."""
+    d = x.shape[-1]
+    y = x.reshape(-1, d)
+    h = 1
+    while h < d:
+        pairs = y.view(-1, d // (2 * h), 2, h)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        y = torch.stack([a + b, a - b], dim=2).view(-1, d)
+        h *= 2
+    return (y * d ** -0.5).view(x.shape)
+
+
+def act_quant_ue8m0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's ``act_quant`` with ``scale_fmt="ue8m0"``, one block over the last dim (the
+    indexer's head, at most 128 values): ``s = 2^ceil(log2(max(amax, 1e-4) * (1/448)))`` (the
+    exponent taken from the float32 bits, as the kernel's ``fast_log2_ceil``), ``x / s`` clamped
+    to +-448 and rounded to e4m3. Returns (float8_e4m3fn payload, float32 scales [..., 1])."""
+    xf = x.float()
+    r = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4) * (1.0 / _E4M3_MAX)
+    mant, exp = torch.frexp(r)                                 # r = mant * 2^exp, mant in [0.5, 1)
+    exp = torch.where(mant > 0.5, exp, exp - 1)                # ceil(log2 r), exact on the bits
+    s = torch.ldexp(torch.ones_like(r), exp)
+    return (xf / s).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn), s
+
+
 class Indexer(nn.Module):
     """DeepSeek-V3.2's lightning indexer (DSA), ``self_attn.indexer``, as transformers'
     ``DeepseekV32Indexer`` computes it (no Hadamard rotation, no FP8 scoring: see
-    docs/architectures/deepseek-v32.md for how DeepSeek's reference differs).
+    docs/architectures/deepseek-v32.md for how DeepSeek's reference differs); with the load option
+    ``indexer=fp8`` (:attr:`qp_indexer`) as DeepSeek's reference does instead (see :meth:`scores`).
 
     * query ``q = wq_b(qr)`` [T, H_I, D_I] from MLA's compressed query ``qr = q_a_layernorm(q_a_proj(x))``;
     * one key per token ``k = LayerNorm(wk(x))`` [T, D_I] (eps 1e-6, weight and bias);
@@ -184,34 +218,60 @@ class Indexer(nn.Module):
         self.weights_proj = IndexerWeights(cfg.hidden_size, self.n_heads, d.ck(f"{base}.weights_proj"))
         self.softmax_scale = self.head_dim ** -0.5
 
+    #: load option ``indexer``: "exact" (transformers) or "fp8" (DeepSeek's reference FP8 indexer)
+    qp_indexer = "exact"
+
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [b, heads, t, D_I] with its rope part (the first ``rope`` dims) rotated."""
         x_rot, x_pass = x.split([self.rope, self.head_dim - self.rope], dim=-1)
         return torch.cat([rotate_pairs(x_rot, cos, sin, self.interleave), x_pass], dim=-1)
 
-    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The indexer keys of ``x`` [b, t, hidden]: [b, 1, t, D_I] in x's dtype (what the cache holds)."""
-        k = self.k_norm(self.wk(x)).unsqueeze(1)                       # [b, 1, t, D_I]
-        return self._rotate(k, cos, sin)
+    def keys(self, x: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The indexer keys of ``x`` [b, t, hidden] as the cache holds them: [b, 1, t, D_I] in x's
+        dtype and no scales; with ``indexer=fp8`` Hadamard-rotated and quantized, e4m3 payload
+        [b, 1, t, D_I] and float32 scales [b, 1, t, 1]."""
+        k = self._rotate(self.k_norm(self.wk(x)).unsqueeze(1), cos, sin)   # [b, 1, t, D_I]
+        if self.qp_indexer == "fp8":
+            return act_quant_ue8m0(hadamard(k))
+        return k, None
 
-    def select(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               keys: torch.Tensor, past: int) -> torch.Tensor:
-        """Indices [b, t, min(index_topk, n)] of the keys each query keeps: ``x`` [b, t, hidden],
-        ``qr`` [b, t, q_lora_rank], ``keys`` [b, n, D_I] (every cached key, n = past + t); query i
-        sits at position ``past + i`` (later keys score -inf)."""
+    def scores(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               keys: torch.Tensor, scales: torch.Tensor | None, past: int) -> torch.Tensor:
+        """float32 index scores [b, t, n] of every cached key for each query: ``x`` [b, t, hidden],
+        ``qr`` [b, t, q_lora_rank], ``keys`` [b, n, D_I] and ``scales`` ([b, n, 1] with ``fp8``)
+        as :meth:`keys` made them (n = past + t); query i sits at position ``past + i`` (later keys
+        score -inf).
+
+        ``exact`` (transformers): ``sum_h w[s, h] H_I^-0.5 ReLU(D_I^-0.5 q[s, h] . k[t])``.
+        ``fp8`` (DeepSeek's ``Indexer.forward`` and ``fp8_index``): q and k Hadamard-rotated and
+        quantized per head to e4m3 with power-of-two scales (:func:`act_quant_ue8m0`), then
+        ``s_k[t] sum_h ReLU(q8[s, h] . k8[t]) (w[s, h] H_I^-0.5 s_q[s, h] D_I^-0.5)``."""
         b, t, _ = x.shape
         n = keys.shape[1]
         q = self.wq_b(qr).view(b, t, self.n_heads, self.head_dim)
         q = self._rotate(q.transpose(1, 2), cos, sin).transpose(1, 2)  # [b, t, H_I, D_I]
-        # transformers' order of operations (same float32 rounding): scale, ReLU, weighted head sum
-        scores = torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1)) * self.softmax_scale
-        scores = F.relu(scores)                                        # [b, t, H_I, n]
         w = self.weights_proj(x) * (self.n_heads ** -0.5)              # [b, t, H_I] float32
-        index = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)      # [b, t, n]
+        if self.qp_indexer == "fp8":
+            assert scales is not None
+            q8, qs = act_quant_ue8m0(hadamard(q))                      # [b, t, H_I, D_I], [b, t, H_I, 1]
+            dots = torch.matmul(q8.float(), keys.float().transpose(-1, -2).unsqueeze(1))   # [b, t, H_I, n]
+            weights = w.unsqueeze(-1) * qs * self.softmax_scale        # [b, t, H_I, 1]
+            index = (F.relu(dots) * weights).sum(dim=-2) * scales[..., 0].unsqueeze(1)
+        else:
+            # transformers' order of operations (same float32 rounding): scale, ReLU, weighted head sum
+            scores = torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1)) * self.softmax_scale
+            scores = F.relu(scores)                                    # [b, t, H_I, n]
+            index = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)  # [b, t, n]
         if t > 1:
             future = torch.ones(t, n, dtype=torch.bool, device=x.device).triu(past + 1)
             index = index.masked_fill(future, float("-inf"))
-        return index.topk(min(self.topk, n), dim=-1).indices
+        return index
+
+    def select(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               keys: torch.Tensor, scales: torch.Tensor | None, past: int) -> torch.Tensor:
+        """Indices [b, t, min(index_topk, n)] of the keys each query keeps (the best :meth:`scores`)."""
+        return self.scores(x, qr, cos, sin, keys, scales, past).topk(min(self.topk, keys.shape[1]), dim=-1).indices
 
 
 class MLA(nn.Module):
@@ -318,9 +378,9 @@ class MLA(nn.Module):
             return self._attend(x, cos, sin, cache, sparse=True)
         if cache is None:
             return self._attend(x, cos, sin, None)
-        keys = ix.keys(x, cos, sin)
+        keys, scales = ix.keys(x, cos, sin)
         out = self._attend(x, cos, sin, cache)
-        cache.put_index(past, keys)
+        cache.put_index(past, keys, scales)
         return out
 
     def _attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None,
@@ -354,19 +414,20 @@ class MLA(nn.Module):
         rot = self.rotary[0]
         q_rot, k_rot = rot.rotate(q_rot, cos, sin), rot.rotate(k_rot, cos, sin)
         past = 0
-        ikeys = None
+        ikeys = iscales = None
         if sparse:
             assert self.indexer is not None
-            ikeys = self.indexer.keys(x, cos, sin)                    # [b, 1, t, index_head_dim]
+            ikeys, iscales = self.indexer.keys(x, cos, sin)          # [b, 1, t, index_head_dim]
         if cache is not None:
             past = cache.length
-            kv_nope, k_rot = cache.append(kv_nope, k_rot, ikeys)     # [b, 1, past + t, ...]
+            kv_nope, k_rot = cache.append(kv_nope, k_rot, ikeys, iscales)   # [b, 1, past + t, ...]
             if sparse:
-                ikeys = cache.index_keys()
+                ikeys, iscales = cache.index_keys(), cache.index_scales()
         keep = None  # DSA prompt: [b, 1, t, n], True where a query attends (causal and selected)
         if sparse:
             assert self.indexer is not None and ikeys is not None and qr is not None
-            idx = self.indexer.select(x, qr, cos, sin, ikeys[:, 0], past)   # [b, t, k]
+            idx = self.indexer.select(x, qr, cos, sin, ikeys[:, 0], None if iscales is None else iscales[:, 0],
+                                      past)                                  # [b, t, k]
             if t == 1:
                 # a decode step reads its selected rows only (all are <= its position)
                 kv_nope, k_rot = _rows(kv_nope, idx), _rows(k_rot, idx)
