@@ -156,17 +156,24 @@ def test_dense_until_topk_then_sparse(model, reference, monkeypatch):
     assert model.model._stack_step() is None  # never the whole-stack step for a DSA model
 
 
-def test_bfloat16_loads_and_generates(ckpt, model):
+def test_bfloat16_loads_and_generates(ckpt, model, state, tmp_path):
     bf = quantplug.load(ckpt, dtype=torch.bfloat16)
     assert bf.model.layers[1].self_attn.indexer.wq_b.weight.dtype == torch.bfloat16
     assert bf.model.layers[1].self_attn.indexer.weights_proj.weight.dtype == torch.float32
     with torch.no_grad():
         out = bf(IDS)
         ref = model(IDS)
-    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    assert rel_err(out.float(), ref) < 0.1
-    seq = bf.generate(IDS, max_new_tokens=6, eos_token_id=None)
-    assert seq.shape == (2, 22) and torch.equal(seq[:, :16], IDS)
+    # bfloat16 rounding flips near-ties of the top-5 choice on these random weights: transformers'
+    # own bfloat16 model is 0.13 off its float32 logits here, quantplug's 0.10
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all() and rel_err(out.float(), ref) < 0.2
+    gen = bf.stream(IDS, max_new_tokens=6, eos_token_id=None)
+    seq = torch.stack(list(gen), dim=1)
+    assert seq.shape == (2, 6) and gen.cache.layers[0].index_keys().dtype == torch.bfloat16
+    assert gen.cache.length == 16 + 5
+    # with every key selected (index_topk >= the prompt) bfloat16 stays as close as for V3 (0.007)
+    wide = write_checkpoint(tmp_path / "w", {**CFG, "index_topk": 16}, state)
+    with torch.no_grad():
+        assert rel_err(quantplug.load(wide, dtype=torch.bfloat16)(IDS).float(), quantplug.load(wide)(IDS)) < 2e-2
 
 
 def _dequantized(path):
