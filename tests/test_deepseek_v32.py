@@ -365,3 +365,14 @@ def test_fp8_indexer_caches_fp8_keys_and_decodes_consistently(fp8_indexer):
 def test_fp8_indexer_needs_a_power_of_two_head(ckpt):
     with pytest.raises(ConfigError, match="index_head_dim = 48 must be a power of two"):
         quantplug.load(ckpt, options={"indexer": "fp8"})
+
+
+def test_chunked_prompt_equals_the_whole_prompt(model):
+    """A prompt in two chunks through the cache: the second chunk's queries select among cached
+    and new keys (the sparse prompt path with a cached prefix)."""
+    cache = new_cache(model, 2, 16)
+    with torch.no_grad():
+        model(IDS[:, :7], cache=cache)
+        chunked = model(IDS[:, 7:], cache=cache)
+        whole = model(IDS)[:, 7:]
+    assert cache.length == 16 and rel_err(chunked, whole) <= 1e-5

@@ -154,8 +154,6 @@ class LayerNorm(FloatParams):
         return y.to(x.dtype)
 
 
-#: values of the load option ``indexer``: transformers' float32 scoring, or DeepSeek's reference FP8 indexer
-INDEXER_MODES = ("exact", "fp8")
 #: e4m3's largest finite value
 _E4M3_MAX = 448.0
 
