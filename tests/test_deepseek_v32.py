@@ -376,3 +376,14 @@ def test_chunked_prompt_equals_the_whole_prompt(model):
         chunked = model(IDS[:, 7:], cache=cache)
         whole = model(IDS)[:, 7:]
     assert cache.length == 16 and rel_err(chunked, whole) <= 1e-5
+
+
+def test_transformers_bridge_builds_deepseek_v32(ckpt, reference):
+    bridge = pytest.importorskip("quantplug_transformers")
+    from transformers import DeepseekV32ForCausalLM
+
+    hf = bridge.from_pretrained(ckpt, attn_implementation="eager")
+    assert isinstance(hf, DeepseekV32ForCausalLM)
+    assert type(hf.model.layers[1].self_attn.indexer.wq_b).__name__ == "QuantLinear"
+    with torch.no_grad():
+        assert rel_err(hf(IDS).logits, reference(IDS).logits) <= 1e-5
