@@ -25,7 +25,7 @@ from torch import nn
 from . import experts, parallel
 from .checkpoint import TORCH_DTYPES, qpack
 from .checkpoint.gguf_index import GGUF_FLOATS
-from .errors import CheckpointError, ConfigError, LoadError
+from .errors import CheckpointError, LoadError
 from .layers.linear import PlannedModule
 from .memory import read_into
 from .plan import LoadPlan, ParamPlan, build_plan
@@ -130,13 +130,9 @@ def execute(plan: LoadPlan, *, device: str | torch.device = "cpu",
         for mod in model.modules():
             if hasattr(mod, "qp_prefetch"):
                 setattr(mod, "qp_prefetch", prefetch)  # noqa: B010 (a class default, set per model)
-    indexer = str(plan.options.get("indexer", "exact"))
+    indexer = str(plan.options.get("indexer", "exact"))  # DSA models (the plan checked the head size)
     for mod in model.modules():
         if hasattr(mod, "qp_indexer"):
-            dim = int(getattr(mod, "head_dim", 0))
-            if indexer == "fp8" and not _fp8_indexer_dim(dim):
-                raise ConfigError(f"option indexer='fp8': index_head_dim = {dim} must be a power of two "
-                                  "of at most 128 (one Hadamard block and one e4m3 scale per head)")
             setattr(mod, "qp_indexer", indexer)  # noqa: B010 (a class default, set per model)
     # shard by shard: sorting by (file, offset) turns reads into one forward sweep per file
     order = sorted((p for p in plan.params if id(p) not in served),
@@ -180,12 +176,6 @@ def execute(plan: LoadPlan, *, device: str | torch.device = "cpu",
     model.quantplug_plan = plan  # type: ignore[assignment]
     model.decisions = plan.decisions  # type: ignore[assignment]
     return model
-
-
-def _fp8_indexer_dim(d: int) -> bool:
-    """Whether DSA's reference FP8 indexer (load option ``indexer=fp8``) takes heads of ``d`` dims:
-    one Hadamard transform (a power of two) and one 128-block e4m3 scale per head."""
-    return 0 < d <= 128 and d & (d - 1) == 0
 
 
 def load(path: str | Path, *, backend: str | None = None, dtype: torch.dtype = torch.float32,

@@ -363,8 +363,8 @@ def test_fp8_indexer_caches_fp8_keys_and_decodes_consistently(fp8_indexer):
 
 
 def test_fp8_indexer_needs_a_power_of_two_head(ckpt):
-    with pytest.raises(ConfigError, match="index_head_dim = 48 must be a power of two"):
-        quantplug.load(ckpt, options={"indexer": "fp8"})
+    with pytest.raises(PlanError, match="option indexer='fp8': index_head_dim = 48 must be a power of two"):
+        quantplug.plan(ckpt, options={"indexer": "fp8"})
 
 
 def test_chunked_prompt_equals_the_whole_prompt(model):
