@@ -156,6 +156,9 @@ class LayerNorm(FloatParams):
 
 #: e4m3's largest finite value
 _E4M3_MAX = 448.0
+#: bytes of float32 per-head scores ([queries, H_I, keys]) the indexer makes at once: a long prompt
+#: is scored a block of queries at a time (each query's top-k is its own)
+INDEX_SCORE_BYTES = 1 << 28
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
@@ -261,15 +264,24 @@ class Indexer(nn.Module):
             scores = torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1)) * self.softmax_scale
             scores = F.relu(scores)                                    # [b, t, H_I, n]
             index = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)  # [b, t, n]
-        if t > 1:
+        if n > past + 1:  # keys after some query (a prompt, or a block of one)
             future = torch.ones(t, n, dtype=torch.bool, device=x.device).triu(past + 1)
             index = index.masked_fill(future, float("-inf"))
         return index
 
     def select(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                keys: torch.Tensor, scales: torch.Tensor | None, past: int) -> torch.Tensor:
-        """Indices [b, t, min(index_topk, n)] of the keys each query keeps (the best :meth:`scores`)."""
-        return self.scores(x, qr, cos, sin, keys, scales, past).topk(min(self.topk, keys.shape[1]), dim=-1).indices
+        """Indices [b, t, min(index_topk, n)] of the keys each query keeps (the best :meth:`scores`),
+        a block of queries at a time (at most :data:`INDEX_SCORE_BYTES` of per-head scores)."""
+        b, t, _ = x.shape
+        n = keys.shape[1]
+        k = min(self.topk, n)
+        rows = max(1, INDEX_SCORE_BYTES // (4 * b * self.n_heads * n))
+        if t <= rows:
+            return self.scores(x, qr, cos, sin, keys, scales, past).topk(k, dim=-1).indices
+        return torch.cat([self.scores(x[:, i:i + rows], qr[:, i:i + rows], cos[:, i:i + rows], sin[:, i:i + rows],
+                                      keys, scales, past + i).topk(k, dim=-1).indices
+                          for i in range(0, t, rows)], dim=1)
 
 
 class MLA(nn.Module):
