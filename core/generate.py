@@ -45,15 +45,23 @@ def max_seq_len(cfg: ModelConfig) -> int:
 
 
 class LatentCache:
-    """One MLA layer's cache: latent ``[B, 1, S, kv_lora_rank]`` and roped key ``[B, 1, S, rope]``.
+    """One MLA layer's cache: latent ``[B, 1, S, kv_lora_rank]`` and roped key ``[B, 1, S, rope]``;
+    for a DeepSeek-V3.2 (DSA) layer also the lightning indexer's keys ``index_k``
+    ``[B, 1, S, index_head_dim]`` (None for other layers).
 
-    Preallocated for ``capacity`` tokens; a forward that needs more grows both buffers by
+    Preallocated for ``capacity`` tokens; a forward that needs more grows every buffer by
     :data:`CHUNK` tokens at a time, never past ``limit``. ``append`` writes the new tokens and
     returns views of every token so far (``[B, 1, L, dim]``: one "head", broadcast over heads).
+    Every buffer holds rows ``[0, length)``: the one ``length`` addresses all of them, so setting
+    it back rolls the whole layer back.
     """
 
+    #: the per-token buffers, all grown together and addressed by ``length``
+    BUFFERS = ("latent", "k_rope", "index_k", "index_scale")
+
     def __init__(self, batch: int, kv_lora_rank: int, rope_dim: int, *, dtype: torch.dtype,
-                 device: torch.device, capacity: int, limit: int) -> None:
+                 device: torch.device, capacity: int, limit: int, index_dim: int = 0,
+                 index_fp8: bool = False) -> None:
         self.limit = limit
         self.length = 0
         cap = max(1, min(capacity, limit))
@@ -61,6 +69,16 @@ class LatentCache:
         # one slice each (a decode step appends in every layer)
         self.latent = torch.empty(batch, 1, cap, kv_lora_rank, dtype=dtype, device=device)
         self.k_rope = torch.empty(batch, 1, cap, rope_dim, dtype=dtype, device=device)
+        #: DSA indexer keys (LayerNorm'd, roped; model dtype as transformers caches them, or with
+        #: ``index_fp8`` (load option ``indexer=fp8``) e4m3 as DeepSeek's reference caches them,
+        #: with one float32 scale per token in ``index_scale`` [B, 1, S, 1])
+        self.index_k: torch.Tensor | None = None
+        self.index_scale: torch.Tensor | None = None
+        if index_dim:
+            kdtype = torch.float8_e4m3fn if index_fp8 else dtype
+            self.index_k = torch.empty(batch, 1, cap, index_dim, dtype=kdtype, device=device)
+            if index_fp8:
+                self.index_scale = torch.empty(batch, 1, cap, 1, dtype=torch.float32, device=device)
 
     @property
     def capacity(self) -> int:
@@ -68,8 +86,10 @@ class LatentCache:
 
     def _grow(self, need: int) -> None:
         cap = min(self.limit, -(-need // CHUNK) * CHUNK)
-        for name in ("latent", "k_rope"):
+        for name in self.BUFFERS:
             old = getattr(self, name)
+            if old is None:
+                continue
             new = old.new_empty(old.shape[0], 1, cap, old.shape[3])
             new[:, :, :self.length] = old[:, :, :self.length]
             setattr(self, name, new)
@@ -90,17 +110,49 @@ class LatentCache:
     def unreserve(self, t: int = 1) -> None:
         self.length -= t
 
-    def append(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """latent [B, 1, t, kv_lora], k_rope [B, 1, t, rope] -> all cached [B, 1, L, ...] (L = past + t)."""
+    def append(self, latent: torch.Tensor, k_rope: torch.Tensor, index_k: torch.Tensor | None = None,
+               index_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent [B, 1, t, kv_lora], k_rope [B, 1, t, rope] -> all cached [B, 1, L, ...] (L = past + t).
+        A DSA layer passes its indexer keys ``index_k`` [B, 1, t, index_dim] too, and their
+        ``index_scale`` [B, 1, t, 1] when they are FP8 (same rows; :meth:`index_keys` and
+        :meth:`index_scales` read them back)."""
         t = latent.shape[-2]
         pos = self.reserve(t)
         try:
             self.latent[:, :, pos:pos + t] = latent
             self.k_rope[:, :, pos:pos + t] = k_rope
+            if index_k is not None:
+                self.put_index(pos, index_k, index_scale)
         except BaseException:
             self.unreserve(t)
             raise
         return self.latent[:, :, :self.length], self.k_rope[:, :, :self.length]
+
+    def put_index(self, pos: int, index_k: torch.Tensor, index_scale: torch.Tensor | None = None) -> None:
+        """Write indexer keys [B, 1, t, index_dim] (and their scales [B, 1, t, 1] when FP8) at rows
+        ``[pos, pos + t)``, rows already counted in ``length`` (a path that appended the latent and
+        key without them, e.g. the native decode step, writes its token's indexer key after it)."""
+        t = index_k.shape[-2]
+        if self.index_k is None:
+            raise GenerationError("this layer's cache holds no indexer keys (not a DSA layer)")
+        if pos < 0 or pos + t > self.length:
+            raise GenerationError(f"indexer keys for rows [{pos}, {pos + t}) of a cache of {self.length} rows")
+        if (index_scale is None) != (self.index_scale is None) or index_k.dtype != self.index_k.dtype:
+            raise GenerationError(f"indexer keys of dtype {index_k.dtype} {'with' if index_scale is not None else 'without'} "
+                                  f"scales for a cache of {self.index_k.dtype} keys")
+        self.index_k[:, :, pos:pos + t] = index_k
+        if self.index_scale is not None and index_scale is not None:
+            self.index_scale[:, :, pos:pos + t] = index_scale
+
+    def index_keys(self) -> torch.Tensor:
+        """Every cached indexer key, [B, 1, L, index_dim] (a view)."""
+        if self.index_k is None:
+            raise GenerationError("this layer's cache holds no indexer keys (not a DSA layer)")
+        return self.index_k[:, :, :self.length]
+
+    def index_scales(self) -> torch.Tensor | None:
+        """The FP8 indexer keys' scales [B, 1, L, 1] (a view); None when the keys are not FP8."""
+        return None if self.index_scale is None else self.index_scale[:, :, :self.length]
 
 
 class MLACache:
@@ -114,12 +166,17 @@ class MLACache:
         return self.layers[0].length if self.layers else 0
 
     def bytes_per_token(self) -> int:
-        """Bytes the cache holds per token, all layers: (kv_lora_rank + qk_rope_head_dim) x layers x dtype bytes."""
-        return sum((c.latent.shape[3] + c.k_rope.shape[3]) * c.latent.element_size() for c in self.layers)
+        """Bytes the cache holds per token, all layers: (kv_lora_rank + qk_rope_head_dim [+ index_head_dim
+        for DSA]) x layers x dtype bytes."""
+        return sum(sum(b.shape[3] * b.element_size() for b in _buffers(c)) for c in self.layers)
 
     def nbytes(self) -> int:
         """Bytes allocated (capacity, not length)."""
-        return sum(c.latent.nbytes + c.k_rope.nbytes for c in self.layers)
+        return sum(sum(b.nbytes for b in _buffers(c)) for c in self.layers)
+
+
+def _buffers(c: LatentCache) -> list[torch.Tensor]:
+    return [b for b in (getattr(c, n) for n in LatentCache.BUFFERS) if b is not None]
 
 
 def new_cache(lm: Any, batch: int, capacity: int) -> MLACache:
@@ -128,7 +185,9 @@ def new_cache(lm: Any, batch: int, capacity: int) -> MLACache:
     emb = lm.model.embed_tokens
     device = next(iter(emb.parameters())).device
     layers = [LatentCache(batch, layer.self_attn.kv_lora_rank, layer.self_attn.qk_rope_head_dim,
-                          dtype=emb.model_dtype, device=device, capacity=capacity, limit=limit)
+                          dtype=emb.model_dtype, device=device, capacity=capacity, limit=limit,
+                          index_dim=getattr(getattr(layer.self_attn, "indexer", None), "head_dim", 0),
+                          index_fp8=getattr(getattr(layer.self_attn, "indexer", None), "qp_indexer", "") == "fp8")
               for layer in lm.model.layers]
     return MLACache(layers)
 

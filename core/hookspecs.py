@@ -230,7 +230,7 @@ def quantplug_options() -> Sequence[OptionSpec] | None:
     converted to the declared types (a ``-o`` string ``"true"`` arrives as ``True``), with the
     default of every declared option that was not given; read them with ``options[name]``.
     Do not declare the core's own options (``kernels``, ``strict_split``, ``mmap``,
-    ``expert_cache_mb``, ``expert_prefetch``, ``expert_readers``, ``tp_timeout_s``): read them.
+    ``expert_cache_mb``, ``expert_prefetch``, ``expert_readers``, ``indexer``, ``tp_timeout_s``): read them.
     A backend that does not implement this hook (written for contract 1.3 or older) gets
     undeclared options unchecked, with a plan warning.
 

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 
 #: the values of the ``kernels`` option
 KERNELS = ("exact", "fast")
+#: the values of the ``indexer`` option (DSA models): transformers' float32 scoring, or DeepSeek's
+#: reference FP8 indexer (:class:`quantplug.models.deepseek.Indexer`)
+INDEXER_MODES = ("exact", "fp8")
 
 #: options the core reads itself (one table; a backend may not declare these names again)
 CORE_OPTIONS: tuple[OptionSpec, ...] = (
@@ -48,6 +51,10 @@ CORE_OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("expert_readers", int, 4, None,
                "with expert_cache_mb: threads reading missing experts in parallel (positional reads; 1: one "
                "read at a time)", minimum=1, maximum=64),
+    OptionSpec("indexer", str, "exact", INDEXER_MODES,
+               "DeepSeek-V3.2 (DSA) models: exact: the lightning indexer scores in float32 as transformers does; "
+               "fp8: as DeepSeek's reference (Hadamard rotation, e4m3 per-head quantization with power-of-two "
+               "scales, FP8 key cache)"),
     OptionSpec("tp_timeout_s", float, 60.0, None,
                "tensor parallel: seconds a rank waits in a forward collective for the others before raising, "
                "naming the ranks that did not arrive", minimum=0.001, maximum=1e6),

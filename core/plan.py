@@ -388,6 +388,16 @@ def build_plan(path: str | Path, *, backend: str | None = None, options: Mapping
         return p
 
 
+def _indexer_problems(mcfg: ModelConfig, options: Mapping[str, Any]) -> list[Problem]:
+    """Load option ``indexer=fp8`` (DeepSeek's reference FP8 indexer, DSA models) needs heads it can
+    rotate and quantize as one block: ``index_head_dim`` a power of two of at most 128."""
+    d = mcfg.index_head_dim
+    if options.get("indexer") != "fp8" or not mcfg.has_indexer or (d <= 128 and d & (d - 1) == 0):
+        return []
+    return [Problem(f"option indexer='fp8': index_head_dim = {d} must be a power of two of at most 128 (one "
+                    "Hadamard block and one e4m3 scale per head); indexer='exact' takes any", kind="options")]
+
+
 def _memory_problems(plan: LoadPlan) -> list[Problem]:
     """The routed experts against the memory they may use: with ``expert_cache_mb`` the cache must
     hold one step's experts of a layer; without it, what the load copies into memory of its own
@@ -449,6 +459,7 @@ def _build_plan(path: str | Path, backend: str | None, options: Mapping[str, Any
     _check_packed(decider, model, packed, from_plugins)
     decisions += decider.decisions
     problems += decider.problems
+    problems += _indexer_problems(mcfg, options)
     params, used = _collect_params(model, ckpt, dtype, problems)
     skipped, unexpected = _skips(ckpt, arch, mcfg, prefix, used)
     for name in unexpected:

@@ -54,6 +54,22 @@ def softmax_scale(rope: RopeConfig, qk_head_dim: int) -> float:
     return scale
 
 
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """x [B, H, T, d] rotated by cos / sin [B, T, d] (``Rotary.cos_sin``), elementwise as
+    transformers does: ``interleave`` pairs (2i, 2i+1), output de-interleaved (halves; transformers'
+    ``apply_rotary_pos_emb_interleave``), else half-split pairs (i, i + d/2)
+    (``apply_rotary_pos_emb``)."""
+    if interleave:
+        c = cos[..., : cos.shape[-1] // 2].unsqueeze(1)
+        s = sin[..., : sin.shape[-1] // 2].unsqueeze(1)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * c + rot * s
+
+
 class Rotary(nn.Module):
     """Rotary embedding for the ``qk_rope_head_dim`` part of queries and keys: ``cos_sin(positions)``
     then ``rotate(x, cos, sin)``; interleaved pairs (DeepSeek) or halves; yarn via ``RopeConfig``."""
@@ -78,15 +94,7 @@ class Rotary(nn.Module):
             # a decode step: one matmul with the step's rotation matrix (made once per forward and
             # shared by every layer's q and k) instead of a dozen elementwise ops
             return torch.matmul(x, self._rotation(cos, sin))
-        if self.interleave:
-            c = cos[..., : cos.shape[-1] // 2].unsqueeze(1)
-            s = sin[..., : sin.shape[-1] // 2].unsqueeze(1)
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-            return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        half = x.shape[-1] // 2
-        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * c + rot * s
+        return rotate_pairs(x, cos, sin, self.interleave)
 
     def _rotation(self, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The one-position rotation as a matrix R ([d, d] for one row, else [B, 1, d, d]) with

@@ -63,10 +63,23 @@ class ModelConfig:
     raw: Any  # the text config dict as read (not compared, not hashed)
     #: multi-token-prediction layers stored after the decoder layers (DeepSeek-V3: 1); not loaded
     num_nextn_predict_layers: int = 0
+    #: DeepSeek-V3.2 sparse attention (DSA): the lightning indexer's query heads H_I, head dim D_I
+    #: (q and the one shared key), keys kept per query; all 0 for a model without an indexer
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    #: RoPE of the indexer's rope slice: False (half-split pairs, DeepSeek-V3.2 since the
+    #: 2025-11-17 fix and transformers) or True (interleaved pairs, GLM-5)
+    indexer_rope_interleave: bool = False
 
     @property
     def is_wrapper(self) -> bool:
         return bool(self.text_root)
+
+    @property
+    def has_indexer(self) -> bool:
+        """Whether every attention layer carries DSA's lightning indexer (DeepSeek-V3.2)."""
+        return self.index_topk > 0
 
     @property
     def qk_head_dim(self) -> int:
@@ -90,6 +103,11 @@ MAX_RANK = 1 << 16
 MAX_EXPERTS = 1 << 14
 MAX_POSITIONS = 1 << 24
 MAX_THETA = 1e12
+MAX_TOPK = 1 << 24
+
+#: architectures / model types whose attention layers carry DSA's lightning indexer
+DSA_ARCHITECTURES = frozenset({"DeepseekV32ForCausalLM"})
+DSA_MODEL_TYPES = frozenset({"deepseek_v32"})
 
 
 def _rope(f: Fields, mpe: int) -> RopeConfig:
@@ -154,6 +172,10 @@ def parse_model_config(config: dict[str, Any], architecture: str, wrapped: bool,
     mpe = f.get_int("max_position_embeddings", 1, MAX_POSITIONS, 4096)
     tie = f.get_bool("tie_word_embeddings", top.get_bool("tie_word_embeddings", False) if wrapped else False)
     model_type = top.get_str("model_type", "")
+    q_lora_rank = f.opt_int("q_lora_rank", 1, MAX_RANK)
+    rope_dim = _even(f, "qk_rope_head_dim")
+    dsa = (_indexer(f, architecture, q_lora_rank, rope_dim)
+           if architecture in DSA_ARCHITECTURES or model_type in DSA_MODEL_TYPES else {})
     return ModelConfig(
         architecture=architecture,
         model_type=model_type,
@@ -165,10 +187,10 @@ def parse_model_config(config: dict[str, Any], architecture: str, wrapped: bool,
                                         ConfigError if n_routed else 0),
         num_hidden_layers=layers,
         num_attention_heads=f.get_int("num_attention_heads", 1, MAX_HEADS),
-        q_lora_rank=f.opt_int("q_lora_rank", 1, MAX_RANK),
+        q_lora_rank=q_lora_rank,
         kv_lora_rank=f.get_int("kv_lora_rank", 1, MAX_RANK),
         qk_nope_head_dim=f.get_int("qk_nope_head_dim", 1, MAX_HEAD_DIM),
-        qk_rope_head_dim=_even(f, "qk_rope_head_dim"),
+        qk_rope_head_dim=rope_dim,
         v_head_dim=f.get_int("v_head_dim", 1, MAX_HEAD_DIM),
         n_routed_experts=n_routed,
         num_experts_per_tok=top_k,
@@ -187,7 +209,27 @@ def parse_model_config(config: dict[str, Any], architecture: str, wrapped: bool,
         mla_use_output_gate=f.get_bool("mla_use_output_gate", False),
         raw=f.data,
         num_nextn_predict_layers=f.get_int("num_nextn_predict_layers", 0, MAX_LAYERS, 0),
+        **dsa,
     )
+
+
+def _indexer(f: Fields, architecture: str, q_lora_rank: int | None, rope_dim: int) -> dict[str, Any]:
+    """DSA's indexer fields (DeepSeek-V3.2). Absent ones take transformers' defaults (64 heads,
+    head dim 128, top-2048), as ``DeepseekV32Config`` does; the plan then checks the indexer's
+    tensor shapes against them. The indexer's query projection reads MLA's compressed query, so
+    ``q_lora_rank`` is required; its rope slice (the first ``qk_rope_head_dim`` dims) must fit in
+    the head."""
+    if q_lora_rank is None:
+        f.fail("q_lora_rank", None, f"an integer: {architecture}'s indexer projects MLA's compressed query "
+                                    "(q_a_layernorm(q_a_proj(x))), so the model needs q_lora_rank")
+    heads = f.get_int("index_n_heads", 1, MAX_HEADS, 64)
+    dim = f.get_int("index_head_dim", 1, MAX_HEAD_DIM, 128)
+    if dim < rope_dim:
+        f.fail("index_head_dim", dim, f"at least qk_rope_head_dim ({rope_dim}): the indexer's q / k start with "
+                                      "their rope part")
+    return {"index_n_heads": heads, "index_head_dim": dim,
+            "index_topk": f.get_int("index_topk", 1, MAX_TOPK, 2048),
+            "indexer_rope_interleave": f.get_bool("indexer_rope_interleave", False)}
 
 
 def _even(f: Fields, key: str) -> int:

@@ -4,6 +4,10 @@ Modules are built from a :class:`Decisions` object (prefix, attention layout and
 scheme per module, answered by the plugins), on no device: the plan reads each planned
 module's ``qp_sources`` and the loader registers the parameters.
 
+DeepSeek-V3.2 sparse attention (DSA, ``index_topk`` in the config): each MLA layer also holds
+``self_attn.indexer`` (:class:`Indexer`), which scores every cached key for each query and keeps
+the top ``index_topk``; attention then reads only those keys (see :meth:`MLA.forward`).
+
 Kimi-K3 output gate (``mla_use_output_gate``): each MLA layer has ``self_attn.g_proj``
 (Linear hidden_size -> num_heads * v_head_dim, no bias); the attention output, before
 ``o_proj``, is multiplied elementwise by ``sigmoid(g_proj(hidden_states))`` where
@@ -37,7 +41,7 @@ from ..layers.linear import (
     fuse_projections,
 )
 from ..layers.norm import RMSNorm
-from ..layers.rope import Rotary, softmax_scale
+from ..layers.rope import Rotary, rotate_pairs, softmax_scale
 from ..types import AttentionLayout
 from .config import ModelConfig
 from .declarations import (
@@ -116,8 +120,177 @@ def _step_reduce(columns: Sequence[nn.Module], rows: Sequence[nn.Module]) -> tup
     return True, last.comm.all_reduce
 
 
+class IndexerWeights(FloatParams):
+    """The indexer's per-head weights ``weights_proj`` [H_I, hidden]: a float parameter (bf16 in
+    DeepSeek-V3.2's FP8 release), kept and applied in float32 as transformers keeps it
+    (``_keep_in_fp32_modules``) and DeepSeek's fixed reference computes it (``weights_proj(x.float())``)."""
+
+    qp_fp32 = frozenset({"weight"})
+    weight: torch.Tensor
+
+    def __init__(self, hidden: int, heads: int, ckpt: str) -> None:
+        super().__init__()
+        self.qp_init(ckpt)
+        self.add_float("weight", (heads, hidden), f"{ckpt}.weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 [..., H_I]."""
+        return F.linear(x.float(), self.weight.float())
+
+
+class LayerNorm(FloatParams):
+    """LayerNorm with weight and bias (the indexer's ``k_norm``), statistics and parameters in
+    float32; the result in the input's dtype."""
+
+    qp_fp32 = frozenset({"weight", "bias"})
+    weight: torch.Tensor
+    bias: torch.Tensor
+
+    def __init__(self, dim: int, eps: float, ckpt: str) -> None:
+        super().__init__()
+        self.qp_init(ckpt)
+        self.eps = eps
+        self.add_float("weight", (dim,), f"{ckpt}.weight")
+        self.add_float("bias", (dim,), f"{ckpt}.bias")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.layer_norm(x.float(), self.weight.shape, self.weight.float(), self.bias.float(), self.eps)
+        return y.to(x.dtype)
+
+
+#: e4m3's largest finite value
+_E4M3_MAX = 448.0
+#: bytes of float32 per-head scores ([queries, H_I, keys]) the indexer makes at once: a long prompt
+#: is scored a block of queries at a time (each query's top-k is its own)
+INDEX_SCORE_BYTES = 1 << 28
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """The Walsh-Hadamard transform over the last dim (a power of two, d), Sylvester order, times
+    d^-0.5 (DeepSeek's ``rotate_activation``): the butterfly, log2(d) steps of sums and differences."""
+    d = x.shape[-1]
+    y = x.reshape(-1, d)
+    h = 1
+    while h < d:
+        pairs = y.view(-1, d // (2 * h), 2, h)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        y = torch.stack([a + b, a - b], dim=2).view(-1, d)
+        h *= 2
+    return (y * d ** -0.5).view(x.shape)
+
+
+def act_quant_ue8m0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's ``act_quant`` with ``scale_fmt="ue8m0"``, one block over the last dim (the
+    indexer's head, at most 128 values): ``s = 2^ceil(log2(max(amax, 1e-4) * (1/448)))`` (the
+    exponent taken from the float32 bits, as the kernel's ``fast_log2_ceil``), ``x / s`` clamped
+    to +-448 and rounded to e4m3. Returns (float8_e4m3fn payload, float32 scales [..., 1])."""
+    xf = x.float()
+    r = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4) * (1.0 / _E4M3_MAX)
+    mant, exp = torch.frexp(r)                                 # r = mant * 2^exp, mant in [0.5, 1)
+    exp = torch.where(mant > 0.5, exp, exp - 1)                # ceil(log2 r), exact on the bits
+    s = torch.ldexp(torch.ones_like(r), exp)
+    return (xf / s).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn), s
+
+
+class Indexer(nn.Module):
+    """DeepSeek-V3.2's lightning indexer (DSA), ``self_attn.indexer``, as transformers'
+    ``DeepseekV32Indexer`` computes it (no Hadamard rotation, no FP8 scoring: see
+    docs/architectures/deepseek-v32.md for how DeepSeek's reference differs); with the load option
+    ``indexer=fp8`` (:attr:`qp_indexer`) as DeepSeek's reference does instead (see :meth:`scores`).
+
+    * query ``q = wq_b(qr)`` [T, H_I, D_I] from MLA's compressed query ``qr = q_a_layernorm(q_a_proj(x))``;
+    * one key per token ``k = LayerNorm(wk(x))`` [T, D_I] (eps 1e-6, weight and bias);
+    * RoPE on the FIRST ``qk_rope_head_dim`` dims of q and k (MLA puts its rope part last), same
+      frequencies as MLA but half-split pairs (``indexer_rope_interleave`` false, the default) where
+      MLA's are interleaved;
+    * scores in float32: ``I[s, t] = sum_h w[s, h] H_I^-0.5 * ReLU(D_I^-0.5 q[s, h] . k[t])`` with
+      ``w = weights_proj(x)`` (float32), future keys of a prompt at -inf; the top
+      ``min(index_topk, keys)`` keys per query are the ones attention reads.
+
+    ``wq_b`` and ``wk`` are planned linears (any backend's scheme: FP8 block-scaled in the
+    release); ``weights_proj`` and ``k_norm`` are float parameters.
+    """
+
+    def __init__(self, cfg: ModelConfig, base: str, d: Decisions) -> None:
+        super().__init__()
+        assert cfg.q_lora_rank is not None  # the config parser requires it for an indexer
+        self.qp_ckpt = d.ck(base)
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.rope, self.interleave = cfg.qk_rope_head_dim, cfg.indexer_rope_interleave
+        self.wq_b = _lin(d, f"{base}.wq_b", cfg.q_lora_rank, self.n_heads * self.head_dim)
+        self.wk = _lin(d, f"{base}.wk", cfg.hidden_size, self.head_dim)
+        self.k_norm = LayerNorm(self.head_dim, 1e-6, d.ck(f"{base}.k_norm"))
+        self.weights_proj = IndexerWeights(cfg.hidden_size, self.n_heads, d.ck(f"{base}.weights_proj"))
+        self.softmax_scale = self.head_dim ** -0.5
+
+    #: load option ``indexer``: "exact" (transformers) or "fp8" (DeepSeek's reference FP8 indexer)
+    qp_indexer = "exact"
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [b, heads, t, D_I] with its rope part (the first ``rope`` dims) rotated."""
+        x_rot, x_pass = x.split([self.rope, self.head_dim - self.rope], dim=-1)
+        return torch.cat([rotate_pairs(x_rot, cos, sin, self.interleave), x_pass], dim=-1)
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The indexer keys of ``x`` [b, t, hidden] as the cache holds them: [b, 1, t, D_I] in x's
+        dtype and no scales; with ``indexer=fp8`` Hadamard-rotated and quantized, e4m3 payload
+        [b, 1, t, D_I] and float32 scales [b, 1, t, 1]."""
+        k = self._rotate(self.k_norm(self.wk(x)).unsqueeze(1), cos, sin)   # [b, 1, t, D_I]
+        if self.qp_indexer == "fp8":
+            return act_quant_ue8m0(hadamard(k))
+        return k, None
+
+    def scores(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               keys: torch.Tensor, scales: torch.Tensor | None, past: int) -> torch.Tensor:
+        """float32 index scores [b, t, n] of every cached key for each query: ``x`` [b, t, hidden],
+        ``qr`` [b, t, q_lora_rank], ``keys`` [b, n, D_I] and ``scales`` ([b, n, 1] with ``fp8``)
+        as :meth:`keys` made them (n = past + t); query i sits at position ``past + i`` (later keys
+        score -inf).
+
+        ``exact`` (transformers): ``sum_h w[s, h] H_I^-0.5 ReLU(D_I^-0.5 q[s, h] . k[t])``.
+        ``fp8`` (DeepSeek's ``Indexer.forward`` and ``fp8_index``): q and k Hadamard-rotated and
+        quantized per head to e4m3 with power-of-two scales (:func:`act_quant_ue8m0`), then
+        ``s_k[t] sum_h ReLU(q8[s, h] . k8[t]) (w[s, h] H_I^-0.5 s_q[s, h] D_I^-0.5)``."""
+        b, t, _ = x.shape
+        n = keys.shape[1]
+        q = self.wq_b(qr).view(b, t, self.n_heads, self.head_dim)
+        q = self._rotate(q.transpose(1, 2), cos, sin).transpose(1, 2)  # [b, t, H_I, D_I]
+        w = self.weights_proj(x) * (self.n_heads ** -0.5)              # [b, t, H_I] float32
+        if self.qp_indexer == "fp8":
+            assert scales is not None
+            q8, qs = act_quant_ue8m0(hadamard(q))                      # [b, t, H_I, D_I], [b, t, H_I, 1]
+            dots = torch.matmul(q8.float(), keys.float().transpose(-1, -2).unsqueeze(1))   # [b, t, H_I, n]
+            weights = w.unsqueeze(-1) * qs * self.softmax_scale        # [b, t, H_I, 1]
+            index = (F.relu(dots) * weights).sum(dim=-2) * scales[..., 0].unsqueeze(1)
+        else:
+            # transformers' order of operations (same float32 rounding): scale, ReLU, weighted head sum
+            scores = torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1)) * self.softmax_scale
+            scores = F.relu(scores)                                    # [b, t, H_I, n]
+            index = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)  # [b, t, n]
+        if n > past + 1:  # keys after some query (a prompt, or a block of one)
+            future = torch.ones(t, n, dtype=torch.bool, device=x.device).triu(past + 1)
+            index = index.masked_fill(future, float("-inf"))
+        return index
+
+    def select(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               keys: torch.Tensor, scales: torch.Tensor | None, past: int) -> torch.Tensor:
+        """Indices [b, t, min(index_topk, n)] of the keys each query keeps (the best :meth:`scores`),
+        a block of queries at a time (at most :data:`INDEX_SCORE_BYTES` of per-head scores)."""
+        b, t, _ = x.shape
+        n = keys.shape[1]
+        k = min(self.topk, n)
+        rows = max(1, INDEX_SCORE_BYTES // (4 * b * self.n_heads * n))
+        if t <= rows:
+            return self.scores(x, qr, cos, sin, keys, scales, past).topk(k, dim=-1).indices
+        return torch.cat([self.scores(x[:, i:i + rows], qr[:, i:i + rows], cos[:, i:i + rows], sin[:, i:i + rows],
+                                      keys, scales, past + i).topk(k, dim=-1).indices
+                          for i in range(0, t, rows)], dim=1)
+
+
 class MLA(nn.Module):
-    """Multi-head latent attention; ``kv_b_proj`` dense, or split per head into k_b / v_b."""
+    """Multi-head latent attention; ``kv_b_proj`` dense, or split per head into k_b / v_b; with
+    DSA (DeepSeek-V3.2) a lightning :class:`Indexer` choosing the keys each query attends to."""
 
     def __init__(self, cfg: ModelConfig, i: int, d: Decisions, rotary: Rotary) -> None:
         super().__init__()
@@ -147,6 +320,8 @@ class MLA(nn.Module):
         if cfg.mla_use_output_gate:
             self.g_proj = _lin(d, f"{base}.g_proj", h, nh * cfg.v_head_dim)
         self.o_proj = _lin(d, f"{base}.o_proj", nh * cfg.v_head_dim, h)
+        #: DSA's lightning indexer (DeepSeek-V3.2), None for dense MLA
+        self.indexer: Indexer | None = Indexer(cfg, f"{base}.indexer", d) if cfg.has_indexer else None
         self.scale = softmax_scale(cfg.rope, cfg.qk_head_dim)
         #: heads computed here: all of them, or this rank's share under tensor parallelism
         #: (:meth:`qp_hold_heads`: q/kv_b/g_proj/k_b/v_b hold these heads, o_proj all-reduces)
@@ -201,7 +376,33 @@ class MLA(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LatentCache | None = None) -> torch.Tensor:
         """x [b, t, hidden]; with ``cache`` the t tokens follow the ``cache.length`` cached ones
-        (their latent is appended) and attend to all of them.
+        (their latent is appended) and attend to all of them (with DSA: to those the indexer keeps).
+
+        DSA (an :class:`Indexer`): while every query has at most ``index_topk`` causal keys
+        (``cache.length + t <= index_topk``) the indexer keeps all of them and DSA is dense MLA, so
+        every path below runs unchanged, the native decode step included; the indexer only caches
+        its keys (written after the step, at the rows it appended). Past that, :meth:`_attend`
+        runs with ``sparse``: a prompt masks each query's unselected keys; a decode step gathers
+        its selected latent rows and attends on those only (cost follows ``index_topk``, not the
+        context), in torch (no native step).
+        """
+        ix = self.indexer
+        if ix is None:
+            return self._attend(x, cos, sin, cache)
+        past = cache.length if cache is not None else 0
+        if past + x.shape[1] > ix.topk:
+            return self._attend(x, cos, sin, cache, sparse=True)
+        if cache is None:
+            return self._attend(x, cos, sin, None)
+        keys, scales = ix.keys(x, cos, sin)
+        out = self._attend(x, cos, sin, cache)
+        cache.put_index(past, keys, scales)
+        return out
+
+    def _attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache | None,
+                sparse: bool = False) -> torch.Tensor:
+        """Attention of ``x`` (see :meth:`forward`); ``sparse``: DSA with the indexer's selection
+        (the indexer's keys are appended with the latent).
 
         Without a cache, or for the first chunk into an empty one, the dense layout runs the
         expanded form (K/V per head from ``kv_b_proj``), exactly as a forward without cache.
@@ -212,15 +413,15 @@ class MLA(nn.Module):
         """
         cfg = self.cfg
         b, t, _ = x.shape
-        if t == 1 and cache is not None and self.step is not None and b <= NATIVE_ROWS:
+        if t == 1 and cache is not None and self.step is not None and b <= NATIVE_ROWS and not sparse:
             out = self.step(x, self.rotary[0]._rotation(cos, sin), cache)
             if out is not None:
                 return out
-        if b == 1 and t == 1 and cache is not None and cos.shape[0] == 1 and (
+        if b == 1 and t == 1 and cache is not None and cos.shape[0] == 1 and not sparse and (
                 self.layout.kind != "dense" or (cache.length > 0 and self.kv_b_proj.scheme.weight_only)):
             return self._decode_one(x, cos, sin, cache)
         nh, nope, rope, v = self.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        q, ckv = self._q_and_latent(x)
+        qr, q, ckv = self._qr_q_latent(x)
         q = q.view(b, t, nh, nope + rope).transpose(1, 2)
         q_pass, q_rot = torch.split(q, [nope, rope], dim=-1)
         kv_nope, k_rot = torch.split(ckv, [self.kv_lora_rank, rope], dim=-1)
@@ -229,29 +430,53 @@ class MLA(nn.Module):
         rot = self.rotary[0]
         q_rot, k_rot = rot.rotate(q_rot, cos, sin), rot.rotate(k_rot, cos, sin)
         past = 0
+        ikeys = iscales = None
+        if sparse:
+            assert self.indexer is not None
+            ikeys, iscales = self.indexer.keys(x, cos, sin)          # [b, 1, t, index_head_dim]
         if cache is not None:
             past = cache.length
-            kv_nope, k_rot = cache.append(kv_nope, k_rot)            # [b, 1, past + t, ...]
+            kv_nope, k_rot = cache.append(kv_nope, k_rot, ikeys, iscales)   # [b, 1, past + t, ...]
+            if sparse:
+                ikeys, iscales = cache.index_keys(), cache.index_scales()
+        keep = None  # DSA prompt: [b, 1, t, n], True where a query attends (causal and selected)
+        if sparse:
+            assert self.indexer is not None and ikeys is not None and qr is not None
+            idx = self.indexer.select(x, qr, cos, sin, ikeys[:, 0], None if iscales is None else iscales[:, 0],
+                                      past)                                  # [b, t, k]
+            if t == 1:
+                # a decode step reads its selected rows only (all are <= its position)
+                kv_nope, k_rot = _rows(kv_nope, idx), _rows(k_rot, idx)
+            else:
+                n = kv_nope.shape[-2]
+                causal = ~torch.ones(t, n, dtype=torch.bool, device=x.device).triu(past + 1)
+                chosen = torch.zeros(b, t, n, dtype=torch.bool, device=x.device).scatter_(-1, idx, True)
+                keep = (chosen & causal).unsqueeze(1)
         if self.layout.kind != "dense":
             # Absorbed form (llama.cpp): scores = (q_nope k_b) . c + q_rot . k_rot; out = (p c) v_b^T.
             q_lat = self.k_b.forward_all(q_pass)                      # [b, nh, t, kv_lora]
-            out = self.v_b.forward_all(self._latent_attention(q_lat, q_rot, kv_nope, k_rot, past))
-        elif past == 0:
+            out = self.v_b.forward_all(self._latent_attention(q_lat, q_rot, kv_nope, k_rot, past, keep))
+        elif past == 0 and kv_nope.shape[-2] == t:
             kv = self.kv_b_proj(kv_nope).view(b, t, nh, nope + v).transpose(1, 2)
             k_nope, val = torch.split(kv, [nope, v], dim=-1)
             k = torch.cat([k_nope, k_rot.expand(-1, nh, -1, -1)], dim=-1)
             qs = torch.cat([q_pass, q_rot], dim=-1)
-            out = F.scaled_dot_product_attention(qs, k, val, is_causal=True, scale=self.scale)
+            if keep is None:
+                out = F.scaled_dot_product_attention(qs, k, val, is_causal=True, scale=self.scale)
+            else:
+                out = F.scaled_dot_product_attention(qs, k, val, attn_mask=keep, scale=self.scale)
         elif self.kv_b_proj.scheme.weight_only:
             w_uk, w_uv_t = self._kv_b_per_head()
-            out = self._latent_attention(q_pass @ w_uk, q_rot, kv_nope, k_rot, past) @ w_uv_t
+            out = self._latent_attention(q_pass @ w_uk, q_rot, kv_nope, k_rot, past, keep) @ w_uv_t
         else:
-            n = past + t
+            n = kv_nope.shape[-2]
             kv = self.kv_b_proj(kv_nope).view(b, n, nh, nope + v).transpose(1, 2)
             k_nope, val = torch.split(kv, [nope, v], dim=-1)
             k = torch.cat([k_nope, k_rot.expand(-1, nh, -1, -1)], dim=-1)
             qs = torch.cat([q_pass, q_rot], dim=-1)
-            mask = None if t == 1 else ~torch.ones(t, n, dtype=torch.bool, device=x.device).triu(past + 1)
+            mask = keep
+            if mask is None and t > 1:
+                mask = ~torch.ones(t, n, dtype=torch.bool, device=x.device).triu(past + 1)
             out = F.scaled_dot_product_attention(qs, k, val, attn_mask=mask, scale=self.scale)
         out = out.transpose(1, 2).reshape(b, t, nh * v)
         if cfg.mla_use_output_gate:
@@ -261,11 +486,20 @@ class MLA(nn.Module):
     def _q_and_latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The queries (all heads, nope + rope each) and the compressed KV (latent + rope key,
         before its norm) of ``x``; q_a and kv_a in one call when their scheme fused them."""
+        _, q, ckv = self._qr_q_latent(x)
+        return q, ckv
+
+    def _qr_q_latent(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """:meth:`_q_and_latent` with the compressed query ``qr = q_a_layernorm(q_a_proj(x))`` first
+        (None without q LoRA); DSA's indexer reads it."""
         if self.qkv_a is not None:
             q_lat, ckv = self.qkv_a(x).split([self.q_a_proj.out_features, self.kv_a_proj_with_mqa.out_features], dim=-1)
-            return self.q_b_proj(self.q_a_layernorm(q_lat)), ckv
-        q = self.q_proj(x) if self.q_lora is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return q, self.kv_a_proj_with_mqa(x)
+            qr = self.q_a_layernorm(q_lat)
+            return qr, self.q_b_proj(qr), ckv
+        if self.q_lora is None:
+            return None, self.q_proj(x), self.kv_a_proj_with_mqa(x)
+        qr = self.q_a_layernorm(self.q_a_proj(x))
+        return qr, self.q_b_proj(qr), self.kv_a_proj_with_mqa(x)
 
     def _decode_one(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache) -> torch.Tensor:
         """:meth:`forward` for one token of one sequence with a cache (a decode step) in the
@@ -301,13 +535,16 @@ class MLA(nn.Module):
         return self.o_proj(out)
 
     def _latent_attention(self, q_lat: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor,
-                          k_rot: torch.Tensor, past: int) -> torch.Tensor:
+                          k_rot: torch.Tensor, past: int, keep: torch.Tensor | None = None) -> torch.Tensor:
         """Attention on the latent: q_lat [b, nh, t, kv_lora], q_rot [b, nh, t, rope] against the
         latent [b, 1, n, kv_lora] and k_rot [b, 1, n, rope] of n = past + t tokens; query i sees
-        keys <= past + i. Returns p @ latent [b, nh, t, kv_lora]."""
+        keys <= past + i, or with ``keep`` [b, 1, t, n] the keys where it is True (DSA).
+        Returns p @ latent [b, nh, t, kv_lora]."""
         t, n = q_lat.shape[-2], latent.shape[-2]
         scores = (q_lat @ latent.transpose(-1, -2) + q_rot @ k_rot.transpose(-1, -2)) * self.scale
-        if t > 1:
+        if keep is not None:
+            scores = scores.masked_fill(~keep, float("-inf"))
+        elif t > 1:
             mask = torch.ones(t, n, dtype=torch.bool, device=q_lat.device).triu(past + 1)
             scores = scores.masked_fill(mask, float("-inf"))
         p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_lat.dtype)
@@ -323,6 +560,12 @@ class MLA(nn.Module):
             w = self.kv_b_proj.scheme.dequantize(self.kv_b_proj).view(self.num_heads, nope + v, self.kv_lora_rank)
             self._kv_b_heads = (w[:, :nope], w[:, nope:].transpose(1, 2))
         return self._kv_b_heads
+
+
+def _rows(cached: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The rows ``idx`` [b, 1, k] of ``cached`` [b, 1, n, dim]: [b, 1, k, dim]."""
+    dim = cached.shape[-1]
+    return torch.gather(cached, 2, idx.unsqueeze(-1).expand(-1, -1, -1, dim))
 
 
 class MLP(nn.Module):
@@ -667,7 +910,10 @@ class TextModel(nn.Module):
     def _stack_step(self) -> StackStep | None:
         """The whole stack's native decode step (:class:`quantplug.kernels.compute.StackStep`),
         built once on first use; None when any layer runs another way (experts served from files
-        or split over ranks, a piece without a native form, a float16 model)."""
+        or split over ranks, a piece without a native form, a float16 model), and always for a
+        DSA model (DeepSeek-V3.2): the stack step composes the layers' MLA steps, which neither
+        write the indexer's keys nor select keys, so a DSA model decodes layer by layer (each
+        layer's own native MLA step still runs while every key is selected, see :meth:`MLA.forward`)."""
         if self._stack is not None or self._stack_tried:
             return self._stack
         self._stack_tried = True
@@ -676,7 +922,7 @@ class TextModel(nn.Module):
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             attn, mlp, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
-            if attn.step is None or n1.eps != n2.eps:
+            if attn.step is None or attn.indexer is not None or n1.eps != n2.eps:
                 return None
             owners.append((attn, attn.step))
             if isinstance(mlp, MLP):
@@ -831,6 +1077,13 @@ class DeepseekV3ForCausalLM(GenerationMixin, nn.Module):
 
     def text_lm(self) -> DeepseekV3ForCausalLM:
         return self
+
+
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V3.2 (``deepseek_v32``): DeepSeek-V3 with DSA, a lightning :class:`Indexer` in
+    every attention layer (``self_attn.indexer.{wq_b, wk, k_norm, weights_proj}``) whose top
+    ``index_topk`` keys are the ones each query attends to. Decodes layer by layer (no whole-stack
+    native step: :meth:`TextModel._stack_step`)."""
 
 
 class KimiK25ForConditionalGeneration(GenerationMixin, nn.Module):

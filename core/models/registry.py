@@ -2,7 +2,7 @@
 
 An architecture is registered through the ``quantplug.architectures`` entry-point group: the
 entry point's name is the ``architectures[0]`` it builds, its value an :class:`ArchSpec`. The
-core's own (DeepSeek-V3, Kimi-K2.5 / K2.6, the DeepSeek-V3 layout with an MLA output gate)
+core's own (DeepSeek-V3, DeepSeek-V3.2, Kimi-K2.5 / K2.6, the DeepSeek-V3 layout with an MLA output gate)
 register there from quantplug's own ``pyproject.toml``, exactly as a third party's distribution
 does::
 
@@ -70,13 +70,14 @@ _VISION = (
 
 #: the core's own architectures (registered through quantplug's entry points, below)
 DEEPSEEK_V3 = ArchSpec("DeepseekV3ForCausalLM", deepseek.DeepseekV3ForCausalLM, False, _TEXT_SKIPS)
+DEEPSEEK_V32 = ArchSpec("DeepseekV32ForCausalLM", deepseek.DeepseekV32ForCausalLM, False, _TEXT_SKIPS)
 KIMI_K25 = ArchSpec("KimiK25ForConditionalGeneration", deepseek.KimiK25ForConditionalGeneration, True,
                     _TEXT_SKIPS + _VISION)
 KIMI_K3 = ArchSpec("KimiK3ForConditionalGeneration", deepseek.KimiK3ForConditionalGeneration, True,
                    _TEXT_SKIPS + _VISION)
 
 #: the core's own architectures by name (what quantplug's ``pyproject.toml`` registers)
-ARCHITECTURES: dict[str, ArchSpec] = {s.name: s for s in (DEEPSEEK_V3, KIMI_K25, KIMI_K3)}
+ARCHITECTURES: dict[str, ArchSpec] = {s.name: s for s in (DEEPSEEK_V3, DEEPSEEK_V32, KIMI_K25, KIMI_K3)}
 
 
 @dataclass(frozen=True)

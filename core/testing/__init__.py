@@ -94,6 +94,13 @@ def text_names(cfg: Mapping[str, Any], layout: str = "hub") -> dict[str, tuple[i
         if cfg.get("mla_use_output_gate"):
             out[f"{a}.g_proj.weight"] = (nh * vd, h)
         out[f"{a}.o_proj.weight"] = (h, nh * vd)
+        if is_dsa(cfg):  # DeepSeek-V3.2's lightning indexer
+            ih, idim = int(cfg.get("index_n_heads", 64)), int(cfg.get("index_head_dim", 128))
+            out[f"{a}.indexer.wq_b.weight"] = (ih * idim, int(ql or 0))
+            out[f"{a}.indexer.wk.weight"] = (idim, h)
+            out[f"{a}.indexer.k_norm.weight"] = (idim,)
+            out[f"{a}.indexer.k_norm.bias"] = (idim,)
+            out[f"{a}.indexer.weights_proj.weight"] = (ih, h)
         m = f"{b}.mlp"
         if i < cfg["first_k_dense_replace"] or not e:
             for p, shp in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
@@ -113,6 +120,11 @@ def text_names(cfg: Mapping[str, Any], layout: str = "hub") -> dict[str, tuple[i
                 for p, shp in (("gate_proj", (mi, h)), ("up_proj", (mi, h)), ("down_proj", (h, mi))):
                     out[f"{m}.experts.{k}.{p}.weight"] = shp
     return out
+
+
+def is_dsa(cfg: Mapping[str, Any]) -> bool:
+    """Whether a text config is DeepSeek-V3.2's (DSA: attention layers carry a lightning indexer)."""
+    return "DeepseekV32ForCausalLM" in (cfg.get("architectures") or ()) or cfg.get("model_type") == "deepseek_v32"
 
 
 def random_state(cfg: Mapping[str, Any], seed: int = 0, layout: str = "hub") -> dict[str, torch.Tensor]:

@@ -33,8 +33,8 @@ from . import write_checkpoint
 
 #: linear projections of the text model (what the formats quantize); router, norms, embeddings stay float
 LINEAR = re.compile(r"(^|\.)model\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?"
-                    r"(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|g_proj|gate_proj|up_proj|down_proj)"
-                    r"\.weight$")
+                    r"(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|g_proj|gate_proj|up_proj|down_proj|"
+                    r"indexer\.wq_b|indexer\.wk)\.weight$")
 
 
 def _linears(state: Mapping[str, torch.Tensor]) -> list[str]:

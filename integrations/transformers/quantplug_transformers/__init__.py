@@ -61,22 +61,35 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 def from_pretrained(path: str | Path, *, dtype: torch.dtype = torch.float32, options: dict[str, Any] | None = None,
                     backend: str | None = None, attn_implementation: str | None = None) -> Any:
-    """transformers' ``DeepseekV3ForCausalLM`` for the checkpoint at ``path`` in any quantplug format.
+    """transformers' ``DeepseekV3ForCausalLM`` for the checkpoint at ``path`` in any quantplug format
+    (``DeepseekV32ForCausalLM`` for a DeepSeek-V3.2 checkpoint: its indexer's ``wq_b`` / ``wk`` are
+    planned linears like the others, ``k_norm`` / ``weights_proj`` quantplug's loaded tensors).
 
     ``dtype``: the model dtype (activations, float tensors); ``options`` / ``backend``: as
     ``quantplug.load``; ``attn_implementation``: transformers' (default: its own choice).
     The returned model carries ``quantplug_plan``; its ``generation_config`` has the checkpoint's
     end-of-sequence ids as ``quantplug generate`` reads them (none: generation runs to
     ``max_new_tokens``)."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, GenerationConfig
+    from transformers import (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        DeepseekV32Config,
+        DeepseekV32ForCausalLM,
+        GenerationConfig,
+    )
 
     qp = quantplug.load(path, dtype=dtype, options=options, backend=backend, progress=False)
     plan = qp.quantplug_plan
-    config = DeepseekV3Config(**_text_config(plan))
+    config: Any
+    build: Any
+    if plan.model_config.has_indexer:  # DeepSeek-V3.2
+        config, build = DeepseekV32Config(**_text_config(plan)), DeepseekV32ForCausalLM
+    else:
+        config, build = DeepseekV3Config(**_text_config(plan)), DeepseekV3ForCausalLM
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(config)
+        model = build(config)
     projections = planned_modules(qp)
     for name, proj in projections.items():
         if name.endswith(_MERGED):

@@ -2,8 +2,9 @@
 
 Layout of the official release: every decoder-layer linear (``q_a_proj``, ``q_b_proj`` /
 ``q_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``, dense / shared / per-expert
-``gate_proj`` ``up_proj`` ``down_proj``) as ``weight`` F8_E4M3 + ``weight_scale_inv`` F32
-[ceil(out/128), ceil(in/128)]; embeddings, lm_head, norms and the router weight BF16, the
+``gate_proj`` ``up_proj`` ``down_proj``, DeepSeek-V3.2's indexer ``wq_b`` / ``wk``) as ``weight`` F8_E4M3 + ``weight_scale_inv`` F32
+[ceil(out/128), ceil(in/128)]; embeddings, lm_head, norms, the router weight and the indexer's
+``weights_proj`` / ``k_norm`` BF16 (as DeepSeek-V3.2's release stores them), the
 router's ``e_score_correction_bias`` F32; config.json gains DeepSeek's ``quantization_config``
 (at the top level and, for a Kimi wrapper, inside ``text_config`` too).
 """
@@ -24,7 +25,7 @@ from safetensors.torch import save_file
 from . import kernels
 
 LINEAR = re.compile(r"\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|"
-                    r"o_proj|g_proj|gate_proj|up_proj|down_proj)\.weight$")
+                    r"o_proj|g_proj|gate_proj|up_proj|down_proj|indexer\.wq_b|indexer\.wk)\.weight$")
 BLOCK = (128, 128)
 
 
