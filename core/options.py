@@ -48,6 +48,10 @@ CORE_OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("expert_readers", int, 4, None,
                "with expert_cache_mb: threads reading missing experts in parallel (positional reads; 1: one "
                "read at a time)", minimum=1, maximum=64),
+    OptionSpec("mtp", bool, True, None,
+               "load the checkpoint's multi-token-prediction layers (num_nextn_predict_layers; speculative "
+               "decoding drafts with them); false: skip them as before (saves their memory). Default: loaded "
+               "when the checkpoint stores them; given true: a checkpoint without them is a plan error"),
     OptionSpec("tp_timeout_s", float, 60.0, None,
                "tensor parallel: seconds a rank waits in a forward collective for the others before raising, "
                "naming the ranks that did not arrive", minimum=0.001, maximum=1e6),
