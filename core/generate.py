@@ -546,7 +546,8 @@ def cli_generate(args: Any, model: Any) -> int:
     sample = args.top_p is not None or args.top_k is not None or bool(args.temperature)
     gen = model.stream(torch.tensor([ids]), args.max_new_tokens, do_sample=sample,
                        temperature=args.temperature or 1.0, top_p=args.top_p, top_k=args.top_k,
-                       generator=torch.Generator().manual_seed(args.seed) if sample else None)
+                       generator=torch.Generator().manual_seed(args.seed) if sample else None,
+                       speculative=getattr(args, "speculative", None))
     sources = stats_sources(model)
     packs = next((s for s in sources.values() if EXPERT_READS in s.stats()), None)
     before: dict[str, Mapping[str, float]] = {}
@@ -581,6 +582,10 @@ def cli_generate(args: Any, model: Any) -> int:
     result.update({"tokens_per_second": round(gen.tokens_per_second(), 3),
                    "prefill_seconds": round(gen.prefill_seconds, 6),
                    "kv_cache_bytes_per_token": gen.cache.bytes_per_token()})
+    if gen.speculative is not None:
+        rate = gen.acceptance_rate()
+        result.update({"speculative": gen.speculative, "drafts": gen.drafts, "accepted_drafts": gen.accepted,
+                       "acceptance_rate": None if rate is None else round(rate, 4)})
     for h in hooks:
         h.remove()
     if sources:
@@ -603,8 +608,12 @@ def cli_generate(args: Any, model: Any) -> int:
         print(result["text"][len(shown):] if result["text"].startswith(shown) else "", end="")
     print(flush=True)
     extra = ""
+    if gen.speculative is not None:
+        rate = result["acceptance_rate"]
+        extra += (f", {gen.speculative} drafts {gen.drafts}, accepted {gen.accepted}"
+                  f" ({'n/a' if rate is None else f'{rate:.1%}'})")
     if packs is not None:
-        extra = (f", expert cache hit rate {result['expert_cache_hit_rate']}, "
+        extra += (f", expert cache hit rate {result['expert_cache_hit_rate']}, "
                  f"{result['ssd_bytes_per_token']:,.0f} SSD bytes/token")
     print(f"[{len(new)} tokens, {result['tokens_per_second']:.2f} tok/s decode, prefill "
           f"{gen.prefill_seconds:.3f} s, KV cache {result['kv_cache_bytes_per_token']:,} bytes/token{extra}]",
