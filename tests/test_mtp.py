@@ -15,7 +15,7 @@ from quantplug.cli import main
 from quantplug.errors import PlanError
 from quantplug.generate import Generation, GenerationError, LatentCache, new_mtp_cache
 from quantplug.plan import build_plan
-from quantplug.testing import random_state, tiny_config, wrap_kimi, write_checkpoint
+from quantplug.testing import random_state, tiny_config, to_layout, wrap_kimi, write_checkpoint
 from quantplug.testing.formats import FORMATS
 
 CFG = tiny_config(num_nextn_predict_layers=1, q_lora_rank=64)  # every linear input a multiple of 32 (quark, CT)
@@ -60,8 +60,6 @@ def _hf_main_hidden(ids: torch.Tensor) -> torch.Tensor:
     """transformers' DeepseekV3 on the main layers: the final hidden state after model.norm."""
     from transformers import DeepseekV3Config, DeepseekV3Model
 
-    from quantplug.testing import to_layout
-
     hc = DeepseekV3Config(**{k: v for k, v in CFG.items() if k not in ("architectures", "num_nextn_predict_layers")})
     hc._attn_implementation = "eager"
     hf = DeepseekV3Model(hc).eval()
@@ -78,8 +76,6 @@ def _hf_mtp_block(u: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     one-layer model (first_k_dense_replace 0: MoE like layer 3) fed ``inputs_embeds`` = u, whose
     final norm is shared_head.norm."""
     from transformers import DeepseekV3Config, DeepseekV3Model
-
-    from quantplug.testing import to_layout
 
     hc = DeepseekV3Config(**{k: v for k, v in CFG.items() if k not in ("architectures", "num_nextn_predict_layers")})
     hc.num_hidden_layers, hc.first_k_dense_replace = 1, 0
@@ -165,6 +161,19 @@ def test_experts_from_ssd_serve_the_mtp_layer_too(dense):
     assert m.text_lm().mtp[0].block.mlp.experts.qp_store is not None
     plain, spec, g = _plain_and_speculative(m, new=24)
     assert spec == plain and g.drafts > 0
+
+
+def test_native_paths_and_dense_state(model):
+    """Plain greedy keeps the whole-stack native step; the MTP block has its per-module native MLA
+    step; dense_state exports the MTP layer (not the skipped copies) as stored."""
+    from quantplug.api import dense_state
+
+    lm = model.text_lm()
+    assert lm.model._stack_step() is not None and lm.mtp[0].block.self_attn.step is not None
+    d = dense_state(model)
+    copies = {f"model.layers.{N}.embed_tokens.weight", f"model.layers.{N}.shared_head.head.weight"}
+    assert set(STATE) - set(d) == copies and set(d) <= set(STATE)
+    assert all(torch.equal(d[k], STATE[k]) for k in d if k.startswith(f"model.layers.{N}."))
 
 
 # -- (c) roll-back ------------------------------------------------------------------------------
