@@ -176,6 +176,22 @@ def test_native_paths_and_dense_state(model):
     assert all(torch.equal(d[k], STATE[k]) for k in d if k.startswith(f"model.layers.{N}."))
 
 
+def test_expert_pack_holds_the_mtp_layer(formats, tmp_path):
+    """A GGUF with the MTP block (blk.3.nextn.*): its expert pack takes layer 3's experts too (no
+    'not MoE layers' warning), and the pack serves them."""
+    pytest.importorskip("gguf")
+    import shutil
+
+    from quantplug_expert_pack.build import build_pack
+
+    root = shutil.copytree(formats["expert_pack"], tmp_path / "packed")
+    build_pack(root, progress=False)
+    m = quantplug.load(root, progress=False, options={"expert_cache_mb": 0.1})
+    assert not m.quantplug_plan.problems
+    plain, spec, g = _plain_and_speculative(m, new=16)
+    assert spec == plain and g.drafts > 0
+
+
 # -- (c) roll-back ------------------------------------------------------------------------------
 
 def _guessed(g: Generation) -> int:

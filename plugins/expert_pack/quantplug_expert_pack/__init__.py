@@ -251,7 +251,9 @@ def _check_pack(plan: Any, pack: ExpertPack, qc: GGUFConfig) -> list[Problem]:
     if pack.n_experts != cfg.n_routed_experts:
         problems.append(Problem(f"the expert pack holds {pack.n_experts} experts per layer; config.json "
                                 f"n_routed_experts = {cfg.n_routed_experts}", file=name, kind="pack"))
-    moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    # the MTP layers the plan loads (core decision mtp_layers) are MoE layers of the model too
+    mtp = sum(int(d.value) for d in plan.decisions if d.hook == "mtp_layers")
+    moe = [i for i in range(cfg.num_hidden_layers + mtp) if cfg.is_moe_layer(i)]
     extra = sorted(set(pack.layers) - set(moe))
     if extra:
         problems.append(Problem(f"the expert pack has layers {extra}, which are not MoE layers of the model",
