@@ -302,7 +302,9 @@ class Generation:
         self._it = self._run_mtp() if speculative is not None else self._run()
 
     def _check_speculative(self, model: Any, batch: int) -> None:
-        """What ``speculative="mtp"`` needs: batch 1, MTP layers loaded, one process."""
+        """What ``speculative="mtp"`` needs: batch 1, MTP layers loaded. Tensor / expert parallel
+        ranks run it in step: every decision (acceptance, the bonus token, the draft) is made on
+        logits the ranks hold alike (the LM head gathers them), so they run the same forwards."""
         if batch != 1:
             raise GenerationError(f"speculative='mtp' decodes one sequence at a time, got a batch of {batch}: rows "
                                   "accept drafts independently, which one shared cache length cannot follow; "
@@ -313,12 +315,6 @@ class Generation:
                    f"num_nextn_predict_layers = {k}, but they were not loaded (load option mtp=false, or the "
                    "checkpoint stores none of their tensors: see the plan's mtp_layers decision)")
             raise GenerationError(f"speculative='mtp' needs the checkpoint's MTP layers: {why}")
-        plan = getattr(model, "quantplug_plan", None)
-        if getattr(plan, "parallel", None) is not None or \
-                getattr(self.lm.model.embed_tokens, "qp_parallel", None) is not None:
-            raise GenerationError("speculative='mtp' is not supported on a tensor- / expert-parallel model yet "
-                                  "(the MTP layers load and split, but the verify and draft steps are not guarded "
-                                  "across ranks): generate without speculative")
 
     def drafts_accepted(self) -> tuple[int, int]:
         """(drafts made, drafts accepted) so far (0, 0 without ``speculative``)."""

@@ -318,6 +318,54 @@ def test_tensor_parallel_plan_splits_the_mtp_block(dense):
     assert shapes[eh] == full[eh]                                          # replicated
 
 
+def test_tensor_parallel_ranks_draft_and_speculate_as_one_process(dense, model, tmp_path):
+    """Two gloo ranks (tests/parallel/worker.py): the MTP layer loads split (heads, experts, vocab),
+    its draft logits equal the single process's, and speculative decoding emits plain greedy's tokens."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    ids = torch.randint(0, CFG["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(4))
+    lm = model.text_lm()
+    nxt = torch.tensor([[17]])
+    with torch.inference_mode():
+        logits = model(ids)
+        draft = lm.mtp_logits(torch.cat([ids[:1, 1:], nxt], 1), lm.model(ids[:1]), new_mtp_cache(lm, 1, 8))
+    plain = model.generate(ids[:1], 16, eos_token_id=None)[0, 8:].tolist()
+    save_file({"ids": ids, "logits": logits.contiguous(), "next": nxt, "mtp_logits": draft.contiguous()},
+              str(tmp_path / "ref.safetensors"))
+    (tmp_path / "cases.json").write_text(json.dumps([{"name": "mtp", "path": str(dense), "speculative": 16,
+                                                      "ref": str(tmp_path / "ref.safetensors")}]))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    worker = Path(__file__).parent / "parallel" / "worker.py"
+    procs = [subprocess.Popen([sys.executable, str(worker), str(tmp_path / "cases.json"), str(tmp_path)],
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1"),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        logs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r}: {logs[r][-2000:]}"
+        (rec,) = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert "error" not in rec and "crash" not in rec, rec
+        assert rec["parallel"]["world_size"] == 2 and rec["rel_err"] <= 1e-5
+        split = {d["target"]: d["value"] for d in rec["parallel"]["decisions"]}
+        assert split[f"model.layers.{N}.self_attn.o_proj"] == "row-parallel"
+        assert split[f"model.layers.{N}.mlp.experts"] == "expert-parallel"
+        assert rec["mtp_rel_err"] <= 1e-5
+        assert rec["spec_tokens"] == plain and rec["drafts"] > 0
+
+
 # -- (e) the CLI --------------------------------------------------------------------------------
 
 def test_cli_speculative_prints_acceptance(dense, capsys):
