@@ -406,8 +406,8 @@ class Generation:
         finished = torch.zeros(self.input_ids.shape[0], dtype=torch.bool, device=self.input_ids.device)
         t0 = time.perf_counter()
         with torch.inference_mode(), gc_paused():
-            hidden = lm.model(self.input_ids, None, self.cache)
-            tok = self._greedy(lm.lm_head(hidden[:, -1]).float(), 0)
+            hidden, logits = lm.hidden_and_logits(self.input_ids, self.cache, last_only=True)
+            tok = self._greedy(logits[:, -1], 0)
             if self.max_new_tokens > 1:
                 # the MTP layer over the prompt: pairs (h_j, x_{j+1}), the last one with the new token
                 nxt = torch.cat([self.input_ids[:, 1:], tok.unsqueeze(1)], dim=1)

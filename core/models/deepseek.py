@@ -847,12 +847,14 @@ class DeepseekV3ForCausalLM(GenerationMixin, nn.Module):
         logits = self.lm_head(self.model(input_ids, None, cache)[:, -1]).float()
         return logits, (logits.argmax(dim=-1) if pick else None)
 
-    def hidden_and_logits(self, input_ids: torch.Tensor, cache: MLACache) -> tuple[torch.Tensor, torch.Tensor]:
+    def hidden_and_logits(self, input_ids: torch.Tensor, cache: MLACache,
+                          last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The main model on ``input_ids`` [B, T] after the ``cache``'s tokens (appended to it): its
         normed final hidden states [B, T, H] (the LM head's input, what the MTP layer reads) and
-        float32 logits [B, T, vocab] (speculative decoding verifies T = 2 tokens this way)."""
+        float32 logits [B, T, vocab], or with ``last_only`` [B, 1, vocab] of the last position (a
+        prompt). Speculative decoding prefills and verifies T = 2 tokens this way."""
         hidden = self.model(input_ids, None, cache)
-        return hidden, self.lm_head(hidden).float()
+        return hidden, self.lm_head(hidden[:, -1:] if last_only else hidden).float()
 
     def mtp_logits(self, next_ids: torch.Tensor, hidden: torch.Tensor, cache: MLACache,
                    layer: int = 0) -> torch.Tensor:
