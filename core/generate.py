@@ -10,7 +10,10 @@ directly (the absorbed form, see :class:`quantplug.models.deepseek.MLA`).
 ``generate`` follows transformers' argument names and meanings (greedy by default; a row that
 emits an end-of-sequence id stops and is padded with the first EOS id; ``min_new_tokens`` masks
 EOS; sampling applies temperature, then top-k, then top-p). ``stream`` yields the new tokens
-step by step and records timings for the CLI.
+step by step and records timings for the CLI. ``speculative="mtp"`` decodes greedily with the
+checkpoint's multi-token-prediction layer as the drafter (:meth:`Generation._run_mtp`): the same
+tokens, up to two per main-model forward; a rejected draft is rolled back with
+:meth:`LatentCache.truncate`.
 """
 
 from __future__ import annotations

@@ -62,7 +62,9 @@ def quark(path: Path, config: Mapping[str, Any], state: Mapping[str, torch.Tenso
               "is_dynamic": False}
     qc = {"quant_method": "quark", "global_quant_config": {"weight": weight, "input_tensors": None,
                                                          "output_tensors": None, "bias": None},
-          "layer_quant_config": {}, "layer_type_quant_config": {}, "exclude": ["lm_head"],
+          "layer_quant_config": {}, "layer_type_quant_config": {},
+          # Quark exports leave lm_head unquantized (and this writer does not quantize it)
+          "exclude": ["lm_head"] if "lm_head.weight" in state else [],
           "export": {"weight_format": "real_quantized", "pack_method": "reorder"}, "version": "0.13"}
     return write_checkpoint(path, _with_qc(config, qc), out)
 
