@@ -319,10 +319,6 @@ class Generation:
                    "checkpoint stores none of their tensors: see the plan's mtp_layers decision)")
             raise GenerationError(f"speculative='mtp' needs the checkpoint's MTP layers: {why}")
 
-    def drafts_accepted(self) -> tuple[int, int]:
-        """(drafts made, drafts accepted) so far (0, 0 without ``speculative``)."""
-        return self.drafts, self.accepted
-
     def acceptance_rate(self) -> float | None:
         """Accepted drafts over drafts made; None when no draft was made."""
         return self.accepted / self.drafts if self.drafts else None
@@ -584,7 +580,8 @@ def cli_generate(args: Any, model: Any) -> int:
     if gen.speculative is not None:
         rate = gen.acceptance_rate()
         result.update({"speculative": gen.speculative, "drafts": gen.drafts, "accepted_drafts": gen.accepted,
-                       "acceptance_rate": None if rate is None else round(rate, 4)})
+                       "acceptance_rate": None if rate is None else round(rate, 4),
+                       "mtp_kv_cache_bytes_per_token": gen.mtp_cache.bytes_per_token() if gen.mtp_cache else 0})
     for h in hooks:
         h.remove()
     if sources:

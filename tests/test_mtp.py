@@ -381,6 +381,7 @@ def test_cli_speculative_prints_acceptance(dense, capsys):
     spec = json.loads(capsys.readouterr().out)
     assert spec["tokens"] == plain["tokens"] and spec["speculative"] == "mtp"
     assert spec["drafts"] > 0 and spec["acceptance_rate"] == round(spec["accepted_drafts"] / spec["drafts"], 4)
+    assert spec["mtp_kv_cache_bytes_per_token"] == (CFG["kv_lora_rank"] + CFG["qk_rope_head_dim"]) * 4  # float32
     assert main(args + ["--speculative", "mtp"]) == 0
     err = capsys.readouterr().err
     assert f"mtp drafts {spec['drafts']}, accepted {spec['accepted_drafts']}" in err
