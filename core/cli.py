@@ -269,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
     g.add_argument("--seed", type=int, default=0, help="sampling seed")
     g.add_argument("--chat", action="store_true", help="wrap --prompt in the checkpoint's chat template")
+    g.add_argument("--speculative", choices=("mtp",), default=None,
+                   help="mtp: greedy speculative decoding with the checkpoint's multi-token-prediction layer "
+                        "(same tokens as greedy; prints drafts and acceptance)")
     g.add_argument("--json", action="store_true", help="one JSON object: tokens, text, speed, cache bytes")
     e = ckpt_cmd("explain", "each decision for one layer or tensor: value, plugin, reason", cmd_explain)
     e.add_argument("layer")

@@ -10,7 +10,10 @@ directly (the absorbed form, see :class:`quantplug.models.deepseek.MLA`).
 ``generate`` follows transformers' argument names and meanings (greedy by default; a row that
 emits an end-of-sequence id stops and is padded with the first EOS id; ``min_new_tokens`` masks
 EOS; sampling applies temperature, then top-k, then top-p). ``stream`` yields the new tokens
-step by step and records timings for the CLI.
+step by step and records timings for the CLI. ``speculative="mtp"`` decodes greedily with the
+checkpoint's multi-token-prediction layer as the drafter (:meth:`Generation._run_mtp`): the same
+tokens, up to two per main-model forward; a rejected draft is rolled back with
+:meth:`LatentCache.truncate`.
 """
 
 from __future__ import annotations
@@ -110,6 +113,14 @@ class LatentCache:
     def unreserve(self, t: int = 1) -> None:
         self.length -= t
 
+    def truncate(self, length: int) -> None:
+        """Forget every token from ``length`` on (speculative decoding rolls a rejected draft back):
+        only :attr:`length` moves back, since every buffer is addressed by it (the next append
+        overwrites the forgotten rows), so any buffer a layer adds rolls back with it."""
+        if not 0 <= length <= self.length:
+            raise GenerationError(f"cannot truncate a cache of {self.length} tokens to {length}")
+        self.length = length
+
     def append(self, latent: torch.Tensor, k_rope: torch.Tensor, index_k: torch.Tensor | None = None,
                index_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """latent [B, 1, t, kv_lora], k_rope [B, 1, t, rope] -> all cached [B, 1, L, ...] (L = past + t).
@@ -165,6 +176,11 @@ class MLACache:
     def length(self) -> int:
         return self.layers[0].length if self.layers else 0
 
+    def truncate(self, length: int) -> None:
+        """Every layer back to ``length`` tokens (:meth:`LatentCache.truncate`)."""
+        for c in self.layers:
+            c.truncate(length)
+
     def bytes_per_token(self) -> int:
         """Bytes the cache holds per token, all layers: (kv_lora_rank + qk_rope_head_dim [+ index_head_dim
         for DSA]) x layers x dtype bytes."""
@@ -179,17 +195,38 @@ def _buffers(c: LatentCache) -> list[torch.Tensor]:
     return [b for b in (getattr(c, n) for n in LatentCache.BUFFERS) if b is not None]
 
 
-def new_cache(lm: Any, batch: int, capacity: int) -> MLACache:
-    """An empty cache for the text model ``lm`` (a ``DeepseekV3ForCausalLM``), room for ``capacity`` tokens."""
+def layer_cache(attn: Any, batch: int, capacity: int, limit: int, *, dtype: torch.dtype,
+                device: torch.device) -> LatentCache:
+    """An empty :class:`LatentCache` for one MLA module ``attn`` (its latent and rope widths, and
+    its DSA indexer's keys when it has one)."""
+    indexer = getattr(attn, "indexer", None)
+    return LatentCache(batch, attn.kv_lora_rank, attn.qk_rope_head_dim, dtype=dtype, device=device,
+                       capacity=capacity, limit=limit, index_dim=getattr(indexer, "head_dim", 0),
+                       index_fp8=getattr(indexer, "qp_indexer", "") == "fp8")
+
+
+def new_cache(lm: Any, batch: int, capacity: int) -> Any:
+    """An empty cache for the text model ``lm``, room for ``capacity`` tokens: the one its
+    architecture declares (``lm.qp_new_cache(batch, capacity, limit)``, ``limit`` the longest
+    sequence its config allows), else an :class:`MLACache` of one :func:`layer_cache` per
+    ``lm.model.layers[i].self_attn``. Generation uses a cache's ``length`` and ``truncate``."""
     limit = max_seq_len(lm.config)
+    make = getattr(lm, "qp_new_cache", None)
+    if make is not None:
+        return make(batch, capacity, limit)
     emb = lm.model.embed_tokens
     device = next(iter(emb.parameters())).device
-    layers = [LatentCache(batch, layer.self_attn.kv_lora_rank, layer.self_attn.qk_rope_head_dim,
-                          dtype=emb.model_dtype, device=device, capacity=capacity, limit=limit,
-                          index_dim=getattr(getattr(layer.self_attn, "indexer", None), "head_dim", 0),
-                          index_fp8=getattr(getattr(layer.self_attn, "indexer", None), "qp_indexer", "") == "fp8")
-              for layer in lm.model.layers]
-    return MLACache(layers)
+    return MLACache([layer_cache(layer.self_attn, batch, capacity, limit, dtype=emb.model_dtype, device=device)
+                     for layer in lm.model.layers])
+
+
+def new_mtp_cache(lm: Any, batch: int, capacity: int) -> MLACache:
+    """An empty one-layer cache for ``lm``'s first MTP layer (its own latent, apart from the main
+    model's, with its indexer keys on DeepSeek-V3.2), room for ``capacity`` tokens."""
+    emb = lm.model.embed_tokens
+    device = next(iter(emb.parameters())).device
+    return MLACache([layer_cache(lm.mtp[0].block.self_attn, batch, capacity, max_seq_len(lm.config),
+                                 dtype=emb.model_dtype, device=device)])
 
 
 def checkpoint_eos(model: Any) -> tuple[int, ...]:
@@ -273,19 +310,33 @@ def _check_args(max_new_tokens: int, min_new_tokens: int, do_sample: bool, tempe
         raise GenerationError(f"top_p must be in (0, 1], got {top_p}")
 
 
+#: the values of ``generate(..., speculative=...)`` besides None
+SPECULATIVE = ("mtp",)
+
+
 class Generation:
     """An iterator over new tokens (LongTensor [B] per step) for ``input_ids`` [B, T].
 
     After (or during) iteration: ``tokens`` (the steps so far), ``prefill_seconds`` (prompt
     forward + first token), ``decode_seconds`` (every later step; model and sampling time only,
     not the consumer's), ``cache`` (the :class:`MLACache`).
+
+    ``speculative="mtp"``: greedy speculative decoding with the checkpoint's first MTP layer
+    (:meth:`_run_mtp`); ``drafts`` / ``accepted`` count its drafts and the accepted ones
+    (:meth:`acceptance_rate`), ``mtp_cache`` is the MTP layer's own cache.
     """
 
     def __init__(self, model: Any, input_ids: torch.Tensor, max_new_tokens: int, *, min_new_tokens: int = 0,
                  do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, eos_token_id: Any = "checkpoint",
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None, speculative: str | None = None) -> None:
         _check_args(max_new_tokens, min_new_tokens, do_sample, temperature, top_k, top_p)
+        if speculative is not None and speculative not in SPECULATIVE:
+            raise GenerationError(f"speculative={speculative!r}: expected None or one of {', '.join(SPECULATIVE)}")
+        if speculative is not None and do_sample:
+            raise GenerationError(f"speculative={speculative!r} decodes greedily only (it accepts a draft when it "
+                                  "equals the main model's argmax; rejection sampling is not implemented): drop "
+                                  "do_sample / temperature / top_k / top_p, or speculative")
         if input_ids.dim() != 2 or input_ids.shape[1] < 1 or input_ids.dtype not in (torch.int64, torch.int32):
             raise GenerationError(f"input_ids must be an integer tensor [batch, tokens >= 1], got "
                                   f"{input_ids.dtype} {list(input_ids.shape)}")
@@ -308,9 +359,40 @@ class Generation:
         if t + max_new_tokens > limit:
             raise GenerationError(f"prompt of {t} tokens + max_new_tokens {max_new_tokens} exceeds the model's "
                                   f"context of {limit} tokens (max_position_embeddings, yarn included)")
+        self.speculative = speculative
+        #: MTP drafts made / accepted (``speculative="mtp"``)
+        self.drafts = 0
+        self.accepted = 0
+        self.mtp_cache: MLACache | None = None
+        if speculative is not None:
+            self._check_speculative(model, b)
         with torch.inference_mode():
             self.cache = new_cache(self.lm, b, t + max_new_tokens)
-        self._it = self._run()
+            if speculative is not None:
+                self.mtp_cache = new_mtp_cache(self.lm, b, t + max_new_tokens)
+        #: speculative state: the last emitted token (not yet in the main cache) and the MTP draft after it
+        self._last: torch.Tensor | None = None
+        self._draft: torch.Tensor | None = None
+        self._it = self._run_mtp() if speculative is not None else self._run()
+
+    def _check_speculative(self, model: Any, batch: int) -> None:
+        """What ``speculative="mtp"`` needs: batch 1, MTP layers loaded. Tensor / expert parallel
+        ranks run it in step: every decision (acceptance, the bonus token, the draft) is made on
+        logits the ranks hold alike (the LM head gathers them), so they run the same forwards."""
+        if batch != 1:
+            raise GenerationError(f"speculative='mtp' decodes one sequence at a time, got a batch of {batch}: rows "
+                                  "accept drafts independently, which one shared cache length cannot follow; "
+                                  "generate the rows one by one, or without speculative")
+        if not len(getattr(self.lm, "mtp", ())):
+            k = self.lm.config.num_nextn_predict_layers
+            why = ("the checkpoint declares none (num_nextn_predict_layers = 0)" if not k else
+                   f"num_nextn_predict_layers = {k}, but they were not loaded (load option mtp=false, or the "
+                   "checkpoint stores none of their tensors: see the plan's mtp_layers decision)")
+            raise GenerationError(f"speculative='mtp' needs the checkpoint's MTP layers: {why}")
+
+    def acceptance_rate(self) -> float | None:
+        """Accepted drafts over drafts made; None when no draft was made."""
+        return self.accepted / self.drafts if self.drafts else None
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return self
@@ -361,6 +443,85 @@ class Generation:
             if len(self.eos) and bool(finished.all()):
                 return
 
+    def _greedy(self, logits: torch.Tensor, step: int) -> torch.Tensor:
+        """The greedy pick [B] of float32 ``logits`` [B, V] at new-token ``step`` (EOS masked before
+        ``min_new_tokens``), as plain greedy decoding picks it."""
+        return process_logits(logits, step=step, eos=self.eos, **self.settings).argmax(dim=-1)
+
+    def _pick_draft(self, logits: torch.Tensor) -> torch.Tensor:
+        """The MTP layer's draft [B] from its float32 ``logits`` [B, V]: greedy."""
+        return logits.argmax(dim=-1)
+
+    def _run_mtp(self) -> Iterator[torch.Tensor]:
+        """Greedy speculative decoding with the first MTP layer (ARCHITECTURES D3 / D4), batch 1.
+
+        State before a step: the main cache holds positions 0..L-1, ``_last`` is x_L (emitted, not
+        yet cached), the MTP cache holds the pairs (h_j, x_{j+1}) for j < L (h: the main model's
+        normed final hidden state) and ``_draft`` d is its guess for x_{L+1}. A step runs the main
+        model once on [x_L, d] (positions L, L+1): a = its pick at L. d == a: d is accepted and the
+        pick at L+1 is a bonus token (two tokens this step). Otherwise a is emitted and d's entry
+        is rolled back in the main cache (:meth:`MLACache.truncate`). Then the MTP layer runs on the
+        pairs of the accepted positions only (h_L with x_{L+1}, and h_{L+1} with the bonus), so its
+        cache never holds a rejected token and needs no roll-back; its last row drafts the next d.
+        Every emitted token is the main model's greedy pick given the tokens before it, so the
+        output is plain greedy decoding's (up to float rounding between a 2-token forward and a
+        1-token step). The last token before ``max_new_tokens`` is a plain step; EOS and
+        ``max_new_tokens`` stop exactly where plain greedy stops (a bonus token past either is dropped).
+        """
+        if self.max_new_tokens == 0:
+            return
+        lm, mtp_cache = self.lm, self.mtp_cache
+        assert mtp_cache is not None
+        eos = torch.tensor(self.eos, dtype=torch.long, device=self.input_ids.device)
+        finished = torch.zeros(self.input_ids.shape[0], dtype=torch.bool, device=self.input_ids.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode(), gc_paused():
+            hidden, logits = lm.hidden_and_logits(self.input_ids, self.cache, last_only=True)
+            tok = self._greedy(logits[:, -1], 0)
+            if self.max_new_tokens > 1:
+                # the MTP layer over the prompt: pairs (h_j, x_{j+1}), the last one with the new token
+                nxt = torch.cat([self.input_ids[:, 1:], tok.unsqueeze(1)], dim=1)
+                self._draft = self._pick_draft(lm.mtp_logits(nxt, hidden, mtp_cache)[:, -1])
+        self.prefill_seconds = time.perf_counter() - t0
+        pending, step = [tok], 0
+        while True:
+            for t in pending:
+                if len(self.eos):
+                    t = torch.where(finished, eos[0], t)
+                    finished = finished | torch.isin(t, eos)
+                self.tokens.append(t)
+                yield t
+                step += 1
+                if step >= self.max_new_tokens or (len(self.eos) and bool(finished.all())):
+                    return
+            self._last = pending[-1]
+            t0 = time.perf_counter()
+            with torch.inference_mode(), gc_paused():
+                pending = self._mtp_step(step)
+            self.decode_seconds += time.perf_counter() - t0
+
+    def _mtp_step(self, step: int) -> list[torch.Tensor]:
+        """One speculative step (see :meth:`_run_mtp`) from new-token ``step``: the tokens it emits."""
+        lm, last, d = self.lm, self._last, self._draft
+        assert last is not None and self.mtp_cache is not None
+        if self.max_new_tokens - step == 1 or d is None:
+            return [self._next(last.unsqueeze(1), step)]  # one token left: a plain step
+        self.drafts += 1
+        start = self.cache.length
+        hidden, logits = lm.hidden_and_logits(torch.stack([last, d], dim=1), self.cache)
+        a = self._greedy(logits[:, 0], step)
+        if bool((a == d).all()):
+            self.accepted += 1
+            out = [d, self._greedy(logits[:, 1], step + 1)]
+        else:
+            self.cache.truncate(start + 1)   # roll back d's entry in every layer
+            out, hidden = [a], hidden[:, :1]
+        if step + len(out) >= self.max_new_tokens or any(int(t[0]) in self.eos for t in out):
+            self._draft = None  # generation ends with these tokens (batch 1): no draft needed
+            return out
+        self._draft = self._pick_draft(lm.mtp_logits(torch.stack(out, dim=1), hidden, self.mtp_cache)[:, -1])
+        return out
+
     def sequences(self) -> torch.Tensor:
         """The prompt and every token generated so far, [B, T + n]."""
         if not self.tokens:
@@ -390,7 +551,7 @@ class GenerationMixin:
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, *, min_new_tokens: int = 0,
                  do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, eos_token_id: Any = "checkpoint",
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+                 generator: torch.Generator | None = None, speculative: str | None = None) -> torch.Tensor:
         """Prompt ``input_ids`` [B, T] plus up to ``max_new_tokens`` new tokens: LongTensor [B, T + n].
 
         Greedy unless ``do_sample``; sampling applies ``temperature``, ``top_k``, ``top_p`` in that
@@ -398,10 +559,14 @@ class GenerationMixin:
         default the checkpoint's (generation_config.json, then config.json). A row that emits EOS
         is finished and padded with the first EOS id; generation stops when every row is finished
         (n < max_new_tokens then). EOS cannot be chosen before ``min_new_tokens`` new tokens.
+
+        ``speculative="mtp"``: greedy speculative decoding with the checkpoint's MTP layer (same
+        tokens as greedy, up to two per main-model step; batch 1, no sampling; see
+        :meth:`Generation._run_mtp` and docs/generation.md).
         """
         g = Generation(self, input_ids, max_new_tokens, min_new_tokens=min_new_tokens, do_sample=do_sample,
                        temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
-                       generator=generator)
+                       generator=generator, speculative=speculative)
         for _ in g:
             pass
         return g.sequences()
@@ -447,7 +612,8 @@ def cli_generate(args: Any, model: Any) -> int:
     sample = args.top_p is not None or args.top_k is not None or bool(args.temperature)
     gen = model.stream(torch.tensor([ids]), args.max_new_tokens, do_sample=sample,
                        temperature=args.temperature or 1.0, top_p=args.top_p, top_k=args.top_k,
-                       generator=torch.Generator().manual_seed(args.seed) if sample else None)
+                       generator=torch.Generator().manual_seed(args.seed) if sample else None,
+                       speculative=getattr(args, "speculative", None))
     sources = stats_sources(model)
     packs = next((s for s in sources.values() if EXPERT_READS in s.stats()), None)
     before: dict[str, Mapping[str, float]] = {}
@@ -482,6 +648,11 @@ def cli_generate(args: Any, model: Any) -> int:
     result.update({"tokens_per_second": round(gen.tokens_per_second(), 3),
                    "prefill_seconds": round(gen.prefill_seconds, 6),
                    "kv_cache_bytes_per_token": gen.cache.bytes_per_token()})
+    if gen.speculative is not None:
+        rate = gen.acceptance_rate()
+        result.update({"speculative": gen.speculative, "drafts": gen.drafts, "accepted_drafts": gen.accepted,
+                       "acceptance_rate": None if rate is None else round(rate, 4),
+                       "mtp_kv_cache_bytes_per_token": gen.mtp_cache.bytes_per_token() if gen.mtp_cache else 0})
     for h in hooks:
         h.remove()
     if sources:
@@ -504,8 +675,12 @@ def cli_generate(args: Any, model: Any) -> int:
         print(result["text"][len(shown):] if result["text"].startswith(shown) else "", end="")
     print(flush=True)
     extra = ""
+    if gen.speculative is not None:
+        rate = result["acceptance_rate"]
+        extra += (f", {gen.speculative} drafts {gen.drafts}, accepted {gen.accepted}"
+                  f" ({'n/a' if rate is None else f'{rate:.1%}'})")
     if packs is not None:
-        extra = (f", expert cache hit rate {result['expert_cache_hit_rate']}, "
+        extra += (f", expert cache hit rate {result['expert_cache_hit_rate']}, "
                  f"{result['ssd_bytes_per_token']:,.0f} SSD bytes/token")
     print(f"[{len(new)} tokens, {result['tokens_per_second']:.2f} tok/s decode, prefill "
           f"{gen.prefill_seconds:.3f} s, KV cache {result['kv_cache_bytes_per_token']:,} bytes/token{extra}]",

@@ -55,6 +55,10 @@ CORE_OPTIONS: tuple[OptionSpec, ...] = (
                "DeepSeek-V3.2 (DSA) models: exact: the lightning indexer scores in float32 as transformers does; "
                "fp8: as DeepSeek's reference (Hadamard rotation, e4m3 per-head quantization with power-of-two "
                "scales, FP8 key cache)"),
+    OptionSpec("mtp", bool, True, None,
+               "load the checkpoint's multi-token-prediction layers (num_nextn_predict_layers; speculative "
+               "decoding drafts with them); false: skip them as before (saves their memory). Default: loaded "
+               "when the checkpoint stores them; given true: a checkpoint without them is a plan error"),
     OptionSpec("tp_timeout_s", float, 60.0, None,
                "tensor parallel: seconds a rank waits in a forward collective for the others before raising, "
                "naming the ranks that did not arrive", minimum=0.001, maximum=1e6),

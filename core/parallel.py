@@ -917,8 +917,8 @@ def _loaded_comm_failed() -> bool:
 
 
 def guard_model(model: nn.Module, comm: Comm) -> None:
-    """Publish any exception of ``model``'s forward / ``next_logits`` / ``next_tokens``
-    (generation) to the other ranks (:meth:`Comm.guard`), so they raise naming this rank instead
+    """Publish any exception of ``model``'s forward / ``next_logits`` / ``next_tokens`` /
+    ``hidden_and_logits`` / ``mtp_logits`` (generation, speculative included) to the other ranks (:meth:`Comm.guard`), so they raise naming this rank instead
     of waiting."""
     import functools
 
@@ -934,8 +934,10 @@ def guard_model(model: nn.Module, comm: Comm) -> None:
     lm = text_lm() if callable(text_lm) else None
     if lm is not None and hasattr(lm, "next_logits"):
         lm.next_logits = wrap(lm.next_logits, "generate")
-        if hasattr(lm, "next_tokens"):
-            lm.next_tokens = wrap(lm.next_tokens, "generate")
+        # next_tokens, and speculative decoding's verify forward and MTP draft
+        for name in ("next_tokens", "hidden_and_logits", "mtp_logits"):
+            if hasattr(lm, name):
+                setattr(lm, name, wrap(getattr(lm, name), "generate"))
         if lm is not model:
             lm.forward = wrap(lm.forward, "forward")
 

@@ -168,6 +168,35 @@ class _Decider:
         self.problems: list[Problem] = []
         self._scheme_cache: dict[tuple[str, str, tuple[str, ...]], tuple[LinearScheme, PluginInfo]] = {}
         self._names = sorted(ckpt.tensors)
+        #: multi-token-prediction layers the model builds (:meth:`decide_mtp`)
+        self.mtp_layers = 0
+
+    def decide_mtp(self, given: bool) -> None:
+        """How many MTP layers to build: the config's ``num_nextn_predict_layers`` when the option
+        ``mtp`` is true and the checkpoint stores them. Left at the default, a checkpoint whose
+        config declares MTP layers but stores no tensor of them (many conversions drop them) loads
+        without them; given true, that is a plan error. Recorded as a decision either way."""
+        n, k = self.mcfg.num_hidden_layers, self.mcfg.num_nextn_predict_layers
+        if k == 0:
+            return
+        target = self.ck(f"model.layers.{n}")
+        if not self.options.get("mtp", True):
+            self.decisions.append(Decision("mtp_layers", target, 0, CORE,
+                                           f"option mtp=false: the {k} MTP layer(s) are skipped (rule mtp-layers)"))
+            return
+        stored = [i for i in range(n, n + k) if self._has_module(self.ck(f"model.layers.{i}"))]
+        if not stored:
+            if given:
+                self.problems.append(Problem(
+                    f"option mtp=true, but the checkpoint stores no tensor of its {k} MTP layer(s) "
+                    f"(num_nextn_predict_layers = {k}: {target}.*)", layer=target, kind="options"))
+            self.decisions.append(Decision("mtp_layers", target, 0, CORE,
+                                           f"num_nextn_predict_layers = {k}, but the checkpoint stores no MTP tensor"))
+            return
+        self.mtp_layers = k
+        self.decisions.append(Decision("mtp_layers", target, k, CORE,
+                                       f"num_nextn_predict_layers = {k}: layers {n}..{n + k - 1} loaded for "
+                                       "speculative decoding (option mtp=false skips them)"))
 
     def ck(self, rel: str) -> str:
         return f"{self.prefix}.{rel}" if self.prefix else rel
@@ -348,11 +377,18 @@ def _scheme_name(mod: PlannedModule) -> str:
 
 
 def _skips(ckpt: Checkpoint, arch: ArchSpec, mcfg: ModelConfig, prefix: str,
-           used: set[str]) -> tuple[dict[str, list[str]], list[str]]:
+           used: set[str], mtp_layers: int = 0) -> tuple[dict[str, list[str]], list[str]]:
     rules = list(arch.skip_rules)
     p = re.escape(prefix + ".") if prefix else ""
+    n = mcfg.num_hidden_layers
+    if mtp_layers:
+        rules.append(SkipRule("mtp-shared-copies", rf"^{p}model\.layers\.(\d+)\.(embed_tokens|shared_head\.head)\.",
+                              "the MTP layers' stored copies of the embedding and LM head: the main model's "
+                              "embed_tokens and lm_head serve them"))
     rules.append(SkipRule("mtp-layers", rf"^{p}model\.layers\.(\d+)\.",
-                          f"layers >= num_hidden_layers ({mcfg.num_hidden_layers}): multi-token-prediction heads"))
+                          f"layers >= num_hidden_layers ({n}): multi-token-prediction heads"))
+    # the layer index a rule's first group must fall in
+    ranges = {"mtp-shared-copies": range(n, n + mtp_layers), "mtp-layers": range(n, 1 << 62)}
     compiled = [(r, re.compile(r.pattern)) for r in rules]
     skipped: dict[str, list[str]] = defaultdict(list)
     unexpected: list[str] = []
@@ -361,7 +397,7 @@ def _skips(ckpt: Checkpoint, arch: ArchSpec, mcfg: ModelConfig, prefix: str,
             continue
         for rule, rx in compiled:
             m = rx.search(name)
-            if m and (rule.name != "mtp-layers" or int(m.group(1)) >= mcfg.num_hidden_layers):
+            if m and (rule.name not in ranges or int(m.group(1)) in ranges[rule.name]):
                 skipped[f"{rule.name}: {rule.reason}"].append(name)
                 break
         else:
@@ -455,13 +491,14 @@ def _build_plan(path: str | Path, backend: str | None, options: Mapping[str, Any
     from_plugins: set[str] = set()
     packed = _merge_packed(pm, be, arch, qc, problems, from_plugins)
     decider = _Decider(pm, be, ckpt, arch, mcfg, qc, prefix, options, dtype)
+    decider.decide_mtp(resolved.sources.get("mtp") == "given")
     model = arch.cls(mcfg, decider)
     _check_packed(decider, model, packed, from_plugins)
     decisions += decider.decisions
     problems += decider.problems
     problems += _indexer_problems(mcfg, options)
     params, used = _collect_params(model, ckpt, dtype, problems)
-    skipped, unexpected = _skips(ckpt, arch, mcfg, prefix, used)
+    skipped, unexpected = _skips(ckpt, arch, mcfg, prefix, used, decider.mtp_layers)
     for name in unexpected:
         info = ckpt.tensors[name]
         problems.append(Problem("unexpected: no parameter of the model takes it and no skip rule covers it",

@@ -133,8 +133,11 @@ def test_plan_of_the_163_shard_index_reads_no_data_and_takes_under_2_s(dsv3):
     assert not reads, reads.events
     assert p.backend == "fp8" and not p.problems
     assert p.model_config.num_hidden_layers == 61 and p.model_config.n_routed_experts == 256
+    # the MTP layer 61 loads (option mtp, default true) but for its copies of the embedding and lm_head
     skipped = [n for names in p.skipped.values() for n in names]
-    assert len(skipped) == sum(1 for t in release_tensors(deepseek_v3_config()) if t.layer == 61)
+    assert sorted(skipped) == ["model.layers.61.embed_tokens.weight", "model.layers.61.shared_head.head.weight"]
+    used = {info.name for pp in p.params for _, info in pp.sources}
+    assert {t.name for t in release_tensors(deepseek_v3_config()) if t.layer == 61} - used == set(skipped)
     # CPU time: wall time on this shared 2-core machine swings with the other engineers' load
     # (measured 1.3 s wall for 0.9 s CPU at load 8, 11 s wall for 1.7 s CPU at load 14)
     cpu, wall, _ = _best_cpu_seconds(dsv3)
@@ -142,12 +145,12 @@ def test_plan_of_the_163_shard_index_reads_no_data_and_takes_under_2_s(dsv3):
 
 
 def test_experts_larger_than_memory_are_a_plan_error_naming_the_numbers(dsv3, monkeypatch):
-    """Without expert_cache_mb, the routed experts a load would copy into memory (609.5 GiB at
-    DeepSeek-V3 size) must fit the machine's available memory; the error says both and the fix."""
+    """Without expert_cache_mb, the routed experts a load would copy into memory (620.1 GiB at
+    DeepSeek-V3 size, the MTP layer 61's 10.6 included) must fit the machine's available memory; the error says both and the fix."""
     from quantplug import memory
 
     monkeypatch.setattr(memory, "available_memory", lambda: 20 << 30)
-    with pytest.raises(quantplug.errors.PlanError, match=r"loading copies 609.5 GiB into memory \(routed experts and "
+    with pytest.raises(quantplug.errors.PlanError, match=r"loading copies 620.1 GiB into memory \(routed experts and "
                                                          r"converted tensors\) but this machine has 20.0 GiB available: "
                                                          r"set expert_cache_mb"):
         quantplug.plan(dsv3)
@@ -156,8 +159,9 @@ def test_experts_larger_than_memory_are_a_plan_error_naming_the_numbers(dsv3, mo
 
 
 def test_experts_from_ssd_at_deepseek_v3_size_attach_in_seconds(dsv3):
-    """expert_cache_mb on the 163-shard index: 58 MoE layers x 256 experts x 3 projections x
-    (weight, scale) addressed per expert from the headers (89,088 byte ranges), in CPU seconds."""
+    """expert_cache_mb on the 163-shard index: 59 MoE layers (58 + the MTP layer 61) x 256 experts x
+    3 projections x (weight, scale) addressed per expert from the headers (90,624 byte ranges), in
+    CPU seconds."""
     from quantplug import experts
 
     plan = quantplug.plan(dsv3, options={"expert_cache_mb": 4096})
@@ -167,9 +171,9 @@ def test_experts_from_ssd_at_deepseek_v3_size_attach_in_seconds(dsv3):
     cpu = time.process_time() - c
     assert cache is not None and not kept
     stores = [m.qp_store for m in plan.model.modules() if getattr(m, "qp_store", None) is not None]
-    assert len(stores) == 58 and len(skip) == 58 * 3 * 2
+    assert len(stores) == 59 and len(skip) == 59 * 3 * 2
     pieces = sum(len(v) for st in stores for proj in st.pieces.values() for v in proj.values())
-    assert pieces == 58 * 256 * 3 * 2
+    assert pieces == 59 * 256 * 3 * 2
     assert stores[0].slot_bytes == 3 * (2048 * 7168 + 16 * 56 * 4)  # F8_E4M3 weights + F32 block scales
     assert cpu < PLAN_BUDGET_S, f"attach: {cpu:.2f} s CPU"
     cache.close()
@@ -208,16 +212,18 @@ def test_cli_plan_of_the_real_layout_fits_a_screen(dsv3, capsys):
     assert "  layers 3-60 (58): attention dense; [1] all 11 projections" in lines
     fp8 = [ln for ln in lines if "fp8 e4m3 block [128, 128]" in ln]
     assert fp8 == ["  [1] fp8 e4m3 block [128, 128], weight_scale_inv f32; activations fp8 e4m3 per token per 128 "
-                   "(DeepSeek act_quant; activation_quant=dynamic) (662 modules)"]
+                   "(DeepSeek act_quant; activation_quant=dynamic) (673 modules)"]  # 662 + the MTP layer's 11
     assert main(["plan", str(dsv3), "--json", "-o", "expert_cache_mb=4096"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert len(d["schemes"]) == 3 * 8 + 58 * 11 + 2 and len(d["decisions"]) > 700
+    # dense layers, MoE layers (the MTP layer 61 too), embedding + lm_head, the MTP layer's eh_proj
+    assert len(d["schemes"]) == 3 * 8 + 59 * 11 + 2 + 1 and len(d["decisions"]) > 700
     # 8-rank tensor parallel: ranks of equal bytes on one line, equal splits over layers on one line
     assert main(["plan", str(dsv3), "--tp", "8", "-o", "expert_cache_mb=4096"]) == 0
     tp = capsys.readouterr().out.splitlines()
     assert len(tp) <= 40, len(tp)  # was 509 lines (162,744 bytes)
-    assert "  model.layers.{3-60}.mlp.experts: expert-parallel (experts per rank [32, 32, 32, 32, 32, 32, 32, 32] " \
-           "(contiguous blocks); router replicated; one all-reduce) x58" in tp
+    # the MTP layer 61 splits as the main layers
+    assert "  model.layers.{3-61}.mlp.experts: expert-parallel (experts per rank [32, 32, 32, 32, 32, 32, 32, 32] " \
+           "(contiguous blocks); router replicated; one all-reduce) x59" in tp
 
 
 def test_cli_explain_at_scale(dsv3, capsys):
@@ -228,14 +234,14 @@ def test_cli_explain_at_scale(dsv3, capsys):
     assert main(["explain", str(dsv3), "model.layers"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert len(out) <= 30, len(out)
-    assert any(re.match(r"linear_scheme +model\.layers\.\{3-60\}\.mlp\.experts\.gate_proj \(x58\) +\[1\] ", ln)
+    assert any(re.match(r"linear_scheme +model\.layers\.\{3-61\}\.mlp\.experts\.gate_proj \(x59\) +\[1\] ", ln)
                for ln in out), out
     assert sum("fp8 e4m3 block" in ln for ln in out) == 1
     assert main(["explain", str(dsv3), "model.layers.3.mlp.experts.7.gate_proj.weight"]) == 0
     out = capsys.readouterr().out
     assert "feeds parameter model.layers.3.mlp.experts.gate_proj.weight slot 7" in out
-    assert main(["explain", str(dsv3), "model.layers.61.mlp.experts.7.gate_proj.weight_scale_inv"]) == 0
-    assert "skipped by rule mtp-layers" in capsys.readouterr().out
+    assert main(["explain", str(dsv3), "model.layers.61.shared_head.head.weight"]) == 0
+    assert "skipped by rule mtp-shared-copies" in capsys.readouterr().out
     assert main(["explain", str(dsv3), "model.layer.3.mlp"]) == 1
     assert "did you mean 'model.layers.3.mlp" in capsys.readouterr().err
 

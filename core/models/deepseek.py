@@ -83,6 +83,10 @@ class PlanOracle(Protocol):
 
     def layout(self, attn_ckpt_name: str) -> AttentionLayout: ...
 
+    #: how many multi-token-prediction layers to build (``num_nextn_predict_layers``, or 0 when the
+    #: load option ``mtp`` is false or the checkpoint stores none); an oracle without it builds none
+    mtp_layers: int
+
     def expert_layout(self, experts_ckpt_name: str) -> str:
         """``"hub"`` (per-expert tensors), ``"fused"`` (transformers 5 gate_up_proj / down_proj),
         ``"stacked"`` (one [E, out, in] tensor per projection, GGUF ``ffn_*_exps``) or ``"none"``
@@ -888,6 +892,35 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class MTPLayer(nn.Module):
+    """One multi-token-prediction module (``num_nextn_predict_layers``; DeepSeek-V3 ``model.layers.61``):
+    ``enorm`` / ``hnorm`` (RMSNorm of the next token's embedding and of the main model's final
+    hidden state), ``eh_proj`` [H, 2H] on ``cat([enorm(e), hnorm(h)])``, a full decoder block (the
+    same :class:`DecoderLayer` as the main layers, built with its index so MoE / dense follows
+    ``first_k_dense_replace``) and ``shared_head.norm``. The checkpoint's copies of the embedding
+    and the LM head (``embed_tokens``, ``shared_head.head``) are not loaded: the main model's serve
+    (the plan's skip rule ``mtp-shared-copies``). :meth:`DeepseekV3ForCausalLM.mtp_logits` runs it."""
+
+    def __init__(self, cfg: ModelConfig, i: int, d: Decisions, rotary: Rotary) -> None:
+        super().__init__()
+        base = f"model.layers.{i}"
+        h = cfg.hidden_size
+        self.index = i
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps, d.ck(f"{base}.enorm"))
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps, d.ck(f"{base}.hnorm"))
+        self.eh_proj = _lin(d, f"{base}.eh_proj", 2 * h, h)
+        self.block = DecoderLayer(cfg, i, d, rotary)
+        self.head_norm = RMSNorm(h, cfg.rms_norm_eps, d.ck(f"{base}.shared_head.norm"))
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: LatentCache | None = None) -> torch.Tensor:
+        """``embeds`` [B, T, H] of tokens t_{j+1}, ``hidden`` [B, T, H] the main model's normed final
+        hidden states at j: the normed output [B, T, H] whose LM head gives the draft for t_{j+2}
+        (ARCHITECTURES D3: embedding first, hidden state second)."""
+        u = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        return self.head_norm(self.block(u, cos, sin, cache))
+
+
 class TextModel(nn.Module):
     def __init__(self, cfg: ModelConfig, d: Decisions) -> None:
         super().__init__()
@@ -1022,6 +1055,12 @@ class DeepseekV3ForCausalLM(GenerationMixin, nn.Module):
         "model.layers.*.mlp.shared_experts": FeatureParallel(column=("gate_proj", "up_proj"), row=("down_proj",)),
         "model.layers.*.mlp.experts": ExpertParallel(stacks=("gate_proj", "up_proj", "down_proj")),
         "lm_head": ColumnParallel(gather=True),
+        # the MTP layers' decoder blocks split as the main layers (eh_proj and the norms replicate)
+        "mtp.*.block.self_attn": HeadParallel(column=("q_proj", "q_b_proj", "kv_b_proj", "g_proj"),
+                                              row=("o_proj",), stacks=("k_b", "v_b")),
+        "mtp.*.block.mlp": FeatureParallel(column=("gate_proj", "up_proj"), row=("down_proj",)),
+        "mtp.*.block.mlp.shared_experts": FeatureParallel(column=("gate_proj", "up_proj"), row=("down_proj",)),
+        "mtp.*.block.mlp.experts": ExpertParallel(stacks=("gate_proj", "up_proj", "down_proj")),
     }
     #: how an engine's own DeepSeek-V3 module tree (vLLM, transformers) takes the planned
     #: modules (``quantplug.bridge`` reads it)
@@ -1037,6 +1076,8 @@ class DeepseekV3ForCausalLM(GenerationMixin, nn.Module):
     qp_dense_state: ClassVar[Mapping[str, DenseRule]] = {
         "model.layers.*.mlp.experts": Unstack(stacks=("gate_proj", "up_proj", "down_proj")),
         "model.layers.*.self_attn": FoldHeads("kv_b_proj", (HeadPart("k_b", transpose=True), HeadPart("v_b"))),
+        "mtp.*.block.mlp.experts": Unstack(stacks=("gate_proj", "up_proj", "down_proj")),
+        "mtp.*.block.self_attn": FoldHeads("kv_b_proj", (HeadPart("k_b", transpose=True), HeadPart("v_b"))),
     }
 
     def __init__(self, cfg: ModelConfig, d: Decisions) -> None:
@@ -1048,6 +1089,12 @@ class DeepseekV3ForCausalLM(GenerationMixin, nn.Module):
             self.lm_head = TiedHead(self.model.embed_tokens)
         else:
             self.lm_head = _lin(d, "lm_head", cfg.hidden_size, cfg.vocab_size)
+        #: the multi-token-prediction layers the plan loads (``PlanOracle.mtp_layers``: the config's
+        #: ``num_nextn_predict_layers`` unless the load option ``mtp`` is false or the checkpoint
+        #: stores none), indices ``num_hidden_layers + k``
+        n = cfg.num_hidden_layers
+        self.mtp = nn.ModuleList(MTPLayer(cfg, n + k, d, self.model.rotary)
+                                 for k in range(int(getattr(d, "mtp_layers", 0) or 0)))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: MLACache | None = None) -> torch.Tensor:
@@ -1074,6 +1121,35 @@ class DeepseekV3ForCausalLM(GenerationMixin, nn.Module):
                 return y
         logits = self.lm_head(self.model(input_ids, None, cache)[:, -1]).float()
         return logits, (logits.argmax(dim=-1) if pick else None)
+
+    def hidden_and_logits(self, input_ids: torch.Tensor, cache: MLACache,
+                          last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The main model on ``input_ids`` [B, T] after the ``cache``'s tokens (appended to it): its
+        normed final hidden states [B, T, H] (the LM head's input, what the MTP layer reads) and
+        float32 logits [B, T, vocab], or with ``last_only`` [B, 1, vocab] of the last position (a
+        prompt). Speculative decoding prefills and verifies T = 2 tokens this way."""
+        hidden = self.model(input_ids, None, cache)
+        return hidden, self.lm_head(hidden[:, -1:] if last_only else hidden).float()
+
+    def mtp_logits(self, next_ids: torch.Tensor, hidden: torch.Tensor, cache: MLACache,
+                   layer: int = 0) -> torch.Tensor:
+        """Draft logits (float32 [B, T, vocab]) of MTP layer ``layer`` (ARCHITECTURES D3):
+        ``next_ids`` [B, T] are tokens t_{j+1}, ``hidden`` [B, T, H] the main model's normed final
+        hidden states at positions j (:meth:`hidden_and_logits`); row j's logits predict t_{j+2}.
+        ``cache`` is the MTP layer's own one-layer cache (:func:`quantplug.generate.new_mtp_cache`),
+        whose entry j holds the pair (h_j, t_{j+1}); the T new pairs are appended. Positions: the
+        shifted token's own, j + 1 (transformers' MtpModel; vLLM gives j: RoPE logits depend on
+        relative positions only, so both agree as long as one is used throughout).
+        The lookup and head are the main model's ``embed_tokens`` and ``lm_head``."""
+        mtp = self.mtp[layer]
+        assert isinstance(mtp, MTPLayer)
+        start = cache.length + 1
+        positions = torch.arange(start, start + next_ids.shape[1], device=next_ids.device)
+        positions = positions.unsqueeze(0).expand(next_ids.shape[0], -1)
+        embeds = self.model.embed_tokens(next_ids)
+        cos, sin = self.model.rotary.cos_sin(positions, embeds.dtype)
+        out = mtp(embeds, hidden.to(embeds.dtype), cos, sin, cache.layers[0])
+        return self.lm_head(out).float()
 
     def text_lm(self) -> DeepseekV3ForCausalLM:
         return self

@@ -68,8 +68,13 @@ def hub_rope_spelling(cfg: dict[str, Any], key: str = "type") -> dict[str, Any]:
     return out
 
 
-def text_names(cfg: Mapping[str, Any], layout: str = "hub") -> dict[str, tuple[int, ...]]:
-    """Every tensor name and shape of a text model with this config (names relative to the root)."""
+def text_names(cfg: Mapping[str, Any], layout: str = "hub", mtp: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every tensor name and shape of a text model with this config (names relative to the root).
+
+    ``mtp``: also the ``num_nextn_predict_layers`` multi-token-prediction layers as DeepSeek-V3's
+    release stores them (``model.layers.{num_hidden_layers + k}``: a decoder layer plus ``enorm``,
+    ``hnorm``, ``eh_proj`` [H, 2H], ``shared_head.norm`` and the copies ``embed_tokens`` /
+    ``shared_head.head``)."""
     h, v, nh = cfg["hidden_size"], cfg["vocab_size"], cfg["num_attention_heads"]
     nope, rope, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     ql, kl = cfg.get("q_lora_rank"), cfg["kv_lora_rank"]
@@ -77,8 +82,16 @@ def text_names(cfg: Mapping[str, Any], layout: str = "hub") -> dict[str, tuple[i
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     if not cfg.get("tie_word_embeddings"):
         out["lm_head.weight"] = (v, h)
-    for i in range(cfg["num_hidden_layers"]):
+    n = cfg["num_hidden_layers"]
+    for i in range(n + (int(cfg.get("num_nextn_predict_layers") or 0) if mtp else 0)):
         b = f"model.layers.{i}"
+        if i >= n:
+            out[f"{b}.embed_tokens.weight"] = (v, h)
+            out[f"{b}.enorm.weight"] = (h,)
+            out[f"{b}.hnorm.weight"] = (h,)
+            out[f"{b}.eh_proj.weight"] = (h, 2 * h)
+            out[f"{b}.shared_head.norm.weight"] = (h,)
+            out[f"{b}.shared_head.head.weight"] = (v, h)
         out[f"{b}.input_layernorm.weight"] = (h,)
         out[f"{b}.post_attention_layernorm.weight"] = (h,)
         a = f"{b}.self_attn"
@@ -127,11 +140,16 @@ def is_dsa(cfg: Mapping[str, Any]) -> bool:
     return "DeepseekV32ForCausalLM" in (cfg.get("architectures") or ()) or cfg.get("model_type") == "deepseek_v32"
 
 
-def random_state(cfg: Mapping[str, Any], seed: int = 0, layout: str = "hub") -> dict[str, torch.Tensor]:
-    """Random weights (std 0.02 like transformers' init; norms near 1; router bias random)."""
+def random_state(cfg: Mapping[str, Any], seed: int = 0, layout: str = "hub", mtp: bool = False) -> dict[str, torch.Tensor]:
+    """Random weights (std 0.02 like transformers' init; norms near 1; router bias random).
+    ``mtp``: with the config's MTP layers (:func:`text_names`), drawn after every other tensor
+    (the other weights are those of ``mtp=False``)."""
     g = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
-    for name, shape in text_names(cfg, layout).items():
+    names = text_names(cfg, layout)
+    if mtp:
+        names.update((k, s) for k, s in text_names(cfg, layout, mtp=True).items() if k not in names)
+    for name, shape in names.items():
         if name.endswith("norm.weight") or "layernorm" in name:
             out[name] = 1.0 + 0.1 * torch.randn(shape, generator=g)
         elif name.endswith("e_score_correction_bias"):

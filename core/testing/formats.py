@@ -31,10 +31,12 @@ import torch
 
 from . import write_checkpoint
 
-#: linear projections of the text model (what the formats quantize); router, norms, embeddings stay float
-LINEAR = re.compile(r"(^|\.)model\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?"
+#: linear projections of the text model (what the formats quantize), DeepSeek-V3.2's indexer wq_b / wk
+#: and the MTP layers' ``eh_proj`` included; router, norms, embeddings stay float
+LINEAR = re.compile(r"(^|\.)model\.layers\.\d+\.((self_attn|mlp)\.(.+\.)?"
                     r"(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|g_proj|gate_proj|up_proj|down_proj|"
-                    r"indexer\.wq_b|indexer\.wk)\.weight$")
+                    r"indexer\.wq_b|indexer\.wk)"
+                    r"|eh_proj)\.weight$")
 
 
 def _linears(state: Mapping[str, torch.Tensor]) -> list[str]:
@@ -61,7 +63,9 @@ def quark(path: Path, config: Mapping[str, Any], state: Mapping[str, torch.Tenso
               "is_dynamic": False}
     qc = {"quant_method": "quark", "global_quant_config": {"weight": weight, "input_tensors": None,
                                                          "output_tensors": None, "bias": None},
-          "layer_quant_config": {}, "layer_type_quant_config": {}, "exclude": [],
+          "layer_quant_config": {}, "layer_type_quant_config": {},
+          # Quark exports leave lm_head unquantized (and this writer does not quantize it)
+          "exclude": ["lm_head"] if "lm_head.weight" in state else [],
           "export": {"weight_format": "real_quantized", "pack_method": "reorder"}, "version": "0.13"}
     return write_checkpoint(path, _with_qc(config, qc), out)
 
@@ -98,6 +102,9 @@ _GGUF_LAYER = {
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
     "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
     "mlp.shared_experts.down_proj": "ffn_down_shexp",
+    # multi-token-prediction layers (gguf-py MODEL_TENSOR.NEXTN_*)
+    "eh_proj": "nextn.eh_proj", "embed_tokens": "nextn.embed_tokens", "enorm": "nextn.enorm", "hnorm": "nextn.hnorm",
+    "shared_head.head": "nextn.shared_head_head", "shared_head.norm": "nextn.shared_head_norm",
 }
 
 
@@ -129,7 +136,12 @@ def gguf(path: Path, config: Mapping[str, Any], state: Mapping[str, torch.Tensor
     for (layer, proj), per in experts.items():
         tensors[f"blk.{layer}.ffn_{proj}_exps.weight"] = torch.stack([per[k] for k in sorted(per)])
     w = GGUFWriter(str(root / "model.gguf"), "deepseek2")
-    w.add_block_count(int(text["num_hidden_layers"]))
+    nextn = int(text.get("num_nextn_predict_layers") or 0)
+    mtp = nextn and any(n.startswith(f"blk.{int(text['num_hidden_layers'])}.") for n in tensors)
+    # llama.cpp counts MTP blocks in block_count and says how many there are
+    w.add_block_count(int(text["num_hidden_layers"]) + (nextn if mtp else 0))
+    if mtp:
+        w.add_nextn_predict_layers(nextn)
     w.add_embedding_length(int(text["hidden_size"]))
     w.add_head_count(int(text["num_attention_heads"]))
     w.add_expert_count(int(text["n_routed_experts"]))

@@ -74,6 +74,19 @@ def run_case(case: dict, rank: int) -> dict:
                                 if getattr(m, "qp_store", None) is not None}
         rec["served_slots"] = sum(m.qp_store.slots for m in model.modules() if getattr(m, "qp_store", None) is not None)
     rec["parallel"] = plan.parallel.to_dict() if plan.parallel is not None else None
+    if case.get("speculative"):  # the MTP draft logits and greedy speculative decoding, split over ranks
+        lm = model.text_lm()
+        from quantplug.generate import new_mtp_cache
+
+        one = ids[:1]
+        with torch.inference_mode():
+            hidden = lm.model(one)
+            nxt = torch.cat([one[:, 1:], ref["next"]], dim=1)
+            draft = lm.mtp_logits(nxt, hidden, new_mtp_cache(lm, 1, one.shape[1]))
+        rec["mtp_rel_err"] = float((draft - ref["mtp_logits"]).abs().max() / ref["mtp_logits"].abs().max())
+        gen = model.stream(one, case["speculative"], eos_token_id=None, speculative="mtp")
+        rec["spec_tokens"] = [int(t[0]) for t in gen]
+        rec["drafts"] = gen.drafts
     return rec
 
 

@@ -148,11 +148,13 @@ def quantplug_tensor_names(model_config: Any, checkpoint: Any) -> dict[str, str]
     if not _gguf_files(checkpoint):
         return None
     names = model_to_gguf(model_config)
-    # blocks past num_hidden_layers (llama.cpp writes DeepSeek-V3's multi-token-prediction layer
-    # as blk.61.*) get model.layers.N names, so the core's MTP skip rule lists them as skipped
+    # the num_nextn_predict_layers MTP blocks have model names above (blk.61.nextn.eh_proj, ...);
+    # other blocks past num_hidden_layers get model.layers.N names, so the core's MTP skip rule
+    # lists them as skipped
+    known = set(names.values())
     for stored in checkpoint.tensors:
         m = _BLOCK.match(stored)
-        if m and int(m.group(1)) >= model_config.num_hidden_layers:
+        if m and int(m.group(1)) >= model_config.num_hidden_layers and stored not in known:
             names[f"model.layers.{m.group(1)}.gguf.{m.group(2)}"] = stored
     return names
 
@@ -249,7 +251,9 @@ def _check_pack(plan: Any, pack: ExpertPack, qc: GGUFConfig) -> list[Problem]:
     if pack.n_experts != cfg.n_routed_experts:
         problems.append(Problem(f"the expert pack holds {pack.n_experts} experts per layer; config.json "
                                 f"n_routed_experts = {cfg.n_routed_experts}", file=name, kind="pack"))
-    moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    # the MTP layers the plan loads (core decision mtp_layers) are MoE layers of the model too
+    mtp = sum(int(d.value) for d in plan.decisions if d.hook == "mtp_layers")
+    moe = [i for i in range(cfg.num_hidden_layers + mtp) if cfg.is_moe_layer(i)]
     extra = sorted(set(pack.layers) - set(moe))
     if extra:
         problems.append(Problem(f"the expert pack has layers {extra}, which are not MoE layers of the model",

@@ -51,12 +51,28 @@ MOE = {
 }
 
 
+#: the multi-token-prediction layers' own tensors (model.layers.{num_hidden_layers + k}.) -> GGUF name
+#: under blk.{i}. (gguf-py MODEL_TENSOR.NEXTN_*; the block itself uses the decoder-layer names)
+NEXTN = {
+    "eh_proj.weight": "nextn.eh_proj.weight",
+    "embed_tokens.weight": "nextn.embed_tokens.weight",
+    "enorm.weight": "nextn.enorm.weight",
+    "hnorm.weight": "nextn.hnorm.weight",
+    "shared_head.head.weight": "nextn.shared_head_head.weight",
+    "shared_head.norm.weight": "nextn.shared_head_norm.weight",
+}
+
+
 def model_to_gguf(model_config: Any) -> dict[str, str]:
-    """Every model tensor name of this config (both MLA layouts) -> its GGUF name."""
+    """Every model tensor name of this config (both MLA layouts; the ``num_nextn_predict_layers``
+    MTP layers included) -> its GGUF name."""
     out = dict(GLOBAL)
-    for i in range(model_config.num_hidden_layers):
+    n = model_config.num_hidden_layers
+    for i in range(n + int(getattr(model_config, "num_nextn_predict_layers", 0) or 0)):
         table = dict(ATTENTION)
         table.update(MOE if model_config.is_moe_layer(i) else DENSE_MLP)
+        if i >= n:
+            table.update(NEXTN)
         for model_name, gguf_name in table.items():
             out[f"model.layers.{i}.{model_name}"] = f"blk.{i}.{gguf_name}"
     return out

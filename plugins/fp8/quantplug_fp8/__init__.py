@@ -6,8 +6,8 @@ every linear of the decoder layers (attention, dense MLP, shared and routed expe
 router stay BF16. The scheme of a layer follows what the checkpoint stores for it: F8_E4M3 ->
 :class:`FP8BlockScheme`, a float weight -> the core's dense scheme (decision reason says so), a
 module listed in ``modules_to_not_convert`` / ``ignored_layers`` -> dense, and an FP8 weight
-there is a plan-time refusal. The MTP layer (``model.layers.{num_hidden_layers}``) is skipped
-by the core's rule.
+there is a plan-time refusal. The MTP layer (``model.layers.{num_hidden_layers}``) is planned
+like the main layers (core option ``mtp``; its BF16 ``eh_proj`` gets the dense scheme).
 
 Options: ``activation_quant`` = ``dynamic`` (default: emulate DeepSeek's per-token, per-128
 FP8 activation quantization) or ``none`` (weight-only).
