@@ -387,3 +387,28 @@ def test_cli_speculative_prints_acceptance(dense, capsys):
     assert f"mtp drafts {spec['drafts']}, accepted {spec['accepted_drafts']}" in err
     assert main(args + ["--speculative", "mtp", "--temperature", "0.7"]) == 1
     assert "greedily only" in capsys.readouterr().err
+
+
+# -- DeepSeek-V3.2: the MTP layer is a DSA block (its own indexer keys, rolled back with its latent) --
+
+def test_deepseek_v32_mtp_layer_speculates_like_greedy(tmp_path, monkeypatch):
+    """V3.2 ships layer 61 too (ARCHITECTURES.md D1 / D2): the MTP block carries a lightning
+    indexer, its cache holds indexer keys, and index_topk < the sequence so that selection matters
+    in both the main layers and the MTP block. Greedy speculative = plain greedy with the drafts
+    forced wrong (every draft's indexer key rolled back) and forced right (bonus tokens)."""
+    cfg = tiny_config(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", q_lora_rank=64,
+                      qk_nope_head_dim=32, qk_rope_head_dim=32, index_n_heads=4, index_head_dim=32, index_topk=4,
+                      num_nextn_predict_layers=1)
+    state = random_state(cfg, seed=12, mtp=True)
+    assert f"model.layers.{cfg['num_hidden_layers']}.self_attn.indexer.wk.weight" in state
+    m = quantplug.load(write_checkpoint(tmp_path / "v32", cfg, state), progress=False)
+    assert m.mtp[0].block.self_attn.indexer is not None
+    plain = m.generate(PROMPT, 24, eos_token_id=None)[0, PROMPT.shape[1]:].tolist()
+    vocab = cfg["vocab_size"]
+    for wrong, accepted in ((1, 0), (0, 11)):
+        monkeypatch.setattr(Generation, "_pick_draft",
+                            lambda self, logits, w=wrong: torch.tensor([(plain[_guessed(self)] + w) % vocab]))
+        _, spec, g = _plain_and_speculative(m, new=24)
+        assert spec == plain
+        assert g.accepted == accepted
+        assert g.mtp_cache is not None and g.mtp_cache.layers[0].index_keys().shape[-1] == 32
