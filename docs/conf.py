@@ -77,6 +77,9 @@ nitpick_ignore = [
     ("py:class", "quantplug.generate.MLACache"),
     ("py:class", "quantplug.generate.LatentCache"),
     ("py:meth", "TextModel.forward"),
+    ("py:func", "quantplug.generate.new_mtp_cache"),
+    ("py:class", "Indexer"),
+    ("py:class", "quantplug.models.deepseek.Indexer"),
 ]
 
 
