@@ -283,10 +283,10 @@ def _check_indexer(ckpt: Any, cfg: Any, first: str) -> list[Problem]:
     for t in ckpt.tensors.values():
         stored = t.stored_name or t.name
         if stored.endswith(_INDEXER_FLOATS) and t.dtype not in GGUF_FLOATS:
-            fix = " (llama-quantize: --tensor-type indexer.proj=f32)" if stored.endswith("proj.weight") else ""
+            fix = "; llama-quantize keeps it so with --tensor-type indexer.proj=f32" if ".proj." in stored else ""
             problems.append(Problem(
-                f"{stored} is {t.dtype}; quantplug reads DeepSeek-V3.2's indexer {stored.split('.indexer.')[1]} "
-                f"as a float tensor only (F32 / F16 / BF16; llama.cpp's converter writes it F32){fix}",
+                f"{t.dtype}: quantplug holds DeepSeek-V3.2's indexer {t.name.split('.indexer.')[1]} as a float "
+                f"parameter and reads it only as F32 / F16 / BF16 (llama.cpp's converter writes it F32){fix}",
                 tensor=t.label, file=t.file.name, kind="dtype"))
     if cfg.indexer_rope_interleave:
         problems.append(Problem("config.json indexer_rope_interleave = true, but a llama.cpp 'deepseek32' file is "
