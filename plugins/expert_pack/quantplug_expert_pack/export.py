@@ -147,6 +147,8 @@ def write_gguf(path: str | Path, tensors: Mapping[str, torch.Tensor], cfg: Model
         w.add_rope_scaling_type(RopeScalingType.YARN)
         w.add_rope_scaling_factor(cfg.rope.factor)
         w.add_rope_scaling_orig_ctx_len(cfg.rope.original_max_position_embeddings)
+        if cfg.rope.mscale_all_dim:  # the converter's 0.1 * mscale_all_dim ([TAG_DEEPSEEK2_YARN_LOG_MUL_FIX])
+            w.add_rope_scaling_yarn_log_mul(0.1 * cfg.rope.mscale_all_dim)
     if vocab:
         w.add_tokenizer_model("gpt2")
         w.add_token_list([f"<tok{i}>" for i in range(vocab)])

@@ -11,9 +11,8 @@ step needs only numpy and llama_cpp. Steps:
 1. ``write``: a tiny V3.2 (``index_topk`` 5 < the 16-token prompt; indexer head dim 64, the
    smallest Hadamard rotation llama.cpp builds for the indexer) as an F32 GGUF by the plugin's
    writer (arch ``deepseek32``, split K/V, ``blk.N.indexer.*``, ``attention.indexer.*``) plus a
-   byte-level BPE vocabulary so llama.cpp loads it; rope ``default`` and one expert group (the
-   comparison is about the indexer and MLA, not YaRN's attention-scale bookkeeping or group
-   routing); token ids ``[2, 16]`` saved;
+   byte-level BPE vocabulary so llama.cpp loads it; rope ``default`` (``--rope yarn``: tiny_config's
+   YaRN, factor 4) and one expert group; token ids ``[2, 16]`` saved;
 2. ``llama``: llama.cpp's logits for each row, once as one prompt batch (every position) and once
    one token per ``llama_decode`` (the decode path: cached indexer keys, top-k over the cache), with
    the K cache (MLA latent and indexer keys) in F32;
@@ -34,16 +33,19 @@ TOPK = 5
 SEQ = 16
 
 
-def config() -> dict:
+def config(rope: str = "default") -> dict:
     from quantplug.testing import tiny_config
 
-    return tiny_config(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", vocab_size=320,
+    cfg = tiny_config(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", vocab_size=320,
                        q_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, index_n_heads=8,
                        index_head_dim=64, index_topk=TOPK, n_group=1, topk_group=1, bos_token_id=0,
-                       eos_token_id=1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+                       eos_token_id=1)
+    if rope == "default":
+        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    return cfg
 
 
-def write(work: Path) -> None:
+def write(work: Path, rope: str) -> None:
     import torch
     from quantplug.models.config import parse_model_config
     from quantplug.testing import random_state
@@ -54,7 +56,7 @@ def write(work: Path) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from make_gguf_iq import CALIBRATION, SPECIALS, byte_level_vocab
 
-    cfg = config()
+    cfg = config(rope)
     mc = parse_model_config(cfg, cfg["architectures"][0], False)
     root = work / "ckpt"
     root.mkdir(parents=True, exist_ok=True)
@@ -81,7 +83,7 @@ def write(work: Path) -> None:
     print(f"wrote {root / 'model.gguf'} ({(root / 'model.gguf').stat().st_size} bytes)")
 
 
-def llama(work: Path) -> None:
+def llama(work: Path, rope: str) -> None:
     import llama_cpp
 
     ids = np.load(work / "ids.npy")
@@ -101,7 +103,7 @@ def llama(work: Path) -> None:
     print(f"llama.cpp {llama_cpp.__version__}: logits {out['prompt'].shape} saved")
 
 
-def compare(work: Path) -> None:
+def compare(work: Path, rope: str) -> None:
     import quantplug
     import torch
     from quantplug.generate import new_cache
@@ -109,7 +111,7 @@ def compare(work: Path) -> None:
     from quantplug_expert_pack.testing import reference_state
 
     torch.set_num_threads(1)
-    cfg = config()
+    cfg = config(rope)
     root = work / "ckpt"
     ids = torch.from_numpy(np.load(work / "ids.npy"))
     lc = np.load(work / "llama_cpp_logits.npz")
@@ -137,9 +139,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("step", choices=("write", "llama", "compare"))
     ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--rope", choices=("default", "yarn"), default="default",
+                    help="yarn: tiny_config's YaRN (factor 4, mscale = mscale_all_dim = 1)")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    {"write": write, "llama": llama, "compare": compare}[args.step](args.work)
+    {"write": write, "llama": llama, "compare": compare}[args.step](args.work, args.rope)
 
 
 if __name__ == "__main__":
