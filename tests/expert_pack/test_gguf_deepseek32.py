@@ -210,3 +210,28 @@ def test_mtp_block_with_its_indexer_loads_and_speculates_like_greedy(tmp_path):
     plain = m.generate(prompt, 12, eos_token_id=None)
     spec = m.generate(prompt, 12, eos_token_id=None, speculative="mtp")
     assert torch.equal(plain, spec)
+
+
+def test_export_writes_deepseek32_and_its_expert_pack_loads(f32_dir, tmp_path):
+    """The plugin's exporter on a loaded V3.2: a Q8_0 deepseek32 GGUF (attn_k_b Q4_0, indexer.proj
+    F32) and a copy with the routed experts in an expert pack; both load and match transformers on
+    gguf-py's dequantization of the exported file."""
+    from gguf import GGUFReader
+    from quantplug.plugins import get_plugin_manager
+
+    model = quantplug.load(f32_dir, progress=False)
+    results = get_plugin_manager().export("expert_pack", model=model, destination=tmp_path / "out",
+                                          plan=model.quantplug_plan)
+    plain, packed = (r.path for r in results)
+    r = GGUFReader(plain / "model.gguf")
+    assert r.fields["general.architecture"].contents() == "deepseek32"
+    assert r.fields["deepseek32.attention.indexer.head_count"].contents() == CFG["index_n_heads"]
+    types = {t.name: t.tensor_type.name for t in r.tensors}
+    assert types["blk.1.indexer.attn_k.weight"] == "Q8_0" and types["blk.1.indexer.proj.weight"] == "F32"
+    assert types["blk.1.indexer.k_norm.bias"] == "F32"
+    hf = hf_model(CFG, reference_state(plain, MC))
+    with torch.no_grad():
+        ref = hf(IDS).logits
+        outs = [quantplug.load(p, progress=False)(IDS) for p in (plain, packed)]
+    assert rel_err(outs[0], ref) <= 1e-5 and rel_err(outs[1], ref) <= 1e-5
+    assert (packed / "experts.qpack").is_file()
