@@ -5,9 +5,10 @@
 viewed [n_head, nope+v, kv_lora], split on dim 1, k_b transposed to [n_head, kv_lora, nope]),
 stacks routed experts into ``ffn_*_exps`` [E, out, in], quantizes each linear with
 ``gguf.quants.quantize`` in the type asked for, and writes the deepseek2 metadata llama.cpp's
-converter writes. A config with DeepSeek-V3.2's lightning indexer gets arch ``deepseek32``, its
-``attention.indexer.*`` keys, ``nextn_predict_layers`` and the MTP blocks in ``block_count`` (as
-``DeepseekV32Model`` in llama.cpp's ``conversion/deepseek.py``); ``indexer.proj`` stays F32 there. Used by the ``quantplug_export`` hook (demo), the tests and the benchmarks.
+converter writes. A config with DeepSeek-V3.2's lightning indexer gets arch ``deepseek32`` and
+its ``attention.indexer.*`` keys (as ``DeepseekV32Model`` in llama.cpp's ``conversion/deepseek.py``;
+``indexer.proj`` stays F32); MTP blocks, where written, are counted in ``block_count`` with
+``nextn_predict_layers``. Used by the ``quantplug_export`` hook (demo), the tests and the benchmarks.
 """
 
 from __future__ import annotations
