@@ -8,7 +8,9 @@ each format is recognised by, with tensors of the right names, dtypes and shapes
   [out, in/2] + ``weight_scale`` U8 [out, in/32];
 * ``modelslim``: ``quant_model_description.json`` beside config.json, W8A8_DYNAMIC int8
   weights with ``weight_scale`` / ``weight_offset``;
-* ``expert_pack``: a llama.cpp ``deepseek2`` GGUF (F32 tensors, legacy ``attn_kv_b``);
+* ``expert_pack``: a llama.cpp ``deepseek2`` GGUF (F32 tensors, legacy ``attn_kv_b``), or for a
+  DeepSeek-V3.2 config a ``deepseek32`` GGUF as llama.cpp's converter writes it (split
+  ``attn_k_b`` / ``attn_v_b``, ``blk.N.indexer.*``, the ``attention.indexer.*`` keys);
 * ``compressed_tensors``: ``quant_method = "compressed-tensors"``, pack-quantized int4 group 32
   (``weight_packed`` I32, ``weight_scale``, ``weight_shape``);
 * ``fp8``: DeepSeek's native ``quant_method = "fp8"``, ``weight`` F8_E4M3 + ``weight_scale_inv``
@@ -105,16 +107,27 @@ _GGUF_LAYER = {
     # multi-token-prediction layers (gguf-py MODEL_TENSOR.NEXTN_*)
     "eh_proj": "nextn.eh_proj", "embed_tokens": "nextn.embed_tokens", "enorm": "nextn.enorm", "hnorm": "nextn.hnorm",
     "shared_head.head": "nextn.shared_head_head", "shared_head.norm": "nextn.shared_head_norm",
+    # DeepSeek-V3.2's lightning indexer (arch deepseek32; gguf-py MODEL_TENSOR.INDEXER_*)
+    "self_attn.indexer.wq_b": "indexer.attn_q_b", "self_attn.indexer.wk": "indexer.attn_k",
+    "self_attn.indexer.k_norm": "indexer.k_norm", "self_attn.indexer.weights_proj": "indexer.proj",
 }
 
 
 def gguf(path: Path, config: Mapping[str, Any], state: Mapping[str, torch.Tensor]) -> Path:
-    """A llama.cpp deepseek2 GGUF (F32, one ``attn_kv_b`` per layer, stacked ``ffn_*_exps``)."""
+    """A llama.cpp deepseek2 GGUF (F32, one ``attn_kv_b`` per layer, stacked ``ffn_*_exps``); for a
+    DeepSeek-V3.2 config (:func:`quantplug.testing.is_dsa`) a ``deepseek32`` GGUF as llama.cpp's
+    converter writes it (``conversion/deepseek.py`` ``DeepseekV32Model``): ``kv_b`` split into
+    ``attn_k_b`` [n_head, kv_lora, nope] / ``attn_v_b`` [n_head, v, kv_lora] (llama.cpp's deepseek32
+    loader requires them), ``blk.N.indexer.{attn_q_b, attn_k, k_norm (weight, bias), proj}``, the
+    MTP block kept, ``attention.indexer.{head_count, key_length, top_k}``."""
     from gguf import GGUFWriter
+
+    from . import is_dsa
 
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     text = config.get("text_config", config)
+    dsa = is_dsa(text)
     (root / "config.json").write_text(json.dumps(dict(config), indent=2))
     tensors: dict[str, torch.Tensor] = {}
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
@@ -128,14 +141,19 @@ def gguf(path: Path, config: Mapping[str, Any], state: Mapping[str, torch.Tensor
             tensors["output.weight"] = t
         elif m := re.match(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$", n):
             experts.setdefault((int(m.group(1)), m.group(3)), {})[int(m.group(2))] = t
-        elif m := re.match(r"^model\.layers\.(\d+)\.(.+)\.(weight|e_score_correction_bias)$", n):
+        elif dsa and (m := re.match(r"^model\.layers\.(\d+)\.self_attn\.kv_b_proj\.weight$", n)):
+            heads, nope, v = (int(text[k]) for k in ("num_attention_heads", "qk_nope_head_dim", "v_head_dim"))
+            kv = t.reshape(heads, nope + v, t.shape[-1])
+            tensors[f"blk.{m.group(1)}.attn_k_b.weight"] = kv[:, :nope].transpose(1, 2)
+            tensors[f"blk.{m.group(1)}.attn_v_b.weight"] = kv[:, nope:]
+        elif m := re.match(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias|e_score_correction_bias)$", n):
             if m.group(3) == "e_score_correction_bias":
                 tensors[f"blk.{m.group(1)}.exp_probs_b.bias"] = t
             elif m.group(2) in _GGUF_LAYER:
-                tensors[f"blk.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}.weight"] = t
+                tensors[f"blk.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}.{m.group(3)}"] = t
     for (layer, proj), per in experts.items():
         tensors[f"blk.{layer}.ffn_{proj}_exps.weight"] = torch.stack([per[k] for k in sorted(per)])
-    w = GGUFWriter(str(root / "model.gguf"), "deepseek2")
+    w = GGUFWriter(str(root / "model.gguf"), "deepseek32" if dsa else "deepseek2")
     nextn = int(text.get("num_nextn_predict_layers") or 0)
     mtp = nextn and any(n.startswith(f"blk.{int(text['num_hidden_layers'])}.") for n in tensors)
     # llama.cpp counts MTP blocks in block_count and says how many there are
@@ -147,6 +165,10 @@ def gguf(path: Path, config: Mapping[str, Any], state: Mapping[str, torch.Tensor
     w.add_expert_count(int(text["n_routed_experts"]))
     w.add_expert_used_count(int(text["num_experts_per_tok"]))
     w.add_leading_dense_block_count(int(text["first_k_dense_replace"]))
+    if dsa:  # transformers' DeepseekV32Config defaults where the config leaves them out
+        w.add_indexer_head_count(int(text.get("index_n_heads", 64)))
+        w.add_indexer_key_length(int(text.get("index_head_dim", 128)))
+        w.add_indexer_top_k(int(text.get("index_topk", 2048)))
     for name, t in tensors.items():
         w.add_tensor(name, t.detach().float().contiguous().numpy())
     w.write_header_to_file()

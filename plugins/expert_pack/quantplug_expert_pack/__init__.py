@@ -1,17 +1,20 @@
-"""quantplug backend for GGUF checkpoints (llama.cpp deepseek2 layout) and expert packs
-(entry point ``expert_pack``).
+"""quantplug backend for GGUF checkpoints (llama.cpp deepseek2 layout, and deepseek32 for
+DeepSeek-V3.2) and expert packs (entry point ``expert_pack``).
 
 Every GGUF-specific decision is one of this plugin's hook answers:
 
 * ``quantplug_detect``: a directory with config.json and ``*.gguf`` files (and, after
   ``quantplug expert-pack build``, the ``experts.qpack`` its GGUF names);
-* ``quantplug_tensor_names``: llama.cpp names (``blk.3.attn_q_a.weight``) -> model names;
+* ``quantplug_tensor_names``: llama.cpp names (``blk.3.attn_q_a.weight``) -> model names
+  (``blk.3.indexer.attn_k.weight`` -> ``model.layers.3.self_attn.indexer.wk.weight`` for V3.2);
 * ``quantplug_attention_layout``: split K/V for a layer whose GGUF has ``attn_k_b`` /
   ``attn_v_b``, dense for a legacy ``attn_kv_b``, decided per layer from the tensors present;
 * ``quantplug_linear_scheme``: :class:`~.schemes.GGMLScheme` per tensor type, or
   :class:`~.schemes.PackedExpertsScheme` for routed experts that live in the pack;
-* ``quantplug_validate_plan``: GGUF metadata vs config.json, Kimi-K3's ``attn_k_b`` = Q4_0
-  contract, the pack against the model and the cache budget;
+* ``quantplug_validate_plan``: GGUF metadata vs config.json (deepseek32: the architecture against
+  the config's indexer, ``attention.indexer.*`` against ``index_*``), the V3.2 indexer's float
+  tensors stored as floats, Kimi-K3's ``attn_k_b`` = Q4_0 contract, the pack against the model
+  and the cache budget;
 * ``quantplug_process_after_loading``: the expert cache's counters exposed as statistics
   ``expert_cache`` (``quantplug.api.stats_sources(model)``; ``quantplug generate`` reports them);
 * ``quantplug_export`` / ``quantplug_cli_commands``: GGUF writer, ``quantplug expert-pack build``
@@ -40,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from quantplug.api import (
+    GGUF_FLOATS,
     AttentionLayout,
     CheckpointError,
     Claim,
@@ -211,6 +215,17 @@ _META_CHECKS = (
     ("leading_dense_block_count", "first_k_dense_replace"),
     ("embedding_length", "hidden_size"),
 )
+#: llama.cpp architectures this plugin reads: deepseek2 (DeepSeek-V3 / Kimi) and deepseek32
+#: (DeepSeek-V3.2: deepseek2 plus the lightning indexer, blk.N.indexer.*)
+ARCHITECTURES = ("deepseek2", "deepseek32")
+#: deepseek32's indexer keys (gguf-py Keys.Attention.Indexer; llama.cpp requires all three) -> config field
+_INDEXER_META = (
+    ("attention.indexer.head_count", "index_n_heads"),
+    ("attention.indexer.key_length", "index_head_dim"),
+    ("attention.indexer.top_k", "index_topk"),
+)
+#: the indexer tensors quantplug holds as float parameters (GGUF name suffix), whatever the file's type
+_INDEXER_FLOATS = ("indexer.proj.weight", "indexer.k_norm.weight", "indexer.k_norm.bias")
 
 
 @hookimpl
@@ -220,19 +235,32 @@ def quantplug_validate_plan(plan: Any, quant_config: GGUFConfig) -> list[Problem
     meta = ckpt.gguf_metadata
     arch = quant_config.architecture
     first = quant_config.files[0].name
-    if arch != "deepseek2":
+    if arch not in ARCHITECTURES:
         problems.append(Problem(f"general.architecture is {arch!r}; quantplug-expert-pack reads llama.cpp "
-                                "'deepseek2' files (DeepSeek-V3 / Kimi)", file=first))
+                                "'deepseek2' files (DeepSeek-V3 / Kimi) and 'deepseek32' files (DeepSeek-V3.2)",
+                                file=first))
+    elif (arch == "deepseek32") != cfg.has_indexer:
+        what = (f"DeepSeek-V3.2 (lightning indexer, index_topk = {cfg.index_topk}); llama.cpp writes it as "
+                "'deepseek32'" if cfg.has_indexer else
+                "without a lightning indexer; 'deepseek32' files are DeepSeek-V3.2 (DeepseekV32ForCausalLM)")
+        problems.append(Problem(f"general.architecture is {arch!r} but config.json is {plan.architecture}, {what}",
+                                file=first, kind="metadata"))
     blocks = meta.get(f"{arch}.block_count")
     nextn = cfg.num_nextn_predict_layers  # validated by the core (an integer in [0, 1024])
     if blocks is not None and blocks not in (cfg.num_hidden_layers, cfg.num_hidden_layers + nextn):
         problems.append(Problem(f"GGUF {arch}.block_count = {blocks} contradicts config.json num_hidden_layers = "
                                 f"{cfg.num_hidden_layers}", file=first, kind="metadata"))
-    for key, attr in _META_CHECKS:
+    checks = _META_CHECKS + (_INDEXER_META if arch == "deepseek32" and cfg.has_indexer else ())
+    for key, attr in (*checks, ("nextn_predict_layers", "num_nextn_predict_layers")):
         value = meta.get(f"{arch}.{key}")
-        if value is not None and int(value) != int(getattr(cfg, attr)):
+        if value is not None and (type(value) is not int or value < 0):  # keys the header reader does not type
+            problems.append(Problem(f"GGUF {arch}.{key} = {value!r}: expected a non-negative integer", file=first,
+                                    kind="metadata"))
+        elif value is not None and value != int(getattr(cfg, attr)):
             problems.append(Problem(f"GGUF {arch}.{key} = {value} contradicts config.json {attr} = "
                                     f"{getattr(cfg, attr)}", file=first, kind="metadata"))
+    if arch == "deepseek32" and cfg.has_indexer:
+        problems += _check_indexer(ckpt, cfg, first)
     if plan.architecture == "KimiK3ForConditionalGeneration":
         for t in ckpt.tensors.values():
             if t.name.endswith(".self_attn.k_b_proj.weight") and t.dtype != "Q4_0":
@@ -242,6 +270,28 @@ def quantplug_validate_plan(plan: Any, quant_config: GGUFConfig) -> list[Problem
     pack = quant_config.pack
     if pack is not None:
         problems += _check_pack(plan, pack, quant_config)
+    return problems
+
+
+def _check_indexer(ckpt: Any, cfg: Any, first: str) -> list[Problem]:
+    """What a deepseek32 file may hold that quantplug's indexer cannot take: ``indexer.proj``
+    (weights_proj) or ``k_norm`` in a quantized type (the converter writes them F32, llama-quantize
+    may quantize a 2-D ``indexer.proj``; quantplug holds them as float32 parameters), and an
+    interleaved indexer RoPE in config.json (llama.cpp's deepseek32 graph rotates the indexer's
+    rope slice NEOX style, half-split pairs)."""
+    problems = []
+    for t in ckpt.tensors.values():
+        stored = t.stored_name or t.name
+        if stored.endswith(_INDEXER_FLOATS) and t.dtype not in GGUF_FLOATS:
+            fix = "; llama-quantize keeps it so with --tensor-type indexer.proj=f32" if ".proj." in stored else ""
+            problems.append(Problem(
+                f"{t.dtype}: quantplug holds DeepSeek-V3.2's indexer {t.name.split('.indexer.')[1]} as a float "
+                f"parameter and reads it only as F32 / F16 / BF16 (llama.cpp's converter writes it F32){fix}",
+                tensor=t.label, file=t.file.name, kind="dtype"))
+    if cfg.indexer_rope_interleave:
+        problems.append(Problem("config.json indexer_rope_interleave = true, but a llama.cpp 'deepseek32' file is "
+                                "DeepSeek-V3.2, whose indexer RoPE llama.cpp applies half-split (NEOX); "
+                                "indexer_rope_interleave must be false or absent", file=first, kind="metadata"))
     return problems
 
 

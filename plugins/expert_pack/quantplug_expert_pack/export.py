@@ -1,11 +1,14 @@
-"""Write llama.cpp deepseek2 GGUFs with gguf-py's GGUFWriter and quantizer.
+"""Write llama.cpp deepseek2 GGUFs (deepseek32 for DeepSeek-V3.2) with gguf-py's GGUFWriter and quantizer.
 
 :func:`write_gguf` takes dense weights under model (Hugging Face) names, splits each MLA
 ``kv_b_proj`` into ``attn_k_b`` / ``attn_v_b`` as llama.cpp's converter does (convert_hf_to_gguf.py: kv_b
 viewed [n_head, nope+v, kv_lora], split on dim 1, k_b transposed to [n_head, kv_lora, nope]),
 stacks routed experts into ``ffn_*_exps`` [E, out, in], quantizes each linear with
 ``gguf.quants.quantize`` in the type asked for, and writes the deepseek2 metadata llama.cpp's
-converter writes. Used by the ``quantplug_export`` hook (demo), the tests and the benchmarks.
+converter writes. A config with DeepSeek-V3.2's lightning indexer gets arch ``deepseek32`` and
+its ``attention.indexer.*`` keys (as ``DeepseekV32Model`` in llama.cpp's ``conversion/deepseek.py``;
+``indexer.proj`` stays F32); MTP blocks, where written, are counted in ``block_count`` with
+``nextn_predict_layers``. Used by the ``quantplug_export`` hook (demo), the tests and the benchmarks.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from .names import model_to_gguf
 
 #: types gguf-py can quantize to (the K-quants are dequantize-only in Python)
 QUANTIZABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4")
-#: tensors that stay F32 whatever the default type (norms, router, its bias)
-_F32 = re.compile(r"(_norm\.weight|ffn_gate_inp\.weight|exp_probs_b\.bias)$")
+#: tensors that stay F32 whatever the default type (norms, router, its bias, V3.2's indexer.proj
+#: and k_norm bias: llama.cpp's converter forces INDEXER_PROJ and every bias to F32)
+_F32 = re.compile(r"(_norm\.weight|ffn_gate_inp\.weight|\.bias|indexer\.proj\.weight)$")
 
 
 def split_kv_b(kv_b: torch.Tensor, n_head: int, nope: int, v: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,11 +61,16 @@ def gguf_state(state: Mapping[str, torch.Tensor], cfg: ModelConfig, split_kv: bo
             out[names[f"{base}.v_b_proj.weight"]] = v_b
             continue
         if name not in names:
-            raise QuantplugError(f"export: tensor {name} has no llama.cpp deepseek2 name")
+            raise QuantplugError(f"export: tensor {name} has no llama.cpp {_arch(cfg)} name")
         out[names[name]] = t
     for (base, proj), per in experts.items():
         out[names[f"{base}.{proj}.weight"]] = torch.stack([per[k] for k in sorted(per)])
     return out
+
+
+def _arch(cfg: ModelConfig) -> str:
+    """llama.cpp's architecture name for this config."""
+    return "deepseek32" if cfg.has_indexer else "deepseek2"
 
 
 def _type_for(gguf_name: str, t: torch.Tensor, default: str, types: Mapping[str, str]) -> str:
@@ -76,7 +85,7 @@ def _type_for(gguf_name: str, t: torch.Tensor, default: str, types: Mapping[str,
 def write_gguf(path: str | Path, tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, *,
                default_type: str = "Q8_0", types: Mapping[str, str] | None = None,
                vocab: int | None = None, raw: Mapping[str, tuple[np.ndarray, str]] | None = None) -> dict[str, str]:
-    """Write a deepseek2 GGUF; returns {gguf tensor name: ggml type written}.
+    """Write a deepseek2 (V3.2: deepseek32) GGUF; returns {gguf tensor name: ggml type written}.
 
     ``tensors`` are GGUF-named float tensors (:func:`gguf_state`); ``types`` overrides the type by
     GGUF base name (``attn_k_b``, ``ffn_down_exps``, ``output``, ``token_embd``). A row length
@@ -93,9 +102,18 @@ def write_gguf(path: str | Path, tensors: Mapping[str, torch.Tensor], cfg: Model
         if t not in QUANTIZABLE:
             raise QuantplugError(f"export: gguf-py cannot quantize to {t}; choose one of {', '.join(QUANTIZABLE)} "
                                  "(K-quants are dequantize-only in gguf-py; pass them through raw=)")
-    w = GGUFWriter(str(path), "deepseek2")
+    arch = _arch(cfg)
+    w = GGUFWriter(str(path), arch)
     w.add_name("quantplug export")
-    w.add_block_count(cfg.num_hidden_layers)
+    mtp = [i for i in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+           if f"blk.{i}.nextn.eh_proj.weight" in tensors]
+    w.add_block_count(cfg.num_hidden_layers + len(mtp))
+    if mtp:
+        w.add_nextn_predict_layers(len(mtp))
+    if arch == "deepseek32":
+        w.add_indexer_head_count(cfg.index_n_heads)
+        w.add_indexer_key_length(cfg.index_head_dim)
+        w.add_indexer_top_k(cfg.index_topk)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
@@ -130,6 +148,8 @@ def write_gguf(path: str | Path, tensors: Mapping[str, torch.Tensor], cfg: Model
         w.add_rope_scaling_type(RopeScalingType.YARN)
         w.add_rope_scaling_factor(cfg.rope.factor)
         w.add_rope_scaling_orig_ctx_len(cfg.rope.original_max_position_embeddings)
+        if cfg.rope.mscale_all_dim:  # the converter's 0.1 * mscale_all_dim ([TAG_DEEPSEEK2_YARN_LOG_MUL_FIX])
+            w.add_rope_scaling_yarn_log_mul(0.1 * cfg.rope.mscale_all_dim)
     if vocab:
         w.add_tokenizer_model("gpt2")
         w.add_token_list([f"<tok{i}>" for i in range(vocab)])

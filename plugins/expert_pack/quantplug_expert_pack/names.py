@@ -1,7 +1,7 @@
-"""llama.cpp deepseek2 tensor names <-> quantplug (Hugging Face) model names.
+"""llama.cpp deepseek2 / deepseek32 tensor names <-> quantplug (Hugging Face) model names.
 
-Source: gguf-py ``gguf/constants.py`` (MODEL_TENSORS[DEEPSEEK2]) and ``tensor_mapping.py``, and
-llama.cpp's DeepSeek-V2/V3 converter. Stacked tensors use the core's stacked names: routed
+Source: gguf-py ``gguf/constants.py`` (MODEL_TENSORS[DEEPSEEK2], MODEL_TENSORS[DEEPSEEK32]) and
+``tensor_mapping.py``, and llama.cpp's DeepSeek-V2/V3 and V3.2 converters (``conversion/deepseek.py``). Stacked tensors use the core's stacked names: routed
 experts ``mlp.experts.{gate,up,down}_proj.weight`` [E, out, in] and split MLA
 ``self_attn.{k_b_proj,v_b_proj}.weight`` [n_head, kv_lora, nope] / [n_head, v, kv_lora].
 """
@@ -51,6 +51,18 @@ MOE = {
 }
 
 
+#: DeepSeek-V3.2's lightning indexer (arch ``deepseek32``; gguf-py MODEL_TENSOR.INDEXER_*), every layer
+#: with an indexer, the MTP layers included. The converter keeps ``indexer.proj`` (weights_proj) and
+#: the LayerNorm's weight and bias in F32; ``attn_q_b`` / ``attn_k`` take the file's linear type
+INDEXER = {
+    "self_attn.indexer.wq_b.weight": "indexer.attn_q_b.weight",
+    "self_attn.indexer.wk.weight": "indexer.attn_k.weight",
+    "self_attn.indexer.k_norm.weight": "indexer.k_norm.weight",
+    "self_attn.indexer.k_norm.bias": "indexer.k_norm.bias",
+    "self_attn.indexer.weights_proj.weight": "indexer.proj.weight",
+}
+
+
 #: the multi-token-prediction layers' own tensors (model.layers.{num_hidden_layers + k}.) -> GGUF name
 #: under blk.{i}. (gguf-py MODEL_TENSOR.NEXTN_*; the block itself uses the decoder-layer names)
 NEXTN = {
@@ -64,13 +76,15 @@ NEXTN = {
 
 
 def model_to_gguf(model_config: Any) -> dict[str, str]:
-    """Every model tensor name of this config (both MLA layouts; the ``num_nextn_predict_layers``
-    MTP layers included) -> its GGUF name."""
+    """Every model tensor name of this config (both MLA layouts; DeepSeek-V3.2's indexer where the
+    config has one; the ``num_nextn_predict_layers`` MTP layers included) -> its GGUF name."""
     out = dict(GLOBAL)
     n = model_config.num_hidden_layers
     for i in range(n + int(getattr(model_config, "num_nextn_predict_layers", 0) or 0)):
         table = dict(ATTENTION)
         table.update(MOE if model_config.is_moe_layer(i) else DENSE_MLP)
+        if model_config.has_indexer:
+            table.update(INDEXER)
         if i >= n:
             table.update(NEXTN)
         for model_name, gguf_name in table.items():

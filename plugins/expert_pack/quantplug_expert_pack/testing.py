@@ -87,7 +87,7 @@ def rewrite_gguf(src: str | Path, dst: str | Path, add: Callable[[Any], None]) -
     from gguf import GGUFReader, GGUFWriter
 
     r = GGUFReader(src)
-    w = GGUFWriter(str(dst), "deepseek2")
+    w = GGUFWriter(str(dst), str(r.fields["general.architecture"].contents()))  # deepseek2 / deepseek32
     for key, f in r.fields.items():
         if not key.startswith("GGUF.") and key != "general.architecture":
             w.add_key_value(key, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
