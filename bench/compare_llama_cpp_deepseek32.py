@@ -1,8 +1,8 @@
 """quantplug against llama.cpp itself on one tiny DeepSeek-V3.2 (``deepseek32``) F32 GGUF (not run by the tests).
 
-    python tests/data/vendor/compare_llama_cpp_deepseek32.py write   --work /tmp/v32   # quantplug's venv
-    LCPP/bin/python tests/data/vendor/compare_llama_cpp_deepseek32.py llama --work /tmp/v32   # llama-cpp-python
-    python tests/data/vendor/compare_llama_cpp_deepseek32.py compare --work /tmp/v32
+    python bench/compare_llama_cpp_deepseek32.py write   --work /tmp/v32   # quantplug's venv
+    LCPP/bin/python bench/compare_llama_cpp_deepseek32.py llama --work /tmp/v32   # llama-cpp-python
+    python bench/compare_llama_cpp_deepseek32.py compare --work /tmp/v32
 
 ``LCPP`` is a virtualenv with ``llama-cpp-python`` 0.3.36 built from source (CPU; its vendored
 llama.cpp is the one whose converter and ``src/models/deepseek32.cpp`` the plugin follows); that
