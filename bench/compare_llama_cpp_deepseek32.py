@@ -53,7 +53,7 @@ def write(work: Path, rope: str) -> None:
     from quantplug_expert_pack.testing import rewrite_gguf
     from safetensors.torch import save_file
 
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "data" / "vendor"))  # make_gguf_iq
     from make_gguf_iq import CALIBRATION, SPECIALS, byte_level_vocab
 
     cfg = config(rope)
