@@ -426,7 +426,6 @@ def test_w8a8_emulation_equals_per_token_int8_inputs(tmp_path):
     native_model, native_out = load_logits(tmp_path / "w8a8", ids)
     with native.disabled():  # the torch paths, where the patched apply below runs
         model, out = load_logits(tmp_path / "w8a8", ids)
-    assert rel_err(native_out, out) <= 1e-5  # the native int8 emulation: the same up to summation order
     ref_model, _ = load_logits(tmp_path / "w8a8", ids, options={"activation_quant": "none"})
 
     def per_token_int8(x):
@@ -445,6 +444,13 @@ def test_w8a8_emulation_equals_per_token_int8_inputs(tmp_path):
         ref = ref_model(ids)
     assert rel_err(out, ref) <= 1e-5
     assert rel_err(out, weight_only) > 1e-4  # activations really are quantized
+    # the native int8 emulation: the same up to summation order. Where the native row kernels sum
+    # in the torch matmul's order the codes agree (1e-5: the AVX-512 build); where they do not (the
+    # AVX2 build) a last-bit difference in one layer's output can move one int8 code of the next
+    # layer's input, and later positions follow it (measured 1.5e-3 against act quantization's
+    # 5.3e-3): then the native logits must still be far nearer the int8 ones than the weight-only
+    err = rel_err(native_out, out)
+    assert err <= 1e-5 or (err <= 3e-3 and rel_err(native_out, weight_only) > 2 * err), err
 
 
 # -- export and the conformance kit --------------------------------------------------------------
