@@ -54,7 +54,7 @@ FAST_FORMS = frozenset({"Q4_0", "Q8_0"})
 MIN_CODE = {"FP8": 2.0 ** -9, "FP4": 0.5, "INT4": 1.0, "INT8": 1.0}
 #: the symbols this module calls; a library missing one is rebuilt, then refused
 SYMBOLS = ("qp_form_info", "qp_isa", "qp_check", "qp_dequant", "qp_act_rows", "qp_gemm", "qp_mlp",
-           "qp_mla_pre", "qp_mla_post", "qp_mla_step", "qp_decode_step", "qp_fp8_has_nan")
+           "qp_mla_pre", "qp_mla_post", "qp_mla_step", "qp_decode_step", "qp_fp8_has_nan", "qp_row_kernel")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -223,6 +223,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "qp_decode_step": ([ctypes.POINTER(Layer), i32, i64, i64, p, mp, p, p, p, p, i64, i64, i64, i64, i64, i32, p,
                             i32, ctypes.c_float, p, mp, p, p, i32], i32),
         "qp_fp8_has_nan": ([p, i64], i32),
+        "qp_row_kernel": ([mp, i32], i32),
     }
     for name, (args, res) in sig.items():
         fn = getattr(lib, name)

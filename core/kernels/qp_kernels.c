@@ -1143,16 +1143,20 @@ static void fast_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, 
 }
 
 #ifdef QP_AVX512
-/* one Q4_0 / Q8_0 block's 32 exact weights (d * q, float32, no FMA) in two registers */
-static inline void deq_block512(int type, const uint8_t *blk, __m512 *lo, __m512 *hi) {
+/* one Q4_0 / Q8_0 block's 32 exact weights (d * q, float32, no FMA) in two registers, rounded
+ * to the model dtype by wr (QR_NONE, QR_BF16, QR_BF16_NORMAL: round_vec, the values round_buf
+ * gives; wr a constant in every caller, so the rounding folds away in a float32 model) */
+static inline __attribute__((always_inline)) void deq_block512(int type, const uint8_t *blk, __m512 *lo, __m512 *hi,
+                                                               const int wr) {
     __m512 d = _mm512_set1_ps(f16_to_f32(blk));
     __m128i l, h;
     if (type == QP_Q4_0) {
         /* the block's 16 possible weights d * (q - 8) in one register (each the same float32
          * product as below), looked up by nibble: permutexvar reads an index's low 4 bits only,
-         * so neither nibble needs masking */
-        const __m512 tab = _mm512_mul_ps(d, _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f,
-                                                           0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f));
+         * so neither nibble needs masking; rounding the 16 table entries rounds every weight */
+        __m512 tab = _mm512_mul_ps(d, _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f,
+                                                     0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f));
+        if (wr) tab = round_vec(tab, wr);
         __m128i qv = _mm_loadu_si128((const __m128i *)(blk + 2));
         *lo = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(qv), tab);
         *hi = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_srli_epi16(qv, 4)), tab);
@@ -1163,6 +1167,7 @@ static inline void deq_block512(int type, const uint8_t *blk, __m512 *lo, __m512
     }
     *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(l)));
     *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(h)));
+    if (wr) { *lo = round_vec(*lo, wr); *hi = round_vec(*hi, wr); }
 }
 
 /* 32 bfloat16 values widened in registers (a bfloat16 is the top half of its float32: exact) */
@@ -1175,9 +1180,11 @@ static inline void bf16x32(const uint16_t *p, __m512 *lo, __m512 *hi) {
 /* exact Q4_0 / Q8_0 with float32 weights, and bfloat16 rows (a float weight kept as stored, e.g. a
  * bfloat16 lm_head; already the model dtype's values, so callers take it for QR_NONE / QR_BF16):
  * 32-value blocks decoded in registers, RT rows x MT x rows, prefetching ahead */
-/* one exact tile: rt weight rows from r times mt x rows from i0 (called through QP_TILE) */
-static inline __attribute__((always_inline)) void exact_tile_32(const qp_mat *m, const qp_in *in, int64_t r, int i0,
-                                                               const int rt, const int mt, float *y, int64_t ldy) {
+/* one exact tile: rt weight rows from r times mt x rows from i0 (called through QP_TILE), the
+ * Q4_0 / Q8_0 weights rounded by wr (a constant: one instance per rounding, below) */
+static inline __attribute__((always_inline)) void exact_tile_32w(const qp_mat *m, const qp_in *in, int64_t r, int i0,
+                                                                const int rt, const int mt, float *y, int64_t ldy,
+                                                                const int wr) {
     const int type = m->type, size = type == QP_Q4_0 ? 18 : type == QP_Q8_0 ? 34 : 64;
     const int64_t nb = m->k / QK;
     __m512 acc[RT][MT];
@@ -1188,7 +1195,7 @@ static inline __attribute__((always_inline)) void exact_tile_32(const qp_mat *m,
             const uint8_t *blk = m->w + (r + a) * m->ldw + b * size;
             _mm_prefetch((const char *)(blk + RT * m->ldw), _MM_HINT_T1);
             if (type == QP_BF16) bf16x32((const uint16_t *)blk, &lo[a], &hi[a]);
-            else deq_block512(type, blk, &lo[a], &hi[a]);
+            else deq_block512(type, blk, &lo[a], &hi[a], wr);
         }
         for (int i = 0; i < mt; i++) {
             const float *xb = in->x + (int64_t)(i0 + i) * in->ldx + b * QK;
@@ -1204,13 +1211,28 @@ static inline __attribute__((always_inline)) void exact_tile_32(const qp_mat *m,
 /* exact Q4_0 / Q8_0 with float32 weights, and bfloat16 rows (a float weight kept as stored, e.g. a
  * bfloat16 lm_head; already the model dtype's values, so callers take it for QR_NONE / QR_BF16):
  * 32-value blocks decoded in registers, RT rows x MT x rows, prefetching ahead */
-static void exact_rows_32(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy) {
+#define QP_EXACT_TILE(NAME, WR)                                                                     \
+static inline __attribute__((always_inline)) void NAME(const qp_mat *m, const qp_in *in, int64_t r, int i0, \
+                                                       const int rt, const int mt, float *y, int64_t ldy) { \
+    exact_tile_32w(m, in, r, i0, rt, mt, y, ldy, WR);                                               \
+}
+QP_EXACT_TILE(exact_tile_32, QR_NONE)
+QP_EXACT_TILE(exact_tile_32_bf16, QR_BF16)
+QP_EXACT_TILE(exact_tile_32_bf16n, QR_BF16_NORMAL)
+#undef QP_EXACT_TILE
+
+/* wround: how the Q4_0 / Q8_0 weights are rounded (QR_NONE / QR_BF16 / QR_BF16_NORMAL; bfloat16
+ * rows take QR_NONE: their values are already bfloat16) */
+static void exact_rows_32(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy,
+                          int wround) {
     y -= r0;
     for (int64_t r = r0; r < r1; r += RT) {
         int rt = r1 - r < RT ? (int)(r1 - r) : RT;
         for (int i0 = 0; i0 < xm; i0 += MT) {
             int mt = xm - i0 < MT ? xm - i0 : MT;
-            QP_TILE(exact_tile_32, m, in, r, i0, rt, mt, y, ldy);
+            if (wround == QR_BF16_NORMAL) QP_TILE(exact_tile_32_bf16n, m, in, r, i0, rt, mt, y, ldy);
+            else if (wround == QR_BF16) QP_TILE(exact_tile_32_bf16, m, in, r, i0, rt, mt, y, ldy);
+            else QP_TILE(exact_tile_32, m, in, r, i0, rt, mt, y, ldy);
         }
     }
 }
@@ -1224,9 +1246,11 @@ static inline void kq_fma(__m512 acc[MT][2], int mt, const float *x, int64_t ldx
 }
 
 /* exact Q4_K / Q5_K / Q6_K rows: each super-block decoded in registers with deq_q45_k_sb512's /
- * deq_q6_k_sb512's float32 operations (the same weights, bit for bit) and multiplied into the sums
- * at once, instead of through a buffer; the row RT rows ahead prefetched into L2 */
-static void kq_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy) {
+ * deq_q6_k_sb512's float32 operations (the same weights, bit for bit), rounded to the model dtype
+ * by wr (a constant: one instance per rounding, below), and multiplied into the sums at once,
+ * instead of through a buffer; the row RT rows ahead prefetched into L2 */
+static inline __attribute__((always_inline)) void kq_rows_w(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1,
+                                                           int xm, float *y, int64_t ldy, const int wr) {
     y -= r0;
     const int type = m->type;
     const int64_t nsb = m->k / QKK, bsize = type == QP_Q4_K ? 144 : type == QP_Q5_K ? 176 : 210, ldx = in->ldx;
@@ -1242,12 +1266,25 @@ static void kq_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, in
                 if (i0 == 0) for (int64_t o = 0; o < bsize; o += 64) _mm_prefetch((const char *)(b + RT * m->ldw + o), _MM_HINT_T1);
                 __m512 v[16];
                 kq_regs(type, b, v);
+                if (wr) for (int k = 0; k < 16; k++) v[k] = round_vec(v[k], wr);
                 _Pragma("GCC unroll 16") for (int k = 0; k < 16; k++) kq_fma(acc, mt, xr, ldx, sb * QKK + 16 * k, k & 1, v[k]);
             }
             for (int i = 0; i < mt; i++) y[(int64_t)(i0 + i) * ldy + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
         }
     }
 }
+static void kq_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy) {
+    kq_rows_w(m, in, r0, r1, xm, y, ldy, QR_NONE);
+}
+#if defined(__AVX512BF16__)
+static void kq_rows_bf16n(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy) {
+    kq_rows_w(m, in, r0, r1, xm, y, ldy, QR_BF16_NORMAL);
+}
+#else
+static void kq_rows_bf16(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy) {
+    kq_rows_w(m, in, r0, r1, xm, y, ldy, QR_BF16);
+}
+#endif
 #endif
 
 /* the segment the generic kernel decodes at a time: whole blocks, at most 256 values */
@@ -1546,30 +1583,73 @@ QP_FUSED_SCALED(plain_fp4_bf16n, RAW_FP4, 0, QR_BF16_NORMAL, 1, lut)
 #undef QP_SCALE16
 #endif
 
-static void rows_any(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy, int wround) {
-    if (is_fast(m)) fast_rows(m, in, r0, r1, xm, y, ldy);
-    else if (is_int_path(m)) int_rows(m, in, r0, r1, xm, y, ldy);
+/* The row kernel rows_any runs for m in a model whose weights round by wround (QR_*): one rule for
+ * the dispatch and for qp_row_kernel, which tests read (a bfloat16 model must take the kernels of
+ * a float32 one). */
+enum { QK_GENERIC = 0, QK_FAST = 1, QK_INT = 2, QK_EXACT32 = 3, QK_KQUANT = 4, QK_SCALED = 5 };
+static int row_kernel(const qp_mat *m, int wround) {
+    if (is_fast(m)) return QK_FAST;
+    if (is_int_path(m)) return QK_INT;
 #ifdef QP_AVX512
-    else if (((m->type == QP_Q4_0 || m->type == QP_Q8_0) && wround == QR_NONE)
-             || (m->type == QP_BF16 && wround != QR_F16 && m->k % 32 == 0)) exact_rows_32(m, in, r0, r1, xm, y, ldy);
-    else if ((m->type == QP_Q4_K || m->type == QP_Q5_K || m->type == QP_Q6_K) && wround == QR_NONE) kq_rows(m, in, r0, r1, xm, y, ldy);
-    else if (m->type >= QP_INT4 && (m->gk % 16 == 0) && m->k % 16 == 0 && !m->big && (m->k + m->gk - 1) / m->gk <= QP_NG_MAX) {
-        const int simple = !m->z && !(m->gmode == QG_AFTER && m->gs != 1.f) && !m->nan;
-        const int p32 = simple && wround == QR_NONE, p16 = simple && wround == QR_BF16;
+    /* Q4_0 / Q8_0 / K-quant weights round to bfloat16 in registers (QR_F16 keeps the generic path);
+     * bfloat16 rows are already the model dtype's values */
+    if ((m->type == QP_Q4_0 || m->type == QP_Q8_0) && wround != QR_F16) return QK_EXACT32;
+    if (m->type == QP_BF16 && wround != QR_F16 && m->k % 32 == 0) return QK_EXACT32;
+    if ((m->type == QP_Q4_K || m->type == QP_Q5_K || m->type == QP_Q6_K) && wround != QR_F16) return QK_KQUANT;
+    if (m->type >= QP_INT4 && (m->gk % 16 == 0) && m->k % 16 == 0 && !m->big && (m->k + m->gk - 1) / m->gk <= QP_NG_MAX)
+        return QK_SCALED;
+#endif
+    (void)wround;
+    return QK_GENERIC;
+}
+
+int qp_row_kernel(const qp_mat *m, int wround) { return row_kernel(m, wround); }
+
+static void rows_any(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy, int wround) {
+    switch (row_kernel(m, wround)) {
+        case QK_FAST: fast_rows(m, in, r0, r1, xm, y, ldy); return;
+        case QK_INT: int_rows(m, in, r0, r1, xm, y, ldy); return;
+#ifdef QP_AVX512
+        case QK_EXACT32: {
+            /* Q4_0 / Q8_0 weights are never subnormal (an f16 scale times a small integer): the
+             * AVX512-BF16 conversion rounds them as round_bf16 does */
 #if defined(__AVX512BF16__)
-        const int p16n = p16 && !m->tiny;
+            const int bf = QR_BF16_NORMAL;
 #else
-        const int p16n = 0;
+            const int bf = QR_BF16;
 #endif
-        switch (m->type) {
-            case QP_INT8: (p32 ? plain_int8 : p16n ? plain_int8_bf16n : p16 ? plain_int8_bf16 : fused_int8)(m, in, r0, r1, xm, y, ldy, wround); break;
-            case QP_INT4: (p32 ? plain_int4 : p16n ? plain_int4_bf16n : p16 ? plain_int4_bf16 : fused_int4)(m, in, r0, r1, xm, y, ldy, wround); break;
-            case QP_FP8: (p32 ? plain_fp8 : p16n ? plain_fp8_bf16n : p16 ? plain_fp8_bf16 : fused_fp8)(m, in, r0, r1, xm, y, ldy, wround); break;
-            default: (p32 ? plain_fp4 : p16n ? plain_fp4_bf16n : p16 ? plain_fp4_bf16 : fused_fp4)(m, in, r0, r1, xm, y, ldy, wround); break;
+            exact_rows_32(m, in, r0, r1, xm, y, ldy, m->type != QP_BF16 && wround == QR_BF16 ? bf : QR_NONE);
+            return;
         }
-    }
+        case QK_KQUANT:
+            /* K-quant weights are f16 scales times small integers, less f16 minimums times small
+             * integers: zero or at least 2^-24 in magnitude, never subnormal */
+            if (wround != QR_BF16) kq_rows(m, in, r0, r1, xm, y, ldy);
+#if defined(__AVX512BF16__)
+            else kq_rows_bf16n(m, in, r0, r1, xm, y, ldy);
+#else
+            else kq_rows_bf16(m, in, r0, r1, xm, y, ldy);
 #endif
-    else generic_rows(m, in, r0, r1, xm, y, ldy, wround);
+            return;
+        case QK_SCALED: {
+            const int simple = !m->z && !(m->gmode == QG_AFTER && m->gs != 1.f) && !m->nan;
+            const int p32 = simple && wround == QR_NONE, p16 = simple && wround == QR_BF16;
+#if defined(__AVX512BF16__)
+            const int p16n = p16 && !m->tiny;
+#else
+            const int p16n = 0;
+#endif
+            switch (m->type) {
+                case QP_INT8: (p32 ? plain_int8 : p16n ? plain_int8_bf16n : p16 ? plain_int8_bf16 : fused_int8)(m, in, r0, r1, xm, y, ldy, wround); break;
+                case QP_INT4: (p32 ? plain_int4 : p16n ? plain_int4_bf16n : p16 ? plain_int4_bf16 : fused_int4)(m, in, r0, r1, xm, y, ldy, wround); break;
+                case QP_FP8: (p32 ? plain_fp8 : p16n ? plain_fp8_bf16n : p16 ? plain_fp8_bf16 : fused_fp8)(m, in, r0, r1, xm, y, ldy, wround); break;
+                default: (p32 ? plain_fp4 : p16n ? plain_fp4_bf16n : p16 ? plain_fp4_bf16 : fused_fp4)(m, in, r0, r1, xm, y, ldy, wround); break;
+            }
+            return;
+        }
+#endif
+        default: generic_rows(m, in, r0, r1, xm, y, ldy, wround);
+    }
 }
 
 /* ---- validation: the C code trusts a qp_mat only after this --------------------------------- */
