@@ -8,9 +8,10 @@ dense copy per matrix. The C file decodes each block in registers and accumulate
 (exact mode), or, for Q4_0 / Q8_0, takes llama.cpp's integer dot products (fast mode); it also
 runs the core model's few-token steps (gated MLP / routed experts, absorbed MLA) in one call each.
 
-Build: ``$CC`` (default ``cc``) ``-O3 -march=native -fopenmp -shared -fPIC -ffp-contract=off``
-into ``$QUANTPLUG_CACHE`` (default ``~/.cache/quantplug``)``/kernels/``, named by a hash of the
-source, the compiler's version, the CPU's flags and the flags. The cache is this user's own:
+Build: ``$CC`` (default ``cc``) ``-O3 -march=native -fopenmp -shared -fPIC -ffp-contract=off`` of
+``qp_kernels.c`` (one translation unit: it includes ``qp_types.h``, ``generic/``, ``arch/`` and
+``blocks/``) into ``$QUANTPLUG_CACHE`` (default ``~/.cache/quantplug``)``/kernels/``, named by a hash
+of every source file (:func:`sources`), the compiler's version, the CPU's flags and the flags. The cache is this user's own:
 the directory is created mode 0700 and used only if this user owns it and nobody else can write
 it; a cached library is loaded only if it is a regular file (not a symlink) owned by this user,
 not writable by others, and not empty; a broken one (empty, truncated, missing a symbol) is
@@ -46,6 +47,27 @@ from ..errors import QuantplugError
 from .forms import ACT_KINDS, FORMS, GLOBAL_MODES, INTEGER, SCALE_ENCODINGS, Weights, scale_values
 
 SOURCE = Path(__file__).with_name("qp_kernels.c")
+#: the directories beside ``qp_kernels.c`` whose files it includes (one translation unit)
+SOURCE_DIRS = ("arch", "generic", "blocks")
+
+
+def sources() -> list[Path]:
+    """Every kernel source file, in a fixed order: ``qp_kernels.c`` (which includes the others), the
+    headers beside it, and the ``.c`` / ``.h`` files under :data:`SOURCE_DIRS`. The build's cache
+    key hashes all of them (name and contents), so a change in any one rebuilds."""
+    here = SOURCE.parent
+    files = sorted(here.glob("*.h")) + [f for d in SOURCE_DIRS for f in sorted((here / d).glob("*.[ch]"))]
+    return [SOURCE, *files]
+
+
+def source_digest() -> bytes:
+    """The hash input of the kernel sources (see :func:`sources`)."""
+    h = hashlib.sha256()
+    for f in sources():
+        data = f.read_bytes()
+        h.update(f"{f.relative_to(SOURCE.parent).as_posix()}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.digest()
 ISA_NAMES = {3: "AVX512 + VNNI", 4: "AVX512", 2: "AVX2", 0: "portable C"}
 MODES = {"exact": 0, "fast": 1}
 #: forms with a fast (integer dot product) mode
@@ -135,7 +157,7 @@ def _build() -> ctypes.CDLL:
     # multiply-adds are explicit intrinsics, which the flag does not touch
     flags = ["-O3", f"-march={os.environ.get('QUANTPLUG_NATIVE_MARCH', 'native')}", "-fopenmp", "-shared", "-fPIC",
              "-std=c11", "-ffp-contract=off"]
-    src = SOURCE.read_bytes()
+    src = source_digest()
     key = hashlib.sha256(src + version.encode() + _cpu_flags().encode() + " ".join(flags).encode()).hexdigest()[:16]
     d = _private_dir(cache_dir())
     out = d / f"qp_kernels-{key}.so"

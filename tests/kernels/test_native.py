@@ -88,7 +88,7 @@ def test_the_enums_are_the_c_files():
     (QS_*, QA_*, QE_*, QG_*) hold the Python tables' numbers, name for name."""
     import re
 
-    src = native.SOURCE.read_text()
+    src = "\n".join(f.read_text() for f in native.sources())
     enums = {m.group(1): int(m.group(2)) for m in re.finditer(r"\b(Q[SAEG]_[A-Z0-9_]+) = (\d+)", src)}
 
     def c_names(prefix: str) -> dict[str, int]:
