@@ -6,7 +6,8 @@ weights. torch has no kernel that reads most stored forms as they are (GGUF bloc
 block scales, int4 with group scales), and a torch dequantize-then-matmul costs a dozen ops and a
 dense copy per matrix. The C file decodes each block in registers and accumulates in float32
 (exact mode), or, for Q4_0 / Q8_0, takes llama.cpp's integer dot products (fast mode); it also
-runs the core model's few-token steps (gated MLP / routed experts, absorbed MLA) in one call each.
+runs the core model's few-token steps (gated MLP / routed experts, absorbed latent attention, the
+whole stack) in one call each.
 
 Build: ``$CC`` (default ``cc``) ``-O3 -march=native -fopenmp -shared -fPIC -ffp-contract=off`` of
 ``qp_kernels.c`` (one translation unit: it includes ``qp_types.h``, ``generic/``, ``arch/`` and
@@ -76,7 +77,8 @@ FAST_FORMS = frozenset({"Q4_0", "Q8_0"})
 MIN_CODE = {"FP8": 2.0 ** -9, "FP4": 0.5, "INT4": 1.0, "INT8": 1.0}
 #: the symbols this module calls; a library missing one is rebuilt, then refused
 SYMBOLS = ("qp_form_info", "qp_isa", "qp_check", "qp_dequant", "qp_act_rows", "qp_gemm", "qp_mlp",
-           "qp_mla_pre", "qp_mla_post", "qp_mla_step", "qp_decode_step", "qp_fp8_has_nan", "qp_row_kernel")
+           "qp_latent_pre", "qp_latent_post", "qp_latent_step", "qp_decode_step", "qp_fp8_has_nan", "qp_row_kernel",
+           "qp_layout_table")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -145,6 +147,9 @@ def _open(path: Path) -> ctypes.CDLL:
     if missing:
         raise OSError(f"{path.name} lacks {', '.join(missing)}")
     _declare(lib)
+    bad = layout_mismatches(layout_table(lib))
+    if bad:  # the ctypes Structures below disagree with qp_types.h: passing them would corrupt memory
+        raise OSError(f"{path.name}: struct layout differs from native.py's: {'; '.join(bad[:4])}")
     return lib
 
 
@@ -200,8 +205,8 @@ class Mat(ctypes.Structure):
         ("zi8", ctypes.c_int32), ("tiny", ctypes.c_int32), ("rowsum", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("os", ctypes.c_void_p), ("act", Act)]
 
 
-class MLA(ctypes.Structure):
-    """``qp_mla``: one MLA layer's dimensions and matrices."""
+class LatentAttn(ctypes.Structure):
+    """``qp_latent_attn``: one latent-attention layer's dimensions and matrices (DeepSeek's MLA)."""
 
     _fields_ = [  # noqa: RUF012
         ("H", ctypes.c_int64), ("q_lora", ctypes.c_int64), ("kv_lora", ctypes.c_int64), ("rope", ctypes.c_int64),
@@ -214,17 +219,70 @@ class MLA(ctypes.Structure):
         ("o", ctypes.POINTER(Mat)), ("g", ctypes.POINTER(Mat))]
 
 
+MLA = LatentAttn  # the name before the kernel sources named block kinds, not models
+
+
 class Layer(ctypes.Structure):
-    """``qp_layer``: one decoder layer of the whole-stack decode step (``qp_model_step``)."""
+    """``qp_layer``: one decoder layer of the whole-stack decode step (``qp_stack_step``)."""
 
     _fields_ = [  # noqa: RUF012
-        ("mla", ctypes.POINTER(MLA)), ("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
+        ("attn", ctypes.POINTER(LatentAttn)), ("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
         ("norm_bf16", ctypes.c_int32), ("eps", ctypes.c_float), ("E", ctypes.c_int32), ("top_k", ctypes.c_int32),
         ("n_group", ctypes.c_int32), ("topk_group", ctypes.c_int32), ("norm_topk", ctypes.c_int32),
         ("scaling", ctypes.c_float), ("router", ctypes.c_void_p), ("bias", ctypes.c_void_p),
         ("gate", ctypes.POINTER(ctypes.POINTER(Mat))), ("up", ctypes.POINTER(ctypes.POINTER(Mat))),
         ("down", ctypes.POINTER(ctypes.POINTER(Mat))),
         ("sg", ctypes.POINTER(Mat)), ("su", ctypes.POINTER(Mat)), ("sd", ctypes.POINTER(Mat))]
+
+
+#: the C struct (``qp_types.h``) each ctypes Structure mirrors
+STRUCTS: dict[str, type[ctypes.Structure]] = {"qp_act": Act, "qp_mat": Mat, "qp_latent_attn": LatentAttn, "qp_layer": Layer}
+
+
+class LayoutEntry(ctypes.Structure):
+    """``qp_layout_entry`` (``layout.c``): one field's offset and size as the C compiler lays it out
+    (field ``""``: the struct's own size)."""
+
+    _fields_ = [  # noqa: RUF012
+        ("type", ctypes.c_char_p), ("field", ctypes.c_char_p), ("offset", ctypes.c_int64), ("size", ctypes.c_int64)]
+
+
+def layout_table(lib: Any) -> dict[str, dict[str, tuple[int, int]]]:
+    """``qp_layout_table()`` of a loaded library (or a probe built from ``layout.c``): struct name ->
+    field name (``""`` for the struct) -> (offset, size)."""
+    fn = lib.qp_layout_table
+    fn.argtypes, fn.restype = [ctypes.POINTER(ctypes.c_int64)], ctypes.POINTER(LayoutEntry)
+    n = ctypes.c_int64()
+    rows = fn(ctypes.byref(n))
+    out: dict[str, dict[str, tuple[int, int]]] = {}
+    for i in range(n.value):
+        e = rows[i]
+        out.setdefault(e.type.decode(), {})[e.field.decode()] = (e.offset, e.size)
+    return out
+
+
+def layout_mismatches(table: dict[str, dict[str, tuple[int, int]]],
+                      structs: dict[str, type[ctypes.Structure]] | None = None) -> list[str]:
+    """How the ctypes Structures (default :data:`STRUCTS`) differ from the C layout ``table``: every
+    struct and field missing on either side, and every field or struct whose offset or size
+    differs; empty when they agree."""
+    bad = []
+    for name, cls in (structs or STRUCTS).items():
+        c = table.get(name)
+        if c is None:
+            bad.append(f"{name}: not in the C table")
+            continue
+        py = {f[0]: (getattr(cls, f[0]).offset, getattr(cls, f[0]).size) for f in cls._fields_}
+        if c.get("", (0, None))[1] != ctypes.sizeof(cls):
+            bad.append(f"{name}: sizeof {c.get('', (0, None))[1]} in C, {ctypes.sizeof(cls)} in ctypes")
+        for field in sorted(set(py) | set(c) - {""}):
+            if field not in c:
+                bad.append(f"{name}.{field}: not in C")
+            elif field not in py:
+                bad.append(f"{name}.{field}: not in ctypes")
+            elif c[field] != py[field]:
+                bad.append(f"{name}.{field}: (offset, size) {c[field]} in C, {py[field]} in ctypes")
+    return bad
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -239,9 +297,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         "qp_act_rows": ([mp, i64, p, i64, p], i32),
         "qp_gemm": ([mpp, i32, i64, i64, p, i64, p, p, p, p, p, i64, i32], i32),
         "qp_mlp": ([mpp, mpp, mpp, i32, i64, p, i64, i32, p, p, p, p, i64, i32], i32),
-        "qp_mla_pre": ([ctypes.POINTER(MLA), i64, p, p, p, p, p, i32], i32),
-        "qp_mla_post": ([ctypes.POINTER(MLA), i64, p, p, i64, i64, p, i64, i64, i64, i32, p, p, i32], i32),
-        "qp_mla_step": ([ctypes.POINTER(MLA), i64, p, p, p, i64, i64, p, i64, i64, i64, i32, p, i32], i32),
+        "qp_latent_pre": ([ctypes.POINTER(LatentAttn), i64, p, p, p, p, p, i32], i32),
+        "qp_latent_post": ([ctypes.POINTER(LatentAttn), i64, p, p, i64, i64, p, i64, i64, i64, i32, p, p, i32], i32),
+        "qp_latent_step": ([ctypes.POINTER(LatentAttn), i64, p, p, p, i64, i64, p, i64, i64, i64, i32, p, i32], i32),
         "qp_decode_step": ([ctypes.POINTER(Layer), i32, i64, i64, p, mp, p, p, p, p, i64, i64, i64, i64, i64, i32, p,
                             i32, ctypes.c_float, p, mp, p, p, i32], i32),
         "qp_fp8_has_nan": ([p, i64], i32),

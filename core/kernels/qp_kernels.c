@@ -1,5 +1,5 @@
 /* quantplug's native kernels: matrix products on the weight forms of quantplug.kernels.forms, and
- * the few-token steps of the core model (gated MLP / routed experts, absorbed MLA decode).
+ * the few-token steps of the core model (gated MLP / routed experts, absorbed latent-attention decode).
  *
  * Built on first use by native.py (the system C compiler, -O3 -march=native -fopenmp
  * -ffp-contract=off, cached per source hash, compiler and CPU); loaded with ctypes. Plain C11
@@ -72,4 +72,5 @@
 #include "blocks/latent_attention.c" /* latent-attention decode step */
 #include "blocks/router.c"          /* sigmoid group-limited top-k router */
 #include "blocks/stack_step.c"      /* the whole-stack decode step, from token ids to logits */
+#include "layout.c"                 /* qp_layout_table: the structs' offsets and sizes (tests, native.py) */
 

@@ -29,7 +29,7 @@ typedef struct {
     int32_t ue8m0;     /* QA_FP8: scales rounded up to powers of two */
     int32_t epi;       /* QE_*: INT8 weights with int8 activations computed on integers */
     float scale, offset;   /* static activation scale / offset (NVFP4: the global input scale) */
-    float floor;       /* QA_FP8: least group amax (DeepSeek 1e-4); 0: a zero scale becomes 1 */
+    float floor;       /* QA_FP8: least group amax (e.g. 1e-4); 0: a zero scale becomes 1 */
     int32_t pad;
 } qp_act;
 
@@ -69,12 +69,12 @@ typedef struct {
     const qp_mat *const *v_b;          /* per head [v, kv_lora] */
     const qp_mat *o;                   /* [H, nh * v] */
     const qp_mat *g;                   /* output gate [nh * v, H] or NULL */
-} qp_mla;
+} qp_latent_attn;
 
 /* one decoder layer of the stack step: its latent attention, norms, and a dense gated MLP or a
  * routed MoE (sigmoid group-limited router) */
 typedef struct {
-    const qp_mla *mla;
+    const qp_latent_attn *attn;       /* the layer's latent attention */
     const void *attn_norm, *ffn_norm;  /* [H], f32 or bf16 (norm_bf16) */
     int32_t norm_bf16;
     float eps;

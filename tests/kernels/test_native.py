@@ -757,7 +757,7 @@ def test_the_kernel_cache_is_private_and_checked_before_loading(monkeypatch, tmp
     subprocess.run(["cc", "-shared", "-fPIC", str(other), "-o", str(foreign)], check=True)
     os.chmod(foreign, 0o700)
     _fresh(monkeypatch, tmp_path / "foreign")
-    assert native.library() is not None and hasattr(native.library(), "qp_mla_post")
+    assert native.library() is not None and hasattr(native.library(), "qp_latent_post")
     # a symlink planted at the key is never loaded
     target = tmp_path / "target.so"
     subprocess.run(["cc", "-shared", "-fPIC", str(other), "-o", str(target)], check=True)

@@ -1,11 +1,11 @@
-/* ---- one MLA decode step (absorbed form) for B sequences at one position --------------------- */
+/* ---- one latent-attention decode step (absorbed form) for B sequences at one position --------------------- */
 
 
-static inline float norm_w(const qp_mla *m, const void *w, int64_t i) {
+static inline float norm_w(const qp_latent_attn *m, const void *w, int64_t i) {
     return m->norm_bf16 ? bits_f32((uint32_t)((const uint16_t *)w)[i] << 16) : ((const float *)w)[i];
 }
 
-static void rms_norm_row(const qp_mla *m, float *x, int64_t n, const void *w, float eps) {
+static void rms_norm_row(const qp_latent_attn *m, float *x, int64_t n, const void *w, float eps) {
     float ss = dot_f32(x, x, n);
     float r = 1.f / sqrtf(ss / (float)n + eps);
     for (int64_t i = 0; i < n; i++) x[i] = norm_w(m, w, i) * (x[i] * r);
@@ -41,7 +41,7 @@ static void par_rows(const qp_mat *m, const qp_in *in, int64_t B, float *y, int6
     }
 }
 
-static int mla_ok(const qp_mla *m) {
+static int latent_ok(const qp_latent_attn *m) {
     const int64_t qh = m->nope + m->rope;
     if (m->H <= 0 || m->kv_lora <= 0 || m->rope <= 0 || m->nope <= 0 || m->v <= 0 || m->nh <= 0) return 0;
     if (!mat_ok(m->kv_a) || m->kv_a->n != m->kv_lora + m->rope || m->kv_a->k != m->H) return 0;
@@ -65,8 +65,8 @@ static int mla_ok(const qp_mla *m) {
 /* B rows x [B, H] at one position: qcat [B, nh, kv_lora + rope] = (q_nope absorbed through W_UK ‖
  * roped q_rope), kvrow [B, kv_lora + rope] = (normed latent ‖ roped key), gate [B, nh * v] (when g).
  * rot: B rotation matrices [rope, rope] (roped = x @ rot). */
-int qp_mla_pre(const qp_mla *m, int64_t B, const float *x, const float *rot, float *qcat, float *kvrow, float *gate, int wround) {
-    if (!mla_ok(m) || B <= 0 || (m->g && !gate)) return -1;
+int qp_latent_pre(const qp_latent_attn *m, int64_t B, const float *x, const float *rot, float *qcat, float *kvrow, float *gate, int wround) {
+    if (!latent_ok(m) || B <= 0 || (m->g && !gate)) return -1;
     const int64_t H = m->H, ql = m->q_a ? m->q_lora : 0, kl = m->kv_lora, rp = m->rope, np_ = m->nope, nh = m->nh;
     const int64_t qh = np_ + rp, qrows = nh * qh, qin = m->q_a ? ql : H;
     float *qa = (float *)malloc(sizeof(float) * (size_t)(B * (ql + kl + rp + qrows + nh * np_) + 1));
@@ -135,10 +135,10 @@ done:
 /* attention of every head of each row b on its n cached tokens (latent row j of b at lat + b * lds_b
  * + j * ld_lat, its roped key at kr + b * krs_b + j * ld_kr, in elements; lat_bf16: the cache holds
  * bfloat16), each head's output through W_UV, the output gate, then o_proj: out [B, H]. */
-int qp_mla_post(const qp_mla *m, int64_t B, const float *qcat, const void *lat, int64_t ld_lat, int64_t lds_b,
+int qp_latent_post(const qp_latent_attn *m, int64_t B, const float *qcat, const void *lat, int64_t ld_lat, int64_t lds_b,
                 const void *kr, int64_t ld_kr, int64_t krs_b, int64_t n, int lat_bf16, const float *gate,
                 float *out, int wround) {
-    if (!mla_ok(m) || B <= 0 || n <= 0) return -1;
+    if (!latent_ok(m) || B <= 0 || n <= 0) return -1;
     const int64_t H = m->H, kl = m->kv_lora, rp = m->rope, nh = m->nh, vd = m->v;
     /* the latent as kv_b's activation quantization makes it: the expanded form quantizes kv_b's
      * input (the latent, per token), so the absorbed form attends on the quantized rows */
@@ -238,17 +238,17 @@ done:
     return rc;
 }
 
-/* One whole decode step for B sequences at position pos: qp_mla_pre, the token's latent and key
+/* One whole decode step for B sequences at position pos: qp_latent_pre, the token's latent and key
  * written into each sequence's cache row pos (float32, or bfloat16 rounded to nearest even, as
- * torch's conversion), then qp_mla_post over the pos + 1 cached tokens. */
-int qp_mla_step(const qp_mla *m, int64_t B, const float *x, const float *rot, void *lat, int64_t ld_lat, int64_t lds_b,
+ * torch's conversion), then qp_latent_post over the pos + 1 cached tokens. */
+int qp_latent_step(const qp_latent_attn *m, int64_t B, const float *x, const float *rot, void *lat, int64_t ld_lat, int64_t lds_b,
                 void *kr, int64_t ld_kr, int64_t krs_b, int64_t pos, int lat_bf16, float *out, int wround) {
-    if (!mla_ok(m) || B <= 0 || pos < 0) return -1;
+    if (!latent_ok(m) || B <= 0 || pos < 0) return -1;
     const int64_t kl = m->kv_lora, rp = m->rope, gw = m->g ? m->nh * m->v : 0;
     float *buf = (float *)malloc(sizeof(float) * (size_t)(B * (m->nh * (kl + rp) + kl + rp + gw) + 1));
     if (!buf) return -2;
     float *qcat = buf, *kvrow = qcat + B * m->nh * (kl + rp), *gate = kvrow + B * (kl + rp);
-    int rc = qp_mla_pre(m, B, x, rot, qcat, kvrow, m->g ? gate : NULL, wround);
+    int rc = qp_latent_pre(m, B, x, rot, qcat, kvrow, m->g ? gate : NULL, wround);
     if (rc == 0) {
         for (int64_t b = 0; b < B; b++) {
             const float *row = kvrow + b * (kl + rp);
@@ -261,7 +261,7 @@ int qp_mla_step(const qp_mla *m, int64_t B, const float *x, const float *rot, vo
                 memcpy((float *)kr + b * krs_b + pos * ld_kr, row + kl, sizeof(float) * (size_t)rp);
             }
         }
-        rc = qp_mla_post(m, B, qcat, lat, ld_lat, lds_b, kr, ld_kr, krs_b, pos + 1, lat_bf16, m->g ? gate : NULL, out, wround);
+        rc = qp_latent_post(m, B, qcat, lat, ld_lat, lds_b, kr, ld_kr, krs_b, pos + 1, lat_bf16, m->g ? gate : NULL, out, wround);
     }
     free(buf);
     return rc;

@@ -1,6 +1,6 @@
 /* ---- one decode step of the whole decoder stack ------------------------------------------------
- * Every layer of a DeepSeek-V3-shaped stack for B sequences at one position in one call: input
- * norm, the absorbed MLA step (qp_mla_step, appending to the layer's cache), residual, post-
+ * Every layer of a stack of latent-attention layers for B sequences at one position in one call: input
+ * norm, the absorbed latent-attention step (qp_latent_step, appending to the layer's cache), residual, post-
  * attention norm, the dense gated MLP or the MoE (sigmoid router with the correction bias and
  * group-limited top-k, the routed experts and the shared experts through qp_mlp), residual; then
  * the final norm. The arithmetic is the per-layer steps' own, in their order (a float32 model): the
@@ -26,7 +26,7 @@ static void add_rows(float *x, float *a, int64_t n, int round) {
 }
 
 static int layer_ok(const qp_layer *l, int64_t H) {
-    if (!l->mla || !mla_ok(l->mla) || l->mla->H != H || !l->attn_norm || !l->ffn_norm) return 0;
+    if (!l->attn || !latent_ok(l->attn) || l->attn->H != H || !l->attn_norm || !l->ffn_norm) return 0;
     if (!l->gate || !l->up || !l->down) return 0;
     const int E = l->E > 0 ? l->E : 1;
     for (int e = 0; e < E; e++)
@@ -103,9 +103,9 @@ done:
 
 /* the whole stack for B rows x [B, H] (the embeddings; overwritten by the residual stream) at
  * position pos of every sequence: layer i's latent / key rows at lat[i] / kr[i] (strides as in
- * qp_mla_step, the same for every layer); rot [B, rope, rope]; out [B, H] = the final norm of the
+ * qp_latent_step, the same for every layer); rot [B, rope, rope]; out [B, H] = the final norm of the
  * last residual. */
-static int qp_model_step(const qp_layer *layers, int L, int64_t H, int64_t B, float *x, const float *rot,
+static int qp_stack_step(const qp_layer *layers, int L, int64_t H, int64_t B, float *x, const float *rot,
                   void *const *lat, void *const *kr, int64_t ld_lat, int64_t lds_b, int64_t ld_kr, int64_t krs_b,
                   int64_t pos, int lat_bf16, const void *fnorm, int fnorm_bf16, float feps, float *out, int wround) {
     if (L <= 0 || H <= 0 || B <= 0 || pos < 0 || !fnorm || (wround != QR_NONE && wround != QR_BF16)) return -1;
@@ -121,7 +121,7 @@ static int qp_model_step(const qp_layer *layers, int L, int64_t H, int64_t B, fl
     for (int i = 0; i < L && rc == 0; i++) {
         const qp_layer *l = &layers[i];
         for (int64_t b = 0; b < B; b++) norm_into(x + b * H, h + b * H, H, l->attn_norm, l->norm_bf16, l->eps, rnd);
-        rc = qp_mla_step(l->mla, B, h, rot, lat[i], ld_lat, lds_b, kr[i], ld_kr, krs_b, pos, lat_bf16, a, wround);
+        rc = qp_latent_step(l->attn, B, h, rot, lat[i], ld_lat, lds_b, kr[i], ld_kr, krs_b, pos, lat_bf16, a, wround);
         if (rc) break;
         add_rows(x, a, B * H, rnd);
         for (int64_t b = 0; b < B; b++) norm_into(x + b * H, h + b * H, H, l->ffn_norm, l->norm_bf16, l->eps, rnd);
@@ -146,7 +146,7 @@ static int qp_model_step(const qp_layer *layers, int L, int64_t H, int64_t B, fl
 }
 
 /* ---- one decode step from token ids to logits ---------------------------------------------------
- * qp_model_step with the embedding lookup before it and the LM head after it, so that a decode
+ * qp_stack_step with the embedding lookup before it and the LM head after it, so that a decode
  * step crosses from Python into C once: x [B, H] = rows ids of emb exactly decoded (rounded to the
  * model dtype, as the embedding's own lookup; emb NULL: x holds the embeddings already), the stack
  * into hid [B, H], then logits [B, head->n] = hid through head (a bfloat16 model: rounded to
@@ -169,7 +169,7 @@ int qp_decode_step(const qp_layer *layers, int L, int64_t H, int64_t B, const in
         for (int64_t b = 0; b < B; b++)
             for (int64_t c0 = 0; c0 < H; c0 += seg) deq_seg(emb, ids[b], c0, seg, x + b * H + c0, wround);
     }
-    int rc = qp_model_step(layers, L, H, B, x, rot, lat, kr, ld_lat, lds_b, ld_kr, krs_b, pos, lat_bf16,
+    int rc = qp_stack_step(layers, L, H, B, x, rot, lat, kr, ld_lat, lds_b, ld_kr, krs_b, pos, lat_bf16,
                            fnorm, fnorm_bf16, feps, hid, wround);
     if (rc || !head) return rc;
     const int64_t zero = 0;

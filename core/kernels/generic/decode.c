@@ -136,7 +136,7 @@ typedef struct {
     const int8_t *q8; const float *d8;  /* fast mode: int8 blocks of 32 and their scales */
 } qp_in;
 
-/* DeepSeek / compressed-tensors fp8 activation quantization of one row in groups (group 0: the
+/* Block-wise fp8 activation quantization (block-FP8 checkpoints, compressed-tensors) of one row in groups (group 0: the
  * whole row): s = max(amax, floor) / 448 (floor 0: s = amax / 448, 0 -> 1), x' = e4m3(x / s) * s */
 static void act_fp8_row(const qp_act *a, const float *x, int64_t k, float *o) {
     int64_t g = a->group > 0 && a->group < k ? a->group : k;
