@@ -136,7 +136,7 @@ static inline __m512 raw16_int4(const uint8_t *row, int64_t i) {
 }
 
 /* qp_fp8_has_nan's scan, 256 bytes a step: 1 when a NaN code is found; *at: where it stopped */
-static inline __attribute__((always_inline)) int fp8_nan_scan512(const uint8_t *p, int64_t n, int64_t *at) {
+static inline int fp8_nan_scan512(const uint8_t *p, int64_t n, int64_t *at) {
     int64_t i = *at;
     const __m512i m7f = _mm512_set1_epi8(0x7F);
     for (; i + 256 <= n; i += 256) {
