@@ -2,7 +2,9 @@
  * the few-token steps of the core model (gated MLP / routed experts, absorbed latent-attention decode).
  *
  * Built on first use by native.py (the system C compiler, -O3 -march=native -fopenmp
- * -ffp-contract=off, cached per source hash, compiler and CPU); loaded with ctypes. Plain C11
+ * -ffp-contract=off, cached per hash of every source file, compiler and CPU); loaded with ctypes.
+ * This file is the one translation unit: it includes the parts listed at its end (docs/kernels.md,
+ * "Source layout"). Plain C11
  * with a C ABI, no Python or torch headers. OpenMP is the one torch already loaded
  * (libgomp.so.1), so these loops run on torch's threads and obey torch.set_num_threads.
  *
