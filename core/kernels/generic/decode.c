@@ -75,13 +75,6 @@ static void deq_seg_scaled(const qp_mat *m, int64_t r, int64_t c0, int64_t len, 
     }
 }
 
-/* the ggml blocks of elements [c0, c0 + len) of a row, one block at a time */
-static void deq_block_run(int type, const uint8_t *row, int64_t c0, int64_t len, float *o) {
-    int64_t e, b;
-    qp_form_info(type, &e, &b);
-    for (int64_t i = 0; i < len; i += e) deq_block(type, row + (c0 + i) / e * b, o + i);
-}
-
 /* elements [c0, c0 + len) of row r, exactly, rounded to the model dtype (c0 / len multiples of the
  * form's block, 32 for the scaled forms) */
 static void deq_seg(const qp_mat *m, int64_t r, int64_t c0, int64_t len, float *o, int wround) {
@@ -102,10 +95,13 @@ static void deq_seg(const qp_mat *m, int64_t r, int64_t c0, int64_t len, float *
 #if defined(__AVX2__) && !defined(QP_AVX512)
         case QP_Q4_0: case QP_Q8_0:
             if (wround == QR_NONE || wround == QR_BF16) { deq_seg_q_avx2(m->type, row, c0, len, o, wround == QR_BF16); return; }
-            deq_block_run(m->type, row, c0, len, o);
-            break;
+            __attribute__((fallthrough));  /* float16 models: block by block, then rounded */
 #endif
-        default: deq_block_run(m->type, row, c0, len, o);
+        default: {
+            int64_t e, b;
+            qp_form_info(m->type, &e, &b);
+            for (int64_t i = 0; i < len; i += e) deq_block(m->type, row + (c0 + i) / e * b, o + i);
+        }
     }
     round_buf(o, len, wround);
 }

@@ -43,6 +43,7 @@ static void fast_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, 
     }
 }
 
+#ifndef QP_AVX512  /* AVX512: generic_rows512 (arch/x86_avx512.c) */
 /* exact, any form: each row's segments decoded into a buffer, multiplied into float32 sums */
 static void generic_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy, int wround) {
     y -= r0;
@@ -68,6 +69,7 @@ static void generic_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r
         }
     }
 }
+#endif
 
 /* INT8 weights x int8 activations on integers (ModelSlim W8A8 / W8A8_DYNAMIC per channel):
  * dot = sum (q + 128) * w - 128 * rowsum (exact int32); QE_STATIC: (dot + bias) * os[r];
