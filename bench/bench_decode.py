@@ -1,6 +1,7 @@
 """Decode speed of every bundled format on one model, against its F32 GGUF and llama.cpp.
 
     python bench/bench_decode.py [--reps 2] [--threads 2] [--root DIR] [--llama-python PY]
+                                 [--dtype float32|bfloat16|both]
 
 The model (bench_kernels' ``config()``): 8 layers (1 dense + 7 MoE), hidden 512, 32 routed
 experts of 256 (top-4) + 1 shared, MLA q_lora 256 / kv_lora 128, vocab 32000: ~136M
@@ -26,6 +27,10 @@ decode tokens/s (4 sequences decoded together) against batch-1. llama.cpp (when 
 binding is importable in ``--llama-python``): prefill 64, then 32 single-token evals with its
 greedy sampler. Wall clock by default (2 threads, as the issue measures); ``--cpu`` for process
 CPU time.
+
+``--dtype``: the model dtype quantplug loads into (``float32``, the default; ``bfloat16``; or
+``both``: each format's row twice, the bfloat16 one named ``<row> bf16``, alternating with its
+float32 row in every round, and a table of bfloat16 against float32 decode per format).
 """
 
 from __future__ import annotations
@@ -203,7 +208,7 @@ def _best(fn, n: int) -> float:
     return best
 
 
-def child(path: str, options: dict, threads: int) -> dict:
+def child(path: str, options: dict, threads: int, dtype: str = "float32") -> dict:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -212,7 +217,7 @@ def child(path: str, options: dict, threads: int) -> dict:
     from quantplug.generate import new_cache
 
     t0 = CLOCK()
-    m = quantplug.load(path, progress=False, options=options)
+    m = quantplug.load(path, progress=False, dtype=getattr(torch, dtype), options=options)
     load_s = CLOCK() - t0
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, VOCAB, (1, PREFILL), generator=g)
@@ -303,13 +308,16 @@ def main() -> None:
     ap.add_argument("--rows", default=None, help="comma-separated subset of the rows")
     ap.add_argument("--llama-python", default=None)
     ap.add_argument("--cpu", action="store_true", help="process CPU time instead of wall clock")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "both"),
+                    help="model dtype of the quantplug rows (both: a bfloat16 row beside each float32 one)")
     ap.add_argument("--child", nargs=3, metavar=("ENGINE", "PATH", "OPTIONS"))
     a = ap.parse_args()
     if a.cpu:
         CLOCK = time.process_time
     if a.child:
         engine, path, opts = a.child
-        res = llama_child(path, a.threads) if engine == "llama" else child(path, json.loads(opts), a.threads)
+        res = (llama_child(path, a.threads) if engine == "llama"
+               else child(path, json.loads(opts), a.threads, "float32" if a.dtype == "both" else a.dtype))
         print(json.dumps(res))
         return
     llama_py = a.llama_python
@@ -325,20 +333,22 @@ def main() -> None:
 
     print(f"native kernels: {native.status()}", file=sys.stderr)
     rows = [r for r in ROWS if a.rows is None or r in a.rows.split(",")]
-    contenders = [("quantplug", r) for r in rows if ROWS[r][0] in dirs]
+    dtypes = ("float32", "bfloat16") if a.dtype == "both" else (a.dtype,)
+    contenders = [("quantplug", r, d) for r in rows if ROWS[r][0] in dirs for d in dtypes]
     if llama_py:
-        contenders += [("llama", r) for r in LLAMA if (a.rows is None or r in a.rows.split(",")) and LLAMA[r] in dirs]
+        contenders += [("llama", r, "-") for r in LLAMA if (a.rows is None or r in a.rows.split(",")) and LLAMA[r] in dirs]
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
     best: dict[str, dict] = {}
     for rnd in range(a.reps):
-        for engine, row in contenders:
+        for engine, row, dtype in contenders:
             if engine == "llama":
                 cmd = [llama_py, __file__, "--threads", str(a.threads), "--child", "llama",
                        str(dirs[LLAMA[row]] / "model.gguf"), "{}"]
             else:
                 name, opts = ROWS[row]
-                cmd = [sys.executable, __file__, "--threads", str(a.threads), "--child", "quantplug", str(dirs[name]),
-                       json.dumps(opts)]
+                cmd = [sys.executable, __file__, "--threads", str(a.threads), "--dtype", dtype, "--child", "quantplug",
+                       str(dirs[name]), json.dumps(opts)]
+                row = f"{row} bf16" if dtype == "bfloat16" and a.dtype == "both" else row
             if a.cpu:
                 cmd.insert(2, "--cpu")
             out = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -358,6 +368,15 @@ def main() -> None:
         b4 = f"{res['batch4_tok_s']} ({res['batch4_tok_s'] / res['batch1_tok_s']:.2f}x)" if "batch4_tok_s" in res else "-"
         print(f"| {row} | {res['decode_ms']:.2f} | {vs} | {res['prefill64_ms']:.1f} | {res.get('prefill512_ms', '-')} "
               f"| {res.get('ops_per_step', '-')} | {b4} |")
+    if a.dtype == "both":
+        print()
+        print("| format | float32 decode ms/token | bfloat16 decode ms/token | bfloat16 / float32 |")
+        print("|---|---|---|---|")
+        for row in rows:
+            f, b = best.get(row), best.get(f"{row} bf16")
+            if f and b:
+                print(f"| {row} | {f['decode_ms']:.2f} | {b['decode_ms']:.2f} | {b['decode_ms'] / f['decode_ms']:.2f}x |")
+        print()
     for q in ("Q4_0", "Q8_0", "Q4_K_M"):
         lc = best.get(f"llama.cpp {q}")
         if lc is None:

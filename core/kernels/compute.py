@@ -413,7 +413,7 @@ def deprecated_fuse(kind: str, scheme: Any) -> None:
 
 class MLAStep:
     """One absorbed MLA decode step for B sequences at one position, in two native calls around the
-    cache append (``qp_mla_pre`` / ``qp_mla_post``): q / latent projections, norms, rope, W_UK
+    cache append (``qp_latent_pre`` / ``qp_latent_post``): q / latent projections, norms, rope, W_UK
     absorption (dense ``kv_b`` rows or per-head ``k_b``), attention on the cached latent, W_UV,
     the output gate, ``o_proj``; ``reduce`` all-reduces a head-split layer's partial output. The
     latent is what the cache holds; when ``kv_b``'s form quantizes its input (DeepSeek fp8
@@ -452,7 +452,7 @@ class MLAStep:
         if any(n.dtype not in (torch.float32, torch.bfloat16) or n.dtype != norms[1].dtype or not n.is_contiguous()
                or n.device.type != "cpu" for n in norms):
             return None
-        st = native.MLA(H=hidden, q_lora=q_lora or 0, kv_lora=kv_lora, rope=rope, nope=nope, v=v, nh=nh,
+        st = native.LatentAttn(H=hidden, q_lora=q_lora or 0, kv_lora=kv_lora, rope=rope, nope=nope, v=v, nh=nh,
                         eps_q=eps_q, eps_kv=eps_kv, scale=scale, norm_bf16=int(norms[1].dtype == torch.bfloat16),
                         kv_dense=int(kv_b is not None))
         keep: list[Any] = [bs, norms, mods]
@@ -483,7 +483,7 @@ class MLAStep:
         qcat = torch.empty(1, nh, kv_lora + rope)
         kvrow = torch.empty(1, kv_lora + rope)
         gate = torch.empty(1, nh * v) if g is not None else None
-        if lib.qp_mla_pre(ctypes.byref(st), 1, probe.data_ptr(), rot.data_ptr(), qcat.data_ptr(), kvrow.data_ptr(),
+        if lib.qp_latent_pre(ctypes.byref(st), 1, probe.data_ptr(), rot.data_ptr(), qcat.data_ptr(), kvrow.data_ptr(),
                           gate.data_ptr() if gate is not None else None, step.wround) != 0:
             return None
         return step
@@ -511,12 +511,12 @@ class MLAStep:
             return None
         pos = cache.reserve(1)
         out = torch.empty(b, 1, self.h)
-        rc = lib.qp_mla_step(self.ref, b, x2.data_ptr(), r.data_ptr(), lat.data_ptr(), lat.stride(2), lat.stride(0),
+        rc = lib.qp_latent_step(self.ref, b, x2.data_ptr(), r.data_ptr(), lat.data_ptr(), lat.stride(2), lat.stride(0),
                              kr.data_ptr(), kr.stride(2), kr.stride(0), pos, int(lat.dtype == torch.bfloat16),
                              out.data_ptr(), self.wround)
         if rc != 0:
             cache.unreserve(1)
-            native.check(rc, "mla_step")
+            native.check(rc, "latent_step")
         y = out if x.dtype == torch.float32 else out.to(x.dtype)
         return self.reduce(y) if self.reduce is not None else y
 
@@ -537,7 +537,7 @@ class StackLayer:
 
 class StackStep:
     """A decode step of the whole decoder stack for B <= :data:`NATIVE_ROWS` sequences at one
-    position in one native call (``qp_model_step``): per layer the input norm, the MLA step, the
+    position in one native call (``qp_stack_step`` in ``qp_decode_step``): per layer the input norm, the MLA step, the
     residual, the post-attention norm, the dense MLP or the MoE (routing included), the residual;
     then the final norm. The same arithmetic as the per-layer steps in the same order (in a
     bfloat16 model with their roundings to bfloat16), without a Python round trip per layer.
@@ -564,7 +564,7 @@ class StackStep:
         tensors: list[torch.Tensor] = [final_norm]
         for i, sl in enumerate(layers):
             L = arr[i]
-            L.mla = ctypes.pointer(sl.mla.spec)
+            L.attn = ctypes.pointer(sl.mla.spec)
             L.attn_norm, L.ffn_norm = sl.attn_norm.data_ptr(), sl.ffn_norm.data_ptr()
             L.norm_bf16, L.eps = int(sl.attn_norm.dtype == torch.bfloat16), sl.eps
             tensors += [sl.attn_norm, sl.ffn_norm]
@@ -751,7 +751,7 @@ class StackStep:
                 c.unreserve(1)
             if rc == -4:  # a token id outside the embedding: the module path raises its own error
                 return None
-            native.check(rc, "model_step")
+            native.check(rc, "decode_step")
         return (out if self.dtype == torch.float32 else out.to(self.dtype)), logits, best  # bfloat16 values: exact
 
 

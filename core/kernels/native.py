@@ -6,11 +6,13 @@ weights. torch has no kernel that reads most stored forms as they are (GGUF bloc
 block scales, int4 with group scales), and a torch dequantize-then-matmul costs a dozen ops and a
 dense copy per matrix. The C file decodes each block in registers and accumulates in float32
 (exact mode), or, for Q4_0 / Q8_0, takes llama.cpp's integer dot products (fast mode); it also
-runs the core model's few-token steps (gated MLP / routed experts, absorbed MLA) in one call each.
+runs the core model's few-token steps (gated MLP / routed experts, absorbed latent attention, the
+whole stack) in one call each.
 
-Build: ``$CC`` (default ``cc``) ``-O3 -march=native -fopenmp -shared -fPIC -ffp-contract=off``
-into ``$QUANTPLUG_CACHE`` (default ``~/.cache/quantplug``)``/kernels/``, named by a hash of the
-source, the compiler's version, the CPU's flags and the flags. The cache is this user's own:
+Build: ``$CC`` (default ``cc``) ``-O3 -march=native -fopenmp -shared -fPIC -ffp-contract=off`` of
+``qp_kernels.c`` (one translation unit: it includes ``qp_types.h``, ``generic/``, ``arch/`` and
+``blocks/``) into ``$QUANTPLUG_CACHE`` (default ``~/.cache/quantplug``)``/kernels/``, named by a hash
+of every source file (:func:`sources`), the compiler's version, the CPU's flags and the flags. The cache is this user's own:
 the directory is created mode 0700 and used only if this user owns it and nobody else can write
 it; a cached library is loaded only if it is a regular file (not a symlink) owned by this user,
 not writable by others, and not empty; a broken one (empty, truncated, missing a symbol) is
@@ -46,6 +48,27 @@ from ..errors import QuantplugError
 from .forms import ACT_KINDS, FORMS, GLOBAL_MODES, INTEGER, SCALE_ENCODINGS, Weights, scale_values
 
 SOURCE = Path(__file__).with_name("qp_kernels.c")
+#: the directories beside ``qp_kernels.c`` whose files it includes (one translation unit)
+SOURCE_DIRS = ("arch", "generic", "blocks")
+
+
+def sources() -> list[Path]:
+    """Every kernel source file, in a fixed order: ``qp_kernels.c`` (which includes the others), the
+    headers beside it, and the ``.c`` / ``.h`` files under :data:`SOURCE_DIRS`. The build's cache
+    key hashes all of them (name and contents), so a change in any one rebuilds."""
+    here = SOURCE.parent
+    files = sorted(here.glob("*.h")) + [f for d in SOURCE_DIRS for f in sorted((here / d).glob("*.[ch]"))]
+    return [SOURCE, *files]
+
+
+def source_digest() -> bytes:
+    """The hash input of the kernel sources (see :func:`sources`)."""
+    h = hashlib.sha256()
+    for f in sources():
+        data = f.read_bytes()
+        h.update(f"{f.relative_to(SOURCE.parent).as_posix()}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.digest()
 ISA_NAMES = {3: "AVX512 + VNNI", 4: "AVX512", 2: "AVX2", 0: "portable C"}
 MODES = {"exact": 0, "fast": 1}
 #: forms with a fast (integer dot product) mode
@@ -54,7 +77,8 @@ FAST_FORMS = frozenset({"Q4_0", "Q8_0"})
 MIN_CODE = {"FP8": 2.0 ** -9, "FP4": 0.5, "INT4": 1.0, "INT8": 1.0}
 #: the symbols this module calls; a library missing one is rebuilt, then refused
 SYMBOLS = ("qp_form_info", "qp_isa", "qp_check", "qp_dequant", "qp_act_rows", "qp_gemm", "qp_mlp",
-           "qp_mla_pre", "qp_mla_post", "qp_mla_step", "qp_decode_step", "qp_fp8_has_nan")
+           "qp_latent_pre", "qp_latent_post", "qp_latent_step", "qp_decode_step", "qp_fp8_has_nan", "qp_row_kernel",
+           "qp_layout_table")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -123,6 +147,9 @@ def _open(path: Path) -> ctypes.CDLL:
     if missing:
         raise OSError(f"{path.name} lacks {', '.join(missing)}")
     _declare(lib)
+    bad = layout_mismatches(layout_table(lib))
+    if bad:  # the ctypes Structures below disagree with qp_types.h: passing them would corrupt memory
+        raise OSError(f"{path.name}: struct layout differs from native.py's: {'; '.join(bad[:4])}")
     return lib
 
 
@@ -135,7 +162,7 @@ def _build() -> ctypes.CDLL:
     # multiply-adds are explicit intrinsics, which the flag does not touch
     flags = ["-O3", f"-march={os.environ.get('QUANTPLUG_NATIVE_MARCH', 'native')}", "-fopenmp", "-shared", "-fPIC",
              "-std=c11", "-ffp-contract=off"]
-    src = SOURCE.read_bytes()
+    src = source_digest()
     key = hashlib.sha256(src + version.encode() + _cpu_flags().encode() + " ".join(flags).encode()).hexdigest()[:16]
     d = _private_dir(cache_dir())
     out = d / f"qp_kernels-{key}.so"
@@ -178,8 +205,8 @@ class Mat(ctypes.Structure):
         ("zi8", ctypes.c_int32), ("tiny", ctypes.c_int32), ("rowsum", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("os", ctypes.c_void_p), ("act", Act)]
 
 
-class MLA(ctypes.Structure):
-    """``qp_mla``: one MLA layer's dimensions and matrices."""
+class LatentAttn(ctypes.Structure):
+    """``qp_latent_attn``: one latent-attention layer's dimensions and matrices (DeepSeek's MLA)."""
 
     _fields_ = [  # noqa: RUF012
         ("H", ctypes.c_int64), ("q_lora", ctypes.c_int64), ("kv_lora", ctypes.c_int64), ("rope", ctypes.c_int64),
@@ -192,17 +219,70 @@ class MLA(ctypes.Structure):
         ("o", ctypes.POINTER(Mat)), ("g", ctypes.POINTER(Mat))]
 
 
+MLA = LatentAttn  # the name before the kernel sources named block kinds, not models
+
+
 class Layer(ctypes.Structure):
-    """``qp_layer``: one decoder layer of the whole-stack decode step (``qp_model_step``)."""
+    """``qp_layer``: one decoder layer of the whole-stack decode step (``qp_stack_step``)."""
 
     _fields_ = [  # noqa: RUF012
-        ("mla", ctypes.POINTER(MLA)), ("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
+        ("attn", ctypes.POINTER(LatentAttn)), ("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
         ("norm_bf16", ctypes.c_int32), ("eps", ctypes.c_float), ("E", ctypes.c_int32), ("top_k", ctypes.c_int32),
         ("n_group", ctypes.c_int32), ("topk_group", ctypes.c_int32), ("norm_topk", ctypes.c_int32),
         ("scaling", ctypes.c_float), ("router", ctypes.c_void_p), ("bias", ctypes.c_void_p),
         ("gate", ctypes.POINTER(ctypes.POINTER(Mat))), ("up", ctypes.POINTER(ctypes.POINTER(Mat))),
         ("down", ctypes.POINTER(ctypes.POINTER(Mat))),
         ("sg", ctypes.POINTER(Mat)), ("su", ctypes.POINTER(Mat)), ("sd", ctypes.POINTER(Mat))]
+
+
+#: the C struct (``qp_types.h``) each ctypes Structure mirrors
+STRUCTS: dict[str, type[ctypes.Structure]] = {"qp_act": Act, "qp_mat": Mat, "qp_latent_attn": LatentAttn, "qp_layer": Layer}
+
+
+class LayoutEntry(ctypes.Structure):
+    """``qp_layout_entry`` (``layout.c``): one field's offset and size as the C compiler lays it out
+    (field ``""``: the struct's own size)."""
+
+    _fields_ = [  # noqa: RUF012
+        ("type", ctypes.c_char_p), ("field", ctypes.c_char_p), ("offset", ctypes.c_int64), ("size", ctypes.c_int64)]
+
+
+def layout_table(lib: Any) -> dict[str, dict[str, tuple[int, int]]]:
+    """``qp_layout_table()`` of a loaded library (or a probe built from ``layout.c``): struct name ->
+    field name (``""`` for the struct) -> (offset, size)."""
+    fn = lib.qp_layout_table
+    fn.argtypes, fn.restype = [ctypes.POINTER(ctypes.c_int64)], ctypes.POINTER(LayoutEntry)
+    n = ctypes.c_int64()
+    rows = fn(ctypes.byref(n))
+    out: dict[str, dict[str, tuple[int, int]]] = {}
+    for i in range(n.value):
+        e = rows[i]
+        out.setdefault(e.type.decode(), {})[e.field.decode()] = (e.offset, e.size)
+    return out
+
+
+def layout_mismatches(table: dict[str, dict[str, tuple[int, int]]],
+                      structs: dict[str, type[ctypes.Structure]] | None = None) -> list[str]:
+    """How the ctypes Structures (default :data:`STRUCTS`) differ from the C layout ``table``: every
+    struct and field missing on either side, and every field or struct whose offset or size
+    differs; empty when they agree."""
+    bad = []
+    for name, cls in (structs or STRUCTS).items():
+        c = table.get(name)
+        if c is None:
+            bad.append(f"{name}: not in the C table")
+            continue
+        py = {f[0]: (getattr(cls, f[0]).offset, getattr(cls, f[0]).size) for f in cls._fields_}
+        if c.get("", (0, None))[1] != ctypes.sizeof(cls):
+            bad.append(f"{name}: sizeof {c.get('', (0, None))[1]} in C, {ctypes.sizeof(cls)} in ctypes")
+        for field in sorted(set(py) | set(c) - {""}):
+            if field not in c:
+                bad.append(f"{name}.{field}: not in C")
+            elif field not in py:
+                bad.append(f"{name}.{field}: not in ctypes")
+            elif c[field] != py[field]:
+                bad.append(f"{name}.{field}: (offset, size) {c[field]} in C, {py[field]} in ctypes")
+    return bad
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -217,12 +297,13 @@ def _declare(lib: ctypes.CDLL) -> None:
         "qp_act_rows": ([mp, i64, p, i64, p], i32),
         "qp_gemm": ([mpp, i32, i64, i64, p, i64, p, p, p, p, p, i64, i32], i32),
         "qp_mlp": ([mpp, mpp, mpp, i32, i64, p, i64, i32, p, p, p, p, i64, i32], i32),
-        "qp_mla_pre": ([ctypes.POINTER(MLA), i64, p, p, p, p, p, i32], i32),
-        "qp_mla_post": ([ctypes.POINTER(MLA), i64, p, p, i64, i64, p, i64, i64, i64, i32, p, p, i32], i32),
-        "qp_mla_step": ([ctypes.POINTER(MLA), i64, p, p, p, i64, i64, p, i64, i64, i64, i32, p, i32], i32),
+        "qp_latent_pre": ([ctypes.POINTER(LatentAttn), i64, p, p, p, p, p, i32], i32),
+        "qp_latent_post": ([ctypes.POINTER(LatentAttn), i64, p, p, i64, i64, p, i64, i64, i64, i32, p, p, i32], i32),
+        "qp_latent_step": ([ctypes.POINTER(LatentAttn), i64, p, p, p, i64, i64, p, i64, i64, i64, i32, p, i32], i32),
         "qp_decode_step": ([ctypes.POINTER(Layer), i32, i64, i64, p, mp, p, p, p, p, i64, i64, i64, i64, i64, i32, p,
                             i32, ctypes.c_float, p, mp, p, p, i32], i32),
         "qp_fp8_has_nan": ([p, i64], i32),
+        "qp_row_kernel": ([mp, i32], i32),
     }
     for name, (args, res) in sig.items():
         fn = getattr(lib, name)

@@ -438,6 +438,34 @@ def _count_decode_steps(monkeypatch) -> list[int]:
 
 
 @needs_native
+@pytest.mark.parametrize(("ckpt", "kernels"), [("Q4_0", "exact"), ("Q4_0", "fast"), ("Q8_0", "exact"), ("K-mix", "exact")])
+def test_bfloat16_decode_takes_the_one_call_step_and_the_float32_row_kernels(ckpts, ckpt, kernels, monkeypatch):
+    """A bfloat16 model decodes each token in one native call (``qp_decode_step`` with the
+    embedding and the head), and every bound weight runs on the row kernel a float32 model runs
+    it on (``qp_row_kernel``: the dispatch's own rule). Its Q4_0 / Q8_0 / K-quant weights used to
+    leave the AVX512 register-decoding kernels for the generic one (decoded into a buffer, then
+    rounded): a bfloat16 decode 9x slower than float32."""
+    import ctypes
+
+    model = quantplug.load(ckpts[ckpt], progress=False, dtype=torch.bfloat16, options={"kernels": kernels})
+    steps = _count_decode_steps(monkeypatch)
+    decode(model)
+    assert steps[0] == 6  # every one-token step in one call, none of the prompts
+    lib = native.library()
+    forms = set()
+    for mod in model.modules():
+        b = mod.__dict__.get("qp_native")
+        if b is None:
+            continue
+        assert b.wround == native.WROUND[torch.bfloat16]
+        for m in b.mats:
+            ref = lib.qp_row_kernel(ctypes.byref(m), 0)
+            assert lib.qp_row_kernel(ctypes.byref(m), b.wround) == ref, (b.where, b.form.dtype, ref)
+        forms.add(b.form.dtype)
+    assert ckpt in forms or ckpt == "K-mix" and {"Q4_K", "Q6_K"} <= forms
+
+
+@needs_native
 def test_one_call_decode_step_with_a_tied_head_and_float_weights(tmp_path, monkeypatch):
     """tie_word_embeddings: the head is the embedding's own matrix (one binding for both)."""
     from quantplug.testing import write_checkpoint

@@ -1,0 +1,62 @@
+/* AVX2 (the x86-64-v3 build, no AVX512) vector primitives: bfloat16 rounding on 8 lanes and the
+ * Q4_0 / Q8_0 segment decoder of the generic kernel. Included by qp_kernels.c only then. */
+#if defined(__AVX2__) && !defined(QP_AVX512)
+/* round_bf16 on 8 lanes, bit for bit (NaN quieted as it quiets them) */
+static inline __m256 round8_bf16(__m256 v) {
+    const __m256i b = _mm256_castps_si256(v);
+    const __m256i r = _mm256_and_si256(_mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                       _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1)))),
+                                       _mm256_set1_epi32((int)0xffff0000u));
+    const __m256 quiet = _mm256_castsi256_ps(_mm256_or_si256(b, _mm256_set1_epi32(0x00400000)));
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), quiet, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+/* round8_bf16 for finite values (no NaN lane) */
+static inline __m256 round8_bf16_finite(__m256 v) {
+    const __m256i b = _mm256_castps_si256(v);
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                               _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1)))),
+                               _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+/* Q4_0 / Q8_0 blocks [c0, c0 + len) of a row decoded 8 weights a register (deq_q4_0_block's /
+ * deq_q8_0_block's float32 products) and, with bf, rounded there (round8_bf16): the AVX2 build's
+ * generic kernel then makes one pass over its buffer, in a bfloat16 model as in a float32 one */
+static inline __attribute__((always_inline)) void deq_seg_q_avx2_w(int type, const uint8_t *row, int64_t c0, int64_t len,
+                                                                    float *o, const int bf) {
+    const int size = type == QP_Q4_0 ? 18 : 34;
+    for (int64_t i = 0; i < len; i += QK) {
+        const uint8_t *blk = row + (c0 + i) / QK * size;
+        const __m256 d = _mm256_set1_ps(f16_to_f32(blk));
+        __m256i q[4];
+        if (type == QP_Q4_0) {
+            const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2)), f = _mm_set1_epi8(15);
+            const __m128i lo = _mm_and_si128(qs, f), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), f), eight = _mm_set1_epi8(8);
+            const __m128i l8 = _mm_sub_epi8(lo, eight), h8 = _mm_sub_epi8(hi, eight);
+            q[0] = _mm256_cvtepi8_epi32(l8); q[1] = _mm256_cvtepi8_epi32(_mm_srli_si128(l8, 8));
+            q[2] = _mm256_cvtepi8_epi32(h8); q[3] = _mm256_cvtepi8_epi32(_mm_srli_si128(h8, 8));
+        } else {
+            const __m128i a = _mm_loadu_si128((const __m128i *)(blk + 2)), b = _mm_loadu_si128((const __m128i *)(blk + 18));
+            q[0] = _mm256_cvtepi8_epi32(a); q[1] = _mm256_cvtepi8_epi32(_mm_srli_si128(a, 8));
+            q[2] = _mm256_cvtepi8_epi32(b); q[3] = _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8));
+        }
+        const int finite = isfinite(_mm256_cvtss_f32(d));
+        for (int k = 0; k < 4; k++) {
+            __m256 v = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q[k]));
+            /* a finite scale times an integer below 2^8 is finite: no NaN lane to keep */
+            if (bf) v = finite ? round8_bf16_finite(v) : round8_bf16(v);
+            _mm256_storeu_ps(o + i + 8 * k, v);
+        }
+    }
+}
+static void deq_seg_q_avx2(int type, const uint8_t *row, int64_t c0, int64_t len, float *o, int bf) {
+    if (bf) deq_seg_q_avx2_w(type, row, c0, len, o, 1);
+    else deq_seg_q_avx2_w(type, row, c0, len, o, 0);
+}
+/* round_buf's vector part (bfloat16): returns where it stopped */
+static inline __attribute__((always_inline)) int64_t round_run_avx2(float *o, int64_t len) {
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8) _mm256_storeu_ps(o + i, round8_bf16(_mm256_loadu_ps(o + i)));
+    return i;
+}
+#endif

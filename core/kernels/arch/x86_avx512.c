@@ -1,0 +1,420 @@
+/* AVX512 kernels: the fast VNNI tile, exact Q4_0 / Q8_0 / bfloat16 tiles, K-quant rows, the fused
+ * scaled-form rows (INT4 / INT8 / FP8 / FP4) and the generic kernel's 512-bit sums. Included by
+ * qp_kernels.c; compiled only where QP_AVX512 (QP_VNNI512) holds. */
+
+#ifdef QP_VNNI512
+/* Two blocks per 512-bit register (VNNI: one vpdpbusd per 64 weights and x row, where the AVX2 tile
+ * needs a sign and a dot per 32). Lanes 0-7 hold block b, lanes 8-15 block b + 1 (last: block b
+ * alone, the upper half zero). vpdpbusd multiplies unsigned by signed bytes: the weights go in
+ * unsigned, offset by o (Q4_0: the codes q = v + 8 as stored; Q8_0: v + 128, v ^ 0x80), x signed,
+ * and sum v x = sum (v + o) x - o sum x: the second term per x row and lane (one vpdpbusd of o with
+ * x, shared by the tile's weight rows) starts the sums, so every lane is the exact int32 dot. */
+static inline __m512i pair_codes(int type, const uint8_t *blk, int size, int last) {
+    if (type == QP_Q4_0) {  /* [q0 low nibbles, q0 high, q1 low, q1 high]: x's byte order */
+        const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 2));
+        const __m128i q1 = last ? _mm_setzero_si128() : _mm_loadu_si128((const __m128i *)(blk + size + 2));
+        const __m256i q = _mm256_set_m128i(q1, q0);
+        __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1);
+        z = _mm512_and_si512(z, _mm512_set1_epi8(15));
+        return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));
+    }
+    const __m256i w0 = _mm256_loadu_si256((const __m256i *)(blk + 2));
+    const __m256i w1 = last ? _mm256_set1_epi8((char)0x80) : _mm256_loadu_si256((const __m256i *)(blk + size + 2));
+    return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1), _mm512_set1_epi8((char)0x80));
+}
+
+/* two float32 scales a, b (b = 0 for a last lone block) as lanes 0-7 = a, 8-15 = b */
+static inline __m512 pair_scales(__m128 ab) {
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                 _mm512_castps128_ps512(ab));
+}
+
+/* one fast tile (512-bit VNNI): rt weight rows from r times mt x rows from i0 (through QP_TILE) */
+static inline __attribute__((always_inline)) void fast_tile512(const qp_mat *m, const qp_in *in, int64_t r, int i0,
+                                                              const int rt, const int mt, float *y, int64_t ldy) {
+    const int type = m->type, size = type == QP_Q4_0 ? 18 : 34;
+    const int64_t nb = m->k / QK;
+    const int8_t *xq = in->q8;
+    const float *xd = in->d8;
+    const __m512i zero = _mm512_setzero_si512(), off = _mm512_set1_epi8(type == QP_Q4_0 ? 8 : (char)0x80);
+    __m512 acc[RT][MT];
+    for (int a = 0; a < rt; a++) for (int i = 0; i < mt; i++) acc[a][i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b += 2) {
+        const int last = b + 1 == nb;
+        __m512i w[RT];
+        __m512 dw[RT];
+        for (int a = 0; a < rt; a++) {
+            const uint8_t *blk = m->w + (r + a) * m->ldw + b * size;
+            _mm_prefetch((const char *)(blk + RT * m->ldw), _MM_HINT_T1);
+            _mm_prefetch((const char *)(blk + RT * m->ldw + 64), _MM_HINT_T1);
+            uint16_t h0, h1 = 0;
+            memcpy(&h0, blk, 2);
+            if (!last) memcpy(&h1, blk + size, 2);
+            dw[a] = pair_scales(_mm_cvtph_ps(_mm_cvtsi32_si128((int)((uint32_t)h0 | (uint32_t)h1 << 16))));
+            w[a] = pair_codes(type, blk, size, last);
+        }
+        const __mmask64 km = last ? 0xFFFFFFFFull : ~0ull;
+        for (int i = 0; i < mt; i++) {
+            const int64_t xi = (int64_t)(i0 + i);
+            const __m512i xv = _mm512_maskz_loadu_epi8(km, xq + xi * m->k + b * QK);
+            const float *xdb = xd + xi * nb + b;
+            const __m512 dx = pair_scales(_mm_setr_ps(xdb[0], last ? 0.f : xdb[1], 0.f, 0.f));
+            const __m512i cx = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, off, xv));
+            for (int a = 0; a < rt; a++) {
+                const __m512i d = _mm512_dpbusd_epi32(cx, w[a], xv);
+                acc[a][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(dw[a], dx), acc[a][i]);
+            }
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        for (int a = 0; a < rt; a++) y[(int64_t)(i0 + i) * ldy + r + a] = _mm512_reduce_add_ps(acc[a][i]);
+}
+#endif
+
+#ifdef QP_AVX512
+/* one Q4_0 / Q8_0 block's 32 exact weights (d * q, float32, no FMA) in two registers, rounded
+ * to the model dtype by wr (QR_NONE, QR_BF16, QR_BF16_NORMAL: round_vec, the values round_buf
+ * gives; wr a constant in every caller, so the rounding folds away in a float32 model) */
+static inline __attribute__((always_inline)) void deq_block512(int type, const uint8_t *blk, __m512 *lo, __m512 *hi,
+                                                               const int wr) {
+    __m512 d = _mm512_set1_ps(f16_to_f32(blk));
+    __m128i l, h;
+    if (type == QP_Q4_0) {
+        /* the block's 16 possible weights d * (q - 8) in one register (each the same float32
+         * product as below), looked up by nibble: permutexvar reads an index's low 4 bits only,
+         * so neither nibble needs masking; rounding the 16 table entries rounds every weight */
+        __m512 tab = _mm512_mul_ps(d, _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f,
+                                                     0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f));
+        if (wr) tab = round_vec(tab, wr);
+        __m128i qv = _mm_loadu_si128((const __m128i *)(blk + 2));
+        *lo = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(qv), tab);
+        *hi = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_srli_epi16(qv, 4)), tab);
+        return;
+    } else {
+        l = _mm_loadu_si128((const __m128i *)(blk + 2));
+        h = _mm_loadu_si128((const __m128i *)(blk + 18));
+    }
+    *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(l)));
+    *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(h)));
+    if (wr) { *lo = round_vec(*lo, wr); *hi = round_vec(*hi, wr); }
+}
+
+/* 32 bfloat16 values widened in registers (a bfloat16 is the top half of its float32: exact) */
+static inline void bf16x32(const uint16_t *p, __m512 *lo, __m512 *hi) {
+    __m512i w = _mm512_loadu_si512((const void *)p);
+    *lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)), 16));
+    *hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)), 16));
+}
+
+/* exact Q4_0 / Q8_0 with float32 weights, and bfloat16 rows (a float weight kept as stored, e.g. a
+ * bfloat16 lm_head; already the model dtype's values, so callers take it for QR_NONE / QR_BF16):
+ * 32-value blocks decoded in registers, RT rows x MT x rows, prefetching ahead */
+/* one exact tile: rt weight rows from r times mt x rows from i0 (called through QP_TILE), the
+ * Q4_0 / Q8_0 weights rounded by wr (a constant: one instance per rounding, below) */
+static inline __attribute__((always_inline)) void exact_tile_32w(const qp_mat *m, const qp_in *in, int64_t r, int i0,
+                                                                const int rt, const int mt, float *y, int64_t ldy,
+                                                                const int wr) {
+    const int type = m->type, size = type == QP_Q4_0 ? 18 : type == QP_Q8_0 ? 34 : 64;
+    const int64_t nb = m->k / QK;
+    __m512 acc[RT][MT];
+    for (int a = 0; a < rt; a++) for (int i = 0; i < mt; i++) acc[a][i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 lo[RT], hi[RT];
+        for (int a = 0; a < rt; a++) {
+            const uint8_t *blk = m->w + (r + a) * m->ldw + b * size;
+            _mm_prefetch((const char *)(blk + RT * m->ldw), _MM_HINT_T1);
+            if (type == QP_BF16) bf16x32((const uint16_t *)blk, &lo[a], &hi[a]);
+            else deq_block512(type, blk, &lo[a], &hi[a], wr);
+        }
+        for (int i = 0; i < mt; i++) {
+            const float *xb = in->x + (int64_t)(i0 + i) * in->ldx + b * QK;
+            __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+            for (int a = 0; a < rt; a++)
+                acc[a][i] = _mm512_fmadd_ps(hi[a], x1, _mm512_fmadd_ps(lo[a], x0, acc[a][i]));
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        for (int a = 0; a < rt; a++) y[(int64_t)(i0 + i) * ldy + r + a] = _mm512_reduce_add_ps(acc[a][i]);
+}
+
+/* exact Q4_0 / Q8_0 with float32 weights, and bfloat16 rows (a float weight kept as stored, e.g. a
+ * bfloat16 lm_head; already the model dtype's values, so callers take it for QR_NONE / QR_BF16):
+ * 32-value blocks decoded in registers, RT rows x MT x rows, prefetching ahead */
+#define QP_EXACT_TILE(NAME, WR)                                                                     \
+static inline __attribute__((always_inline)) void NAME(const qp_mat *m, const qp_in *in, int64_t r, int i0, \
+                                                       const int rt, const int mt, float *y, int64_t ldy) { \
+    exact_tile_32w(m, in, r, i0, rt, mt, y, ldy, WR);                                               \
+}
+QP_EXACT_TILE(exact_tile_32, QR_NONE)
+QP_EXACT_TILE(exact_tile_32_bf16, QR_BF16)
+QP_EXACT_TILE(exact_tile_32_bf16n, QR_BF16_NORMAL)
+#undef QP_EXACT_TILE
+
+/* wround: how the Q4_0 / Q8_0 weights are rounded (QR_NONE / QR_BF16 / QR_BF16_NORMAL; bfloat16
+ * rows take QR_NONE: their values are already bfloat16) */
+static void exact_rows_32(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy,
+                          int wround) {
+    y -= r0;
+    for (int64_t r = r0; r < r1; r += RT) {
+        int rt = r1 - r < RT ? (int)(r1 - r) : RT;
+        for (int i0 = 0; i0 < xm; i0 += MT) {
+            int mt = xm - i0 < MT ? xm - i0 : MT;
+            if (wround == QR_BF16_NORMAL) QP_TILE(exact_tile_32_bf16n, m, in, r, i0, rt, mt, y, ldy);
+            else if (wround == QR_BF16) QP_TILE(exact_tile_32_bf16, m, in, r, i0, rt, mt, y, ldy);
+            else QP_TILE(exact_tile_32, m, in, r, i0, rt, mt, y, ldy);
+        }
+    }
+}
+
+#endif
+
+#ifdef QP_AVX512
+/* 16 decoded weights v at element off of the super-block starting at c0, into every x row's sums */
+static inline void kq_fma(__m512 acc[MT][2], int mt, const float *x, int64_t ldx, int64_t at, int half, __m512 v) {
+    for (int i = 0; i < mt; i++) acc[i][half] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + (int64_t)i * ldx + at), acc[i][half]);
+}
+
+/* exact Q4_K / Q5_K / Q6_K rows: each super-block decoded in registers with deq_q45_k_sb512's /
+ * deq_q6_k_sb512's float32 operations (the same weights, bit for bit), rounded to the model dtype
+ * by wr (a constant: one instance per rounding, below), and multiplied into the sums at once,
+ * instead of through a buffer; the row RT rows ahead prefetched into L2 */
+static inline __attribute__((always_inline)) void kq_rows_w(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1,
+                                                           int xm, float *y, int64_t ldy, const int wr) {
+    y -= r0;
+    const int type = m->type;
+    const int64_t nsb = m->k / QKK, bsize = type == QP_Q4_K ? 144 : type == QP_Q5_K ? 176 : 210, ldx = in->ldx;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = m->w + r * m->ldw;
+        for (int i0 = 0; i0 < xm; i0 += MT) {
+            const int mt = xm - i0 < MT ? xm - i0 : MT;
+            const float *xr = in->x + (int64_t)i0 * ldx;
+            __m512 acc[MT][2];
+            for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+            for (int64_t sb = 0; sb < nsb; sb++) {
+                const uint8_t *b = row + sb * bsize;
+                if (i0 == 0) for (int64_t o = 0; o < bsize; o += 64) _mm_prefetch((const char *)(b + RT * m->ldw + o), _MM_HINT_T1);
+                __m512 v[16];
+                kq_regs(type, b, v);
+                if (wr) for (int k = 0; k < 16; k++) v[k] = round_vec(v[k], wr);
+                _Pragma("GCC unroll 16") for (int k = 0; k < 16; k++) kq_fma(acc, mt, xr, ldx, sb * QKK + 16 * k, k & 1, v[k]);
+            }
+            for (int i = 0; i < mt; i++) y[(int64_t)(i0 + i) * ldy + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
+        }
+    }
+}
+static void kq_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy) {
+    kq_rows_w(m, in, r0, r1, xm, y, ldy, QR_NONE);
+}
+#if defined(__AVX512BF16__)
+static void kq_rows_bf16n(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy) {
+    kq_rows_w(m, in, r0, r1, xm, y, ldy, QR_BF16_NORMAL);
+}
+#else
+static void kq_rows_bf16(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy) {
+    kq_rows_w(m, in, r0, r1, xm, y, ldy, QR_BF16);
+}
+#endif
+#endif
+
+#ifdef QP_AVX512
+/* generic_rows on AVX512: each row's segments decoded into a buffer, multiplied into float32 sums in 2 x 16 lanes */
+static void generic_rows512(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy, int wround) {
+    y -= r0;
+    const int64_t K = m->k, seg = seg_len(m);
+    float buf[QKK] __attribute__((aligned(64)));
+    for (int64_t r = r0; r < r1; r++) {
+        for (int i0 = 0; i0 < xm; i0 += MT) {
+            int mt = xm - i0 < MT ? xm - i0 : MT;
+            __m512 acc[MT][2];
+            for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+            for (int64_t c0 = 0; c0 < K; c0 += seg) {
+                deq_seg(m, r, c0, seg, buf, wround);
+                for (int i = 0; i < mt; i++) {
+                    const float *xr = in->x + (int64_t)(i0 + i) * in->ldx + c0;
+                    for (int64_t j = 0; j < seg; j += 32) {
+                        acc[i][0] = _mm512_fmadd_ps(_mm512_load_ps(buf + j), _mm512_loadu_ps(xr + j), acc[i][0]);
+                        acc[i][1] = _mm512_fmadd_ps(_mm512_load_ps(buf + j + 16), _mm512_loadu_ps(xr + j + 16), acc[i][1]);
+                    }
+                }
+            }
+            for (int i = 0; i < mt; i++) y[(int64_t)(i0 + i) * ldy + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
+        }
+    }
+}
+#endif
+
+#ifdef QP_AVX512
+/* The scaled forms (INT4 / INT8 / FP8 / FP4) fused: each 16 weights decoded in a register, scaled
+ * (and rounded to the model dtype) exactly as deq_seg_scaled does, and multiplied into float32
+ * sums; the weights never go through memory. One function per form (no per-element branch), 32
+ * weights per step with two accumulators per x row; groups of 16 (NVFP4) two groups a step (K is
+ * a multiple of 32: mat_ok), other groups not a multiple of 32 (48, ...) 16 weights a step. The
+ * row's scales and zero points are decoded once per row (row_scales), at most QP_NG_MAX groups:
+ * wider rows take the generic path. */
+#define QP_SCALE16(RAW, V)                                                                          \
+    {                                                                                               \
+        V = RAW;                                                                                    \
+        if (zp) V = _mm512_sub_ps(V, vz);                                                           \
+        V = _mm512_mul_ps(V, vs);                                                                   \
+        if (has_g) V = _mm512_mul_ps(V, vg);                                                        \
+        if (wround) V = round_vec(V, wround);                                                       \
+    }
+/* rows [r0, r1) (a multiple of 4) in groups of 4 against xm x rows (two at a time): each x
+ * vector loaded once for the 4 rows; every row's sums in the order the one-row loop makes them
+ * (bit-identical results); gk a multiple of 32 */
+#define QP_FUSED_SCALED4(NAME, RAWI, ANY, WR, TAB, BASE)                                            \
+static void NAME##_rows4(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy, int wround_) { \
+    y -= r0;                                                                                        \
+    const int64_t K = m->k, gk = m->gk, ldx = in->ldx, ldw = m->ldw;                                \
+    const void *zp = ANY ? m->z : NULL;                                                             \
+    const float gs = m->gs;                                                                         \
+    const int has_g = ANY && m->gmode == QG_AFTER && gs != 1.f, nan = ANY && m->nan;                \
+    const int wround = ANY ? wround_ : WR;                                                          \
+    const __m512 lut = _mm512_loadu_ps(E2M1), vg = _mm512_set1_ps(gs);                            \
+    const int64_t ng = (K + gk - 1) / gk, pf = RT * ldw;                                            \
+    float svz[8][ng];  /* the 4 rows' scales and zero points (ng <= QP_NG_MAX: 128 KiB at most) */ \
+    float (*sv)[ng] = svz, (*zv)[ng] = svz + 4;                                                     \
+    (void)lut; (void)nan;                                                                           \
+    for (int64_t r = r0; r < r1; r += 4) {                                                          \
+        const uint8_t *restrict rows[4];                                                            \
+        for (int a = 0; a < 4; a++) { rows[a] = m->w + (r + a) * ldw; row_scales(m, r + a, ng, sv[a], zv[a]); } \
+        for (int i0 = 0; i0 < xm; i0 += 2) {                                                        \
+            const int two = xm - i0 >= 2;                                                           \
+            const float *restrict x0 = in->x + (int64_t)i0 * ldx, *restrict x1 = x0 + (two ? ldx : 0); \
+            __m512 acc[4][4];                                                                       \
+            for (int a = 0; a < 4; a++) acc[a][0] = acc[a][1] = acc[a][2] = acc[a][3] = _mm512_setzero_ps(); \
+            for (int64_t c0 = 0; c0 < K; c0 += gk) {                                                \
+                const int64_t j = c0 / gk, end = c0 + gk < K ? c0 + gk : K;                         \
+                __m512 vsa[4], vza[4], taba[4];                                                     \
+                for (int a = 0; a < 4; a++) { vsa[a] = _mm512_set1_ps(sv[a][j]); vza[a] = _mm512_set1_ps(zp ? zv[a][j] : 0.f); } \
+                if (TAB) for (int a = 0; a < 4; a++) {                                              \
+                    const __m512 vs = vsa[a], vz = vza[a]; (void)vz; QP_SCALE16(BASE, taba[a]) }    \
+                for (int64_t i = c0; i < end; i += 32) {                                            \
+                    const __m512 xa = _mm512_loadu_ps(x0 + i), xb = _mm512_loadu_ps(x0 + i + 16);   \
+                    const __m512 xc = _mm512_loadu_ps(x1 + i), xd = _mm512_loadu_ps(x1 + i + 16);   \
+                    _Pragma("GCC unroll 4") for (int a = 0; a < 4; a++) {                           \
+                        const uint8_t *restrict row = rows[a];                                      \
+                        const __m512 vs = vsa[a], vz = vza[a];                                      \
+                        __m512 v0, v1;                                                              \
+                        (void)vz;                                                                   \
+                        if (i0 == 0) _mm_prefetch((const char *)(row + pf) + i, _MM_HINT_T1);        \
+                        if (TAB) { v0 = _mm512_permutexvar_ps(idx16(row, i), taba[a]);              \
+                                   v1 = _mm512_permutexvar_ps(idx16(row, i + 16), taba[a]); }       \
+                        else { QP_SCALE16(RAWI(i), v0) QP_SCALE16(RAWI(i + 16), v1) }               \
+                        acc[a][0] = _mm512_fmadd_ps(v0, xa, acc[a][0]);                             \
+                        acc[a][1] = _mm512_fmadd_ps(v1, xb, acc[a][1]);                             \
+                        if (two) { acc[a][2] = _mm512_fmadd_ps(v0, xc, acc[a][2]);                  \
+                                   acc[a][3] = _mm512_fmadd_ps(v1, xd, acc[a][3]); }                \
+                    }                                                                               \
+                }                                                                                   \
+            }                                                                                       \
+            for (int a = 0; a < 4; a++) {                                                           \
+                y[(int64_t)i0 * ldy + r + a] = _mm512_reduce_add_ps(_mm512_add_ps(acc[a][0], acc[a][1])); \
+                if (two) y[(int64_t)(i0 + 1) * ldy + r + a] = _mm512_reduce_add_ps(_mm512_add_ps(acc[a][2], acc[a][3])); \
+            }                                                                                       \
+        }                                                                                           \
+    }                                                                                               \
+}
+#define QP_FUSED_SCALED(NAME, RAWI, ANY, WR, TAB, BASE)                                             \
+QP_FUSED_SCALED4(NAME, RAWI, ANY, WR, TAB, BASE)                                                    \
+static void NAME(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy, int wround_) { \
+    y -= r0;                                                                                        \
+    const int64_t K = m->k, gk = m->gk, ldx = in->ldx, ldw = m->ldw, step = gk % 32 ? 16 : 32;       \
+    const void *zp = ANY ? m->z : NULL;                                                             \
+    const float gs = m->gs;                                                                         \
+    const int has_g = ANY && m->gmode == QG_AFTER && gs != 1.f, nan = ANY && m->nan;                \
+    const int wround = ANY ? wround_ : WR;                                                          \
+    const __m512 lut = _mm512_loadu_ps(E2M1), vg = _mm512_set1_ps(gs);                            \
+    const int64_t ng = (K + gk - 1) / gk;                                                           \
+    float sv[QP_NG_MAX], zv[QP_NG_MAX];                                                             \
+    (void)lut; (void)nan;                                                                           \
+    /* the same bytes RT rows ahead, into L2: rows shorter than the hardware prefetcher's ramp */ \
+    const int64_t pf = RT * ldw;                                                                    \
+    /* groups of 4 rows sharing each load of x (the x rows stay in L2 / L1 for 4x fewer reads) */  \
+    if (step == 32 && r1 - r0 >= 4) {                                                               \
+        const int64_t rq = r0 + (r1 - r0) / 4 * 4;                                                  \
+        NAME##_rows4(m, in, r0, rq, xm, y + r0, ldy, wround_);                                      \
+        r0 = rq;                                                                                    \
+    }                                                                                               \
+    for (int64_t r = r0; r < r1; r++) {                                                             \
+        const uint8_t *restrict row = m->w + r * ldw;                                               \
+        row_scales(m, r, ng, sv, zv);                                                               \
+        for (int i0 = 0; i0 < xm; i0 += 2) {                                                        \
+            const int two = xm - i0 >= 2;                                                           \
+            const float *restrict x0 = in->x + (int64_t)i0 * ldx, *restrict x1 = x0 + (two ? ldx : 0); \
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;                              \
+            for (int64_t c0 = 0; c0 < K; c0 += gk) {                                                \
+                const int64_t j = c0 / gk, end = c0 + gk < K ? c0 + gk : K;                         \
+                const __m512 vs = _mm512_set1_ps(sv[j]);                                            \
+                const __m512 vz = _mm512_set1_ps(zp ? zv[j] : 0.f);                                 \
+                __m512 tab = vs;  /* not for the NVFP4 branch: its groups are one step each */     \
+                if (TAB && (step == 32 || gk != 16 || (K & 31))) QP_SCALE16(BASE, tab)              \
+                if (step == 32) {                                                                   \
+                    for (int64_t i = c0; i < end; i += 32) {                                        \
+                        __m512 v0, v1;                                                              \
+                        if (i0 == 0) _mm_prefetch((const char *)(row + pf) + i, _MM_HINT_T1);        \
+                        if (TAB) { v0 = _mm512_permutexvar_ps(idx16(row, i), tab);                  \
+                                   v1 = _mm512_permutexvar_ps(idx16(row, i + 16), tab); }           \
+                        else { QP_SCALE16(RAWI(i), v0) QP_SCALE16(RAWI(i + 16), v1) }               \
+                        a0 = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x0 + i), a0);                       \
+                        a1 = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x0 + i + 16), a1);                  \
+                        if (two) { b0 = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x1 + i), b0);            \
+                                   b1 = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x1 + i + 16), b1); }     \
+                    }                                                                               \
+                } else if (gk == 16 && !(K & 31)) {  /* NVFP4: two groups a step, two sums */       \
+                    const int64_t i = c0;                                                           \
+                    __m512 v0, v1;                                                                  \
+                    { const __m512 vs = _mm512_set1_ps(sv[j]), vz = _mm512_set1_ps(zp ? zv[j] : 0.f); \
+                      (void)vz; QP_SCALE16(RAWI(i), v0) }                                           \
+                    { const __m512 vs = _mm512_set1_ps(sv[j + 1]), vz = _mm512_set1_ps(zp ? zv[j + 1] : 0.f); \
+                      (void)vz; QP_SCALE16(RAWI(i + 16), v1) }                                      \
+                    a0 = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x0 + i), a0);                           \
+                    a1 = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x0 + i + 16), a1);                      \
+                    if (two) { b0 = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x1 + i), b0);                \
+                               b1 = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x1 + i + 16), b1); }         \
+                    c0 += 16;  /* the second group done too */                                      \
+                } else {                                                                            \
+                    for (int64_t i = c0; i < end; i += 16) {                                        \
+                        __m512 v0;                                                                  \
+                        if (TAB) v0 = _mm512_permutexvar_ps(idx16(row, i), tab);                    \
+                        else QP_SCALE16(RAWI(i), v0)                                                \
+                        a0 = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x0 + i), a0);                       \
+                        if (two) b0 = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x1 + i), b0);              \
+                    }                                                                               \
+                }                                                                                   \
+            }                                                                                       \
+            y[(int64_t)i0 * ldy + r] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));                 \
+            if (two) y[(int64_t)(i0 + 1) * ldy + r] = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1));   \
+        }                                                                                           \
+    }                                                                                               \
+}
+/* INT4 / FP4: the group's 16 possible weights made once (the same operations on each code value
+ * as QP_SCALE16 makes per weight: bit-identical) and looked up per nibble: INT4_BASE the codes
+ * q - 8, lut the E2M1 values */
+#define INT4_BASE _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f)
+#define RAW_INT8(i) raw16_int8(row, i)
+#define RAW_INT4(i) raw16_int4(row, i)
+#define RAW_FP8(i) fp8x16_div256(row + (i), nan)
+#define RAW_FP4(i) _mm512_permutexvar_ps(nib16(row, i), lut)
+/* each form three times: for any matrix, and specialized for the plain one (no zero points, no
+ * global scale after, no NaN codes) in a float32 and in a bfloat16 model, whose per-16-weight
+ * branches then fold away */
+QP_FUSED_SCALED(fused_int8, RAW_INT8, 1, 0, 0, lut)
+QP_FUSED_SCALED(fused_int4, RAW_INT4, 1, 0, 1, INT4_BASE)
+QP_FUSED_SCALED(fused_fp8, RAW_FP8, 1, 0, 0, lut)
+QP_FUSED_SCALED(fused_fp4, RAW_FP4, 1, 0, 1, lut)
+QP_FUSED_SCALED(plain_int8, RAW_INT8, 0, QR_NONE, 0, lut)
+QP_FUSED_SCALED(plain_int4, RAW_INT4, 0, QR_NONE, 1, INT4_BASE)
+QP_FUSED_SCALED(plain_fp8, RAW_FP8, 0, QR_NONE, 0, lut)
+QP_FUSED_SCALED(plain_fp4, RAW_FP4, 0, QR_NONE, 1, lut)
+QP_FUSED_SCALED(plain_int8_bf16, RAW_INT8, 0, QR_BF16, 0, lut)
+QP_FUSED_SCALED(plain_int4_bf16, RAW_INT4, 0, QR_BF16, 1, INT4_BASE)
+QP_FUSED_SCALED(plain_fp8_bf16, RAW_FP8, 0, QR_BF16, 0, lut)
+QP_FUSED_SCALED(plain_fp4_bf16, RAW_FP4, 0, QR_BF16, 1, lut)
+QP_FUSED_SCALED(plain_int8_bf16n, RAW_INT8, 0, QR_BF16_NORMAL, 0, lut)
+QP_FUSED_SCALED(plain_int4_bf16n, RAW_INT4, 0, QR_BF16_NORMAL, 1, INT4_BASE)
+QP_FUSED_SCALED(plain_fp8_bf16n, RAW_FP8, 0, QR_BF16_NORMAL, 0, lut)
+QP_FUSED_SCALED(plain_fp4_bf16n, RAW_FP4, 0, QR_BF16_NORMAL, 1, lut)
+#undef QP_FUSED_SCALED
+#undef QP_SCALE16
+#endif

@@ -1,0 +1,191 @@
+/* ---- one decode step of the whole decoder stack ------------------------------------------------
+ * Every layer of a stack of latent-attention layers for B sequences at one position in one call: input
+ * norm, the absorbed latent-attention step (qp_latent_step, appending to the layer's cache), residual, post-
+ * attention norm, the dense gated MLP or the MoE (sigmoid router with the correction bias and
+ * group-limited top-k, the routed experts and the shared experts through qp_mlp), residual; then
+ * the final norm. The arithmetic is the per-layer steps' own, in their order (a float32 model): the
+ * choice of experts is route_one's (scores float32 sigmoids, the biased choice and the weights in
+ * double, ties to the lower id), each token's experts summed in ascending id order. */
+
+
+/* RMSNorm of one row as RMSNorm.forward computes it: float32 statistics; in a bfloat16 model
+ * (round) the normalized row is rounded to bfloat16, then the product with the weight */
+static void norm_into(const float *x, float *o, int64_t n, const void *w, int bf16, float eps, int round) {
+    float ss = dot_f32(x, x, n);
+    float r = 1.f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) {
+        float wi = bf16 ? bits_f32((uint32_t)((const uint16_t *)w)[i] << 16) : ((const float *)w)[i];
+        o[i] = round ? round_bf16(wi * round_bf16(x[i] * r)) : wi * (x[i] * r);
+    }
+}
+
+/* x = x + a, both rounded to bfloat16 first in a bfloat16 model (a module's output, then the sum) */
+static void add_rows(float *x, float *a, int64_t n, int round) {
+    if (round) for (int64_t j = 0; j < n; j++) x[j] = round_bf16(x[j] + round_bf16(a[j]));
+    else for (int64_t j = 0; j < n; j++) x[j] = x[j] + a[j];
+}
+
+static int layer_ok(const qp_layer *l, int64_t H) {
+    if (!l->attn || !latent_ok(l->attn) || l->attn->H != H || !l->attn_norm || !l->ffn_norm) return 0;
+    if (!l->gate || !l->up || !l->down) return 0;
+    const int E = l->E > 0 ? l->E : 1;
+    for (int e = 0; e < E; e++)
+        if (!l->gate[e] || !l->up[e] || !l->down[e] || !mat_ok(l->gate[e]) || l->gate[e]->k != H || l->down[e]->n != H)
+            return 0;
+    if (l->E > 0) {
+        if (!l->router || l->top_k < 1 || l->top_k > l->E || l->n_group < 1 || l->E % l->n_group
+            || l->topk_group < 1 || l->topk_group > l->n_group
+            || l->top_k > l->topk_group * (l->E / l->n_group)) return 0;
+        if (l->sg && (!l->su || !l->sd || !mat_ok(l->sg) || l->sg->k != H || l->sd->n != H)) return 0;
+    }
+    return 1;
+}
+
+/* the MoE of one layer for B normed rows h [B, H]: out [B, H] = routed (+ shared) */
+static int moe_rows(const qp_layer *l, int64_t B, int64_t H, const float *h, float *out, float *tmp, int wround) {
+    const int E = l->E, K = l->top_k;
+    const int64_t P = B * K;
+    double *sc = (double *)malloc(sizeof(double) * (size_t)(2 * E));
+    int32_t *ids = (int32_t *)malloc(sizeof(int32_t) * (size_t)(P * 3 + E + 1));
+    float *ws = (float *)malloc(sizeof(float) * (size_t)(P * 2));
+    const qp_mat **mats = (const qp_mat **)malloc(sizeof(qp_mat *) * (size_t)(3 * (P + 1)));
+    int rc = 0;
+    if (!sc || !ids || !ws || !mats) { rc = -2; goto done; }
+    int32_t *pe = ids + P, *prow = pe + P, *slot = prow + P;
+    float *pw = ws + P;
+    for (int64_t b = 0; b < B; b++) route_row(l, h + b * H, H, sc, sc + E, ids + b * K, ws + b * K);
+    /* pairs grouped by expert (ascending id), rows ascending within one expert */
+    for (int e = 0; e < E; e++) slot[e] = -1;
+    int used = 0;
+    int64_t p = 0;
+    for (int e = 0; e < E; e++) {
+        for (int64_t b = 0; b < B; b++)
+            for (int j = 0; j < K; j++)
+                if (ids[b * K + j] == e) {
+                    if (slot[e] < 0) {
+                        slot[e] = used;
+                        mats[used] = l->gate[e]; mats[P + 1 + used] = l->up[e]; mats[2 * (P + 1) + used] = l->down[e];
+                        used++;
+                    }
+                    pe[p] = slot[e]; prow[p] = (int32_t)b; pw[p] = ws[b * K + j]; p++;
+                }
+    }
+    /* the shared experts as one more expert of the same call when they are shaped and quantized as
+     * the routed ones, weight 1 for every row, after the routed pairs: each row's sum is then
+     * (routed sum) + 1 * shared, the two-call result bit for bit, in one parallel region */
+    if (l->sg && wround == QR_NONE && l->sg->n == l->gate[0]->n && l->sd->k == l->down[0]->k) {
+        mats[used] = l->sg; mats[P + 1 + used] = l->su; mats[2 * (P + 1) + used] = l->sd;
+        int32_t *pe2 = (int32_t *)malloc(sizeof(int32_t) * (size_t)(2 * (p + B)));
+        float *pw2 = (float *)malloc(sizeof(float) * (size_t)(p + B));
+        if (!pe2 || !pw2) { free(pe2); free(pw2); rc = -2; goto done; }
+        int32_t *prow2 = pe2 + p + B;
+        memcpy(pe2, pe, sizeof(int32_t) * (size_t)p); memcpy(prow2, prow, sizeof(int32_t) * (size_t)p);
+        memcpy(pw2, pw, sizeof(float) * (size_t)p);
+        for (int64_t b = 0; b < B; b++) { pe2[p + b] = used; prow2[p + b] = (int32_t)b; pw2[p + b] = 1.f; }
+        rc = qp_mlp(mats, mats + (P + 1), mats + 2 * (P + 1), used + 1, B, h, H, (int)(p + B), pe2, prow2, pw2, out, H, wround);
+        free(pe2); free(pw2);
+        if (rc != -3) goto done;  /* -3: the shared experts quantize their inputs otherwise: two calls */
+    }
+    rc = qp_mlp(mats, mats + (P + 1), mats + 2 * (P + 1), used, B, h, H, (int)p, pe, prow, pw, out, H, wround);
+    if (rc == 0 && l->sg) {
+        const qp_mat *g1[1] = {l->sg}, *u1[1] = {l->su}, *d1[1] = {l->sd};
+        for (int64_t b = 0; b < B; b++) { pe[b] = 0; prow[b] = (int32_t)b; pw[b] = 1.f; }
+        rc = qp_mlp(g1, u1, d1, 1, B, h, H, (int)B, pe, prow, pw, tmp, H, wround);
+        if (rc == 0 && wround == QR_BF16)  /* each module's output in the model dtype, then their sum */
+            for (int64_t i = 0; i < B * H; i++) out[i] = round_bf16(round_bf16(out[i]) + round_bf16(tmp[i]));
+        else if (rc == 0)
+            for (int64_t i = 0; i < B * H; i++) out[i] = out[i] + tmp[i];
+    }
+done:
+    free(sc); free(ids); free(ws); free(mats);
+    return rc;
+}
+
+/* the whole stack for B rows x [B, H] (the embeddings; overwritten by the residual stream) at
+ * position pos of every sequence: layer i's latent / key rows at lat[i] / kr[i] (strides as in
+ * qp_latent_step, the same for every layer); rot [B, rope, rope]; out [B, H] = the final norm of the
+ * last residual. */
+static int qp_stack_step(const qp_layer *layers, int L, int64_t H, int64_t B, float *x, const float *rot,
+                  void *const *lat, void *const *kr, int64_t ld_lat, int64_t lds_b, int64_t ld_kr, int64_t krs_b,
+                  int64_t pos, int lat_bf16, const void *fnorm, int fnorm_bf16, float feps, float *out, int wround) {
+    if (L <= 0 || H <= 0 || B <= 0 || pos < 0 || !fnorm || (wround != QR_NONE && wround != QR_BF16)) return -1;
+    const int rnd = wround == QR_BF16;  /* a bfloat16 model: x holds bfloat16 values */
+    for (int i = 0; i < L; i++) {
+        if (!layer_ok(&layers[i], H) || !lat[i] || !kr[i]) return -1;
+        if (layers[i].E > 1024 || layers[i].n_group > 1024) return -1;
+    }
+    float *h = (float *)malloc(sizeof(float) * (size_t)(3 * B * H));
+    if (!h) return -2;
+    float *a = h + B * H, *t = a + B * H;
+    int rc = 0;
+    for (int i = 0; i < L && rc == 0; i++) {
+        const qp_layer *l = &layers[i];
+        for (int64_t b = 0; b < B; b++) norm_into(x + b * H, h + b * H, H, l->attn_norm, l->norm_bf16, l->eps, rnd);
+        rc = qp_latent_step(l->attn, B, h, rot, lat[i], ld_lat, lds_b, kr[i], ld_kr, krs_b, pos, lat_bf16, a, wround);
+        if (rc) break;
+        add_rows(x, a, B * H, rnd);
+        for (int64_t b = 0; b < B; b++) norm_into(x + b * H, h + b * H, H, l->ffn_norm, l->norm_bf16, l->eps, rnd);
+        if (l->E > 0) rc = moe_rows(l, B, H, h, a, t, wround);
+        else {
+            int32_t *pe = (int32_t *)malloc(sizeof(int32_t) * (size_t)(2 * B));
+            float *pw = (float *)malloc(sizeof(float) * (size_t)B);
+            if (!pe || !pw) rc = -2;
+            else {
+                for (int64_t b = 0; b < B; b++) { pe[b] = 0; pe[B + b] = (int32_t)b; pw[b] = 1.f; }
+                rc = qp_mlp(l->gate, l->up, l->down, 1, B, h, H, (int)B, pe, pe + B, pw, a, H, wround);
+            }
+            free(pe); free(pw);
+        }
+        if (rc) break;
+        add_rows(x, a, B * H, rnd);
+    }
+    if (rc == 0)
+        for (int64_t b = 0; b < B; b++) norm_into(x + b * H, out + b * H, H, fnorm, fnorm_bf16, feps, rnd);
+    free(h);
+    return rc;
+}
+
+/* ---- one decode step from token ids to logits ---------------------------------------------------
+ * qp_stack_step with the embedding lookup before it and the LM head after it, so that a decode
+ * step crosses from Python into C once: x [B, H] = rows ids of emb exactly decoded (rounded to the
+ * model dtype, as the embedding's own lookup; emb NULL: x holds the embeddings already), the stack
+ * into hid [B, H], then logits [B, head->n] = hid through head (a bfloat16 model: rounded to
+ * bfloat16, as the head's output in the model dtype; head NULL: no logits) and, when best is given,
+ * each row's greedy pick best[b] as torch.argmax takes it (the first NaN, else the first largest).
+ * Every argument is checked before any cache row is written; -4: a token id outside the embedding. */
+int qp_decode_step(const qp_layer *layers, int L, int64_t H, int64_t B, const int64_t *ids, const qp_mat *emb,
+                   float *x, const float *rot, void *const *lat, void *const *kr, int64_t ld_lat, int64_t lds_b,
+                   int64_t ld_kr, int64_t krs_b, int64_t pos, int lat_bf16, const void *fnorm, int fnorm_bf16,
+                   float feps, float *hid, const qp_mat *head, float *logits, int64_t *best, int wround) {
+    if (B <= 0 || H <= 0 || (wround != QR_NONE && wround != QR_BF16)) return -1;
+    if (emb) {
+        if (!ids || !mat_ok(emb) || emb->k != H) return -1;
+        for (int64_t b = 0; b < B; b++)
+            if (ids[b] < 0 || ids[b] >= emb->n) return -4;
+    }
+    if (head && (!logits || !mat_ok(head) || head->k != H)) return -1;
+    if (emb) {
+        const int64_t seg = seg_len(emb);
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t c0 = 0; c0 < H; c0 += seg) deq_seg(emb, ids[b], c0, seg, x + b * H + c0, wround);
+    }
+    int rc = qp_stack_step(layers, L, H, B, x, rot, lat, kr, ld_lat, lds_b, ld_kr, krs_b, pos, lat_bf16,
+                           fnorm, fnorm_bf16, feps, hid, wround);
+    if (rc || !head) return rc;
+    const int64_t zero = 0;
+    rc = qp_gemm(&head, 1, B, H, hid, H, &zero, &B, &zero, &zero, logits, head->n, wround);
+    if (rc == 0 && wround == QR_BF16)
+        for (int64_t i = 0; i < B * head->n; i++) logits[i] = round_bf16(logits[i]);
+    if (rc == 0 && best)
+        for (int64_t b = 0; b < B; b++) {
+            const float *v = logits + b * head->n;
+            int64_t at = 0;
+            for (int64_t i = 0; i < head->n; i++) {
+                if (v[i] != v[i]) { at = i; break; }
+                if (v[i] > v[at]) at = i;
+            }
+            best[b] = at;
+        }
+    return rc;
+}
+

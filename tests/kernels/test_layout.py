@@ -1,0 +1,93 @@
+"""The structs Python passes to the native kernels: native.py's ctypes Structures against the C
+compiler's layout of ``qp_types.h`` (``qp_layout_table`` in ``layout.c``), field by field.
+
+Checked twice: in the built library, and in a probe compiled from ``layout.c`` alone, which also
+shows the check failing when a field moves on the C side (a copy of ``qp_types.h`` with two fields
+swapped) or on the Python side (a ctypes copy with two fields swapped, or one missing)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from quantplug.kernels import native
+
+CC = os.environ.get("CC", "cc")
+needs_cc = pytest.mark.skipif(shutil.which(CC) is None, reason=f"no C compiler ({CC!r} not on PATH)")
+needs_native = pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.status()}")
+HERE = native.SOURCE.parent
+
+
+def probe(tmp_path: Path, types_h: str | None = None) -> dict[str, dict[str, tuple[int, int]]]:
+    """The layout table of ``layout.c`` compiled alone (with ``types_h`` as ``qp_types.h``)."""
+    d = tmp_path / f"probe{len(list(tmp_path.glob('probe*')))}"  # a new path per probe: the loader
+    d.mkdir()                                                         # hands back a library by path
+    shutil.copy(HERE / "layout.c", d / "layout.c")
+    (d / "qp_types.h").write_text(types_h if types_h is not None else (HERE / "qp_types.h").read_text())
+    so = d / "probe.so"
+    subprocess.run([CC, "-O1", "-shared", "-fPIC", "-std=c11", str(d / "layout.c"), "-o", str(so)], check=True,
+                   capture_output=True, timeout=120)
+    return native.layout_table(ctypes.CDLL(str(so)))
+
+
+@needs_native
+def test_every_ctypes_struct_matches_the_libraries_layout():
+    table = native.layout_table(native.library())
+    assert set(table) == set(native.STRUCTS)
+    assert native.layout_mismatches(table) == []
+    for name, cls in native.STRUCTS.items():
+        assert [f[0] for f in cls._fields_] == sorted((k for k in table[name] if k), key=lambda k: table[name][k][0])
+
+
+@needs_cc
+def test_the_header_alone_matches_the_ctypes_structs(tmp_path):
+    assert native.layout_mismatches(probe(tmp_path)) == []
+
+
+@needs_cc
+def test_a_field_moved_in_the_c_header_is_caught(tmp_path):
+    src = (HERE / "qp_types.h").read_text()
+    mode = "    int32_t mode;                  /* 0 exact, 1 fast (Q4_0 / Q8_0) */\n"
+    nan = "    int32_t nan;                   /* FP8: may hold NaN codes */\n"
+    assert mode + nan in src
+    bad = native.layout_mismatches(probe(tmp_path, src.replace(mode + nan, nan + mode)))
+    assert sorted(b.split(":")[0] for b in bad) == ["qp_mat.mode", "qp_mat.nan"]
+    # a pointer field moved past an int64 one in the latent-attention struct
+    q = "    const qp_mat *q_b;\n"
+    assert src.count(q) == 1
+    moved = src.replace(q, "").replace("    const qp_mat *o;  ", q + "    const qp_mat *o;  ")
+    assert moved != src.replace(q, "")
+    bad = native.layout_mismatches(probe(tmp_path, moved))
+    assert "qp_latent_attn.q_b" in {b.split(":")[0] for b in bad}
+
+
+@needs_cc
+def test_a_field_moved_or_missing_in_ctypes_is_caught(tmp_path):
+    table = probe(tmp_path)
+    fields = list(native.Mat._fields_)
+    i, j = [k for k, (name, _) in enumerate(fields) if name in ("mode", "nan")]
+    fields[i], fields[j] = fields[j], fields[i]
+    swapped = type("SwappedMat", (ctypes.Structure,), {"_fields_": fields})
+    bad = native.layout_mismatches(table, {"qp_mat": swapped})
+    assert sorted(b.split(":")[0] for b in bad) == ["qp_mat.mode", "qp_mat.nan"]
+    short = type("ShortLayer", (ctypes.Structure,), {"_fields_": [f for f in native.Layer._fields_ if f[0] != "sd"]})
+    bad = native.layout_mismatches(table, {"qp_layer": short})
+    assert {b.split(":")[0] for b in bad} == {"qp_layer", "qp_layer.sd"}  # its size and the field
+
+
+@needs_native
+def test_a_library_whose_layout_differs_is_refused(monkeypatch):
+    """native.py checks the table when it opens a library: a mismatch raises (then the build is
+    retried once and the torch paths run), never a call with a misplaced field."""
+    lib = native.library()
+    fields = list(native.Act._fields_)
+    fields[0], fields[1] = fields[1], fields[0]
+    monkeypatch.setitem(native.STRUCTS, "qp_act", type("SwappedAct", (ctypes.Structure,), {"_fields_": fields}))
+    assert native.layout_mismatches(native.layout_table(lib))
+    path = Path(lib._name)
+    with pytest.raises(OSError, match="struct layout differs"):
+        native._open(path)
