@@ -28,7 +28,9 @@ def _config(**kw):
     return transformers.DeepseekV2Config(**base)
 
 
-def _reference(tmp_path, cfg, seed=0):
+def randomized(cfg, seed=0):
+    """transformers' DeepseekV2ForCausalLM of ``cfg`` with random weights (norms near 1, the rest
+    ~1/sqrt(fan-in): logits of order 1), in eval mode."""
     torch.manual_seed(seed)
     ref = transformers.DeepseekV2ForCausalLM(cfg).eval()
     g = torch.Generator().manual_seed(seed)
@@ -38,6 +40,11 @@ def _reference(tmp_path, cfg, seed=0):
                 p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    return ref
+
+
+def _reference(tmp_path, cfg, seed=0):
+    ref = randomized(cfg, seed)
     path = tmp_path / "dsv2"
     ref.save_pretrained(path, safe_serialization=True)
     return ref, path

@@ -11,6 +11,7 @@ from quantplug.testing import ArchitectureConformance
 
 pytest.importorskip("quantplug_deepseek_v2", reason="examples/deepseek_v2 is not installed (.ci/run installs it)")
 transformers = pytest.importorskip("transformers")
+from test_example_architecture import randomized  # noqa: E402
 
 
 class TestDeepseekV2(ArchitectureConformance):
@@ -24,16 +25,7 @@ class TestDeepseekV2(ArchitectureConformance):
             q_lora_rank=None, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64, first_k_dense_replace=1,
             n_group=2, topk_group=1, topk_method="group_limited_greedy", routed_scaling_factor=1.5,
             max_position_embeddings=256)
-        torch.manual_seed(0)
-        ref = transformers.DeepseekV2ForCausalLM(cfg).eval()
-        g = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for name, p in ref.named_parameters():
-                if name.endswith("norm.weight") or "layernorm" in name:
-                    p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
-                else:
-                    p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-        ref.save_pretrained(path, safe_serialization=True)
+        randomized(cfg, seed=0).save_pretrained(path, safe_serialization=True)
 
     def reference_logits(self, path: Path, ids: torch.Tensor) -> torch.Tensor:
         ref = transformers.DeepseekV2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
