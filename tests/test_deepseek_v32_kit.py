@@ -35,3 +35,22 @@ class TestDeepseekV32(ArchitectureConformance):
         for f in sorted(path.glob("*.safetensors")):
             state.update({k: v.float() for k, v in load_file(str(f)).items()})
         return hf_logits(cfg, state, ids)
+
+
+def test_a_bfloat16_checkpoint_matches_transformers_in_float32(tmp_path):
+    """The release stores bfloat16 tensors (weights_proj among them): a bfloat16 checkpoint loaded
+    in float32 equals transformers on the same (bfloat16-rounded) weights within 1e-5, prompt and
+    greedy decode, with index_topk below the prompt."""
+    import quantplug
+    from quantplug.testing.reference import hf_model, rel_err
+
+    state = {k: v.to(torch.bfloat16) for k, v in random_state(CFG, seed=22).items()}
+    path = write_checkpoint(tmp_path / "bf16", CFG, state, dtype=torch.bfloat16)
+    model = quantplug.load(path, progress=False)
+    ref = hf_model(CFG, {k: v.float() for k, v in state.items()})
+    ids = torch.randint(0, CFG["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert rel_err(model(ids), ref(ids).logits) <= 1e-5
+    out = model.generate(ids[:1, :6], 6, eos_token_id=None)
+    want = ref.generate(ids[:1, :6], max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(out, want)
