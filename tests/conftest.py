@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -40,6 +40,17 @@ def two_layer(tmp_path_factory) -> Callable[[str], Path]:
         return made[kind]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread for a module of tiny models (``pytestmark =
+    pytest.mark.usefixtures("one_torch_thread")``): a thread pool only waits on its peers at these
+    sizes, and two threads spinning on a shared 2-core machine are several times slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture

@@ -28,13 +28,7 @@ IDS = torch.randint(0, CFG["vocab_size"], (2, 16), generator=torch.Generator().m
 STEPS = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matrices: one thread (a thread pool only waits on its peers at these sizes)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

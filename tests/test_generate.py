@@ -27,13 +27,7 @@ from quantplug.testing import (
 IDS = torch.randint(0, 160, (2, 7), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one torch thread is several times faster than two spinning on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def hf_model(cfg: dict, state: dict):

@@ -25,12 +25,7 @@ PROMPT = torch.randint(0, CFG["vocab_size"], (1, 8), generator=torch.Generator()
 NEW = 64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -42,12 +42,7 @@ STEPS = 8
 INDEXER = ("wq_b", "wk", "k_norm", "weights_proj")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _quantized(root: Path, default: str, types: dict[str, str] | None = None, raw=None) -> Path:

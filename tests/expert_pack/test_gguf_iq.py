@@ -33,12 +33,7 @@ MIXED = "gguf_iq_unsloth_dsv3"
 ALL = [*PER_TYPE.values(), MIXED]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _reference(name: str) -> dict[str, torch.Tensor]:
