@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import quantplug
 from quantplug import api
 from quantplug.models import registry
 from quantplug.plan import build_plan
@@ -120,3 +121,37 @@ def test_an_architecture_declares_its_config_schema(tmp_path):
     conf["acme_flavour"] = "plain"
     (Path(path) / "config.json").write_text(json.dumps(conf))
     assert build_plan(path, plugin_manager=pm).model_config.architecture == "AcmeForCausalLM"
+
+
+def test_an_architecture_declares_its_cache(tmp_path):
+    """``qp_new_cache(batch, capacity, limit)`` on the text model is the cache generation uses; the
+    same tokens as the default cache when it builds the same layers."""
+    import torch
+    from quantplug.generate import MLACache, layer_cache
+    from quantplug.models.deepseek import DeepseekV3ForCausalLM
+    from quantplug.plugins import PluginManager
+
+    made: list[tuple[int, int, int]] = []
+
+    class OwnCache(DeepseekV3ForCausalLM):
+        def qp_new_cache(self, batch, capacity, limit):
+            made.append((batch, capacity, limit))
+            emb = self.model.embed_tokens
+            return MLACache([layer_cache(layer.self_attn, batch, capacity, limit, dtype=emb.model_dtype,
+                                         device=torch.device("cpu")) for layer in self.model.layers])
+
+    class Plugin:
+        @api.hookimpl
+        def quantplug_architectures(self):
+            return {"OwnCacheForCausalLM": api.ArchSpec("OwnCacheForCausalLM", OwnCache, False, ())}
+
+    pm = PluginManager(entry_points=False, env={})
+    pm.register(Plugin(), "own")
+    cfg = tiny_config()
+    state = random_state(cfg)
+    plain = quantplug.load(write_checkpoint(tmp_path / "a", cfg, state))
+    cfg["architectures"] = ["OwnCacheForCausalLM"]
+    own = quantplug.load(write_checkpoint(tmp_path / "b", cfg, state), plugin_manager=pm)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.equal(own.generate(ids, 5, eos_token_id=None), plain.generate(ids, 5, eos_token_id=None))
+    assert len(made) == 1 and made[0][:2] == (1, 9) and made[0][2] >= 9
