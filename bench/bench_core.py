@@ -10,6 +10,11 @@
 2. Plan time of a 351-shard index: a DeepSeek-V3-shaped config (61 layers, 256 routed experts,
    hub layout, tiny dimensions) spread over 351 shards, planned from headers.
 3. Peak RSS of the load against the model's size (in a child process).
+4. ``--release``: plan of the header-only DeepSeek-V3 release (163 shards, 91,991 tensors) and
+   Kimi-K2 (61 shards, 139,644 tensors) at their real names and shapes (sparse files, no data),
+   CPU seconds best of ``--reps``, each contender in a fresh process, alternating with the
+   baseline: reading and JSON-parsing every shard header (the least any safetensors loader does).
+   Only this section runs with ``--release``.
 """
 
 from __future__ import annotations
@@ -134,6 +139,45 @@ def bench_plan_351(root: Path) -> dict:
     return {"shards": 351, "tensors": n, "plan_s_best_of_3": round(min(times), 3)}
 
 
+RELEASE_BASE = """
+import json, struct, sys, time
+from pathlib import Path
+files = sorted(Path(sys.argv[1]).glob('*.safetensors'))
+c = time.process_time()
+for f in files:
+    with open(f, 'rb') as fh:
+        (n,) = struct.unpack('<Q', fh.read(8))
+        json.loads(fh.read(n))
+print(time.process_time() - c)
+"""
+RELEASE_PLAN = """
+import sys, time, quantplug
+from quantplug.plugins import get_plugin_manager
+get_plugin_manager()
+c = time.process_time()
+p = quantplug.plan(sys.argv[1], options={'expert_cache_mb': 4096})
+t = time.process_time() - c
+assert not p.problems, p.problems
+print(t)
+"""
+
+
+def bench_release_plans(root: Path, reps: int) -> dict:
+    from quantplug.testing.scale import deepseek_v3_config, kimi_k2_config, write_header_only
+
+    out = {}
+    for name, cfg in (("DeepSeek-V3", deepseek_v3_config()), ("Kimi-K2", kimi_k2_config())):
+        path = write_header_only(root / name, cfg)
+        n = len(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"])
+        base, ours = _alternate(RELEASE_BASE, RELEASE_PLAN, path, reps)
+        out[name] = {"shards": len(list(path.glob("*.safetensors"))), "tensors": n, "reps": reps,
+                     "plan_cpu_s": {"best": round(min(ours), 3), "median": round(statistics.median(ours), 3)},
+                     "json_headers_cpu_s": {"best": round(min(base), 3),
+                                            "median": round(statistics.median(base), 3)},
+                     "plan_over_headers_best": round(min(ours) / min(base), 2)}
+    return out
+
+
 HWM = "int([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]) * 1024"
 CHILD = f"""
 import sys, torch, quantplug
@@ -158,9 +202,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--release", action="store_true", help="only section 4: plans of the header-only releases")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
+        if args.release:
+            print(json.dumps({"release_plans": bench_release_plans(root, args.reps)}, indent=2))
+            return
         load = bench_load(root, args.gib, args.reps)
         print(json.dumps({"load": load}, indent=2), flush=True)
         print(json.dumps({"rss": bench_rss(Path(load["path"]))}, indent=2), flush=True)
