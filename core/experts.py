@@ -31,13 +31,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint import TORCH_DTYPES, qpack, storage_shape
 from .checkpoint.gguf_index import GGUF_FLOATS, gguf_view
 from .errors import LoadError
 from .kernels import compute
+from .layers.activation import SILU
 from .layers.linear import StackedLayout, StackedLinear
 from .memory import read_into
 from .types import TensorInfo
@@ -354,16 +354,19 @@ class ExpertStore:
         """Few token rows x [M, H] through ``pairs`` = (row, slot, weight), sorted by slot: the sum
         over each row's pairs in order of ``weight * mlp_slot(x[row])``."""
         out: torch.Tensor | None = None
+        act = getattr(self.experts, "act", SILU)
         for chunk in self._chunks(sorted({s for _, s, _ in pairs})):
             entries = dict(zip(chunk, self.cache.get(self, chunk)))
             part = [(r, s, w) for r, s, w in pairs if s in entries]
-            y = compute.mlp_over([entries[s].layers for s in chunk], x, [(r, chunk.index(s), w) for r, s, w in part])
+            y = None
+            if act.is_silu:  # the native gated MLP computes SiLU
+                y = compute.mlp_over([entries[s].layers for s in chunk], x, [(r, chunk.index(s), w) for r, s, w in part])
             if y is None:  # no native kernels: the layers' own products
                 y = torch.zeros(x.shape[0], x.shape[-1], dtype=x.dtype, device=x.device)
                 for r, s, w in part:
                     g, u, d = entries[s].layers
                     xr = x[r:r + 1]
-                    y[r:r + 1] += (d(F.silu(g(xr, 0)) * u(xr, 0), 0) * w).to(x.dtype)
+                    y[r:r + 1] += (d(act(g(xr, 0), u(xr, 0)), 0) * w).to(x.dtype)
             out = y if out is None else out + y
         return out if out is not None else torch.zeros_like(x)
 
@@ -382,6 +385,7 @@ class ExpertStore:
             acc += n
         hit = [e for e in range(first, first + count) if counts[e]]
         wf = w.reshape(-1)
+        act = getattr(self.experts, "act", SILU)
         for chunk in self._chunks([e - slot_base for e in hit]):
             entries = self.cache.get(self, chunk)
             for slot, entry in zip(chunk, entries):
@@ -390,7 +394,7 @@ class ExpertStore:
                 tok = sel // k
                 xs = x.index_select(0, tok)
                 g, u, d = entry.layers
-                hs = d(F.silu(g(xs, 0)) * u(xs, 0), 0) * wf.index_select(0, sel).unsqueeze(-1)
+                hs = d(act(g(xs, 0), u(xs, 0)), 0) * wf.index_select(0, sel).unsqueeze(-1)
                 out.index_add_(0, tok, hs.to(out.dtype))
         return out
 

@@ -365,6 +365,13 @@ class PlannedModule(nn.Module):
     def qp_finish(self) -> None:
         """Called after loading (schemes post-process here)."""
 
+    def qp_check(self, found: Mapping[str, TensorInfo]) -> list[Problem]:
+        """Plan-time problems of the tensors found for this module's parameters (``found``: local
+        parameter name -> the checkpoint tensor, from headers), beyond what its sources declare:
+        a module whose source leaves a shape open (``Source.shape`` empty: several stored shapes
+        are valid) refuses the ones it cannot use here, naming the tensor. Default: none."""
+        return []
+
 
 class FloatParams(PlannedModule):
     """Helper for modules holding plain float parameters (norms, embeddings, routers)."""

@@ -26,6 +26,7 @@ from torch import nn
 from ..generate import GenerationMixin, LatentCache, MLACache
 from ..kernels import compute
 from ..kernels.compute import NATIVE_ROWS, MLAStep, MLPStep, StackLayer, StackStep
+from ..layers.activation import SILU, GatedAct
 from ..layers.embedding import Embedding, TiedHead
 from ..layers.linear import (
     FloatParams,
@@ -576,9 +577,11 @@ class MLP(nn.Module):
     """Gated MLP ``down(silu(gate(x)) * up(x))`` (dense layers and shared experts); one native
     call for a few rows where the three are bound to weight forms."""
 
-    def __init__(self, d: Decisions, base: str, hidden: int, inter: int) -> None:
+    def __init__(self, d: Decisions, base: str, hidden: int, inter: int, act: GatedAct = SILU) -> None:
         super().__init__()
         self.qp_ckpt = d.ck(base)
+        #: the gated activation (SiLU, or Kimi-K3's SiTU: then no native step, which computes SiLU)
+        self.act = act
         self.gate_proj = _lin(d, f"{base}.gate_proj", hidden, inter)
         self.up_proj = _lin(d, f"{base}.up_proj", hidden, inter)
         self.down_proj = _lin(d, f"{base}.down_proj", inter, hidden)
@@ -591,6 +594,8 @@ class MLP(nn.Module):
 
     def qp_fuse(self) -> None:
         self.gate_up = fuse_projections([self.gate_proj, self.up_proj])
+        if not self.act.is_silu:
+            return
         ok, reduce = _step_reduce([self.gate_proj, self.up_proj], [self.down_proj])
         if ok:
             self.step = MLPStep.build(self.gate_proj, self.up_proj, self.down_proj, stacked=False, reduce=reduce)
@@ -608,8 +613,8 @@ class MLP(nn.Module):
             return self.one(x.reshape(1, -1)).view(x.shape)
         if self.gate_up is not None:
             gate, up = self.gate_up(x).split(self.gate_proj.out_features, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.act(gate, up))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 
 class Router(FloatParams):
@@ -671,11 +676,21 @@ class Router(FloatParams):
 
 
 class Experts(nn.Module):
-    """Routed experts as three stacked linears (gate, up: [E, I, H]; down: [E, H, I])."""
+    """Routed experts as three stacked linears (gate, up: [E, I, H]; down: [E, H, I]).
 
-    def __init__(self, cfg: ModelConfig, d: Decisions, base: str) -> None:
+    ``hidden``: the experts' input / output width (default ``hidden_size``; Kimi-K3's latent MoE
+    gives its latent width); ``names``: the stored names of the gate, up and down projections
+    per expert (hub layout: ``{base}.{k}.{name}``; Kimi-Linear stores ``w1``, ``w3``, ``w2``);
+    ``act``: the gated activation (SiTU: no native step, which computes SiLU)."""
+
+    #: the stored per-expert names of (gate_proj, up_proj, down_proj) in DeepSeek's hub layout
+    HUB_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, cfg: ModelConfig, d: Decisions, base: str, *, hidden: int | None = None,
+                 names: tuple[str, str, str] = HUB_NAMES, act: GatedAct = SILU) -> None:
         super().__init__()
-        e, h, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        e, h, inter = cfg.n_routed_experts, hidden or cfg.hidden_size, cfg.moe_intermediate_size
+        self.act = act
         self.n = e
         #: routed experts [first, first + count) are computed here (expert parallelism:
         #: :meth:`qp_hold_experts` gives each rank a contiguous block); stacked slot = k - slot_base
@@ -688,11 +703,11 @@ class Experts(nn.Module):
         self.down_proj: StackedLinear
         ckb = self.qp_ckpt = d.ck(base)
         layout = d.expert_layout(ckb)
-        for proj, (i, o) in (("gate_proj", (h, inter)), ("up_proj", (h, inter)), ("down_proj", (inter, h))):
+        for proj, stored, (i, o) in zip(self.HUB_NAMES, names, ((h, inter), (h, inter), (inter, h))):
             name = f"{ckb}.{proj}"
             src: StackLayout
             if layout in ("hub", "none"):
-                src = PerIndexLayout(tuple(f"{ckb}.{k}.{proj}" for k in range(e)))
+                src = PerIndexLayout(tuple(f"{ckb}.{k}.{stored}" for k in range(e)))
             elif layout == "stacked":
                 src = StackedLayout(name)
             elif proj == "down_proj":
@@ -721,6 +736,8 @@ class Experts(nn.Module):
 
     def qp_fuse(self) -> None:
         self.gate_up = fuse_projections([self.gate_proj, self.up_proj])
+        if not self.act.is_silu:
+            return
         self.step = MLPStep.build(self.gate_proj, self.up_proj, self.down_proj, stacked=True, reduce=self.qp_parallel)
         if self.step is None:
             self.one = fuse_mlp(self.gate_proj, self.up_proj, self.down_proj)
@@ -767,9 +784,9 @@ class Experts(nn.Module):
         xs = x.index_select(0, tok)
         if self.gate_up is not None:
             gate, up = self.gate_up(xs, groups).split(self.gate_proj.out_features, dim=-1)
-            hs = F.silu(gate) * up
+            hs = self.act(gate, up)
         else:
-            hs = F.silu(self.gate_proj.forward_grouped(xs, groups)) * self.up_proj.forward_grouped(xs, groups)
+            hs = self.act(self.gate_proj.forward_grouped(xs, groups), self.up_proj.forward_grouped(xs, groups))
         hs = self.down_proj.forward_grouped(hs, groups) * w.reshape(-1).index_select(0, order).unsqueeze(-1)
         out.index_add_(0, tok, hs.to(out.dtype))
         if self.qp_parallel is not None:
@@ -792,9 +809,9 @@ class Experts(nn.Module):
         xs = x.expand(len(hit), -1)
         if self.gate_up is not None:
             gate, up = self.gate_up(xs, groups).split(self.gate_proj.out_features, dim=-1)
-            hs = F.silu(gate) * up
+            hs = self.act(gate, up)
         else:
-            hs = F.silu(self.gate_proj.forward_grouped(xs, groups)) * self.up_proj.forward_grouped(xs, groups)
+            hs = self.act(self.gate_proj.forward_grouped(xs, groups), self.up_proj.forward_grouped(xs, groups))
         hs = (self.down_proj.forward_grouped(hs, groups) * w[0, [j for _, j in hit]].unsqueeze(-1)).to(x.dtype)
         out = hs[:1]
         for r in range(1, len(hit)):
@@ -819,7 +836,14 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """Mixture of experts: ``gate`` (the router: ``gate(x)`` -> expert ids and weights per row,
     ``gate.route_one`` for one token), the routed :class:`Experts` and optional shared experts
-    (an :class:`MLP`). An architecture may put its own router in ``gate``."""
+    (an :class:`MLP`). An architecture may put its own router in ``gate``.
+
+    ``latent`` (Kimi-K3's latent MoE, ``routed_expert_hidden_size``): the routed experts work in a
+    narrower space: ``z = routed_expert_down_proj(x)``, the weighted sum of the chosen experts of
+    ``z`` (an RMSNorm ``routed_expert_norm`` of that sum when ``latent_norm``: the sum of every
+    rank's experts, before the norm), then ``routed_expert_up_proj`` back to the hidden width; the
+    router and the shared experts read ``x`` at full width. ``names`` / ``act``: the experts' stored
+    projection names and the activation of every MLP here (see :class:`Experts`)."""
 
     #: the next MoE layer, whose likely experts a decode step prefetches when experts are served
     #: from the checkpoint's files (set by the text model after loading)
@@ -827,12 +851,20 @@ class MoE(nn.Module):
     #: load option ``expert_prefetch``
     qp_prefetch = True
 
-    def __init__(self, cfg: ModelConfig, d: Decisions, base: str) -> None:
+    def __init__(self, cfg: ModelConfig, d: Decisions, base: str, *, names: tuple[str, str, str] = Experts.HUB_NAMES,
+                 act: GatedAct = SILU, latent: int | None = None, latent_norm: bool = False) -> None:
         super().__init__()
         self.gate = Router(cfg, d.ck(f"{base}.gate"))
-        self.experts = Experts(cfg, d, f"{base}.experts")
+        #: the latent width of the routed experts (None: they read the hidden states themselves)
+        self.latent = latent
+        if latent is not None:
+            self.routed_expert_down_proj = _lin(d, f"{base}.routed_expert_down_proj", cfg.hidden_size, latent)
+            self.routed_expert_up_proj = _lin(d, f"{base}.routed_expert_up_proj", latent, cfg.hidden_size)
+        self.routed_expert_norm = (RMSNorm(latent, cfg.rms_norm_eps, d.ck(f"{base}.routed_expert_norm"))
+                                   if latent is not None and latent_norm else None)
+        self.experts = Experts(cfg, d, f"{base}.experts", hidden=latent, names=names, act=act)
         self.shared_experts = (MLP(d, f"{base}.shared_experts", cfg.hidden_size,
-                                   cfg.moe_intermediate_size * cfg.n_shared_experts)
+                                   cfg.moe_intermediate_size * cfg.n_shared_experts, act)
                                if cfg.n_shared_experts else None)
 
     def _prefetch_next(self, flat: torch.Tensor) -> None:
@@ -846,29 +878,39 @@ class MoE(nn.Module):
         ex.qp_store.prefetch([e - ex.slot_base for e in ids if ex.first <= e < ex.first + ex.count])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])
+        if self.latent is None:
+            out = self._routed(x, x.reshape(-1, x.shape[-1]), x.shape)
+        else:
+            flat = x.reshape(-1, x.shape[-1])
+            z = self._routed(flat, self.routed_expert_down_proj(flat), (flat.shape[0], self.latent))
+            if self.routed_expert_norm is not None:
+                z = self.routed_expert_norm(z)
+            out = self.routed_expert_up_proj(z).view(x.shape)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def _routed(self, route: torch.Tensor, flat: torch.Tensor, shape: Any) -> torch.Tensor:
+        """The routed experts' weighted sum for the rows of ``flat`` [N, width] (the hidden states,
+        or their latent), chosen by the router on ``route`` [N, hidden]; shaped ``shape``."""
+        route = route.reshape(-1, route.shape[-1])
         if (self.experts.step is not None or self.experts.qp_store is not None) and flat.shape[0] <= NATIVE_ROWS:
             # few tokens (a decode step, a small batch): routed on Python numbers, every token's
             # experts in one native call
             if flat.shape[0] == 1:
-                ids, ws = self.gate.route_one(flat)
+                ids, ws = self.gate.route_one(route)
                 rows_ids, rows_w = [ids], [ws]
             else:
-                idx, w = self.gate(flat)
+                idx, w = self.gate(route)
                 rows_ids, rows_w = idx.tolist(), w.tolist()
-            self._prefetch_next(flat)
-            out = self.experts.forward_step(flat, rows_ids, rows_w).view(shape)
-        elif flat.shape[0] == 1 and self.experts.one is not None:
+            self._prefetch_next(route)
+            return self.experts.forward_step(flat, rows_ids, rows_w).view(shape)
+        if flat.shape[0] == 1 and self.experts.one is not None:
             # a decode step through the scheme's fused MLP: no routing tensors, and (as for every
             # fused call) no forward hooks of the router or the expert linears
-            out = self.experts.forward_one(flat, *self.gate.route_one(flat)).view(shape)
-        else:
-            idx, w = self.gate(flat)
-            out = self.experts(flat, idx, w).view(shape)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+            return self.experts.forward_one(flat, *self.gate.route_one(route)).view(shape)
+        idx, w = self.gate(route)
+        return self.experts(flat, idx, w).view(shape)
 
 
 class DecoderLayer(nn.Module):
