@@ -100,7 +100,7 @@ def test_mtp_layer_is_skipped_by_rule(tmp_path, pm):
 def test_kimi_k3_output_gate_matches_direct_formula(tmp_path, pm):
     cfg = tiny_config(mla_use_output_gate=True, num_hidden_layers=1, first_k_dense_replace=1)
     state = random_state(cfg, seed=10)
-    wcfg, tensors = wrap_kimi(cfg, state, arch="KimiK3ForConditionalGeneration")
+    wcfg, tensors = wrap_kimi(cfg, state, arch="KimiK25ForConditionalGeneration")
     model = quantplug.load(write_checkpoint(tmp_path / "k3", wcfg, tensors), plugin_manager=pm)
     attn = model.language_model.model.layers[0].self_attn
     x = torch.randn(1, 5, cfg["hidden_size"])

@@ -102,7 +102,7 @@ def test_kimi_wrapper_greedy_equals_transformers(tmp_path):
 
 def test_kimi_k3_output_gate_cache_equals_recompute(tmp_path):
     cfg = tiny_config(mla_use_output_gate=True)
-    wrapped, tensors = wrap_kimi(cfg, random_state(cfg, seed=7), "KimiK3ForConditionalGeneration")
+    wrapped, tensors = wrap_kimi(cfg, random_state(cfg, seed=7), "KimiK25ForConditionalGeneration")
     model = quantplug.load(write_checkpoint(tmp_path / "k3", wrapped, tensors), progress=False)
     check_cached_equals_recompute(model, IDS)
     out = model.generate(IDS, 6, eos_token_id=None)

@@ -8,7 +8,8 @@ DeepSeek-V3.2 sparse attention (DSA, ``index_topk`` in the config): each MLA lay
 ``self_attn.indexer`` (:class:`Indexer`), which scores every cached key for each query and keeps
 the top ``index_topk``; attention then reads only those keys (see :meth:`MLA.forward`).
 
-Kimi-K3 output gate (``mla_use_output_gate``): each MLA layer has ``self_attn.g_proj``
+MLA output gate (``mla_use_output_gate``, as Kimi-K3's MLA has one; here on DeepSeek-V3's
+layout): each MLA layer has ``self_attn.g_proj``
 (Linear hidden_size -> num_heads * v_head_dim, no bias); the attention output, before
 ``o_proj``, is multiplied elementwise by ``sigmoid(g_proj(hidden_states))`` where
 ``hidden_states`` is the attention block's (normed) input.
@@ -1221,6 +1222,3 @@ class KimiK25ForConditionalGeneration(GenerationMixin, nn.Module):
     def text_lm(self) -> DeepseekV3ForCausalLM:
         return self.language_model
 
-
-class KimiK3ForConditionalGeneration(KimiK25ForConditionalGeneration):
-    """Kimi-K3: as K2.5, plus the optional MLA output gate (see the module docstring)."""

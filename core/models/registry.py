@@ -2,7 +2,7 @@
 
 An architecture is registered through the ``quantplug.architectures`` entry-point group: the
 entry point's name is the ``architectures[0]`` it builds, its value an :class:`ArchSpec`. The
-core's own (DeepSeek-V3, DeepSeek-V3.2, Kimi-K2.5 / K2.6, the DeepSeek-V3 layout with an MLA output gate)
+core's own (DeepSeek-V3, DeepSeek-V3.2, Kimi-K2.5 / K2.6, Kimi-Linear, the released Kimi-K3)
 register there from quantplug's own ``pyproject.toml``, exactly as a third party's distribution
 does::
 
@@ -26,7 +26,7 @@ from torch import nn
 
 from ..errors import QuantplugError, UnknownArchitectureError
 from ..types import SkipRule
-from . import deepseek
+from . import deepseek, kimi
 from .config import ModelConfig, parse_model_config
 
 log = logging.getLogger("quantplug")
@@ -73,11 +73,12 @@ DEEPSEEK_V3 = ArchSpec("DeepseekV3ForCausalLM", deepseek.DeepseekV3ForCausalLM, 
 DEEPSEEK_V32 = ArchSpec("DeepseekV32ForCausalLM", deepseek.DeepseekV32ForCausalLM, False, _TEXT_SKIPS)
 KIMI_K25 = ArchSpec("KimiK25ForConditionalGeneration", deepseek.KimiK25ForConditionalGeneration, True,
                     _TEXT_SKIPS + _VISION)
-KIMI_K3 = ArchSpec("KimiK3ForConditionalGeneration", deepseek.KimiK3ForConditionalGeneration, True,
-                   _TEXT_SKIPS + _VISION)
+KIMI_LINEAR = ArchSpec("KimiLinearForCausalLM", kimi.KimiLinearForCausalLM, False, _TEXT_SKIPS, kimi.parse_kimi_config)
+KIMI_K3 = ArchSpec("KimiK3ForConditionalGeneration", kimi.KimiK3ForConditionalGeneration, True,
+                   _TEXT_SKIPS + _VISION, kimi.parse_kimi_config)
 
 #: the core's own architectures by name (what quantplug's ``pyproject.toml`` registers)
-ARCHITECTURES: dict[str, ArchSpec] = {s.name: s for s in (DEEPSEEK_V3, DEEPSEEK_V32, KIMI_K25, KIMI_K3)}
+ARCHITECTURES: dict[str, ArchSpec] = {s.name: s for s in (DEEPSEEK_V3, DEEPSEEK_V32, KIMI_K25, KIMI_LINEAR, KIMI_K3)}
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,7 @@ def build_cases(root: Path) -> dict[str, list[dict]]:
     paths["dense-fused-hubrope"] = (write_checkpoint(root / "dense-fused", hub_rope_spelling(cfg),
                                                      to_layout(state, "fused")), {})
     k3 = tiny_config(mla_use_output_gate=True, tie_word_embeddings=True, q_lora_rank=None)
-    kc, kt = wrap_kimi(k3, random_state(k3, seed=2), arch="KimiK3ForConditionalGeneration")
+    kc, kt = wrap_kimi(k3, random_state(k3, seed=2), arch="KimiK25ForConditionalGeneration")
     paths["kimi-k3-gate-tied-qproj"] = (write_checkpoint(root / "kimi-k3", kc, kt), {})
     paths["quark-vendor"] = (VENDOR / "quark_mxfp4_dsv3", {})
     paths["modelslim-vendor"] = (VENDOR / "modelslim_w8a8_dsv3", {"activation_quant": "msmodelslim"})
