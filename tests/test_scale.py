@@ -22,11 +22,11 @@ import torch
 from quantplug.testing.probes import forbid_data_reads
 from quantplug.testing.scale import (
     DEEPSEEK_V3_SHARDS,
+    KIMI_K3_SHARDS,
     DiskSpaceError,
     ShardWriter,
     StoredTensor,
     check_free_disk,
-    KIMI_K3_SHARDS,
     deepseek_v3_config,
     kimi_k2_config,
     kimi_k3_config,
