@@ -49,7 +49,7 @@ from ..checkpoint.safetensors_index import write_header
 __all__ = ["StoredTensor", "deepseek_v3_config", "kimi_k2_config", "slice_config", "release_tensors",
            "shard_layout", "safetensors_header", "write_header_only", "ShardWriter", "check_free_disk",
            "DiskSpaceError", "DEEPSEEK_V3_SHARDS", "KIMI_K2_SHARDS", "KIMI_K3_SHARDS",
-           "kimi_k3_config", "kimi_k3_tensors"]
+           "kimi_k3_config", "kimi_k3_slice_config", "kimi_k3_tensors"]
 
 #: bytes per element of the safetensors dtypes used here
 ITEMSIZE = {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I8": 1, "I32": 4, "I64": 8}
@@ -209,6 +209,21 @@ def kimi_k3_config() -> dict[str, Any]:
     }
     return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
             "media_placeholder_token_id": 163605, "tie_word_embeddings": False, "text_config": text}
+
+
+def kimi_k3_slice_config(dense_width: int | None = None) -> dict[str, Any]:
+    """K3's release config cut to two decoder layers at its real widths: layer 0 KDA with the dense
+    MLP (``intermediate_size``, 33792 unless ``dense_width``), layer 1 MLA with the latent MoE (896
+    MXFP4 experts); the vocabulary, hidden size and every other value as released. The ignore list
+    follows the two layers."""
+    cfg = kimi_k3_config()
+    text = cfg["text_config"]
+    text["num_hidden_layers"] = 2
+    text["linear_attn_config"].update(kda_layers=[1], full_attn_layers=[2])
+    if dense_width is not None:
+        text["intermediate_size"] = dense_width
+    text["quantization_config"]["ignore"] = _k3_unquantized_linears(text)
+    return cfg
 
 
 def slice_config(layers: int, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
