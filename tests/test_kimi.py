@@ -325,3 +325,21 @@ def test_kda_state_option_bfloat16_halves_the_state_with_its_error_measured(k3):
     errs = [rel_err(half[i], full[i]) for i in range(full.shape[0])]
     assert errs[0] == 0.0 and 0 < sum(errs) / len(errs) < 0.2
     assert (half.argmax(-1) == full.argmax(-1)).float().mean() >= 0.75
+
+
+def test_engine_bridges_refuse_kda_models_by_name_before_reading_data(k3):
+    """Issue: the engine bridges fill DeepSeek-V3 module trees; a KDA model is refused at plan
+    time naming why (transformers' bridge), and planned_modules (vLLM's) refuses it too."""
+    from quantplug.bridge import engine_refusal, planned_modules
+    from quantplug.errors import QuantplugError
+    from quantplug.testing.probes import forbid_data_reads
+
+    path, _, _ = k3
+    with forbid_data_reads(path) as reads:
+        why = engine_refusal(quantplug.plan(path).model)
+    assert not reads.events and why is not None and "KDA (Kimi Delta Attention)" in why
+    with pytest.raises(QuantplugError, match=r"planned_modules: KimiLinearForCausalLM: its KDA"):
+        planned_modules(quantplug.load(path))
+    qt = pytest.importorskip("quantplug_transformers")
+    with forbid_data_reads(path), pytest.raises(qt.BridgeError, match=r"KDA \(Kimi Delta Attention\) layers"):
+        qt.from_pretrained(path)
