@@ -88,7 +88,7 @@ class Declared:
 def _specs_of(pm: PluginManager, name: str) -> list[OptionSpec]:
     """Every OptionSpec backend ``name`` declares (checked: values, names, no clash with the core)."""
     out: list[OptionSpec] = []
-    for answer, info in pm.call("quantplug_options", [name], firstresult=False):
+    for answer, info in pm.call("quantplug_options", [name]):
         seen: set[tuple[str, str]] = set()
         for spec in answer:
             if spec.scope == "load" and spec.name in _CORE_NAMES:

@@ -269,6 +269,41 @@ def test_trace_logs_every_call(ckpt, caplog):
     assert "[core (quantplug" in text
 
 
+def test_pluggy_monitoring_sees_every_hook_call_of_a_plan(pm, ckpt):
+    """Hooks run through pluggy's own callers: add_hookcall_monitoring sees every call the plan
+    makes, with the one plugin whose answer the plan records (issue: the manager used to call the
+    implementations itself, and pluggy's tools saw nothing)."""
+    pm.register(SchemeBackend("acme"), "acme")
+    seen: list[tuple[str, list[str]]] = []
+    undo = pm.pluggy.add_hookcall_monitoring(
+        lambda hook, impls, kwargs: seen.append((hook, [i.plugin_name for i in impls])), lambda *a: None)
+    try:
+        plan = build_plan(ckpt, plugin_manager=pm)
+    finally:
+        undo()
+    assert {h for h, _ in seen} >= {"quantplug_detect", "quantplug_resolve_prefix", "quantplug_linear_scheme",
+                                    "quantplug_attention_layout"}
+    assert all(len(impls) == 1 for _, impls in seen)  # one plugin per call: the answer is that plugin's
+    scheme_calls = [impls[0] for h, impls in seen if h == "quantplug_linear_scheme"]
+    decided = [d for d in plan.decisions if d.hook == "quantplug_linear_scheme"]
+    assert set(scheme_calls) == {"acme"} and {d.plugin.name for d in decided} == {"acme"}
+
+
+def test_first_result_and_answer_types_come_from_the_specs(pm):
+    from quantplug.errors import QuantplugError
+    from quantplug.plugins import answer_types
+
+    first = {n for n in PluginManager.hook_names() if pm.firstresult(n)}
+    assert first == {"quantplug_tensor_names", "quantplug_resolve_prefix", "quantplug_attention_layout",
+                     "quantplug_linear_scheme", "quantplug_export"}
+    # every hook that answers declares what an answer is, on its spec
+    assert set(answer_types()) == set(PluginManager.hook_names()) - {"quantplug_process_after_loading",
+                                                                     "quantplug_cli_commands"}
+    assert all(getattr(hookspecs, n).qp_answer[0] == a.expected for n, a in answer_types().items())
+    with pytest.raises(QuantplugError, match=r"quantplug_detect: its spec says firstresult=False"):
+        pm.call("quantplug_detect", None, firstresult=True, checkpoint=None)
+
+
 def test_every_hookspec_documented_and_exercised():
     tests_src = "".join(p.read_text() for p in Path(__file__).parent.rglob("*.py"))
     plugins_root = Path(__file__).parents[1] / "plugins"
