@@ -659,6 +659,11 @@ class KimiLinearForCausalLM(GenerationMixin, nn.Module):
         "fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"],
         "gate_up_proj": ["gate_proj", "up_proj"],
     }
+    #: why the engine bridges (quantplug.bridge) refuse it
+    qp_engine_refusal: ClassVar[str] = (
+        "its KDA (Kimi Delta Attention) layers have no place in the DeepSeek-V3 module tree the engine bridges "
+        "fill (transformers' KimiLinearForCausalLM and vLLM's Kimi-Linear model are not bridged); run it with "
+        "quantplug.load / generate")
     #: the KDA state's dtype in a new cache (float32; bfloat16 halves it, as sglang's
     #: ``--mamba-ssm-dtype bfloat16``)
     qp_state_dtype: torch.dtype = torch.float32
