@@ -31,7 +31,6 @@ convolution's last inputs) per KDA layer beside one latent cache per MLA layer.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -237,8 +236,8 @@ class ShortConv(FloatParams):
         c, w = self.channels, self.width
         if info is None or info.shape in ((c, 1, w), (c, w), (1, c, 1, w)):
             return []
-        return [Problem(f"shape {list(info.shape)}, expected [{c}, 1, {w}], [{c}, {w}] or [1, {c}, 1, {w}] "
-                        f"(depthwise convolution of {self.qp_ckpt})",
+        return [Problem(f"shape {list(info.shape)}, expected [{c}, 1, {w}] or [{c}, {w}] (or llama.cpp's "
+                        f"[1, {c}, 1, {w}]; depthwise convolution of {self.qp_ckpt})",
                         tensor=info.label, file=info.file.name, kind="shape")]
 
     def kernel(self) -> torch.Tensor:
@@ -373,8 +372,8 @@ class KDA(FloatParams):
     docstring). Parameters of its own: ``dt_bias`` [H * K] and the heads' decay rate (float32), as
     one of two checkpoint tensors:
 
-    * ``A_log`` (the release): stored [1, 1, H, 1] (Kimi-Linear; any shape with the H heads on one
-      axis and ones elsewhere), [H] (llama.cpp's reading of K3) or as a longer 1-D tensor of which the first H entries are the heads' (sglang's and
+    * ``A_log`` (the release): stored [1, 1, H, 1] (Kimi-Linear), [H] (llama.cpp's reading of K3),
+      [H, 1] (a llama-quantize rewrite of llama.cpp's [1, 1, H, 1]) or as a longer 1-D tensor of which the first H entries are the heads' (sglang's and
       llama.cpp's converter's rule for K3's [head_dim] tensor);
     * ``A`` = ``-exp(A_log)``, folded (llama.cpp's converter stores it so, ``blk.N.ssm_a``): the
       same shapes. The gate needs only ``exp(A_log)`` = ``-A`` (:meth:`a_exp`), so the folded form
@@ -428,12 +427,12 @@ class KDA(FloatParams):
         info = log or folded
         assert info is not None
         shape, n = info.shape, self.heads
-        # one axis of n heads, the others 1: [1, 1, H, 1] (Kimi-Linear), [H], or as llama-quantize
-        # rewrites llama.cpp's [1, H, 1, 1] ne without trailing ones ([H, 1])
-        if (math.prod(shape) == n and sum(d != 1 for d in shape) <= 1) or (len(shape) == 1 and shape[0] > n):
+        # [1, 1, H, 1] (Kimi-Linear; llama.cpp's ssm_a ne [1, H, 1, 1]), [H], or [H, 1]: llama-quantize
+        # writes that ne without its trailing ones ([1, H])
+        if shape in ((1, 1, n, 1), (n,), (n, 1)) or (len(shape) == 1 and shape[0] > n):
             return []
-        return [Problem(f"shape {list(shape)}, expected [1, 1, {n}, 1] (Kimi-Linear; or another shape of {n} "
-                        f"entries on one axis), [{n}] (one per KDA head) or a "
+        return [Problem(f"shape {list(shape)}, expected [1, 1, {n}, 1] (Kimi-Linear; [{n}, 1] after llama-quantize), "
+                        f"[{n}] (one per KDA head) or a "
                         f"1-D tensor of more than {n} entries whose first {n} are the heads' (Kimi-K3's "
                         f"[head_dim] as sglang and llama.cpp read it)", tensor=info.label, file=info.file.name,
                         kind="shape")]

@@ -1,8 +1,9 @@
 """Tiny Kimi-Linear and Kimi-K3 checkpoints under their release names, for the GGUF tests, the
 llama.cpp comparison bench and the fixture script (``tests/data/vendor/make_gguf_kimi.py``).
 
-Adapted from the project's Kimi smoke generator until ``quantplug.testing.kimi`` (the canonical
-tiny-checkpoint writers) is on main. Dimensions are chosen for GGUF: every matrix's input width
+Kept beside ``quantplug.testing.kimi`` (the canonical tiny-checkpoint writers, on main since) because
+the committed GGUF fixtures were converted from these exact seeded weights (the tests regenerate
+the sources from their seeds), and because of what GGUF needs here. Dimensions are chosen for GGUF: every matrix's input width
 is a multiple of 32 (Q4_0 / Q8_0 / MXFP4 blocks); the dense MLP's 256-wide rows (down_proj) take
 K-quants in llama.cpp's quantizer, the others fall back to legacy types as llama.cpp decides. KDA heads = MLA heads (llama.cpp's K3 converter
 keeps the first ``num_attention_heads`` entries of ``A_log``); K3's ``A_log`` is stored
