@@ -72,14 +72,7 @@ def _private(plan: LoadPlan, info: TensorInfo) -> torch.Tensor:
     """The tensor as :meth:`Checkpoint.tensor` gives it (dtype and shape; GGUF blocks as
     [..., row_bytes]), but read with ``preadv`` into memory of its own: no memory map (option
     ``mmap=False``)."""
-    from .checkpoint.gguf_index import gguf_view
-
-    raw = torch.empty(info.nbytes, dtype=torch.uint8)
-    if info.nbytes:
-        read_into(plan.checkpoint.fd(info.file), info.offset, raw)
-    if info.format == "gguf":
-        return gguf_view(raw, info)
-    return raw.view(TORCH_DTYPES[info.dtype]).view(info.shape)
+    return plan.checkpoint.read(info)[1]
 
 
 def _materialize(plan: LoadPlan, pp: ParamPlan, device: torch.device, stage: _Stage) -> torch.Tensor:
