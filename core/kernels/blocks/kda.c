@@ -96,15 +96,45 @@ static void kda_update_bf16(uint16_t *restrict s, const float *restrict q, const
     }
 }
 
-/* the short convolution of channel c for sequence b over its history hist [W - 1] and this
- * token's x, the history then shifted by one; SiLU of the sum */
-static inline float kda_conv(const float *w, float *hist, float x, int64_t W) {
-    float acc = 0.f;
-    for (int64_t j = 0; j < W - 1; j++) acc += w[j] * hist[j];
-    acc += w[W - 1] * x;
-    for (int64_t j = 0; j + 1 < W - 1; j++) hist[j] = hist[j + 1];
-    if (W > 1) hist[W - 2] = x;
-    return silu(acc);
+/* x[i] = e^x[i] over n values: 16 / 8 lanes at a time where the build has them (below 2 ulp from
+ * expf: the twin's torch.exp differs from expf by as much), the rest by expf */
+static void kda_exp(float *x, int64_t n) {
+    int64_t i = 0;
+#if defined(QP_AVX512)
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, exp512(_mm512_loadu_ps(x + i)));
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp8_avx2(_mm256_loadu_ps(x + i)));
+#endif
+    for (; i < n; i++) x[i] = expf(x[i]);
+}
+
+/* x[i] = x[i] / (1 + e^-x[i]) (SiLU) over n values; e: n floats of scratch */
+static void kda_silu(float *x, float *e, int64_t n) {
+    for (int64_t i = 0; i < n; i++) e[i] = -x[i];
+    kda_exp(e, n);
+    for (int64_t i = 0; i < n; i++) x[i] = x[i] / (1.f + e[i]);
+}
+
+/* x[i] = 1 / (1 + e^-x[i]) (sigmoid) over n values */
+static void kda_sigmoid_run(float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] = -x[i];
+    kda_exp(x, n);
+    for (int64_t i = 0; i < n; i++) x[i] = 1.f / (1.f + x[i]);
+}
+
+/* the short convolution of n channels (weights w [n, W], histories hist [n, W - 1], this token's x
+ * [n]) into c [n], each history then shifted by one (x appended) */
+static void kda_conv(const float *w, float *hist, const float *x, float *c, int64_t n, int64_t W) {
+    for (int64_t i = 0; i < n; i++) {
+        const float *wi = w + i * W;
+        float *hi = hist + i * (W - 1);
+        float acc = 0.f;
+        for (int64_t j = 0; j < W - 1; j++) acc += wi[j] * hi[j];
+        acc += wi[W - 1] * x[i];
+        for (int64_t j = 0; j + 1 < W - 1; j++) hi[j] = hi[j + 1];
+        if (W > 1) hi[W - 2] = x[i];
+        c[i] = acc;
+    }
 }
 
 /* x / sqrt(sum x^2 + 1e-6) over n values */
@@ -121,24 +151,29 @@ static void kda_head(int64_t b, int64_t h, int64_t H, int64_t K, int64_t W, cons
                      float lower_bound, const float *beta_logits, const float *gate, const float *o_norm_w, float eps,
                      void *state, int state_bf16, float *out) {
     const int64_t D = H * K, C = 3 * D;
-    float q[KDA_MAX_K], k[KDA_MAX_K], v[KDA_MAX_K], d[KDA_MAX_K], t[KDA_MAX_K], o[KDA_MAX_K];
-    float *const qkv[3] = {q, k, v};
-    for (int p = 0; p < 3; p++)
-        for (int64_t i = 0; i < K; i++) {
-            const int64_t c = p * D + h * K + i;
-            qkv[p][i] = kda_conv(conv_w + c * W, conv_state + (b * C + c) * (W - 1), u[b * C + c], W);
-        }
+    /* q | k | v, then the decays d, the delta t (first k^T S), the output o, the gate's sigmoid sg */
+    float qkv[3 * KDA_MAX_K], d[KDA_MAX_K], t[3 * KDA_MAX_K], o[KDA_MAX_K], sg[KDA_MAX_K];
+    float *const q = qkv, *const k = qkv + K, *const v = qkv + 2 * K;
+    for (int p = 0; p < 3; p++) {
+        const int64_t c = p * D + h * K;
+        kda_conv(conv_w + c * W, conv_state + (b * C + c) * (W - 1), u + b * C + c, qkv + p * K, K, W);
+    }
+    kda_silu(qkv, t, 3 * K);
     kda_l2norm(q, K);
     const float scale = (float)(1.0 / sqrt((double)K));  /* the twin's K ** -0.5 */
     for (int64_t i = 0; i < K; i++) q[i] = q[i] * scale;
     kda_l2norm(k, K);
     const float beta = kda_sigmoid(beta_logits[b * H + h]);
     const float A = expf(a_log[h]);
-    for (int64_t i = 0; i < K; i++) {
-        const float p = gpre[b * D + h * K + i] + dt_bias[h * K + i];
-        const float g = bounded ? lower_bound * kda_sigmoid(A * p) : -A * kda_softplus(p);
-        d[i] = expf(g);
+    const float *gp = gpre + b * D + h * K, *db = dt_bias + h * K;
+    if (bounded) {  /* g = lb * sigmoid(A * p) */
+        for (int64_t i = 0; i < K; i++) d[i] = A * (gp[i] + db[i]);
+        kda_sigmoid_run(d, K);
+        for (int64_t i = 0; i < K; i++) d[i] = lower_bound * d[i];
+    } else {        /* g = -A * softplus(p) */
+        for (int64_t i = 0; i < K; i++) d[i] = -A * kda_softplus(gp[i] + db[i]);
     }
+    kda_exp(d, K);
     const int64_t off = (b * H + h) * K * K;
     if (state_bf16) kda_ks_bf16((const uint16_t *)state + off, k, d, t, K);
     else kda_ks_f32((const float *)state + off, k, d, t, K);
@@ -148,8 +183,10 @@ static void kda_head(int64_t b, int64_t h, int64_t H, int64_t K, int64_t W, cons
     float ss = 0.f;
     for (int64_t j = 0; j < K; j++) ss += o[j] * o[j];
     const float r = 1.f / sqrtf(ss / (float)K + eps);
+    memcpy(sg, gate + b * D + h * K, sizeof(float) * (size_t)K);
+    kda_sigmoid_run(sg, K);
     float *y = out + b * D + h * K;
-    for (int64_t j = 0; j < K; j++) y[j] = o[j] * r * o_norm_w[j] * kda_sigmoid(gate[b * D + h * K + j]);
+    for (int64_t j = 0; j < K; j++) y[j] = o[j] * r * o_norm_w[j] * sg[j];
 }
 
 /* One KDA decode token for B sequences of H heads of width K (D = H K), every array float32 and
