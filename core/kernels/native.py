@@ -296,7 +296,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "qp_dequant": ([mp, i64, i64, p, i64, i32], i32),
         "qp_act_rows": ([mp, i64, p, i64, p], i32),
         "qp_gemm": ([mpp, i32, i64, i64, p, i64, p, p, p, p, p, i64, i32], i32),
-        "qp_mlp": ([mpp, mpp, mpp, i32, i64, p, i64, i32, p, p, p, p, i64, i32], i32),
+        "qp_mlp": ([mpp, mpp, mpp, i32, i64, p, i64, i32, p, p, p, p, i64, i32, i32, ctypes.c_float, ctypes.c_float], i32),
         "qp_latent_pre": ([ctypes.POINTER(LatentAttn), i64, p, p, p, p, p, i32], i32),
         "qp_latent_post": ([ctypes.POINTER(LatentAttn), i64, p, p, i64, i64, p, i64, i64, i64, i32, p, p, i32], i32),
         "qp_latent_step": ([ctypes.POINTER(LatentAttn), i64, p, p, p, i64, i64, p, i64, i64, i64, i32, p, i32], i32),
