@@ -77,16 +77,7 @@ static void kda_update_bf16(uint16_t *restrict s, const float *restrict q, const
         uint16_t *restrict r = s + i * K;
         int64_t j = 0;
 #if defined(__AVX2__) && !defined(QP_AVX512)
-        /* the rounding to bfloat16 is what the compiler does not vectorize by itself */
-        const __m256 vd = _mm256_set1_ps(di), vbk = _mm256_set1_ps(bk), vq = _mm256_set1_ps(qi);
-        for (; j + 8 <= K; j += 8) {
-            const __m256 sv = _mm256_castsi256_ps(_mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(r + j))), 16));
-            const __m256 v = _mm256_add_ps(_mm256_mul_ps(sv, vd), _mm256_mul_ps(vbk, _mm256_loadu_ps(delta + j)));
-            _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_loadu_ps(o + j), _mm256_mul_ps(vq, v)));
-            const __m256i b = _mm256_srli_epi32(_mm256_castps_si256(round8_bf16(v)), 16);
-            _mm_storeu_si128((__m128i *)(r + j), _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
-        }
+        j = kda_row_bf16_run_avx2(r, di, bk, delta, qi, o, K);  /* the rounding the compiler leaves scalar */
 #endif
         for (; j < K; j++) {
             const float v = kda_bf16_f32(r[j]) * di + bk * delta[j];
@@ -96,14 +87,14 @@ static void kda_update_bf16(uint16_t *restrict s, const float *restrict q, const
     }
 }
 
-/* x[i] = e^x[i] over n values: 16 / 8 lanes at a time where the build has them (below 2 ulp from
- * expf: the twin's torch.exp differs from expf by as much), the rest by expf */
+/* x[i] = e^x[i] over n values: 16 / 8 lanes at a time where the build has them (a few ulp from
+ * expf, as the twin's vectorised torch.exp may be), the rest by expf */
 static void kda_exp(float *x, int64_t n) {
     int64_t i = 0;
 #if defined(QP_AVX512)
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, exp512(_mm512_loadu_ps(x + i)));
+    i = exp_run512(x, n);
 #elif defined(__AVX2__) && defined(__FMA__)
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp8_avx2(_mm256_loadu_ps(x + i)));
+    i = exp_run_avx2(x, n);
 #endif
     for (; i < n; i++) x[i] = expf(x[i]);
 }
