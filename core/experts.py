@@ -355,9 +355,8 @@ class ExpertStore:
         for chunk in self._chunks(sorted({s for _, s, _ in pairs})):
             entries = dict(zip(chunk, self.cache.get(self, chunk)))
             part = [(r, s, w) for r, s, w in pairs if s in entries]
-            y = None
-            if act.is_silu:  # the native gated MLP computes SiLU
-                y = compute.mlp_over([entries[s].layers for s in chunk], x, [(r, chunk.index(s), w) for r, s, w in part])
+            y = compute.mlp_over([entries[s].layers for s in chunk], x, [(r, chunk.index(s), w) for r, s, w in part],
+                                 act=act.native)
             if y is None:  # no native kernels: the layers' own products
                 y = torch.zeros(x.shape[0], x.shape[-1], dtype=x.dtype, device=x.device)
                 for r, s, w in part:

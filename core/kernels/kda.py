@@ -11,8 +11,7 @@ unavailable or the inputs are not as it takes them, and the caller runs the twin
 
 Both take the projections of one token, before the short convolution, and the layer's per-sequence
 state, which they update in place: ``conv_state`` (the last W - 1 pre-conv inputs) and ``state``
-(the recurrent S, [B, H, K, V], K = V = head_dim, float32 or bfloat16). The math (docs:
-ARCHITECTURES.md B3, C3), per token and head, in float32:
+(the recurrent S, [B, H, K, V], K = V = head_dim, float32 or bfloat16). The math (docs/architectures/kimi.md), per token and head, in float32:
 
 * conv: ``c[t] = sum_j w[c, j] * u[t - W + 1 + j, c]`` (history zero at sequence start), SiLU on
   q, k and v;

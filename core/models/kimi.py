@@ -41,6 +41,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..generate import GenerationError, GenerationMixin, LatentCache, MLACache, layer_cache
+from ..kernels.kda import kda_step
 from ..layers.activation import SILU, GatedAct
 from ..layers.embedding import Embedding, TiedHead
 from ..layers.linear import FloatParams
@@ -412,6 +413,8 @@ class KDA(FloatParams):
         self.o_norm = RMSNorm(hd, cfg.rms_norm_eps, d.ck(f"{base}.o_norm"))
         self.o_proj = _lin(d, f"{base}.o_proj", dim, h)
         self._conv: torch.Tensor | None = None
+        #: decode steps through the native KDA step (false: the torch recurrence, e.g. to compare)
+        self.native = True
 
     def qp_check(self, found: Mapping[str, TensorInfo]) -> list[Problem]:
         log, folded = found.get("A_log"), found.get("A")
@@ -474,6 +477,10 @@ class KDA(FloatParams):
         in place: convolution inputs, recurrent state, length). ``cos`` / ``sin`` are ignored
         (no position input), accepted for the decoder layer's common call."""
         b, t, _ = x.shape
+        if t == 1 and cache is not None and self.native and cache.length < cache.limit:
+            out = self._step(x, cache)
+            if out is not None:
+                return out
         heads, hd, dim = self.heads, self.head_dim, self.dim
         u = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1).float().transpose(1, 2)  # [B, 3D, T]
         w = self.conv_weight()
@@ -501,6 +508,23 @@ class KDA(FloatParams):
         gate = self.output_gate(x).float().unflatten(-1, (heads, hd))
         o = self.o_norm(o) * torch.sigmoid(gate)
         return self.o_proj(o.flatten(-2).to(x.dtype))
+
+
+    def _step(self, x: torch.Tensor, cache: KDAState) -> torch.Tensor | None:
+        """One decode token of B sequences with the native step (:func:`quantplug.kernels.kda.kda_step`:
+        convolution, gates, the state update and the gated norm in one call; the projections are
+        the layers' own products), or None (nothing changed) where it cannot run."""
+        b = x.shape[0]
+        xf = x.reshape(b, -1)
+        u = torch.cat([self.q_proj(xf), self.k_proj(xf), self.v_proj(xf)], dim=-1).float().contiguous()
+        o = kda_step(u, self.conv_weight(), cache.conv, self.f_b_proj(self.f_a_proj(xf)).float().contiguous(),
+                     self.dt_bias.float().contiguous(), self.a_log().contiguous(), self.lower_bound,
+                     self.b_proj(xf).float().contiguous(), self.output_gate(xf).float().contiguous(),
+                     self.o_norm.weight.float().contiguous(), self.o_norm.eps, cache.state)
+        if o is None:
+            return None
+        cache.advance(1)
+        return self.o_proj(o.view(b, 1, -1).to(x.dtype))
 
 
 class ResScore(FloatParams):
