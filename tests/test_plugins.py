@@ -269,24 +269,43 @@ def test_trace_logs_every_call(ckpt, caplog):
     assert "[core (quantplug" in text
 
 
-def test_pluggy_monitoring_sees_every_hook_call_of_a_plan(pm, ckpt):
-    """Hooks run through pluggy's own callers: add_hookcall_monitoring sees every call the plan
-    makes, with the one plugin whose answer the plan records (issue: the manager used to call the
-    implementations itself, and pluggy's tools saw nothing)."""
-    pm.register(SchemeBackend("acme"), "acme")
+class Observed(SchemeBackend):
+    """A backend implementing the load-time hooks too, so plan, load and generate all call it."""
+
+    @hookimpl
+    def quantplug_validate_plan(self, plan):
+        return []
+
+    @hookimpl
+    def quantplug_process_after_loading(self, model):
+        model.observed = True
+
+
+def test_pluggy_monitoring_sees_every_hook_call_of_plan_load_and_generate(pm, ckpt):
+    """Hooks run through pluggy's own callers: add_hookcall_monitoring sees every call that plan,
+    load and generate make, each with the one plugin whose answer is recorded (the manager used
+    to call the implementations itself, and pluggy's tools saw nothing: then ``seen`` is empty)."""
+    import torch
+
+    pm.register(Observed("acme"), "acme")
     seen: list[tuple[str, list[str]]] = []
     undo = pm.pluggy.add_hookcall_monitoring(
         lambda hook, impls, kwargs: seen.append((hook, [i.plugin_name for i in impls])), lambda *a: None)
     try:
-        plan = build_plan(ckpt, plugin_manager=pm)
+        model = quantplug.load(ckpt, plugin_manager=pm, progress=False)
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2)
     finally:
         undo()
-    assert {h for h, _ in seen} >= {"quantplug_detect", "quantplug_resolve_prefix", "quantplug_linear_scheme",
-                                    "quantplug_attention_layout"}
+    plan = model.quantplug_plan
+    assert {h for h, _ in seen} == {"quantplug_detect", "quantplug_resolve_prefix",
+                                    "quantplug_linear_scheme", "quantplug_attention_layout",
+                                    "quantplug_validate_plan", "quantplug_process_after_loading"}
     assert all(len(impls) == 1 for _, impls in seen)  # one plugin per call: the answer is that plugin's
-    scheme_calls = [impls[0] for h, impls in seen if h == "quantplug_linear_scheme"]
-    decided = [d for d in plan.decisions if d.hook == "quantplug_linear_scheme"]
-    assert set(scheme_calls) == {"acme"} and {d.plugin.name for d in decided} == {"acme"}
+    assert model.observed
+    # every recorded decision of a hook was a call pluggy saw, by the plugin the decision names
+    for hook in ("quantplug_linear_scheme", "quantplug_attention_layout", "quantplug_resolve_prefix"):
+        decided = [d.plugin.name for d in plan.decisions if d.hook == hook]
+        assert decided and set(decided) <= {p for h, impls in seen if h == hook for p in impls}, hook
 
 
 def test_first_result_and_answer_types_come_from_the_specs(pm):
