@@ -1,6 +1,6 @@
 """Tiny Kimi-Linear and released Kimi-K3 checkpoints (configs, random weights, writers).
 
-Everything here follows ``ARCHITECTURES.md`` sections B (Kimi-Linear) and C (Kimi-K3): the config
+Everything here follows docs/architectures/kimi.md (Kimi-Linear, Kimi-K3): the config
 field names of the release (``num_experts``, ``linear_attn_config`` with **1-based** layer lists, ...),
 the release tensor names and shapes (``block_sparse_moe.experts.E.w1/w2/w3``, separate
 ``{q,k,v}_conv1d``, ``f_a_proj`` / ``f_b_proj`` / ``dt_bias`` / ``A_log`` on ``self_attn``), and for
