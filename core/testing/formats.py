@@ -34,10 +34,16 @@ import torch
 from . import write_checkpoint
 
 #: linear projections of the text model (what the formats quantize), DeepSeek-V3.2's indexer wq_b / wk
-#: and the MTP layers' ``eh_proj`` included; router, norms, embeddings stay float
-LINEAR = re.compile(r"(^|\.)model\.layers\.\d+\.((self_attn|mlp)\.(.+\.)?"
-                    r"(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|g_proj|gate_proj|up_proj|down_proj|"
-                    r"indexer\.wq_b|indexer\.wk)"
+#: and the MTP layers' ``eh_proj`` included; router, norms, embeddings stay float. The Kimi family's
+#: too (module names, not DeepSeek's assumed): the MoE block ``block_sparse_moe`` with per-expert
+#: ``w1`` / ``w3`` / ``w2`` and the latent ``routed_expert_down_proj`` / ``routed_expert_up_proj``;
+#: KDA's ``k_proj`` / ``v_proj`` / ``f_a_proj`` / ``f_b_proj`` / ``b_proj`` / ``g_a_proj`` /
+#: ``g_b_proj``. KDA's convolutions, ``dt_bias`` / ``A_log`` and the attention-residual
+#: ``*_res_proj`` [1, hidden] are float parameters, never matched
+LINEAR = re.compile(r"(^|\.)model\.layers\.\d+\.((self_attn|mlp|block_sparse_moe)\.(.+\.)?"
+                    r"(q_a_proj|q_b_proj|q_proj|k_proj|v_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|g_proj|gate_proj|"
+                    r"up_proj|down_proj|f_a_proj|f_b_proj|b_proj|g_a_proj|g_b_proj|routed_expert_down_proj|"
+                    r"routed_expert_up_proj|w1|w2|w3|indexer\.wq_b|indexer\.wk)"
                     r"|eh_proj)\.weight$")
 
 
