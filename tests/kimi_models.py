@@ -198,3 +198,58 @@ def transformers_kimi_linear(cfg: dict[str, Any], state: dict[str, torch.Tensor]
     missing, unexpected = model.load_state_dict(sd, strict=False)
     assert not unexpected and not missing, (sorted(missing)[:5], sorted(unexpected)[:5])
     return model
+
+
+def _mxfp4_scale(w: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' MXFP4 weight scale per 32 along the input: the power of two
+    ``2^(floor(log2(amax)) - 2)`` (its ``round_to_power_2`` rule, e8m0 exponent clamped to [0, 255])."""
+    amax = w.float().unflatten(-1, (-1, 32)).abs().amax(-1).clamp(min=torch.finfo(torch.float32).tiny)
+    e = (127 + torch.floor(torch.log2(amax)) - 2).clamp(0, 255)
+    return torch.exp2(e - 127)
+
+
+def write_k3_release(path: Path, cfg: dict[str, Any], state: dict[str, torch.Tensor]) -> tuple[Path, Path]:
+    """Kimi-K3 as released: compressed-tensors ``mxfp4-pack-quantized`` on the routed experts only,
+    each packed by compressed-tensors' own ``MXFP4PackedCompressor`` (``weight_packed`` uint8
+    [out, in/2], low nibble = even column; ``weight_scale`` uint8 E8M0 [out, in/32]), every other
+    tensor in the release's dtypes (bfloat16; convolutions, dt_bias, A_log float32), the config's
+    ``ignore`` listing every non-expert linear by name (the modules llm-compressor left out), the
+    quantization_config inside ``text_config`` and again at the top level.
+
+    Returns (the release, its dequantized twin): the same model with every tensor in float32, the
+    experts decoded by the compressor's ``decompress`` (float32 scales: exact)."""
+    import re
+
+    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    weights = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32,
+               "dynamic": False, "scale_dtype": "torch.uint8"}
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights))
+    expert = re.compile(r"\.block_sparse_moe\.experts\.\d+\.w[123]\.weight$")
+    linear = re.compile(r"(_proj|_proj_with_mqa|lm_head|\.w[123])\.weight$")
+    rel = release_dtypes(state)
+    packed: dict[str, torch.Tensor] = {}
+    deq: dict[str, torch.Tensor] = {}
+    for name, t in rel.items():
+        if not expert.search(name):
+            packed[name], deq[name] = t, t.float()
+            continue
+        base = name.removesuffix(".weight")
+        w = t.float()
+        sd = MXFP4PackedCompressor.compress({"weight": w, "weight_scale": _mxfp4_scale(w)}, scheme)
+        packed.update({f"{base}.{k}": v for k, v in sd.items()})
+        back = MXFP4PackedCompressor.decompress({k: v.clone() for k, v in sd.items()}, scheme)
+        deq[name] = back["weight"].float()
+    ignore = sorted(n.removesuffix(".weight") for n, t in state.items()
+                    if linear.search(n) and t.dim() == 2 and not expert.search(n) and "_res_proj" not in n)
+    qc = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized", "quantization_status": "compressed",
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                        "output_activations": None, "format": "mxfp4-pack-quantized"}},
+          "ignore": ignore, "kv_cache_scheme": None}
+    qcfg = copy.deepcopy(cfg)
+    qcfg["text_config"]["quantization_config"] = qc
+    qcfg["quantization_config"] = qc
+    release = write_checkpoint(Path(path), qcfg, packed)
+    dense = write_checkpoint(Path(str(path) + "-dequantized"), cfg, deq)
+    return release, dense

@@ -72,8 +72,9 @@ def quark(path: Path, config: Mapping[str, Any], state: Mapping[str, torch.Tenso
     qc = {"quant_method": "quark", "global_quant_config": {"weight": weight, "input_tensors": None,
                                                          "output_tensors": None, "bias": None},
           "layer_quant_config": {}, "layer_type_quant_config": {},
-          # Quark exports leave lm_head unquantized (and this writer does not quantize it)
-          "exclude": ["lm_head"] if "lm_head.weight" in state else [],
+          # Quark exports leave lm_head unquantized (and this writer does not quantize it), under the
+          # name the checkpoint stores it by (language_model.lm_head in a Kimi wrapper)
+          "exclude": [n.removesuffix(".weight") for n in state if n.split(".")[-2:] == ["lm_head", "weight"]],
           "export": {"weight_format": "real_quantized", "pack_method": "reorder"}, "version": "0.13"}
     return write_checkpoint(path, _with_qc(config, qc), out)
 
@@ -168,9 +169,11 @@ def gguf(path: Path, config: Mapping[str, Any], state: Mapping[str, torch.Tensor
         w.add_nextn_predict_layers(nextn)
     w.add_embedding_length(int(text["hidden_size"]))
     w.add_head_count(int(text["num_attention_heads"]))
-    w.add_expert_count(int(text["n_routed_experts"]))
-    w.add_expert_used_count(int(text["num_experts_per_tok"]))
-    w.add_leading_dense_block_count(int(text["first_k_dense_replace"]))
+    # DeepSeek's config names, or Kimi-Linear's (whose KDA tensors have no deepseek2 name: left out,
+    # so a reader of deepseek2 files refuses the checkpoint at plan time naming them)
+    w.add_expert_count(int(text.get("n_routed_experts", text.get("num_experts", 0))))
+    w.add_expert_used_count(int(text.get("num_experts_per_tok", text.get("num_experts_per_token", 0))))
+    w.add_leading_dense_block_count(int(text.get("first_k_dense_replace", 0)))
     if dsa:  # transformers' DeepseekV32Config defaults where the config leaves them out
         w.add_indexer_head_count(int(text.get("index_n_heads", 64)))
         w.add_indexer_key_length(int(text.get("index_head_dim", 128)))
