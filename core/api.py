@@ -241,11 +241,34 @@ def convert_expert_layout(state: Mapping[str, torch.Tensor], layout: str) -> dic
     """Routed experts between the hub layout (``experts.{k}.{proj}.weight``, ``layout="hub"``) and
     the transformers 5 fused one (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj``,
     ``layout="fused"``); other tensors pass through."""
-    from .testing import to_layout
-
     if layout not in ("hub", "fused"):
         raise QuantplugError(f"convert_expert_layout: layout {layout!r}; expected 'hub' or 'fused'")
-    return to_layout(state, layout)
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, t in state.items():
+        if ".mlp.experts." not in name:
+            out[name] = t
+            continue
+        base, rest = name.split(".mlp.experts.", 1)
+        if layout == "fused" and rest[0].isdigit():
+            idx, proj, _ = rest.split(".", 2)
+            groups.setdefault(base, {}).setdefault(int(idx), {})[proj] = t
+        elif layout == "hub" and not rest[0].isdigit():
+            for k in range(int(t.shape[0])):
+                if rest == "gate_up_proj":
+                    inter = t.shape[1] // 2
+                    out[f"{base}.mlp.experts.{k}.gate_proj.weight"] = t[k, :inter].clone()
+                    out[f"{base}.mlp.experts.{k}.up_proj.weight"] = t[k, inter:].clone()
+                else:
+                    out[f"{base}.mlp.experts.{k}.down_proj.weight"] = t[k].clone()
+        else:
+            out[name] = t
+    for base, experts in groups.items():
+        ks = sorted(experts)
+        out[f"{base}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([experts[k]["gate_proj"], experts[k]["up_proj"]]) for k in ks])
+        out[f"{base}.mlp.experts.down_proj"] = torch.stack([experts[k]["down_proj"] for k in ks])
+    return out
 
 
 def plan_of(model: nn.Module) -> LoadPlan:

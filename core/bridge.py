@@ -221,6 +221,20 @@ def text_model(model: nn.Module) -> nn.Module:
     return lm
 
 
+def engine_refusal(model: nn.Module) -> str | None:
+    """Why an engine (vLLM, transformers) cannot take the modules of ``model`` (loaded, or a
+    plan's skeleton): its text model's class states it in ``qp_engine_refusal``, or declares no
+    ``qp_engine_plan`` at all; None when it can. Checked at plan time, before any data is read."""
+    lm = text_model(model)
+    why = getattr(type(lm), "qp_engine_refusal", None)
+    if why:
+        return f"{type(lm).__name__}: {why}"
+    if not any(getattr(type(m), "qp_engine_plan", None) for m in lm.modules()):
+        return (f"{type(lm).__name__} declares no engine mapping (qp_engine_plan): an engine has no place for "
+                "its modules")
+    return None
+
+
 def _engine_entries(lm: nn.Module) -> dict[str, tuple[nn.Module, object]]:
     """The modules the text model's ``qp_engine_plan`` names, by name, with their entries."""
     return {name: (mod, entry) for name, mod, entry in
@@ -246,6 +260,9 @@ def planned_modules(model: nn.Module) -> dict[str, Projection]:
     holding a member its engine entry lists as ``unsupported`` is refused, naming it and why.
     """
     lm = text_model(model)
+    why = engine_refusal(model)
+    if why:
+        raise QuantplugError(f"planned_modules: {why}")
     engine = _engine_entries(lm)
     out: dict[str, Projection] = {}
     for name, mod in lm.named_modules():

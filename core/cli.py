@@ -280,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=cmd_demo)
     pm = get_plugin_manager()
     try:
-        pm.call("quantplug_cli_commands", pm.active(), firstresult=False, subparsers=sub)
+        pm.call("quantplug_cli_commands", pm.active(), subparsers=sub)
     except QuantplugError as exc:  # a broken plugin must not take the whole CLI down
         print(f"warning: {exc}; its commands are unavailable", file=sys.stderr)
     return ap

@@ -33,13 +33,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import TORCH_DTYPES, qpack, storage_shape
-from .checkpoint.gguf_index import GGUF_FLOATS, gguf_view
+from .checkpoint import qpack, storage_shape
+from .checkpoint.gguf_index import GGUF_FLOATS
 from .errors import LoadError
 from .kernels import compute
 from .layers.activation import SILU
 from .layers.linear import StackedLayout, StackedLinear
-from .memory import read_into
 from .types import TensorInfo
 
 #: the projections of a routed expert, in the order their entries hold them
@@ -103,11 +102,9 @@ def _slot_pieces(pp: Any, n: int) -> list[_Piece] | str:
 
 def _read(ckpt: Any, piece: _Piece) -> torch.Tensor:
     info = piece.info
-    raw = torch.empty(info.nbytes, dtype=torch.uint8)
+    raw, t = ckpt.read(info, random_access=True)
     if info.nbytes:
-        read_into(ckpt.fd(info.file, random_access=True), info.offset, raw)
         qpack.verify(ckpt, info, raw)  # an expert pack's payload: sha256 checked on first read
-    t = gguf_view(raw, info) if info.format == "gguf" else raw.view(TORCH_DTYPES[info.dtype]).view(info.shape)
     return t if t.dtype == piece.dtype else t.to(piece.dtype)
 
 
@@ -358,9 +355,8 @@ class ExpertStore:
         for chunk in self._chunks(sorted({s for _, s, _ in pairs})):
             entries = dict(zip(chunk, self.cache.get(self, chunk)))
             part = [(r, s, w) for r, s, w in pairs if s in entries]
-            y = None
-            if act.is_silu:  # the native gated MLP computes SiLU
-                y = compute.mlp_over([entries[s].layers for s in chunk], x, [(r, chunk.index(s), w) for r, s, w in part])
+            y = compute.mlp_over([entries[s].layers for s in chunk], x, [(r, chunk.index(s), w) for r, s, w in part],
+                                 act=act.native)
             if y is None:  # no native kernels: the layers' own products
                 y = torch.zeros(x.shape[0], x.shape[-1], dtype=x.dtype, device=x.device)
                 for r, s, w in part:

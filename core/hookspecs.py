@@ -17,6 +17,19 @@ plugins. Two kinds of hooks (a test checks these lists against :data:`GLOBAL_HOO
 Answers are frozen dataclasses from :mod:`quantplug.types` (or a ``LinearScheme`` object), never
 dicts with magic keys. The plugin manager stamps every answer with the plugin that gave it, and
 the plan records it as a :class:`~quantplug.types.Decision`.
+
+Each spec below is the one source of its hook's contract: whether the first answer wins
+(``firstresult``) and what an answer must be (:func:`answers`); the plugin manager reads both
+from here. Hooks are called through pluggy's own callers (one subset caller per plugin, so that
+every answer is known to be that plugin's), so pluggy's tracing and ``add_hookcall_monitoring``
+(on ``quantplug.plugins.PluginManager.pluggy``) see every call.
+
+**Hook wrappers are refused by design** (a plugin with a ``wrapper`` / ``hookwrapper``
+implementation fails to register, naming the hook): every answer is recorded as one plugin's
+decision and checked against the checkpoint, and a wrapper that changed another plugin's answer
+would make that record name the wrong plugin. A backend changes its own answers in its own
+implementation; cross-cutting observation (logging, timing) uses pluggy's monitoring, which
+observes without answering.
 """
 
 from __future__ import annotations
@@ -39,6 +52,20 @@ if TYPE_CHECKING:
     from .plan import LoadPlan
 
 PROJECT = "quantplug"
+
+
+def answers(expected: str, kinds: Any, items: Any = None) -> Any:
+    """Declare what a hook's non-None answer must be: an instance of ``kinds()`` and, for a
+    sequence answer, every item (for a mapping, every value) an instance of ``items()``;
+    ``expected`` says so in words for error messages. ``kinds`` / ``items`` are callables so the
+    types may live in modules this one cannot import at load time."""
+
+    def mark(fn: Any) -> Any:
+        fn.qp_answer = (expected, kinds, items)
+        return fn
+
+    return mark
+
 
 #: Version of this hook contract (``MAJOR.MINOR``). A plugin declares the version it was written
 #: for as ``QUANTPLUG_CONTRACT = "1.1"`` in its entry-point module (absent: "1.0"); the manager
@@ -146,11 +173,24 @@ BACKEND_HOOKS = frozenset({
 })
 
 
+def _arch_spec() -> tuple[type, ...]:
+    from .models.registry import ArchSpec
+
+    return (ArchSpec,)
+
+
+def _linear_scheme() -> tuple[type, ...]:
+    from .layers.linear import LinearScheme
+
+    return (LinearScheme,)
+
+
 # ---------------------------------------------------------------------------------------------
 # Detection (global)
 # ---------------------------------------------------------------------------------------------
 
 @hookspec
+@answers("quantplug.api.Claim or None", lambda: (Claim,))
 def quantplug_detect(checkpoint: Checkpoint) -> Claim | None:
     """Say whether this backend can load ``checkpoint``.
 
@@ -180,6 +220,7 @@ def quantplug_detect(checkpoint: Checkpoint) -> Claim | None:
 
 
 @hookspec
+@answers("a mapping of architecture name -> quantplug.api.ArchSpec", lambda: (Mapping,), _arch_spec)
 def quantplug_architectures() -> Mapping[str, ArchSpec] | None:
     """Add model architectures: ``{config.json architectures[0]: ArchSpec}``.
 
@@ -214,6 +255,7 @@ def quantplug_architectures() -> Mapping[str, ArchSpec] | None:
 # ---------------------------------------------------------------------------------------------
 
 @hookspec
+@answers("a sequence of quantplug.api.OptionSpec", lambda: (Sequence,), lambda: (OptionSpec,))
 def quantplug_options() -> Sequence[OptionSpec] | None:
     """Declare every option this backend reads: name, type, default, allowed values, one line of help.
 
@@ -250,6 +292,7 @@ def quantplug_options() -> Sequence[OptionSpec] | None:
 # ---------------------------------------------------------------------------------------------
 
 @hookspec(firstresult=True)
+@answers("a mapping of model tensor name -> stored tensor name", lambda: (Mapping,), lambda: (str,))
 def quantplug_tensor_names(
     architecture: str, model_config: ModelConfig, quant_config: Any, checkpoint: Checkpoint
 ) -> Mapping[str, str] | None:
@@ -280,6 +323,7 @@ def quantplug_tensor_names(
 
 
 @hookspec(firstresult=True)
+@answers("str", lambda: (str,))
 def quantplug_resolve_prefix(
     architecture: str, model_config: ModelConfig, quant_config: Any, checkpoint: Checkpoint
 ) -> str | None:
@@ -301,6 +345,7 @@ def quantplug_resolve_prefix(
 
 
 @hookspec
+@answers("a mapping of fused name -> shard names", lambda: (Mapping,))
 def quantplug_packed_modules(architecture: str, quant_config: Any) -> Mapping[str, Sequence[str]] | None:
     """Add fused-module names and their shards, e.g. ``{"gate_up_proj": ["gate_proj", "up_proj"]}``.
 
@@ -323,6 +368,7 @@ def quantplug_packed_modules(architecture: str, quant_config: Any) -> Mapping[st
 
 
 @hookspec(firstresult=True)
+@answers("quantplug.api.AttentionLayout", lambda: (AttentionLayout,))
 def quantplug_attention_layout(
     architecture: str, layer_name: str, model_config: ModelConfig, quant_config: Any, checkpoint: Checkpoint
 ) -> AttentionLayout | None:
@@ -349,6 +395,7 @@ def quantplug_attention_layout(
 
 
 @hookspec(firstresult=True)
+@answers("a quantplug.api.LinearScheme", _linear_scheme)
 def quantplug_linear_scheme(
     layer_name: str,
     layer_kind: str,
@@ -426,6 +473,7 @@ def quantplug_linear_scheme(
 
 
 @hookspec
+@answers("a sequence of quantplug.api.Problem", lambda: (Sequence,), lambda: (Problem,))
 def quantplug_validate_plan(plan: LoadPlan, quant_config: Any) -> Sequence[Problem] | None:
     """Check the finished plan against the format's own rules, from headers only.
 
@@ -493,6 +541,7 @@ def quantplug_cli_commands(subparsers: Any) -> None:
     "model_config": DeprecationWarning("quantplug_export(model_config=...) is deprecated since contract 1.1: "
                                        "use plan.model_config"),
 })
+@answers("quantplug.api.ExportResult or a sequence of them", lambda: (ExportResult, Sequence), lambda: (ExportResult,))
 def quantplug_export(
     model: torch.nn.Module, model_config: ModelConfig, destination: Path, options: Mapping[str, Any],
     plan: LoadPlan,

@@ -72,14 +72,7 @@ def _private(plan: LoadPlan, info: TensorInfo) -> torch.Tensor:
     """The tensor as :meth:`Checkpoint.tensor` gives it (dtype and shape; GGUF blocks as
     [..., row_bytes]), but read with ``preadv`` into memory of its own: no memory map (option
     ``mmap=False``)."""
-    from .checkpoint.gguf_index import gguf_view
-
-    raw = torch.empty(info.nbytes, dtype=torch.uint8)
-    if info.nbytes:
-        read_into(plan.checkpoint.fd(info.file), info.offset, raw)
-    if info.format == "gguf":
-        return gguf_view(raw, info)
-    return raw.view(TORCH_DTYPES[info.dtype]).view(info.shape)
+    return plan.checkpoint.read(info)[1]
 
 
 def _materialize(plan: LoadPlan, pp: ParamPlan, device: torch.device, stage: _Stage) -> torch.Tensor:
@@ -131,9 +124,12 @@ def execute(plan: LoadPlan, *, device: str | torch.device = "cpu",
             if hasattr(mod, "qp_prefetch"):
                 setattr(mod, "qp_prefetch", prefetch)  # noqa: B010 (a class default, set per model)
     indexer = str(plan.options.get("indexer", "exact"))  # DSA models (the plan checked the head size)
+    state = torch.bfloat16 if plan.options.get("kda_state", "float32") == "bfloat16" else torch.float32
     for mod in model.modules():
         if hasattr(mod, "qp_indexer"):
             setattr(mod, "qp_indexer", indexer)  # noqa: B010 (a class default, set per model)
+        if hasattr(mod, "qp_state_dtype"):
+            setattr(mod, "qp_state_dtype", state)  # noqa: B010 (KDA models' cache state dtype)
     # shard by shard: sorting by (file, offset) turns reads into one forward sweep per file
     order = sorted((p for p in plan.params if id(p) not in served),
                    key=lambda p: (str(p.sources[0][1].file), p.sources[0][1].offset))

@@ -32,6 +32,8 @@ KERNELS = ("exact", "fast")
 #: the values of the ``indexer`` option (DSA models): transformers' float32 scoring, or DeepSeek's
 #: reference FP8 indexer (:class:`quantplug.models.deepseek.Indexer`)
 INDEXER_MODES = ("exact", "fp8")
+#: the values of the ``kda_state`` option (KDA models: Kimi-Linear, Kimi-K3)
+KDA_STATES = ("float32", "bfloat16")
 
 #: options the core reads itself (one table; a backend may not declare these names again)
 CORE_OPTIONS: tuple[OptionSpec, ...] = (
@@ -55,6 +57,10 @@ CORE_OPTIONS: tuple[OptionSpec, ...] = (
                "DeepSeek-V3.2 (DSA) models: exact: the lightning indexer scores in float32 as transformers does; "
                "fp8: as DeepSeek's reference (Hadamard rotation, e4m3 per-head quantization with power-of-two "
                "scales, FP8 key cache)"),
+    OptionSpec("kda_state", str, "float32", KDA_STATES,
+               "KDA models (Kimi-Linear, Kimi-K3): dtype of the recurrent state a generation cache holds per "
+               "KDA layer and sequence (bfloat16 halves it: 207 instead of 414 MiB per sequence at Kimi-K3's "
+               "size, as sglang's --mamba-ssm-dtype bfloat16; updated in float32, stored rounded)"),
     OptionSpec("mtp", bool, True, None,
                "load the checkpoint's multi-token-prediction layers (num_nextn_predict_layers; speculative "
                "decoding drafts with them); false: skip them as before (saves their memory). Default: loaded "
@@ -82,7 +88,7 @@ class Declared:
 def _specs_of(pm: PluginManager, name: str) -> list[OptionSpec]:
     """Every OptionSpec backend ``name`` declares (checked: values, names, no clash with the core)."""
     out: list[OptionSpec] = []
-    for answer, info in pm.call("quantplug_options", [name], firstresult=False):
+    for answer, info in pm.call("quantplug_options", [name]):
         seen: set[tuple[str, str]] = set()
         for spec in answer:
             if spec.scope == "load" and spec.name in _CORE_NAMES:

@@ -62,7 +62,7 @@ from .checkpoint.gguf_index import GGUF_FLOATS
 from .errors import LoadError, ParallelError, QuantplugError
 from .layers.embedding import Embedding
 from .layers.linear import LinearScheme, PlannedModule, QuantLinear, Source, SplitRule, StackedLinear
-from .memory import read_into
+from .memory import read_runs
 from .models.declarations import (
     ColumnParallel,
     DeclarationError,
@@ -872,7 +872,7 @@ def read_slices(fd: int, info: TensorInfo, slices: Sequence[tuple[int, int, int]
                         f"{list(dst.shape)} {dst.dtype} expects {dst.numel()} elements")
     flat = dst.view(-1)
     if src_dtype == dst.dtype:
-        _pread_runs(fd, [(off, run) for off in offsets], flat.view(torch.uint8))
+        read_runs(fd, [(off, run) for off in offsets], flat.view(torch.uint8))
         return total
     # pieces of at most stage_bytes, batched into the staging buffer, converted in one copy
     cap = max(item, stage_bytes // item * item)
@@ -887,25 +887,11 @@ def read_slices(fd: int, info: TensorInfo, slices: Sequence[tuple[int, int, int]
             used += pieces[i][1]
             i += 1
         buf = stage.get(cap)[:used]
-        _pread_runs(fd, batch, buf)
+        read_runs(fd, batch, buf)
         count = used // item
         flat[pos:pos + count].copy_(buf.view(src_dtype))
         pos += count
     return total
-
-
-def _pread_runs(fd: int, runs: Sequence[tuple[int, int]], out: torch.Tensor) -> None:
-    """Read file ranges (offset, length) back to back into contiguous uint8 ``out``: one memory
-    view for all of them (a column slice is thousands of short rows; a view per call would cost
-    more than the reads)."""
-    arr: Any = out.numpy() if out.numel() else b""
-    view = memoryview(arr).cast("B")
-    pos = 0
-    for off, n in runs:
-        got = os.preadv(fd, [view[pos:pos + n]], off)
-        if got != n:  # short read: finish it the careful way
-            read_into(fd, off + got, out[pos + got:pos + n])
-        pos += n
 
 
 def materialize_sliced(plan: LoadPlan, pp: ParamPlan, device: torch.device, stage: Any, stage_bytes: int) -> torch.Tensor:

@@ -368,7 +368,7 @@ def _collect_params(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype,
         if isinstance(mod, QuantLinear | StackedLinear):
             for p in mod.scheme.check(mod.qp_ckpt, found):
                 problems.append(p)
-        if found and type(mod).qp_check is not PlannedModule.qp_check:
+        if type(mod).qp_check is not PlannedModule.qp_check:  # also with nothing found: alternative forms
             problems += mod.qp_check(found)
     return params, used
 

@@ -8,6 +8,9 @@
 * Every hook answer comes back stamped with the plugin that gave it.
 * Backend hooks are called only on the selected backend and the core defaults.
 * ``QUANTPLUG_TRACE=1`` logs every hook call, a summary of its arguments and each answer.
+* Hooks run through pluggy's own callers (a subset caller per plugin: each answer is known to be
+  that plugin's), so pluggy's tracing and ``add_hookcall_monitoring`` on :attr:`PluginManager.pluggy`
+  see every call; whether the first answer wins comes from the hook's spec.
 * Contract versions: a plugin built for another major version of the hook contract, or a
   newer minor one, or whose distribution requires a quantplug version other than this one, is
   recorded as failed with why (see :data:`quantplug.hookspecs.CONTRACT_VERSION`).
@@ -33,7 +36,7 @@ from packaging.version import InvalidVersion, Version
 from . import hookspecs
 from ._version import __version__
 from .errors import AmbiguousBackendError, NoBackendError, PlanError, PluginLoadError, QuantplugError
-from .types import CORE, AttentionLayout, Claim, ExportResult, OptionSpec, PluginInfo, Problem
+from .types import CORE, Claim, ExportResult, PluginInfo
 from .validation import quant_config_fields
 
 ENTRY_POINT_GROUP = "quantplug.backends"
@@ -116,24 +119,15 @@ class Answer:
 
 @functools.cache
 def answer_types() -> dict[str, Answer]:
-    """Every hook's answer type, checked in one place (:func:`wrong_answer`) for every plugin."""
-    from .layers.linear import LinearScheme
-    from .models.registry import ArchSpec
-
-    return {
-        "quantplug_detect": Answer((Claim,), "quantplug.api.Claim or None"),
-        "quantplug_architectures": Answer((Mapping,), "a mapping of architecture name -> quantplug.api.ArchSpec",
-                                          (ArchSpec,)),
-        "quantplug_options": Answer((Sequence,), "a sequence of quantplug.api.OptionSpec", (OptionSpec,)),
-        "quantplug_tensor_names": Answer((Mapping,), "a mapping of model tensor name -> stored tensor name", (str,)),
-        "quantplug_resolve_prefix": Answer((str,), "str"),
-        "quantplug_packed_modules": Answer((Mapping,), "a mapping of fused name -> shard names"),
-        "quantplug_attention_layout": Answer((AttentionLayout,), "quantplug.api.AttentionLayout"),
-        "quantplug_linear_scheme": Answer((LinearScheme,), "a quantplug.api.LinearScheme"),
-        "quantplug_validate_plan": Answer((Sequence,), "a sequence of quantplug.api.Problem", (Problem,)),
-        "quantplug_export": Answer((ExportResult, Sequence), "quantplug.api.ExportResult or a sequence of them",
-                                   (ExportResult,)),
-    }
+    """Every hook's answer type, as its spec declares it (:func:`quantplug.hookspecs.answers`),
+    checked in one place (:func:`wrong_answer`) for every plugin."""
+    out: dict[str, Answer] = {}
+    for name in dir(hookspecs):
+        declared = getattr(getattr(hookspecs, name), "qp_answer", None)
+        if name.startswith("quantplug_") and declared is not None:
+            expected, kinds, items = declared
+            out[name] = Answer(tuple(kinds()), expected, None if items is None else tuple(items()))
+    return out
 
 
 def wrong_answer(hook: str, value: Any) -> str | None:
@@ -187,6 +181,8 @@ class PluginManager:
         self._pm = pluggy.PluginManager(hookspecs.PROJECT)
         self._pm.add_hookspecs(hookspecs)
         self._records: dict[str, PluginRecord] = {}
+        #: pluggy's caller of (hook, one plugin), made on first use; cleared when plugins change
+        self._subsets: dict[tuple[str, str], Any] = {}
         from . import defaults
 
         self._pm.register(defaults, name=CORE_NAME)
@@ -251,6 +247,7 @@ class PluginManager:
         why = contract_problem(plugin)
         if why:
             raise PluginLoadError(f"plugin {name!r} ({distribution} {version}): {why}")
+        self._subsets.clear()
         try:
             self._pm.register(plugin, name=name)
         except pluggy.PluginValidationError as exc:
@@ -280,6 +277,13 @@ class PluginManager:
 
     # -- introspection ------------------------------------------------------------------------
 
+    @property
+    def pluggy(self) -> pluggy.PluginManager:
+        """The underlying pluggy manager: for pluggy's own tools (``add_hookcall_monitoring``,
+        ``enable_tracing``), which see every hook call. Register plugins with :meth:`register`, not
+        here (its checks and records would be skipped)."""
+        return self._pm
+
     @staticmethod
     def hook_names() -> list[str]:
         return sorted(n for n in dir(hookspecs) if n.startswith("quantplug_"))
@@ -302,14 +306,31 @@ class PluginManager:
 
     # -- calling ------------------------------------------------------------------------------
 
-    def call(self, hook: str, plugins: Iterable[str] | None, *, firstresult: bool,
+    def firstresult(self, hook: str) -> bool:
+        """Whether ``hook``'s first non-None answer wins (its spec's ``firstresult``)."""
+        spec = getattr(self._pm.hook, hook).spec
+        return bool(spec is not None and spec.opts.get("firstresult"))
+
+    def _caller(self, hook: str, name: str) -> Any:
+        """pluggy's caller of ``hook`` holding only plugin ``name``'s implementation."""
+        key = (hook, name)
+        sub = self._subsets.get(key)
+        if sub is None:
+            keep = self._pm.get_plugin(name)
+            sub = self._pm.subset_hook_caller(hook, remove_plugins=[p for p in self._pm.get_plugins() if p is not keep])
+            self._subsets[key] = sub
+        return sub
+
+    def call(self, hook: str, plugins: Iterable[str] | None, *, firstresult: bool | None = None,
              **kwargs: Any) -> list[tuple[Any, PluginInfo]]:
         """Call ``hook`` on the named plugins (None: all) in pluggy's order; stamp each answer.
 
-        Implementations run last-registered first with ``tryfirst``/``trylast`` honoured, and
-        receive only the arguments they name. An exception that is not a QuantplugError is
-        wrapped in one naming the plugin and hook; a QuantplugError that does not name its plugin
-        gets the name prefixed.
+        Implementations run last-registered first with ``tryfirst``/``trylast`` honoured, each
+        through pluggy's caller of that one plugin, and receive only the arguments they name. With
+        a ``firstresult`` hook (the spec decides; ``firstresult``, if given, must agree) the first
+        non-None answer ends the call. An exception that is not a QuantplugError is wrapped in one
+        naming the plugin and hook; a QuantplugError that does not name its plugin gets the name
+        prefixed.
 
         Scope is enforced here: a backend hook must name its plugins (one backend, and/or
         "core"); ``plugins=None`` (every plugin) is allowed for global hooks only.
@@ -323,6 +344,9 @@ class PluginManager:
                 raise QuantplugError(f"{hook} is a backend hook: called on one backend, not {backends}")
         elif hook not in hookspecs.GLOBAL_HOOKS:
             raise QuantplugError(f"{hook} is not a hook of the quantplug contract")
+        first = self.firstresult(hook)
+        if firstresult is not None and firstresult != first:
+            raise QuantplugError(f"{hook}: its spec says firstresult={first}; a caller cannot change that")
         allowed = None if plugins is None else set(plugins)
         caller = getattr(self._pm.hook, hook)
         answers: list[tuple[Any, PluginInfo]] = []
@@ -330,9 +354,8 @@ class PluginManager:
             if allowed is not None and impl.plugin_name not in allowed:
                 continue
             info = self.info(impl.plugin_name)
-            args = {a: kwargs[a] for a in impl.argnames}
             try:
-                result = impl.function(**args)
+                result = self._caller(hook, impl.plugin_name)(**kwargs)
             except PlanError:
                 raise
             except QuantplugError as exc:
@@ -345,6 +368,8 @@ class PluginManager:
                 raise named from exc
             except Exception as exc:
                 raise QuantplugError(f"plugin {info} failed in {hook}: {type(exc).__name__}: {exc}") from exc
+            if not first:  # pluggy's list of the one plugin's non-None answers
+                result = result[0] if result else None
             if self.trace:
                 summary = ", ".join(f"{k}={_summary(v)}" for k, v in kwargs.items())
                 trace_log.debug("%s(%s) -> %s [%s]", hook, summary, _summary(result), info)
@@ -355,21 +380,21 @@ class PluginManager:
                 target = f" for {kwargs['layer_name']}" if "layer_name" in kwargs else ""
                 raise QuantplugError(f"plugin {info} {wrong}{target}")
             answers.append((result, info))
-            if firstresult:
+            if first:
                 break
         return answers
 
     def backend_first(self, backend: str | None, hook: str, **kwargs: Any) -> tuple[Any, PluginInfo]:
         """First non-None answer of a backend hook: the backend's, else the core default's."""
         plugins = [CORE_NAME] + ([backend] if backend else [])
-        answers = self.call(hook, plugins, firstresult=True, **kwargs)
+        answers = self.call(hook, plugins, **kwargs)
         if not answers:
             return None, CORE
         return answers[0]
 
     def backend_all(self, backend: str | None, hook: str, **kwargs: Any) -> list[tuple[Any, PluginInfo]]:
         plugins = [CORE_NAME] + ([backend] if backend else [])
-        return self.call(hook, plugins, firstresult=False, **kwargs)
+        return self.call(hook, plugins, **kwargs)
 
     def export(self, backend: str, *, model: Any, destination: Any, plan: Any,
                options: Mapping[str, Any] | None = None) -> list[ExportResult]:
@@ -378,7 +403,7 @@ class PluginManager:
         writes nothing for this model."""
         from .options import export_options
 
-        answers = self.call("quantplug_export", [backend], firstresult=True, model=model,
+        answers = self.call("quantplug_export", [backend], model=model,
                             model_config=plan.model_config, destination=destination,
                             options=export_options(self, backend, options), plan=plan)
         if not answers:
@@ -393,7 +418,7 @@ class PluginManager:
         each other and with those registered through the ``quantplug.architectures`` entry points."""
         from .models.registry import check_plugin_architectures
 
-        return check_plugin_architectures(self.call("quantplug_architectures", None, firstresult=False))
+        return check_plugin_architectures(self.call("quantplug_architectures", None))
 
     # -- detection ----------------------------------------------------------------------------
 
@@ -404,7 +429,7 @@ class PluginManager:
             raise NoBackendError(f"backend {backend!r} is not installed or not active; installed: "
                                  f"{', '.join(installed) or 'none'}")
         claims = []
-        for claim, info in self.call("quantplug_detect", installed, firstresult=False, checkpoint=checkpoint):
+        for claim, info in self.call("quantplug_detect", installed, checkpoint=checkpoint):
             if claim.backend != info.name:
                 raise QuantplugError(f"plugin {info} claimed as {claim.backend!r}; a Claim must carry the "
                                      "backend's own entry-point name")

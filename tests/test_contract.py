@@ -419,3 +419,15 @@ def test_stored_dtype_reads_weights_and_fused_expert_stacks(tmp_path):
     assert api.stored_dtype(ckpt, "model.layers.0.self_attn.q_a_proj") == ("F32", False)
     assert api.stored_dtype(ckpt, "model.layers.1.mlp.experts.gate_up_proj") == ("F32", True)
     assert api.stored_dtype(ckpt, "model.layers.1.mlp.experts.0.gate_proj") == (None, False)
+
+
+def test_the_api_imports_nothing_from_the_test_kit():
+    """quantplug.api is what plugins build on; the test kit (pytest, transformers references) is
+    not part of it: no import of quantplug.testing in api.py, at module level or inside a function."""
+    import ast
+
+    tree = ast.parse((ROOT / "core" / "api.py").read_text())
+    bad = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+           and (n.module or "").split(".")[0] == "testing" or isinstance(n, ast.ImportFrom) and n.module
+           and "testing" in n.module.split(".")]
+    assert not bad, bad

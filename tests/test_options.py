@@ -25,7 +25,7 @@ dense_ckpt = pytest.fixture(scope="module", name="dense_ckpt")(lambda two_layer:
 def test_issue_example_bogus_option_is_refused_on_an_fp8_checkpoint(fp8_ckpt):
     # before: load succeeded and ignored both options
     with pytest.raises(ConfigError, match=r"unknown option 'bogus_option' for backend fp8.*options here: "
-                                          r"activation_quant, expert_cache_mb, expert_prefetch, expert_readers, indexer, kernels, mmap, "
+                                          r"activation_quant, expert_cache_mb, expert_prefetch, expert_readers, indexer, kda_state, kernels, mmap, "
                                           r"mtp, strict_split"):
         quantplug.load(fp8_ckpt, options={"bogus_option": 1, "expert_cache_mb": 8}, progress=False)
 
@@ -68,7 +68,7 @@ def test_hooks_get_converted_values_and_every_default(dense_ckpt):
     assert plan.options["kernels"] == "exact" and plan.options["mmap"] is True and plan.options["tp_timeout_s"] == 60
     assert plan.option_sources == {"strict_split": "given", "expert_cache_mb": "given", "kernels": "default",
                                    "mmap": "default", "tp_timeout_s": "default", "expert_prefetch": "default",
-                                   "expert_readers": "default", "indexer": "default", "mtp": "default"}
+                                   "expert_readers": "default", "indexer": "default", "kda_state": "default", "mtp": "default"}
     d = plan.to_dict()["options"]
     assert d["strict_split"] == {"value": True, "source": "given", "owner": "core"}
 

@@ -269,6 +269,60 @@ def test_trace_logs_every_call(ckpt, caplog):
     assert "[core (quantplug" in text
 
 
+class Observed(SchemeBackend):
+    """A backend implementing the load-time hooks too, so plan, load and generate all call it."""
+
+    @hookimpl
+    def quantplug_validate_plan(self, plan):
+        return []
+
+    @hookimpl
+    def quantplug_process_after_loading(self, model):
+        model.observed = True
+
+
+def test_pluggy_monitoring_sees_every_hook_call_of_plan_load_and_generate(pm, ckpt):
+    """Hooks run through pluggy's own callers: add_hookcall_monitoring sees every call that plan,
+    load and generate make, each with the one plugin whose answer is recorded (the manager used
+    to call the implementations itself, and pluggy's tools saw nothing: then ``seen`` is empty)."""
+    import torch
+
+    pm.register(Observed("acme"), "acme")
+    seen: list[tuple[str, list[str]]] = []
+    undo = pm.pluggy.add_hookcall_monitoring(
+        lambda hook, impls, kwargs: seen.append((hook, [i.plugin_name for i in impls])), lambda *a: None)
+    try:
+        model = quantplug.load(ckpt, plugin_manager=pm, progress=False)
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2)
+    finally:
+        undo()
+    plan = model.quantplug_plan
+    assert {h for h, _ in seen} == {"quantplug_detect", "quantplug_resolve_prefix",
+                                    "quantplug_linear_scheme", "quantplug_attention_layout",
+                                    "quantplug_validate_plan", "quantplug_process_after_loading"}
+    assert all(len(impls) == 1 for _, impls in seen)  # one plugin per call: the answer is that plugin's
+    assert model.observed
+    # every recorded decision of a hook was a call pluggy saw, by the plugin the decision names
+    for hook in ("quantplug_linear_scheme", "quantplug_attention_layout", "quantplug_resolve_prefix"):
+        decided = [d.plugin.name for d in plan.decisions if d.hook == hook]
+        assert decided and set(decided) <= {p for h, impls in seen if h == hook for p in impls}, hook
+
+
+def test_first_result_and_answer_types_come_from_the_specs(pm):
+    from quantplug.errors import QuantplugError
+    from quantplug.plugins import answer_types
+
+    first = {n for n in PluginManager.hook_names() if pm.firstresult(n)}
+    assert first == {"quantplug_tensor_names", "quantplug_resolve_prefix", "quantplug_attention_layout",
+                     "quantplug_linear_scheme", "quantplug_export"}
+    # every hook that answers declares what an answer is, on its spec
+    assert set(answer_types()) == set(PluginManager.hook_names()) - {"quantplug_process_after_loading",
+                                                                     "quantplug_cli_commands"}
+    assert all(getattr(hookspecs, n).qp_answer[0] == a.expected for n, a in answer_types().items())
+    with pytest.raises(QuantplugError, match=r"quantplug_detect: its spec says firstresult=False"):
+        pm.call("quantplug_detect", None, firstresult=True, checkpoint=None)
+
+
 def test_every_hookspec_documented_and_exercised():
     tests_src = "".join(p.read_text() for p in Path(__file__).parent.rglob("*.py"))
     plugins_root = Path(__file__).parents[1] / "plugins"

@@ -178,6 +178,20 @@ class Checkpoint:
             return torch.frombuffer(mm, dtype=dtype, count=info.numel, offset=info.offset).view(info.shape)
         return raw.clone().view(dtype).view(info.shape)  # unaligned: one copy, still correct
 
+    def read(self, info: TensorInfo, *, random_access: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tensor read into memory of its own (no memory map): ``(raw bytes, the tensor as
+        stored)``, the second a view of the first with :meth:`tensor`'s dtype and shape (GGUF
+        blocks as [..., row_bytes]). ``random_access``: through the descriptor advised for
+        scattered reads (see :meth:`fd`)."""
+        from ..memory import read_into
+
+        raw = torch.empty(info.nbytes, dtype=torch.uint8)
+        if info.nbytes:
+            read_into(self.fd(info.file, random_access), info.offset, raw)
+        if info.format == "gguf":
+            return raw, gguf_view(raw, info)
+        return raw, raw.view(TORCH_DTYPES[info.dtype]).view(info.shape)
+
     def fd(self, file: Path, random_access: bool = False) -> int:
         """A read-only file descriptor for ``file`` (for ``preadv``), opened once.
 

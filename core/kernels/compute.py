@@ -312,17 +312,40 @@ def _rotations(rot: torch.Tensor, b: int, rope: int) -> torch.Tensor | None:
     return r.contiguous() if r.shape[0] == b else None
 
 
+#: the gated MLP activations of ``qp_mlp`` (``QM_*`` in ``qp_types.h``)
+MLP_ACTS = {"silu": 0, "situ": 1}
+#: ``qp_mlp``'s activation arguments for SiLU (id, two unused parameters)
+SILU = (0, 0.0, 0.0)
+
+
+def mlp_act(act: tuple[str, float, float | None] | None) -> tuple[int, float, float]:
+    """``qp_mlp``'s (id, a, b) for an MLP activation: None (SiLU) or ``("situ", beta, linear_beta)``
+    (Kimi-K3's SiTU, :func:`quantplug.layers.activation.situ_mul`; linear_beta None or 0: ``up``
+    as it is). A QuantplugError for any other."""
+    if act is None:
+        return SILU
+    if isinstance(act, tuple) and len(act) == 3 and act[0] == "situ":
+        beta, lbeta = float(act[1]), float(act[2] or 0.0)
+        if beta > 0 and lbeta >= 0 and beta != float("inf") and lbeta != float("inf"):
+            return MLP_ACTS["situ"], beta, lbeta
+    raise QuantplugError(f"gated MLP activation {act!r}: expected None or ('situ', beta > 0, linear_beta >= 0 or None)")
+
+
 class MLPStep:
-    """A gated MLP ``down(silu(gate(x)) * up(x))`` for few rows in one native call: a dense MLP or
+    """A gated MLP ``down(act(gate(x), up(x)))`` for few rows in one native call: a dense MLP or
     shared experts (``f(x)``, x [M, H]), or routed experts (``f(x, pairs)``: ``pairs`` = (row,
     slot, weight) sorted by slot; row r's output is the sum over its pairs, in order, of
-    ``weight * mlp_slot(x[r])``). ``reduce``: the all-reduce of a split MLP's partial output."""
+    ``weight * mlp_slot(x[r])``). ``reduce``: the all-reduce of a split MLP's partial output.
+    ``act``: SiLU (``silu(gate) * up``, the default) or SiTU (see :func:`mlp_act`); the whole-stack
+    step (:class:`StackStep`) takes SiLU steps only."""
 
     def __init__(self, layers: Sequence[Any], gate: Bound, up: Bound, down: Bound, stacked: bool,
-                 reduce: Any = None) -> None:
+                 reduce: Any = None, act: tuple[int, float, float] = SILU) -> None:
         self.layers = list(layers)
         self.gate, self.up, self.down, self.stacked, self.reduce = gate, up, down, stacked, reduce
         self.h, self.i = gate.k, gate.n
+        #: ``qp_mlp``'s activation (id, a, b): :data:`SILU` or SiTU's
+        self.act = act
 
     def live(self) -> bool:
         """The library is loaded and the layers still hold the tensors bound at load."""
@@ -330,7 +353,11 @@ class MLPStep:
             bound(m) is b for m, b in zip(self.layers, (self.gate, self.up, self.down)))
 
     @staticmethod
-    def build(gate: Any, up: Any, down: Any, stacked: bool, reduce: Any = None) -> MLPStep | None:
+    def build(gate: Any, up: Any, down: Any, stacked: bool, reduce: Any = None,
+              act: tuple[str, float, float | None] | None = None) -> MLPStep | None:
+        """From the MLP's three layers; ``act`` None (SiLU) or ``("situ", beta, linear_beta)``. None
+        when a layer has no native binding or the three disagree."""
+        code = mlp_act(act)
         bs = [bound(m) for m in (gate, up, down)]
         if any(b is None for b in bs):
             return None
@@ -340,7 +367,7 @@ class MLPStep:
             return None
         if not (_same_act([g, u]) and _same_act([d])):
             return None  # e.g. per-layer static input scales: the separate products handle them
-        return MLPStep((gate, up, down), g, u, d, stacked, reduce)
+        return MLPStep((gate, up, down), g, u, d, stacked, reduce, code)
 
     def __call__(self, x: torch.Tensor, pairs: Sequence[tuple[int, int, float]] | None = None) -> torch.Tensor | None:
         """The step's output, or None when it cannot run now (see :meth:`live`; x off the CPU)."""
@@ -356,14 +383,15 @@ class MLPStep:
         index = {s: i for i, s in enumerate(slots)}
         y = _mlp_call([self.gate.ptr(s) for s in slots], [self.up.ptr(s) for s in slots],
                       [self.down.ptr(s) for s in slots], x, [(r, index[s], w) for r, s, w in pairs], self.h,
-                      self.gate.wround).view(x.shape)
+                      self.gate.wround, self.act).view(x.shape)
         return self.reduce(y) if self.reduce is not None else y
 
 
 def _mlp_call(gates: Sequence[Any], ups: Sequence[Any], downs: Sequence[Any], x: torch.Tensor,
-              pairs: Sequence[tuple[int, int, float]], h: int, wround: int) -> torch.Tensor:
+              pairs: Sequence[tuple[int, int, float]], h: int, wround: int,
+              act: tuple[int, float, float] = SILU) -> torch.Tensor:
     """``qp_mlp`` over the matrices of the experts used (``pairs`` = (row, expert index, weight),
-    grouped by expert): [M, h] in x's dtype."""
+    grouped by expert), activation ``act`` (:func:`mlp_act`): [M, h] in x's dtype."""
     import ctypes
 
     lib = native.library()
@@ -379,15 +407,18 @@ def _mlp_call(gates: Sequence[Any], ups: Sequence[Any], downs: Sequence[Any], x:
         i32, f32 = ctypes.c_int32 * p, ctypes.c_float * p
         rc = lib.qp_mlp(mp(*gates), mp(*ups), mp(*downs), e, m, x2.data_ptr(), x2.stride(0), p,
                         i32(*[s for _, s, _ in pairs]), i32(*[r for r, _, _ in pairs]), f32(*[w for _, _, w in pairs]),
-                        out.data_ptr(), out.stride(0), wround)
+                        out.data_ptr(), out.stride(0), wround, act[0], act[1], act[2])
         native.check(rc, "mlp")
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
-def mlp_over(experts: Sequence[Sequence[Any]], x: torch.Tensor, pairs: Sequence[tuple[int, int, float]]) -> torch.Tensor | None:
+def mlp_over(experts: Sequence[Sequence[Any]], x: torch.Tensor, pairs: Sequence[tuple[int, int, float]],
+             act: tuple[str, float, float | None] | None = None) -> torch.Tensor | None:
     """Few rows ``x`` through the gated MLPs of ``experts`` (each (gate, up, down) layers bound
     to native forms, e.g. an expert cache's one-slot layers): ``pairs`` = (row, index into
-    ``experts``, weight), grouped by index; None where the native kernels cannot run them."""
+    ``experts``, weight), grouped by index; ``act`` as :meth:`MLPStep.build`'s (None: SiLU); None
+    where the native kernels cannot run them."""
+    code = mlp_act(act)
     if native._lib is None or not native.native_ok(x) or not experts:
         return None
     bs: list[list[Bound]] = []
@@ -402,7 +433,7 @@ def mlp_over(experts: Sequence[Sequence[Any]], x: torch.Tensor, pairs: Sequence[
     if len({b.wround for t in bs for b in t}) != 1:
         return None
     return _mlp_call([t[0].ptr() for t in bs], [t[1].ptr() for t in bs], [t[2].ptr() for t in bs],
-                     x, pairs, g0.k, g0.wround).view(x.shape)
+                     x, pairs, g0.k, g0.wround, code).view(x.shape)
 
 
 def deprecated_fuse(kind: str, scheme: Any) -> None:
@@ -613,8 +644,8 @@ class StackStep:
     @staticmethod
     def build(layers: Sequence[StackLayer], final_norm: torch.Tensor, eps: float, hidden: int,
               modules: Sequence[torch.nn.Module], owners: Sequence[tuple[torch.nn.Module, Any]]) -> StackStep | None:
-        """None when the library is unavailable, a piece is not native, or a tensor is not a
-        contiguous CPU float32 / bfloat16 one (norms) or float32 one (routers). ``owners``: (module,
+        """None when the library is unavailable, a piece is not native, an MLP step is not SiLU's,
+        or a tensor is not a contiguous CPU float32 / bfloat16 one (norms) or float32 one (routers). ``owners``: (module,
         step) of every per-layer step used; the stack declines once a module's ``step`` is another."""
         if native.library() is None or not layers:
             return None
@@ -635,6 +666,8 @@ class StackStep:
                 return None
             parts = [p for p in (sl.mlp, sl.experts, sl.shared) if p is not None]
             if any(p.reduce is not None or p.gate.wround != wround or p.h != hidden for p in parts):
+                return None
+            if any(p.act != SILU for p in parts):  # qp_stack_step's MLPs are SiLU-gated
                 return None
             if sl.experts is not None:
                 if sl.router is None or not ok(sl.router, (torch.float32,)) or not ok(sl.bias, (torch.float32,)):

@@ -7,7 +7,7 @@ block scales, int4 with group scales), and a torch dequantize-then-matmul costs 
 dense copy per matrix. The C file decodes each block in registers and accumulates in float32
 (exact mode), or, for Q4_0 / Q8_0, takes llama.cpp's integer dot products (fast mode); it also
 runs the core model's few-token steps (gated MLP / routed experts, absorbed latent attention, the
-whole stack) in one call each.
+whole stack, a KDA token: ``quantplug.kernels.kda``) in one call each.
 
 Build: ``$CC`` (default ``cc``) ``-O3 -march=native -fopenmp -shared -fPIC -ffp-contract=off`` of
 ``qp_kernels.c`` (one translation unit: it includes ``qp_types.h``, ``generic/``, ``arch/`` and
@@ -78,7 +78,7 @@ MIN_CODE = {"FP8": 2.0 ** -9, "FP4": 0.5, "INT4": 1.0, "INT8": 1.0}
 #: the symbols this module calls; a library missing one is rebuilt, then refused
 SYMBOLS = ("qp_form_info", "qp_isa", "qp_check", "qp_dequant", "qp_act_rows", "qp_gemm", "qp_mlp",
            "qp_latent_pre", "qp_latent_post", "qp_latent_step", "qp_decode_step", "qp_fp8_has_nan", "qp_row_kernel",
-           "qp_layout_table")
+           "qp_layout_table", "qp_kda_step")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -296,7 +296,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "qp_dequant": ([mp, i64, i64, p, i64, i32], i32),
         "qp_act_rows": ([mp, i64, p, i64, p], i32),
         "qp_gemm": ([mpp, i32, i64, i64, p, i64, p, p, p, p, p, i64, i32], i32),
-        "qp_mlp": ([mpp, mpp, mpp, i32, i64, p, i64, i32, p, p, p, p, i64, i32], i32),
+        "qp_mlp": ([mpp, mpp, mpp, i32, i64, p, i64, i32, p, p, p, p, i64, i32, i32, ctypes.c_float, ctypes.c_float], i32),
         "qp_latent_pre": ([ctypes.POINTER(LatentAttn), i64, p, p, p, p, p, i32], i32),
         "qp_latent_post": ([ctypes.POINTER(LatentAttn), i64, p, p, i64, i64, p, i64, i64, i64, i32, p, p, i32], i32),
         "qp_latent_step": ([ctypes.POINTER(LatentAttn), i64, p, p, p, i64, i64, p, i64, i64, i64, i32, p, i32], i32),
@@ -304,6 +304,8 @@ def _declare(lib: ctypes.CDLL) -> None:
                             i32, ctypes.c_float, p, mp, p, p, i32], i32),
         "qp_fp8_has_nan": ([p, i64], i32),
         "qp_row_kernel": ([mp, i32], i32),
+        "qp_kda_step": ([i64, i64, i64, i64, p, p, p, p, p, p, i32, ctypes.c_float, p, p, p, ctypes.c_float, p, i32,
+                         p], i32),
     }
     for name, (args, res) in sig.items():
         fn = getattr(lib, name)

@@ -1,5 +1,6 @@
 /* quantplug's native kernels: matrix products on the weight forms of quantplug.kernels.forms, and
- * the few-token steps of the core model (gated MLP / routed experts, absorbed latent-attention decode).
+ * the few-token steps of the core model (gated MLP / routed experts, absorbed latent-attention decode,
+ * a KDA linear-attention token).
  *
  * Built on first use by native.py (the system C compiler, -O3 -march=native -fopenmp
  * -ffp-contract=off, cached per hash of every source file, compiler and CPU); loaded with ctypes.
@@ -74,5 +75,6 @@
 #include "blocks/latent_attention.c" /* latent-attention decode step */
 #include "blocks/router.c"          /* sigmoid group-limited top-k router */
 #include "blocks/stack_step.c"      /* the whole-stack decode step, from token ids to logits */
+#include "blocks/kda.c"             /* one decode token of KDA (gated delta rule) */
 #include "layout.c"                 /* qp_layout_table: the structs' offsets and sizes (tests, native.py) */
 

@@ -18,6 +18,8 @@ enum { QA_NONE = 0, QA_FP8 = 1, QA_FP8_STATIC = 2, QA_INT8_SYM = 3, QA_INT8_ASYM
 enum { QG_AFTER = 0, QG_TIMES = 1, QG_OVER = 2 };
 enum { QE_FLOAT = 0, QE_STATIC = 1, QE_DYNAMIC = 2 };
 enum { QR_NONE = 0, QR_BF16 = 1, QR_F16 = 2 };
+/* the gated MLP's activation act(gate, up) (qp_mlp; compute.py: MLP_ACTS) */
+enum { QM_SILU = 0, QM_SITU = 1 };
 /* the kernels' own: QR_BF16 for weights known normal or zero (no subnormals, no NaN), where the
  * AVX512-BF16 conversion (round to nearest even; it flushes subnormal inputs) gives the same bits */
 #define QR_BF16_NORMAL 3

@@ -1,32 +1,43 @@
-"""Gated-MLP activations: ``act(gate, up)`` of a ``down(act(gate(x), up(x)))`` MLP.
+"""Gated-MLP activations ``act(gate, up)`` of a ``down(act(gate(x), up(x)))`` MLP.
 
 SiLU (DeepSeek, Kimi-Linear): ``silu(gate) * up``. SiTU (Kimi-K3, ``hidden_act: situ``; sglang
 ``SituAndMul``, llama.cpp ``kimi_k3_situ``): ``beta * tanh(gate / beta) * sigmoid(gate) *
 (linear_beta * tanh(up / linear_beta) if linear_beta else up)``, in float32, with beta 4.0 and
-linear_beta 25.0 in the release; as beta grows it tends to SiLU.
+linear_beta 25.0 in the release; as beta grows it tends to SiLU. The native MLP step computes the
+same (``quantplug.kernels.compute.MLPStep.build(..., act=GatedAct.native)``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+#: Kimi-K3's ``activation_situ_beta`` / ``activation_situ_linear_beta``
+SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0
 
-def situ_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
-    """SiTU of ``gate`` times the (soft-capped) ``up``, computed in float32, returned in ``gate``'s dtype."""
+
+def situ_mul(gate: torch.Tensor, up: torch.Tensor, beta: float = SITU_BETA,
+             linear_beta: float | None = SITU_LINEAR_BETA) -> torch.Tensor:
+    """SiTU-and-multiply: ``beta * tanh(gate / beta) * sigmoid(gate) * (linear_beta * tanh(up /
+    linear_beta) if linear_beta else up)``, computed in float32 and returned in ``gate``'s dtype
+    (sglang's ``SituAndMul``). As beta grows it tends to ``silu(gate) * up``."""
     g, u = gate.float(), up.float()
-    act = beta * torch.tanh(g / beta) * torch.sigmoid(g)
-    if linear_beta:
-        u = linear_beta * torch.tanh(u / linear_beta)
-    return (act * u).to(gate.dtype)
+    a = beta * torch.tanh(g / beta) * torch.sigmoid(g)
+    y = a * (linear_beta * torch.tanh(u / linear_beta) if linear_beta else u)
+    return y if gate.dtype == torch.float32 else y.to(gate.dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` (the default gated-MLP activation), in the inputs' dtype."""
+    return F.silu(gate) * up
 
 
 @dataclass(frozen=True)
 class GatedAct:
-    """A gated activation: ``kind`` "silu" (the default, and the one every native step computes)
-    or "situ" with its two constants."""
+    """A gated activation: ``kind`` "silu" (the default) or "situ" with its two constants."""
 
     kind: str = "silu"
     beta: float = 1.0
@@ -36,9 +47,15 @@ class GatedAct:
     def is_silu(self) -> bool:
         return self.kind == "silu"
 
+    @property
+    def native(self) -> Any:
+        """The ``act`` argument of the native MLP step (``MLPStep.build``, ``compute.mlp_over``):
+        None for SiLU, else ``("situ", beta, linear_beta)``."""
+        return None if self.kind == "silu" else (self.kind, self.beta, self.linear_beta)
+
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.kind == "silu":
-            return F.silu(gate) * up
+            return silu_mul(gate, up)
         return situ_mul(gate, up, self.beta, self.linear_beta)
 
 

@@ -369,7 +369,9 @@ class PlannedModule(nn.Module):
         """Plan-time problems of the tensors found for this module's parameters (``found``: local
         parameter name -> the checkpoint tensor, from headers), beyond what its sources declare:
         a module whose source leaves a shape open (``Source.shape`` empty: several stored shapes
-        are valid) refuses the ones it cannot use here, naming the tensor. Default: none."""
+        are valid) refuses the ones it cannot use here, naming the tensor; a module whose parameter
+        comes in alternative forms (optional sources, one set of which must be complete) names what
+        is missing. Called also when nothing was found. Default: none."""
         return []
 
 

@@ -581,7 +581,7 @@ class MLP(nn.Module):
     def __init__(self, d: Decisions, base: str, hidden: int, inter: int, act: GatedAct = SILU) -> None:
         super().__init__()
         self.qp_ckpt = d.ck(base)
-        #: the gated activation (SiLU, or Kimi-K3's SiTU: then no native step, which computes SiLU)
+        #: the gated activation (SiLU, or Kimi-K3's SiTU; the native step computes either)
         self.act = act
         self.gate_proj = _lin(d, f"{base}.gate_proj", hidden, inter)
         self.up_proj = _lin(d, f"{base}.up_proj", hidden, inter)
@@ -595,12 +595,11 @@ class MLP(nn.Module):
 
     def qp_fuse(self) -> None:
         self.gate_up = fuse_projections([self.gate_proj, self.up_proj])
-        if not self.act.is_silu:
-            return
         ok, reduce = _step_reduce([self.gate_proj, self.up_proj], [self.down_proj])
         if ok:
-            self.step = MLPStep.build(self.gate_proj, self.up_proj, self.down_proj, stacked=False, reduce=reduce)
-        if self.step is None:
+            self.step = MLPStep.build(self.gate_proj, self.up_proj, self.down_proj, stacked=False, reduce=reduce,
+                                      act=self.act.native)
+        if self.step is None and self.act.is_silu:  # a scheme's fused MLP computes SiLU
             self.one = fuse_mlp(self.gate_proj, self.up_proj, self.down_proj)
             if self.one is not None:
                 compute.deprecated_fuse("fuse_mlp", self.gate_proj.scheme)
@@ -682,7 +681,8 @@ class Experts(nn.Module):
     ``hidden``: the experts' input / output width (default ``hidden_size``; Kimi-K3's latent MoE
     gives its latent width); ``names``: the stored names of the gate, up and down projections
     per expert (hub layout: ``{base}.{k}.{name}``; Kimi-Linear stores ``w1``, ``w3``, ``w2``);
-    ``act``: the gated activation (SiTU: no native step, which computes SiLU)."""
+    ``act``: the gated activation (the native step computes SiLU or SiTU; a scheme's fused MLP
+    only SiLU)."""
 
     #: the stored per-expert names of (gate_proj, up_proj, down_proj) in DeepSeek's hub layout
     HUB_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -737,10 +737,9 @@ class Experts(nn.Module):
 
     def qp_fuse(self) -> None:
         self.gate_up = fuse_projections([self.gate_proj, self.up_proj])
-        if not self.act.is_silu:
-            return
-        self.step = MLPStep.build(self.gate_proj, self.up_proj, self.down_proj, stacked=True, reduce=self.qp_parallel)
-        if self.step is None:
+        self.step = MLPStep.build(self.gate_proj, self.up_proj, self.down_proj, stacked=True, reduce=self.qp_parallel,
+                                  act=self.act.native)
+        if self.step is None and self.act.is_silu:  # a scheme's fused MLP computes SiLU
             self.one = fuse_mlp(self.gate_proj, self.up_proj, self.down_proj)
             if self.one is not None:
                 compute.deprecated_fuse("fuse_mlp", self.gate_proj.scheme)

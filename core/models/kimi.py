@@ -41,6 +41,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..generate import GenerationError, GenerationMixin, LatentCache, MLACache, layer_cache
+from ..kernels.kda import kda_step
 from ..layers.activation import SILU, GatedAct
 from ..layers.embedding import Embedding, TiedHead
 from ..layers.linear import FloatParams
@@ -230,21 +231,11 @@ class NoRope(Rotary):
                 torch.zeros(shape, dtype=dtype, device=positions.device))
 
 
-class FloatWeight(FloatParams):
-    """One float tensor ``<ckpt>.weight`` of the given shape, kept in float32 (``fp32``) or the
-    model dtype."""
-
-    def __init__(self, shape: tuple[int, ...], ckpt: str, fp32: bool = True) -> None:
-        super().__init__()
-        self.qp_init(ckpt)
-        self.qp_fp32 = frozenset({"weight"}) if fp32 else frozenset()
-        self.add_float("weight", shape, f"{ckpt}.weight")
-
-
 class ShortConv(FloatParams):
     """A depthwise causal convolution's weight ``<ckpt>.weight``, stored [channels, 1, width] (the
-    release) or [channels, width] (vLLM's and llama.cpp's converters accept both), kept in
-    float32 (the release stores it so)."""
+    release), [channels, width] (vLLM's and llama.cpp's converters accept both) or [1, channels,
+    1, width] (llama.cpp's GGUF: ggml ne [width, 1, channels, 1], the same values in the same
+    order), kept in float32 (the release stores it so)."""
 
     qp_fp32 = frozenset({"weight"})
 
@@ -256,10 +247,11 @@ class ShortConv(FloatParams):
 
     def qp_check(self, found: Mapping[str, TensorInfo]) -> list[Problem]:
         info = found.get("weight")
-        if info is None or info.shape in ((self.channels, 1, self.width), (self.channels, self.width)):
+        c, w = self.channels, self.width
+        if info is None or info.shape in ((c, 1, w), (c, w), (1, c, 1, w)):
             return []
-        return [Problem(f"shape {list(info.shape)}, expected [{self.channels}, 1, {self.width}] or "
-                        f"[{self.channels}, {self.width}] (depthwise convolution of {self.qp_ckpt})",
+        return [Problem(f"shape {list(info.shape)}, expected [{c}, 1, {w}] or [{c}, {w}] (or llama.cpp's "
+                        f"[1, {c}, 1, {w}]; depthwise convolution of {self.qp_ckpt})",
                         tensor=info.label, file=info.file.name, kind="shape")]
 
     def kernel(self) -> torch.Tensor:
@@ -391,12 +383,19 @@ class HybridCache(MLACache):
 
 class KDA(FloatParams):
     """Kimi Delta Attention, ``model.layers.{i}.self_attn`` of a KDA layer (see the module
-    docstring). Parameters of its own: ``dt_bias`` [H * K] and ``A_log`` (float32); ``A_log`` is
-    stored [1, 1, H, 1] (Kimi-Linear), [H] (llama.cpp's reading of K3) or as a longer 1-D tensor of
-    which the first H entries are the heads' (sglang's and llama.cpp's converter's rule for K3's
-    [head_dim] tensor); any other shape is a plan error."""
+    docstring). Parameters of its own: ``dt_bias`` [H * K] and the heads' decay rate (float32), as
+    one of two checkpoint tensors:
 
-    qp_fp32 = frozenset({"dt_bias", "A_log"})
+    * ``A_log`` (the release): stored [1, 1, H, 1] (Kimi-Linear), [H] (llama.cpp's reading of K3),
+      [H, 1] (a llama-quantize rewrite of llama.cpp's [1, 1, H, 1]) or as a longer 1-D tensor of which the first H entries are the heads' (sglang's and
+      llama.cpp's converter's rule for K3's [head_dim] tensor);
+    * ``A`` = ``-exp(A_log)``, folded (llama.cpp's converter stores it so, ``blk.N.ssm_a``): the
+      same shapes. The gate needs only ``exp(A_log)`` = ``-A`` (:meth:`a_exp`), so the folded form
+      is used as stored, with no logarithm taken.
+
+    Exactly one of the two must be present; any other shape is a plan error."""
+
+    qp_fp32 = frozenset({"dt_bias", "A_log", "A"})
 
     def __init__(self, cfg: KimiConfig, i: int, d: Decisions) -> None:
         super().__init__()
@@ -418,7 +417,8 @@ class KDA(FloatParams):
         self.f_a_proj = _lin(d, f"{base}.f_a_proj", h, hd)
         self.f_b_proj = _lin(d, f"{base}.f_b_proj", hd, dim)
         self.add_float("dt_bias", (dim,), f"{self.qp_ckpt}.dt_bias")
-        self.add_float("A_log", (), f"{self.qp_ckpt}.A_log")
+        self.add_float("A_log", (), f"{self.qp_ckpt}.A_log", optional=True)
+        self.add_float("A", (), f"{self.qp_ckpt}.A", optional=True)
         self.b_proj = _lin(d, f"{base}.b_proj", h, heads)
         self.full_rank_gate = cfg.full_rank_gate
         if cfg.full_rank_gate:
@@ -429,6 +429,8 @@ class KDA(FloatParams):
         self.o_norm = RMSNorm(hd, cfg.rms_norm_eps, d.ck(f"{base}.o_norm"))
         self.o_proj = _lin(d, f"{base}.o_proj", dim, h)
         self._conv: torch.Tensor | None = None
+        #: decode steps through the native KDA step (false: the torch recurrence, e.g. to compare)
+        self.native = True
 
     def qp_heads(self) -> int:
         """All KDA heads of the layer (``HeadParallel``: the tensor-parallel plan splits them)."""
@@ -445,19 +447,40 @@ class KDA(FloatParams):
         self._conv = None
 
     def qp_check(self, found: Mapping[str, TensorInfo]) -> list[Problem]:
-        info = found.get("A_log")
-        if info is None:
-            return []
+        log, folded = found.get("A_log"), found.get("A")
+        if log is None and folded is None:
+            dt = found.get("dt_bias")
+            return [Problem(f"missing: the model needs {self.qp_ckpt}.A_log (or its folded form {self.qp_ckpt}.A "
+                            "= -exp(A_log), as llama.cpp's converter stores it)",
+                            tensor=f"{self.qp_ckpt}.A_log", file=dt.file.name if dt is not None else None,
+                            kind="missing")]
+        if log is not None and folded is not None:
+            return [Problem(f"both {log.label} and {folded.label} are stored: one KDA decay rate, in one form",
+                            tensor=folded.label, file=folded.file.name, kind="shape")]
+        info = log or folded
+        assert info is not None
         shape, n = info.shape, self.all_heads
-        if shape in ((1, 1, n, 1), (n,)) or (len(shape) == 1 and shape[0] > n):
+        # [1, 1, H, 1] (Kimi-Linear; llama.cpp's ssm_a ne [1, H, 1, 1]), [H], or [H, 1]: llama-quantize
+        # writes that ne without its trailing ones ([1, H])
+        if shape in ((1, 1, n, 1), (n,), (n, 1)) or (len(shape) == 1 and shape[0] > n):
             return []
-        return [Problem(f"shape {list(shape)}, expected [1, 1, {n}, 1] (Kimi-Linear), [{n}] (one per KDA head) or a "
+        return [Problem(f"shape {list(shape)}, expected [1, 1, {n}, 1] (Kimi-Linear; [{n}, 1] after llama-quantize), "
+                        f"[{n}] (one per KDA head) or a "
                         f"1-D tensor of more than {n} entries whose first {n} are the heads' (Kimi-K3's "
                         f"[head_dim] as sglang and llama.cpp read it)", tensor=info.label, file=info.file.name,
                         kind="shape")]
 
+    def a_exp(self) -> torch.Tensor:
+        """The heads' ``exp(A_log)``, [H] float32: from ``A_log``, or exactly ``-A`` where the
+        folded form was loaded."""
+        if "A" in self._parameters:
+            return -self.A.reshape(-1)[:self.heads].float()
+        return self.A_log.reshape(-1)[:self.heads].float().exp()
+
     def a_log(self) -> torch.Tensor:
-        """The heads' A_log, [H] float32."""
+        """The heads' A_log, [H] float32 (``log(-A)`` where the folded form was loaded)."""
+        if "A" in self._parameters:
+            return torch.log(-self.A.reshape(-1)[:self.heads].float())
         return self.A_log.reshape(-1)[:self.heads].float()
 
     def conv_weight(self) -> torch.Tensor:
@@ -469,11 +492,11 @@ class KDA(FloatParams):
     def gate(self, x: torch.Tensor) -> torch.Tensor:
         """Per-channel log-decay g [..., H, K] (float32, <= 0) of the layer input ``x``."""
         pre = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).unflatten(-1, (self.heads, self.head_dim))
-        a = self.a_log()[:, None]
+        a = self.a_exp()[:, None]
         if self.lower_bound is not None:
-            return self.lower_bound * torch.sigmoid(a.exp() * pre)
+            return self.lower_bound * torch.sigmoid(a * pre)
         # softplus with transformers' threshold: x above 20 stays x
-        return -a.exp() * torch.where(pre > 20.0, pre, torch.log(1.0 + torch.exp(pre)))
+        return -a * torch.where(pre > 20.0, pre, torch.log(1.0 + torch.exp(pre)))
 
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         return self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
@@ -484,6 +507,10 @@ class KDA(FloatParams):
         in place: convolution inputs, recurrent state, length). ``cos`` / ``sin`` are ignored
         (no position input), accepted for the decoder layer's common call."""
         b, t, _ = x.shape
+        if t == 1 and cache is not None and self.native and cache.length < cache.limit:
+            out = self._step(x, cache)
+            if out is not None:
+                return out
         heads, hd, dim = self.heads, self.head_dim, self.dim
         u = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1).float().transpose(1, 2)  # [B, 3D, T]
         w = self.conv_weight()
@@ -513,22 +540,69 @@ class KDA(FloatParams):
         return self.o_proj(o.flatten(-2).to(x.dtype))
 
 
-class ResScore(nn.Module):
-    """One attention-residual aggregation point (K3): ``<name>_res_norm.weight``
-    [hidden] and ``<name>_res_proj.weight`` [1, hidden], used only through their product."""
+    def _step(self, x: torch.Tensor, cache: KDAState) -> torch.Tensor | None:
+        """One decode token of B sequences with the native step (:func:`quantplug.kernels.kda.kda_step`:
+        convolution, gates, the state update and the gated norm in one call; the projections are
+        the layers' own products), or None (nothing changed) where it cannot run."""
+        b = x.shape[0]
+        xf = x.reshape(b, -1)
+        u = torch.cat([self.q_proj(xf), self.k_proj(xf), self.v_proj(xf)], dim=-1).float().contiguous()
+        o = kda_step(u, self.conv_weight(), cache.conv, self.f_b_proj(self.f_a_proj(xf)).float().contiguous(),
+                     self.dt_bias.float().contiguous(), self.a_log().contiguous(), self.lower_bound,
+                     self.b_proj(xf).float().contiguous(), self.output_gate(xf).float().contiguous(),
+                     self.o_norm.weight.float().contiguous(), self.o_norm.eps, cache.state)
+        if o is None:
+            return None
+        cache.advance(1)
+        return self.o_proj(o.view(b, 1, -1).to(x.dtype))
 
-    def __init__(self, hidden: int, norm_ckpt: str, proj_ckpt: str, eps: float) -> None:
+
+class ResScore(FloatParams):
+    """One attention-residual aggregation point (K3), used only through the product of
+    ``<name>_res_norm.weight`` [hidden] and ``<name>_res_proj.weight`` [1, hidden], stored either
+    as those two (the release: parameters ``norm`` and ``proj``) or already multiplied as one
+    ``<name>_res_score.weight`` [hidden] (llama.cpp's converter fuses them into
+    ``attn_res_score`` / ``ffn_res_score`` / ``output_res_score``: parameter ``score``). Exactly
+    one form must be complete (a plan error otherwise)."""
+
+    qp_fp32 = frozenset({"norm", "proj", "score"})
+
+    def __init__(self, hidden: int, base: str, eps: float) -> None:
         super().__init__()
-        self.norm = FloatWeight((hidden,), norm_ckpt)
-        self.proj = FloatWeight((1, hidden), proj_ckpt)
+        self.qp_init(base)
+        self.add_float("norm", (hidden,), f"{base}_res_norm.weight", optional=True)
+        self.add_float("proj", (1, hidden), f"{base}_res_proj.weight", optional=True)
+        self.add_float("score", (hidden,), f"{base}_res_score.weight", optional=True)
         self.eps = eps
+
+    def qp_check(self, found: Mapping[str, TensorInfo]) -> list[Problem]:
+        have = sorted(found)
+        if have in (["norm", "proj"], ["score"]):
+            return []
+        b = self.qp_ckpt
+        if not have:
+            what = "missing"
+        elif "score" in have and len(have) > 1:
+            what = f"both forms stored ({', '.join(found[k].label for k in have)})"
+        else:
+            what = f"only {found[have[0]].label} stored"
+        some = next(iter(found.values()), None)
+        return [Problem(f"{what}: the attention residual {b} needs {b}_res_norm.weight and {b}_res_proj.weight, "
+                        f"or their product {b}_res_score.weight (llama.cpp's fused form)",
+                        tensor=f"{b}_res_norm.weight", file=some.file.name if some is not None else None,
+                        kind="missing")]
+
+    def weight(self) -> torch.Tensor:
+        """``norm.weight * proj.weight`` as one [hidden] float32 vector."""
+        if "score" in self._parameters:
+            return self.score.float()
+        return self.norm.float() * self.proj.float().reshape(-1)
 
     def forward(self, rows: Sequence[torch.Tensor], last: torch.Tensor) -> torch.Tensor:
         """The per-token mix of ``rows`` and ``last`` (each [B, T, hidden]): weights softmax over the
         rows of ``sum_d rmsnormed(row)[d] * norm_w[d] * proj_w[d]`` (float32), applied to the raw rows."""
         v = torch.stack([*rows, last], dim=-2).float()                      # [B, T, n + 1, hidden]
-        score = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.eps)
-                 * (self.norm.weight.float() * self.proj.weight.float().reshape(-1))).sum(-1)
+        score = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight()).sum(-1)
         p = torch.softmax(score, dim=-1)
         return (p.unsqueeze(-1) * v).sum(dim=-2).to(last.dtype)
 
@@ -557,10 +631,8 @@ class KimiDecoderLayer(nn.Module):
         self.attn_res: ResScore | None = None
         self.mlp_res: ResScore | None = None
         if cfg.attn_res_block_size is not None:
-            self.attn_res = ResScore(cfg.hidden_size, d.ck(f"{base}.self_attention_res_norm"),
-                                     d.ck(f"{base}.self_attention_res_proj"), cfg.rms_norm_eps)
-            self.mlp_res = ResScore(cfg.hidden_size, d.ck(f"{base}.mlp_res_norm"), d.ck(f"{base}.mlp_res_proj"),
-                                    cfg.rms_norm_eps)
+            self.attn_res = ResScore(cfg.hidden_size, d.ck(f"{base}.self_attention"), cfg.rms_norm_eps)
+            self.mlp_res = ResScore(cfg.hidden_size, d.ck(f"{base}.mlp"), cfg.rms_norm_eps)
 
     @property
     def ffn(self) -> nn.Module:
@@ -600,8 +672,7 @@ class KimiTextModel(nn.Module):
         self.block = cfg.attn_res_block_size
         self.output_res: ResScore | None = None
         if self.block is not None:
-            self.output_res = ResScore(cfg.hidden_size, d.ck("model.output_attn_res_norm"),
-                                       d.ck("model.output_attn_res_proj"), cfg.rms_norm_eps)
+            self.output_res = ResScore(cfg.hidden_size, d.ck("model.output_attn"), cfg.rms_norm_eps)
 
     def qp_fuse(self) -> None:
         """After loading: each MoE layer learns the next one (for expert prefetch)."""
@@ -643,7 +714,7 @@ _ATTENTION_TP = HeadParallel(
     column=("q_proj", "q_b_proj", "kv_b_proj", "g_proj", "k_proj", "v_proj", "f_b_proj", "g_b_proj", "b_proj"),
     row=("o_proj",), stacks=("k_b", "v_b"),
     floats=(HeadSlice("q_conv1d.weight"), HeadSlice("k_conv1d.weight"), HeadSlice("v_conv1d.weight"),
-            HeadSlice("dt_bias"), HeadSlice("A_log", per_head=1)))
+            HeadSlice("dt_bias"), HeadSlice("A_log", per_head=1), HeadSlice("A", per_head=1)))
 _MLP_TP = FeatureParallel(column=("gate_proj", "up_proj"), row=("down_proj",))
 _EXPERTS = ("gate_proj", "up_proj", "down_proj")
 
@@ -677,6 +748,11 @@ class KimiLinearForCausalLM(GenerationMixin, nn.Module):
         "model.layers.*.block_sparse_moe.experts": Unstack(stacks=_EXPERTS, stored=("w1", "w3", "w2")),
         "model.layers.*.self_attn": FoldHeads("kv_b_proj", (HeadPart("k_b", transpose=True), HeadPart("v_b"))),
     }
+    #: why the engine bridges (quantplug.bridge) refuse it
+    qp_engine_refusal: ClassVar[str] = (
+        "its KDA (Kimi Delta Attention) layers have no place in the DeepSeek-V3 module tree the engine bridges "
+        "fill (transformers' KimiLinearForCausalLM and vLLM's Kimi-Linear model are not bridged); run it with "
+        "quantplug.load / generate")
     #: the KDA state's dtype in a new cache (float32; bfloat16 halves it, as sglang's
     #: ``--mamba-ssm-dtype bfloat16``)
     qp_state_dtype: torch.dtype = torch.float32

@@ -160,33 +160,11 @@ def random_state(cfg: Mapping[str, Any], seed: int = 0, layout: str = "hub", mtp
 
 
 def to_layout(state: Mapping[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
-    """Convert routed experts between the hub (per-expert) and fused (transformers 5) layouts."""
-    out: dict[str, torch.Tensor] = {}
-    groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    for name, t in state.items():
-        if ".mlp.experts." not in name:
-            out[name] = t
-            continue
-        base, rest = name.split(".mlp.experts.", 1)
-        if layout == "fused" and rest[0].isdigit():
-            idx, proj, _ = rest.split(".", 2)
-            groups.setdefault(base, {}).setdefault(int(idx), {})[proj] = t
-        elif layout == "hub" and not rest[0].isdigit():
-            for k in range(int(t.shape[0])):
-                if rest == "gate_up_proj":
-                    inter = t.shape[1] // 2
-                    out[f"{base}.mlp.experts.{k}.gate_proj.weight"] = t[k, :inter].clone()
-                    out[f"{base}.mlp.experts.{k}.up_proj.weight"] = t[k, inter:].clone()
-                else:
-                    out[f"{base}.mlp.experts.{k}.down_proj.weight"] = t[k].clone()
-        else:
-            out[name] = t
-    for base, experts in groups.items():
-        ks = sorted(experts)
-        out[f"{base}.mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([experts[k]["gate_proj"], experts[k]["up_proj"]]) for k in ks])
-        out[f"{base}.mlp.experts.down_proj"] = torch.stack([experts[k]["down_proj"] for k in ks])
-    return out
+    """Convert routed experts between the hub (per-expert) and fused (transformers 5) layouts
+    (:func:`quantplug.api.convert_expert_layout`)."""
+    from ..api import convert_expert_layout
+
+    return convert_expert_layout(state, layout)
 
 
 def wrap_kimi(cfg: dict[str, Any], state: Mapping[str, torch.Tensor], arch: str = "KimiK25ForConditionalGeneration",

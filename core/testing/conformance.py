@@ -91,7 +91,7 @@ class _Recorder:
         self._call = pm.call
         pm.call = self.call  # type: ignore[method-assign]
 
-    def call(self, hook: str, plugins: Any, *, firstresult: bool, **kwargs: Any) -> list[tuple[Any, Any]]:
+    def call(self, hook: str, plugins: Any, *, firstresult: bool | None = None, **kwargs: Any) -> list[tuple[Any, Any]]:
         outer, self.current = self.current, hook
         try:
             answers = self._call(hook, plugins, firstresult=firstresult, **kwargs)
@@ -103,7 +103,7 @@ class _Recorder:
         return answers
 
     def replay(self, hook: str, kwargs: dict[str, Any]) -> Any:
-        got = self._call(hook, [self.backend], firstresult=True, **kwargs)
+        got = self._call(hook, [self.backend], **kwargs)
         return got[0][0] if got else None
 
 
@@ -328,7 +328,7 @@ class BackendConformance:
         asked: list[str] = []
         for name in targets[:1] + targets[-1:]:
             answers = quantplug_kit.pm.call(
-                "quantplug_linear_scheme", [self.backend], firstresult=True, layer_name=name, layer_kind=UNKNOWN_KIND,
+                "quantplug_linear_scheme", [self.backend], layer_name=name, layer_kind=UNKNOWN_KIND,
                 shard_names=(name,), quant_config=plan.quant_config, checkpoint=plan.checkpoint,
                 options=plan.options)
             if answers:
@@ -556,7 +556,7 @@ class _Kit:
 
     def claim(self, path: Path) -> Any:
         """The backend's own answer to quantplug_detect for ``path`` (None: not claimed)."""
-        answers = self.pm.call("quantplug_detect", [self.backend], firstresult=True, checkpoint=Checkpoint.open(path))
+        answers = self.pm.call("quantplug_detect", [self.backend], checkpoint=Checkpoint.open(path))
         return answers[0][0] if answers else None
 
     def plan(self, path: Path) -> LoadPlan:

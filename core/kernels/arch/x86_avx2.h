@@ -59,4 +59,60 @@ static inline __attribute__((always_inline)) int64_t round_run_avx2(float *o, in
     for (; i + 8 <= len; i += 8) _mm256_storeu_ps(o + i, round8_bf16(_mm256_loadu_ps(o + i)));
     return i;
 }
+
+#ifdef __FMA__
+/* e^x for 8 floats: exp512's Cody-Waite reduction and degree-6 polynomial (at most 3 ulp from the
+ * correctly rounded value over [-87, 88], measured), times 2^n as two exponent-field factors (n up to 128 and down to -150 without overflow
+ * of either); overflow to inf, underflow to 0, NaN kept */
+static inline __m256 exp8_avx2(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.72283f), lo = _mm256_set1_ps(-103.97208f);
+    const __m256 big = _mm256_cmp_ps(x, hi, _CMP_GT_OQ), small = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+    const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+    __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
+    y = _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), big);
+    y = _mm256_blendv_ps(y, _mm256_setzero_ps(), small);
+    return _mm256_blendv_ps(y, x, nan);
+}
+
+/* x[i] = e^x[i] 8 lanes a step (exp8_avx2); returns where it stopped */
+static inline int64_t exp_run_avx2(float *x, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp8_avx2(_mm256_loadu_ps(x + i)));
+    return i;
+}
+#endif
+
+/* blocks/kda.c's state-row update on a bfloat16 row, 8 lanes a step: v = r[j] * d + bk * delta[j]
+ * (separate roundings, as the scalar loop), o[j] += q * v, r[j] = v rounded to bfloat16 (round8_bf16);
+ * returns where it stopped */
+static inline int64_t kda_row_bf16_run_avx2(uint16_t *r, float d, float bk, const float *delta, float q, float *o,
+                                            int64_t n) {
+    const __m256 vd = _mm256_set1_ps(d), vbk = _mm256_set1_ps(bk), vq = _mm256_set1_ps(q);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(r + j))), 16));
+        const __m256 v = _mm256_add_ps(_mm256_mul_ps(s, vd), _mm256_mul_ps(vbk, _mm256_loadu_ps(delta + j)));
+        _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_loadu_ps(o + j), _mm256_mul_ps(vq, v)));
+        const __m256i b = _mm256_srli_epi32(_mm256_castps_si256(round8_bf16(v)), 16);
+        _mm_storeu_si128((__m128i *)(r + j), _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+    }
+    return j;
+}
 #endif

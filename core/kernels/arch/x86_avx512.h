@@ -273,6 +273,13 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_mask_blend_ps(small, y, _mm512_setzero_ps());
 }
 
+/* x[i] = e^x[i] 16 lanes a step (exp512); returns where it stopped */
+static inline __attribute__((always_inline)) int64_t exp_run512(float *x, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, exp512(_mm512_loadu_ps(x + i)));
+    return i;
+}
+
 /* silu_mul's vector part; returns where it stopped */
 static inline __attribute__((always_inline)) int64_t silu_mul_run512(float *g, const float *u, int64_t n) {
     int64_t i = 0;

@@ -37,13 +37,26 @@ static void silu_mul(float *g, const float *u, int64_t n) {
     for (; i < n; i++) g[i] = silu(g[i]) * u[i];
 }
 
-/* out[prow[p]] = sum over pairs p (in order) of pw[p] * down_e(silu(gate_e x) * up_e x), x = row
+/* g[i] = SiTU(g[i], u[i]) = beta tanh(g / beta) sigmoid(g) * (lbeta tanh(u / lbeta), or u when
+ * lbeta is 0) over n values, in the order of the torch formula (quantplug.layers.activation.situ_mul) */
+static void situ_mul(float *g, const float *u, int64_t n, float beta, float lbeta) {
+    for (int64_t i = 0; i < n; i++) {
+        const float a = beta * tanhf(g[i] / beta) * (1.f / (1.f + expf(-g[i])));
+        g[i] = a * (lbeta != 0.f ? lbeta * tanhf(u[i] / lbeta) : u[i]);
+    }
+}
+
+/* out[prow[p]] = sum over pairs p (in order) of pw[p] * down_e(act(gate_e x, up_e x)), x = row
  * prow[p] of x, e = pe[p]; pairs must come grouped by expert (pe non-decreasing). gate / up / down:
- * E experts' mats (gate / up: I x H; down: H x I). A row no pair names is set to zero. */
+ * E experts' mats (gate / up: I x H; down: H x I). A row no pair names is set to zero. act: QM_SILU
+ * (silu(gate) * up; act_a, act_b unused) or QM_SITU (beta act_a > 0, linear beta act_b >= 0, 0:
+ * none; situ_mul). */
 int qp_mlp(const qp_mat *const *gate, const qp_mat *const *up, const qp_mat *const *down, int E,
            int64_t M, const float *x, int64_t ldx, int P, const int32_t *pe, const int32_t *prow, const float *pw,
-           float *out, int64_t ldo, int wround) {
+           float *out, int64_t ldo, int wround, int act, float act_a, float act_b) {
     if (E <= 0 || P <= 0 || M <= 0) return -1;
+    if (act != QM_SILU && (act != QM_SITU || !(act_a > 0.f) || !(act_b >= 0.f) || !isfinite(act_a)
+                           || !isfinite(act_b))) return -1;
     const int64_t H = gate[0]->k, I = gate[0]->n;
     for (int e = 0; e < E; e++)
         if (!mat_ok(gate[e]) || !mat_ok(up[e]) || !mat_ok(down[e]) || gate[e]->k != H || up[e]->k != H
@@ -91,7 +104,8 @@ int qp_mlp(const qp_mat *const *gate, const qp_mat *const *up, const qp_mat *con
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < P; p++) {
             float *g = hg + p * I, *u = hu + p * I;
-            silu_mul(g, u, I);
+            if (act == QM_SILU) silu_mul(g, u, I);
+            else situ_mul(g, u, I, act_a, act_b);
         }
         #pragma omp single
         prepare(down[0], P, I, hg, I, &sh, &inh);

@@ -70,6 +70,8 @@ def from_pretrained(path: str | Path, *, dtype: torch.dtype = torch.float32, opt
     The returned model carries ``quantplug_plan``; its ``generation_config`` has the checkpoint's
     end-of-sequence ids as ``quantplug generate`` reads them (none: generation runs to
     ``max_new_tokens``)."""
+    from quantplug.bridge import engine_refusal
+    from quantplug.loader import execute
     from transformers import (
         DeepseekV3Config,
         DeepseekV3ForCausalLM,
@@ -78,7 +80,11 @@ def from_pretrained(path: str | Path, *, dtype: torch.dtype = torch.float32, opt
         GenerationConfig,
     )
 
-    qp = quantplug.load(path, dtype=dtype, options=options, backend=backend, progress=False)
+    plan = quantplug.plan(path, dtype=dtype, options=options, backend=backend)
+    why = engine_refusal(plan.model) if not plan.errors else None
+    if why:  # before any tensor data is read
+        raise BridgeError(f"{path}: {why}")
+    qp = execute(plan, progress=False)
     plan = qp.quantplug_plan
     config: Any
     build: Any

@@ -1,5 +1,6 @@
-"""quantplug backend for GGUF checkpoints (llama.cpp deepseek2 layout, and deepseek32 for
-DeepSeek-V3.2) and expert packs (entry point ``expert_pack``).
+"""quantplug backend for GGUF checkpoints (llama.cpp deepseek2 layout, deepseek32 for
+DeepSeek-V3.2, kimi-linear and kimi-k3 for the KDA + MLA hybrids) and expert packs (entry point
+``expert_pack``).
 
 Every GGUF-specific decision is one of this plugin's hook answers:
 
@@ -12,9 +13,10 @@ Every GGUF-specific decision is one of this plugin's hook answers:
 * ``quantplug_linear_scheme``: :class:`~.schemes.GGMLScheme` per tensor type, or
   :class:`~.schemes.PackedExpertsScheme` for routed experts that live in the pack;
 * ``quantplug_validate_plan``: GGUF metadata vs config.json (deepseek32: the architecture against
-  the config's indexer, ``attention.indexer.*`` against ``index_*``), the V3.2 indexer's float
-  tensors stored as floats, Kimi-K3's ``attn_k_b`` = Q4_0 contract, the pack against the model
-  and the cache budget;
+  the config's indexer, ``attention.indexer.*`` against ``index_*``; kimi-linear / kimi-k3: the
+  architecture against config.json's, the per-layer ``head_count_kv`` against the layer kinds, the
+  KDA / SiTU / latent-MoE / attention-residual keys against their config fields), the V3.2
+  indexer's float tensors stored as floats, the pack against the model and the cache budget;
 * ``quantplug_process_after_loading``: the expert cache's counters exposed as statistics
   ``expert_cache`` (``quantplug.api.stats_sources(model)``; ``quantplug generate`` reports them);
 * ``quantplug_export`` / ``quantplug_cli_commands``: GGUF writer, ``quantplug expert-pack build``
@@ -70,7 +72,7 @@ __version__ = "0.1.0"
 #: values of the ``kernels`` option: "exact" (default) or "fast" (see schemes.GGMLScheme)
 KERNELS = ("exact", "fast")
 
-_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)$")
+_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_proj|up_proj|down_proj)$")
 
 
 @dataclass(frozen=True)
@@ -215,9 +217,12 @@ _META_CHECKS = (
     ("leading_dense_block_count", "first_k_dense_replace"),
     ("embedding_length", "hidden_size"),
 )
-#: llama.cpp architectures this plugin reads: deepseek2 (DeepSeek-V3 / Kimi) and deepseek32
-#: (DeepSeek-V3.2: deepseek2 plus the lightning indexer, blk.N.indexer.*)
-ARCHITECTURES = ("deepseek2", "deepseek32")
+#: llama.cpp architectures this plugin reads: deepseek2 (DeepSeek-V3 / Kimi-K2.x), deepseek32
+#: (DeepSeek-V3.2: deepseek2 plus the lightning indexer, blk.N.indexer.*), kimi-linear and kimi-k3
+#: (KDA + MLA hybrids), each -> the config.json architectures it must come with (None: any other)
+ARCHITECTURES = ("deepseek2", "deepseek32", "kimi-linear", "kimi-k3")
+#: the Kimi hybrids' llama.cpp architecture -> their config.json architecture
+KIMI_ARCHS = {"kimi-linear": "KimiLinearForCausalLM", "kimi-k3": "KimiK3ForConditionalGeneration"}
 #: deepseek32's indexer keys (gguf-py Keys.Attention.Indexer; llama.cpp requires all three) -> config field
 _INDEXER_META = (
     ("attention.indexer.head_count", "index_n_heads"),
@@ -235,10 +240,18 @@ def quantplug_validate_plan(plan: Any, quant_config: GGUFConfig) -> list[Problem
     meta = ckpt.gguf_metadata
     arch = quant_config.architecture
     first = quant_config.files[0].name
+    kimi = KIMI_ARCHS.get(arch)
     if arch not in ARCHITECTURES:
         problems.append(Problem(f"general.architecture is {arch!r}; quantplug-expert-pack reads llama.cpp "
-                                "'deepseek2' files (DeepSeek-V3 / Kimi) and 'deepseek32' files (DeepSeek-V3.2)",
-                                file=first))
+                                "'deepseek2' files (DeepSeek-V3 / Kimi-K2.x), 'deepseek32' files (DeepSeek-V3.2) "
+                                "and 'kimi-linear' / 'kimi-k3' files", file=first))
+    elif kimi is not None or plan.architecture in KIMI_ARCHS.values():
+        if kimi != plan.architecture:
+            want = next((a for a, c in KIMI_ARCHS.items() if c == plan.architecture), "deepseek2 / deepseek32")
+            problems.append(Problem(f"general.architecture is {arch!r} but config.json is {plan.architecture}, "
+                                    f"which llama.cpp writes as {want!r}", file=first, kind="metadata"))
+        else:
+            problems += _check_kimi(meta, arch, cfg, first)
     elif (arch == "deepseek32") != cfg.has_indexer:
         what = (f"DeepSeek-V3.2 (lightning indexer, index_topk = {cfg.index_topk}); llama.cpp writes it as "
                 "'deepseek32'" if cfg.has_indexer else
@@ -261,16 +274,88 @@ def quantplug_validate_plan(plan: Any, quant_config: GGUFConfig) -> list[Problem
                                     f"{getattr(cfg, attr)}", file=first, kind="metadata"))
     if arch == "deepseek32" and cfg.has_indexer:
         problems += _check_indexer(ckpt, cfg, first)
-    if plan.architecture == "KimiK3ForConditionalGeneration":
-        for t in ckpt.tensors.values():
-            if t.name.endswith(".self_attn.k_b_proj.weight") and t.dtype != "Q4_0":
-                problems.append(Problem(
-                    f"{t.stored_name or t.name} is {t.dtype}; Kimi-K3's MLA kernels take attn_k_b only as Q4_0 "
-                    "(re-quantize it with --tensor-type attn_k_b=q4_0)", tensor=t.label, file=t.file.name))
     pack = quant_config.pack
     if pack is not None:
         problems += _check_pack(plan, pack, quant_config)
     return problems
+
+
+def _kimi_expected(cfg: Any) -> dict[str, Any]:
+    """The kimi-linear / kimi-k3 metadata llama.cpp's converter writes, as this config implies
+    (None: the converter writes no key; llama.cpp then takes its default)."""
+    act = cfg.act
+    return {
+        "kda.head_dim": ("linear_attn_config.head_dim", cfg.kda_head_dim),
+        "ssm.conv_kernel": ("linear_attn_config.short_conv_kernel_size", cfg.conv_kernel),
+        "kda.gate_lower_bound": ("linear_attn_config.gate_lower_bound", cfg.gate_lower_bound),
+        "expert_latent_length": ("routed_expert_hidden_size", cfg.latent_size),
+        "attn_res.block_size": ("attn_res_block_size", cfg.attn_res_block_size),
+        "activation.situ_beta": ("activation_situ_beta", None if act.is_silu else act.beta),
+        "activation.situ_linear_beta": ("activation_situ_linear_beta", None if act.is_silu else act.linear_beta or 0.0),
+        "expert_weights_scale": ("routed_scaling_factor", cfg.routed_scaling_factor),
+        "attention.kv_lora_rank": ("kv_lora_rank", cfg.kv_lora_rank),
+        "attention.q_lora_rank": ("q_lora_rank", cfg.q_lora_rank),
+        "attention.layer_norm_rms_epsilon": ("rms_norm_eps", cfg.rms_norm_eps),
+        "expert_feed_forward_length": ("moe_intermediate_size", cfg.moe_intermediate_size),
+        "expert_shared_count": ("num_shared_experts", cfg.n_shared_experts),
+    }
+
+
+#: keys llama.cpp requires or whose absence changes the model: absent from the file while the
+#: config sets them is a contradiction too (kimi-k3: a missing gate_lower_bound runs the softplus
+#: gate, a missing expert_latent_length no latent MoE)
+_KIMI_PRESENCE = ("kda.gate_lower_bound", "expert_latent_length", "attn_res.block_size", "activation.situ_beta",
+                  "kda.head_dim", "ssm.conv_kernel")
+
+
+def _check_kimi(meta: Mapping[str, Any], arch: str, cfg: Any, first: str) -> list[Problem]:
+    """kimi-linear / kimi-k3 metadata against config.json: the per-layer ``head_count_kv`` (0 for a
+    KDA layer, positive for MLA; llama.cpp decides each layer's kind from it), then every key of
+    :func:`_kimi_expected` (floats as the file's float32 holds them). Each disagreement is one
+    problem naming both values."""
+    problems = []
+    key = f"{arch}.attention.head_count_kv"
+    kv = meta.get(key)
+    n = cfg.num_hidden_layers
+    if kv is not None:
+        if not isinstance(kv, list | tuple) or len(kv) != n:
+            problems.append(Problem(f"GGUF {key} = {kv!r}: expected one entry per layer ({n}), 0 for a KDA layer",
+                                    file=first, kind="metadata"))
+        else:
+            wrong = [i for i, v in enumerate(kv) if (v == 0) != cfg.is_kda(i)]
+            if wrong:
+                i = wrong[0]
+                problems.append(Problem(
+                    f"GGUF {key}[{i}] = {kv[i]} makes layer {i} {'KDA' if kv[i] == 0 else 'MLA'}, but config.json "
+                    f"linear_attn_config lists layer {i + 1} (1-based) in "
+                    f"{'kda_layers' if cfg.is_kda(i) else 'full_attn_layers'}", file=first, kind="metadata"))
+    for k, (field_name, want) in _kimi_expected(cfg).items():
+        value = meta.get(f"{arch}.{k}")
+        if value is None:
+            if want is not None and k in _KIMI_PRESENCE:
+                problems.append(Problem(f"GGUF {arch}.{k} is absent but config.json {field_name} = {want}",
+                                        file=first, kind="metadata"))
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            problems.append(Problem(f"GGUF {arch}.{k} = {value!r}: expected a number", file=first, kind="metadata"))
+        elif want is None or not _same(value, want):
+            problems.append(Problem(f"GGUF {arch}.{k} = {value} contradicts config.json {field_name} = {want}",
+                                    file=first, kind="metadata"))
+    norm = meta.get(f"{arch}.expert_weights_norm")
+    if norm is not None and bool(norm) != bool(cfg.norm_topk_prob):
+        problems.append(Problem(f"GGUF {arch}.expert_weights_norm = {norm} contradicts config.json moe_renormalize = "
+                                f"{cfg.norm_topk_prob}", file=first, kind="metadata"))
+    return problems
+
+
+def _same(value: float, want: float) -> bool:
+    """Equal as GGUF stores them: integers exactly, floats after rounding to float32."""
+    if isinstance(value, int) and isinstance(want, int):
+        return value == want
+    import struct
+
+    f32 = struct.unpack("f", struct.pack("f", float(want)))[0]
+    return float(value) == f32 or abs(float(value) - float(want)) <= 1e-7 * max(1.0, abs(float(want)))
 
 
 def _check_indexer(ckpt: Any, cfg: Any, first: str) -> list[Problem]:

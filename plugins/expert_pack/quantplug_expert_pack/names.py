@@ -1,9 +1,19 @@
-"""llama.cpp deepseek2 / deepseek32 tensor names <-> quantplug (Hugging Face) model names.
+"""llama.cpp deepseek2 / deepseek32 / kimi-linear / kimi-k3 tensor names <-> quantplug (Hugging
+Face) model names.
 
-Source: gguf-py ``gguf/constants.py`` (MODEL_TENSORS[DEEPSEEK2], MODEL_TENSORS[DEEPSEEK32]) and
-``tensor_mapping.py``, and llama.cpp's DeepSeek-V2/V3 and V3.2 converters (``conversion/deepseek.py``). Stacked tensors use the core's stacked names: routed
-experts ``mlp.experts.{gate,up,down}_proj.weight`` [E, out, in] and split MLA
+Source: gguf-py ``gguf/constants.py`` (MODEL_TENSORS[DEEPSEEK2], [DEEPSEEK32], [KIMI_LINEAR],
+[KIMI_K3]) and ``tensor_mapping.py``, and llama.cpp's converters (``conversion/deepseek.py``,
+``conversion/kimi_linear.py``, ``conversion/kimi_k3.py``; llama-cpp-python 0.3.36's tree).
+Stacked tensors use the core's stacked names: routed experts ``mlp.experts.{gate,up,down}_proj.weight``
+(Kimi: ``block_sparse_moe.experts.*``) [E, out, in] and split MLA
 ``self_attn.{k_b_proj,v_b_proj}.weight`` [n_head, kv_lora, nope] / [n_head, v, kv_lora].
+
+Kimi tensors the converter transforms beyond renaming map to the model's alternative forms:
+``ssm_a`` holds ``-exp(A_log)`` (model name ``self_attn.A``, :class:`quantplug.models.kimi.KDA`
+takes it folded), ``attn_res_score`` / ``ffn_res_score`` / ``output_res_score`` hold
+``res_norm * res_proj`` (model names ``*_res_score.weight``, :class:`~quantplug.models.kimi.ResScore`),
+``ssm_conv1d_*`` are reshaped to [1, channels, 1, width] (the same values), ``dt_bias`` is
+``ssm_dt.bias``; K3's ``g_proj`` is ``ssm_g`` in a KDA layer and ``attn_gate`` in an MLA layer.
 """
 
 from __future__ import annotations
@@ -75,9 +85,58 @@ NEXTN = {
 }
 
 
+#: Kimi-Linear / K3 KDA layers (``self_attn.``; conversion/kimi_linear.py, kimi_k3.py)
+KDA = {
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_conv1d.weight": "ssm_conv1d_q.weight",
+    "self_attn.k_conv1d.weight": "ssm_conv1d_k.weight",
+    "self_attn.v_conv1d.weight": "ssm_conv1d_v.weight",
+    "self_attn.f_a_proj.weight": "ssm_f_a.weight",
+    "self_attn.f_b_proj.weight": "ssm_f_b.weight",
+    "self_attn.dt_bias": "ssm_dt.bias",
+    "self_attn.A": "ssm_a",                                   # -exp(A_log), folded by the converter
+    "self_attn.b_proj.weight": "ssm_beta.weight",
+    "self_attn.g_a_proj.weight": "ssm_g_a.weight",            # Kimi-Linear's low-rank output gate
+    "self_attn.g_b_proj.weight": "ssm_g_b.weight",
+    "self_attn.g_proj.weight": "ssm_g.weight",                # K3's full-rank output gate
+    "self_attn.o_norm.weight": "ssm_norm.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+}
+#: Kimi MoE layers (``block_sparse_moe.``), K3's latent projections included
+KIMI_MOE = {f"block_sparse_moe.{k[len('mlp.'):]}": v for k, v in MOE.items()} | {
+    "block_sparse_moe.routed_expert_down_proj.weight": "ffn_routed_down.weight",
+    "block_sparse_moe.routed_expert_norm.weight": "ffn_routed_norm.weight",
+    "block_sparse_moe.routed_expert_up_proj.weight": "ffn_routed_up.weight",
+}
+#: K3's attention residuals, fused by the converter (norm * proj)
+RES = {
+    "self_attention_res_score.weight": "attn_res_score.weight",
+    "mlp_res_score.weight": "ffn_res_score.weight",
+}
+KIMI_GLOBAL = {**GLOBAL, "model.output_attn_res_score.weight": "output_res_score.weight"}
+_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
+
+
+def _kimi(model_config: Any) -> dict[str, str]:
+    out = dict(KIMI_GLOBAL)
+    for i in range(model_config.num_hidden_layers):
+        table = {k: ATTENTION[k] for k in _NORMS}
+        table.update(KDA if model_config.is_kda(i) else ATTENTION)
+        table.update(KIMI_MOE if model_config.is_moe_layer(i) else DENSE_MLP)
+        table.update(RES)
+        for model_name, gguf_name in table.items():
+            out[f"model.layers.{i}.{model_name}"] = f"blk.{i}.{gguf_name}"
+    return out
+
+
 def model_to_gguf(model_config: Any) -> dict[str, str]:
     """Every model tensor name of this config (both MLA layouts; DeepSeek-V3.2's indexer where the
-    config has one; the ``num_nextn_predict_layers`` MTP layers included) -> its GGUF name."""
+    config has one; the ``num_nextn_predict_layers`` MTP layers included; Kimi-Linear / K3: KDA or
+    MLA per layer) -> its GGUF name."""
+    if hasattr(model_config, "kda_layers"):
+        return _kimi(model_config)
     out = dict(GLOBAL)
     n = model_config.num_hidden_layers
     for i in range(n + int(getattr(model_config, "num_nextn_predict_layers", 0) or 0)):
