@@ -44,8 +44,8 @@ def test_k3_release_mxfp4_experts_equal_the_dequantized_model(tmp_path):
     stored = load_file(str(release / "model.safetensors"))
     e = "language_model.model.layers.1.block_sparse_moe.experts.3.w2"
     packed, scale = stored[f"{e}.weight_packed"], stored[f"{e}.weight_scale"]
-    assert packed.dtype == torch.uint8 and packed.shape == (64, 16)        # [out, in / 2]
-    assert scale.dtype == torch.uint8 and scale.shape == (64, 1)           # E8M0 [out, in / 32]
+    assert packed.dtype == torch.uint8 and packed.shape == (32, 16)        # [out = latent, in / 2]
+    assert scale.dtype == torch.uint8 and scale.shape == (32, 1)           # E8M0 [out, in / 32]
     assert stored["language_model.model.layers.0.self_attn.q_conv1d.weight"].dtype == torch.float32
     assert stored["language_model.model.layers.0.self_attn.dt_bias"].dtype == torch.float32
     assert stored["language_model.model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
@@ -128,7 +128,7 @@ def test_k3_modelslim_w4a8_dense_kv_b_matches_emulation(tmp_path):
     assert plan.backend == "modelslim" and not plan.errors
     schemes = plan.schemes()
     assert schemes[f"{mla}.kv_b_proj"] == "dense"
-    assert [d.value for d in plan.decisions if d.hook == "quantplug_attention_layout"] == ["dense"]
+    assert {d.value for d in plan.decisions if d.hook == "quantplug_attention_layout"} == {"dense"}
     assert schemes["language_model.model.layers.1.block_sparse_moe.experts.gate_proj"].startswith("W4A8_DYNAMIC")
     assert schemes["language_model.model.layers.1.self_attn.q_proj"].startswith("W8A8 ")
     model = quantplug.load(res.path, progress=False)
@@ -147,10 +147,13 @@ def test_k3_modelslim_w4a8_dense_kv_b_matches_emulation(tmp_path):
         emulated = ref(IDS)
     with torch.no_grad():
         quant_err = rel_err(out, dense(IDS))
-    # observed 1.3e-3 against a quantization error of ~0.35: the emulation's float products order
-    # sums differently from the int8 paths, which flips an occasional rounding tie of a token's int8
-    # code upstream (one step of max|x| / 127) and that spreads through 4 layers and 70 tokens
-    assert rel_err(out, emulated) <= 3e-3 and rel_err(out, emulated) < quant_err / 50
+    # position by position: the emulation is exact up to float rounding (median 2e-7) except where
+    # a float product summed in another order than the int8 path flips one rounding tie of a
+    # token's int8 code; the flip then follows that token through the later layers (89% of the
+    # 140 positions within 1e-5, the worst at 1.8e-2, against a quantization error of ~1)
+    pos = ((out - emulated).abs().amax(-1) / emulated.abs().max()).flatten()
+    assert pos.median() <= 1e-6 and (pos <= 1e-5).float().mean() >= 0.8, pos
+    assert pos.max() <= 0.05 < 0.5 < quant_err
 
 
 # -- (c) every installed backend's own exporter ------------------------------------------------------
@@ -190,7 +193,7 @@ def test_every_backend_exporter(kimi_dense, arch, row):
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir()
     if row.backend == "expert_pack":  # llama.cpp deepseek2 names: none for KDA's float parameters
-        with pytest.raises(QuantplugError, match=r"model\.layers\.0\.self_attn\.dt_bias has no llama\.cpp"):
+        with pytest.raises(QuantplugError, match=r"model\.layers\.0\.self_attn\.\S+ has no llama\.cpp deepseek2 name"):
             pm.export(row.backend, model=model, destination=scratch, plan=model.quantplug_plan, options=row.options)
         return
     res = pm.export(row.backend, model=model, destination=scratch, plan=model.quantplug_plan,

@@ -48,6 +48,9 @@ GGUF_REFUSAL = "model.layers.0.self_attn.q_conv1d.weight"
 class TestKimiK3(ArchitectureConformance):
     architecture = "KimiK3ForConditionalGeneration"
     refusals = {"expert_pack": GGUF_REFUSAL}
+    #: e4m3 activations (the fp8 export) move this tiny K3's logits by 0.64 (its attention residuals'
+    #: depth softmax amplifies them); the weight-only formats stay at the kit's 1e-5
+    act_quant_rtol = 1.0
 
     def write_checkpoint(self, path: Path) -> None:
         write_checkpoint(path, K3, kimi_state(K3, seed=41))
