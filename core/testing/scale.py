@@ -112,13 +112,13 @@ def kimi_k2_config() -> dict[str, Any]:
     return copy.deepcopy(_KIMI_K2)
 
 
-# Kimi-K3 (ARCHITECTURES.md C1): no official config.json was read; the values are 3P-K3DOC's quotes,
+# Kimi-K3 (docs/architectures/kimi.md): no official config.json was read; the values are a third-party analysis's quotes of it,
 # cross-checked against sglang where its code asserts them. Wrapped as the release is: the text model
 # under text_config (kimi_linear), the quantization_config there too (only routed experts MXFP4).
 K3_LAYERS = 93
 K3_HIDDEN = 7168
 K3_EXPERTS = 896
-#: routed_scaling_factor of K3 is quoted by no source read (ARCHITECTURES C1); Kimi-K2's 2.827 stands
+#: routed_scaling_factor of K3 is quoted by no source read; Kimi-K2's 2.827 stands
 #: in. K3's latent RMSNorm follows the weighted expert sum, so the value barely matters (only eps).
 K3_ROUTED_SCALING_FACTOR_PLACEHOLDER = 2.827
 #: llm-compressor's mxfp4 preset (compressed-tensors ``MXFP4``): symmetric float4 weights in groups of
@@ -186,7 +186,7 @@ def _k3_unquantized_linears(text: Mapping[str, Any]) -> list[str]:
 
 
 def kimi_k3_config() -> dict[str, Any]:
-    """Kimi-K3's release config.json as ARCHITECTURES.md C1 quotes it (93 layers: 69 KDA + 24 MLA, first
+    """Kimi-K3's release config.json as third-party copies quote it (93 layers: 69 KDA + 24 MLA, first
     dense, 896 routed experts top-16 + 2 shared, latent MoE 7168 -> 3584, attention residuals every 12
     layers, SiTU), wrapped: ``KimiK3ForConditionalGeneration`` / ``kimi_k3`` at the top, the text model
     under ``text_config``. The vision config is left out (no vision tensors are written).
@@ -322,7 +322,7 @@ MXFP4_GROUP = 32
 
 
 def kimi_k3_tensors(cfg: Mapping[str, Any], *, a_log: str = "heads") -> list[StoredTensor]:
-    """Every tensor of the K3 release (ARCHITECTURES C2) for a wrapped K3 config: embeddings first,
+    """Every tensor of the K3 release for a wrapped K3 config: embeddings first,
     then each decoder layer, then the final norm, the output attention-residual tensors and
     ``lm_head``, all under ``language_model.``. Routed experts (``block_sparse_moe.experts.E.w1/w2/w3``)
     are MXFP4: ``weight_packed`` U8 [out, in/2] + ``weight_scale`` U8 [out, in/32]; the KDA
