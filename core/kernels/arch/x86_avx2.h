@@ -116,3 +116,60 @@ static inline int64_t kda_row_bf16_run_avx2(uint16_t *r, float d, float bk, cons
     return j;
 }
 #endif
+
+#if defined(__AVX2__)
+/* 8 codes of a scaled form's row from element i on, as float32 (exactly the scalar loop's q) */
+static inline __m256 raw8_int8_avx2(const uint8_t *row, int64_t i) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + i))));
+}
+static inline __m256i nib8_avx2(const uint8_t *row, int64_t i) {  /* i even: nibbles of 4 bytes, low first */
+    int32_t four;
+    memcpy(&four, row + i / 2, 4);
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_cvtsi32_si128(four));
+    /* lanes 0..7 take bytes 0,0,1,1,2,2,3,3: low nibble for even lanes, high for odd */
+    const __m256i dup = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+    const __m256i sh = _mm256_srlv_epi32(dup, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+    return _mm256_and_si256(sh, _mm256_set1_epi32(15));
+}
+
+/* the scaled-form segment decoder's loop (deq_seg_scaled) on 8 values at a time, INT8 / INT4 /
+ * FP4 codes (FP8: the scalar loop), the same float32 operations per value: ((q - z) * s) [* gs] */
+static inline __attribute__((always_inline)) int64_t scaled_run_avx2(int t, const uint8_t *restrict row,
+                                                                   const void *zp, float s, float z, float gs,
+                                                                   int has_g, int64_t i, int64_t end, int64_t c0,
+                                                                   float *restrict o) {
+    if (t == QP_FP8 || (i & 1)) return i;
+    const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z), vg = _mm256_set1_ps(gs);
+#define QP_SCALED_LOOP8(RAW)                                                                \
+    if (zp) { for (; i + 8 <= end; i += 8) {                                             \
+        __m256 v = _mm256_mul_ps(_mm256_sub_ps(RAW, vz), vs);                              \
+        _mm256_storeu_ps(o + (i - c0), has_g ? _mm256_mul_ps(v, vg) : v); } }              \
+    else if (has_g) { for (; i + 8 <= end; i += 8)                                       \
+        _mm256_storeu_ps(o + (i - c0), _mm256_mul_ps(_mm256_mul_ps(RAW, vs), vg)); }      \
+    else { for (; i + 8 <= end; i += 8)                                                  \
+        _mm256_storeu_ps(o + (i - c0), _mm256_mul_ps(RAW, vs)); }
+    switch (t) {
+        case QP_INT8: QP_SCALED_LOOP8(raw8_int8_avx2(row, i)) break;
+        case QP_INT4:
+            QP_SCALED_LOOP8(_mm256_cvtepi32_ps(_mm256_sub_epi32(nib8_avx2(row, i), _mm256_set1_epi32(8)))) break;
+        default: {
+            const __m256 lut_lo = _mm256_loadu_ps(E2M1), lut_hi = _mm256_loadu_ps(E2M1 + 8);
+            QP_SCALED_LOOP8(_mm256_blendv_ps(
+                _mm256_permutevar8x32_ps(lut_lo, nib8_avx2(row, i)), _mm256_permutevar8x32_ps(lut_hi, nib8_avx2(row, i)),
+                _mm256_castsi256_ps(_mm256_slli_epi32(nib8_avx2(row, i), 28))))
+        }
+    }
+#undef QP_SCALED_LOOP8
+    return i;
+}
+#endif
+
+#if defined(__AVX2__)
+/* acc[j % 8] += b[j] * x[j] for j in [0, n), n a multiple of 8, in ascending j: the generic row
+ * loop's 8 lane sums, on one register (multiply then add, as the scalar loop rounds) */
+static inline void acc8_run_avx2(float *acc, const float *restrict b, const float *restrict x, int64_t n) {
+    __m256 a = _mm256_loadu_ps(acc);
+    for (int64_t j = 0; j < n; j += 8) a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(b + j), _mm256_loadu_ps(x + j)));
+    _mm256_storeu_ps(acc, a);
+}
+#endif

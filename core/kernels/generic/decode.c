@@ -59,6 +59,8 @@ static void deq_seg_scaled(const qp_mat *m, int64_t r, int64_t c0, int64_t len, 
         int64_t i = c;
 #ifdef QP_AVX512
         i = scaled_run512(t, row, nan, zp, s, z, gs, has_g, i, end, c0, o);
+#elif defined(__AVX2__)
+        i = scaled_run_avx2(t, row, zp, s, z, gs, has_g, i, end, c0, o);
 #endif
         for (; i < end; i++) {
             float q;

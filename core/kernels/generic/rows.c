@@ -63,6 +63,9 @@ static void generic_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r
                 deq_seg(m, r, c0, seg, buf, wround);
                 for (int i = 0; i < mt; i++) {
                     const float *xr = in->x + (int64_t)(i0 + i) * in->ldx + c0;
+#if defined(__AVX2__)
+                    if (seg % 8 == 0) { acc8_run_avx2(acc[i], buf, xr, seg); continue; }
+#endif
                     for (int64_t j = 0; j < seg; j++) acc[i][j & 7] += buf[j] * xr[j];
                 }
             }
