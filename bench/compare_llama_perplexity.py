@@ -21,7 +21,12 @@ Steps:
    --ctx CTX --max-chunks K --json``; the F32 file with ``--kl-divergence-base`` /
    ``--save-logits``, the quantized files with ``--kl-divergence`` / ``--reference`` against each
    tool's own F32 file, and across tools (llama.cpp reading quantplug's file and the reverse) to
-   show the format is one;
+   show the format is one, and each quantized file's quantplug distributions against llama.cpp's
+   own on the same file (how far the two engines' forwards are apart);
+   llama-perplexity of this release loses its last log lines at exit (its logger is an
+   intentionally leaked singleton whose queue is not flushed: the ``--kl-divergence`` summary
+   never reaches stdout), so it runs with a small ``LD_PRELOAD`` shim compiled here that calls
+   llama.cpp's own ``common_log_flush`` inside ``llama_backend_free`` (no computation changes);
 4. the table: PPL of each, mean / p99 KLD and same top p, and the relative differences
    (done when PPL is within 0.5% and mean KLD within 5%). Quantized files run twice in quantplug:
    ``kernels=exact`` (dequantize-then-matmul) and ``kernels=fast`` (llama.cpp's integer block dot,
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -42,6 +48,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 TYPES = ("F32", "Q8_0", "Q4_0")
+SHIM_PATH = Path()
 
 
 def write_models(work: Path, seed: int) -> dict[str, Path]:
@@ -82,10 +89,32 @@ def write_models(work: Path, seed: int) -> dict[str, Path]:
     return out
 
 
-def run(cmd: list[str], log: Path) -> str:
+#: llama_backend_free, interposed: flush llama.cpp's asynchronous log first (see the docstring)
+SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+struct common_log;
+void llama_backend_free(void) {
+    struct common_log * (*main_log)(void) = (struct common_log * (*)(void)) dlsym(RTLD_DEFAULT, "_Z15common_log_mainv");
+    void (*flush)(struct common_log *) = (void (*)(struct common_log *)) dlsym(RTLD_DEFAULT, "_Z16common_log_flushP10common_log");
+    if (main_log && flush) flush(main_log());
+    void (*real)(void) = (void (*)(void)) dlsym(RTLD_NEXT, "llama_backend_free");
+    if (real) real();
+}
+"""
+
+
+def build_shim(work: Path) -> Path:
+    src, out = work / "flush_log_shim.c", work / "flush_log_shim.so"
+    src.write_text(SHIM)
+    subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-o", str(out), str(src), "-ldl"], check=True)
+    return out
+
+
+def run(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> str:
     print("$", " ".join(cmd), file=sys.stderr)
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=None if env is None else {**os.environ, **env})
     with log.open("a") as f:
         f.write("$ " + " ".join(cmd) + "\n" + p.stdout + p.stderr + "\n")
     if p.returncode:
@@ -109,7 +138,7 @@ def llama(bin_dir: Path, model: Path, text: Path, ctx: int, chunks: int, threads
         cmd += ["--kl-divergence-base", str(base)]
     if kld is not None:
         cmd = [c for c in cmd if c not in ("-f", str(text))] + ["--kl-divergence-base", str(kld), "--kl-divergence"]
-    out = run(cmd, log)
+    out = run(cmd, log, env={"LD_PRELOAD": str(SHIM_PATH)})
     if kld is None:
         return {"ppl": _num(r"Final estimate: PPL = ([\d.]+)", out), "ppl_err": _num(r"Final estimate: PPL = [\d.]+ \+/- ([\d.]+)", out)}
     return {"ppl": _num(r"Mean PPL\(Q\)\s+:\s+([\d.]+)", out),
@@ -152,6 +181,8 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     log = args.work / "commands.log"
     log.write_text("")
+    global SHIM_PATH
+    SHIM_PATH = build_shim(args.work)
     models = write_models(args.work, args.seed)
     text = args.work / "textwrap.py.txt"
     text.write_text(Path(textwrap.__file__).read_text(encoding="utf-8"), encoding="utf-8")
@@ -173,6 +204,12 @@ def main() -> None:
             rows.append({"file": t, "kernels": kernels, "llama": lq, "quantplug": qq,
                          "ppl_rel": rel(qq["ppl"], lq["ppl"]), "kld_rel": rel(qq["kld_mean"], lq["kld_mean"])})
         cross[f"quantplug {t} (exact) vs llama.cpp's F32 file"] = ours(models[t], text, c, k, log, ref=lbase)
+        # engine against engine on the same quantized file: how far the two forwards are apart
+        lt = args.work / f"llama-{t.lower()}.logits"
+        llama(args.bin, models[t], text, c, k, args.threads, log, base=lt)
+        for kernels in ("exact", "fast"):
+            cross[f"quantplug {t} ({kernels}) vs llama.cpp's {t} file"] = ours(models[t], text, c, k, log,
+                                                                               kernels=kernels, ref=lt)
     result = {"ctx": c, "chunks": k, "scored_tokens": k * (c - 1 - c // 2), "text": str(text),
               "python": sys.version.split()[0], "same_tokens": same_tokens,
               "file_bytes": {"F32 logits": qbase.stat().st_size, "equal to llama.cpp's size": lbase.stat().st_size == qbase.stat().st_size},

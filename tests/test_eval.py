@@ -222,3 +222,31 @@ def test_reference_of_another_vocabulary_or_text_is_refused(ckpt, tmp_path, caps
     assert "token 1 is" in _one_error_line(capsys)
     assert main(["eval", str(root), "--reference", str(fewer), "--ctx", "16"]) == 1
     assert "computed with --ctx 8, not 16" in _one_error_line(capsys)
+
+
+def test_reads_a_file_llama_perplexity_wrote(tmp_path):
+    """tests/data/vendor/gguf_iq4_nl_dsv3.kld-base.logits: llama-perplexity's --kl-divergence-base
+    on that GGUF over make_gguf_iq's calibration text, 4 windows of 16 (its "Final estimate: PPL =
+    326.8021 +/- 24.00638"). Our tokenizer gives its tokens, our file has its header and size, and
+    our forward of the same file scores within 0.5% of its PPL, at KLD ~1e-5 from it."""
+    import sys
+
+    from conftest import VENDOR
+
+    sys.path.insert(0, str(VENDOR))
+    from make_gguf_iq import CALIBRATION
+
+    base = VENDOR / "gguf_iq4_nl_dsv3.kld-base.logits"
+    root = VENDOR / "gguf_iq4_nl_dsv3"
+    tokens, bos = text_tokens(root, CALIBRATION)
+    rd = LogitsReader(base)
+    assert (rd.n_ctx, rd.n_vocab, rd.n_chunk) == (16, 320, 4) and rd.tokens.tolist() == tokens[:64] and bos == 0
+    rd.close()
+    model = quantplug.load(root, progress=False)
+    r = evaluate(model, tokens, bos=bos, reference=base, save_logits=tmp_path / "ours.logits", progress=False)
+    assert r is not None and r.kld is not None
+    assert r.kld.ppl_base == pytest.approx(326.8021, rel=1e-5)  # its PPL, from its own rows
+    assert r.ppl == pytest.approx(326.8021, rel=5e-3) and r.kld.kld_mean < 1e-4 and r.kld.same_top == 1.0
+    ours = (tmp_path / "ours.logits").read_bytes()
+    theirs = base.read_bytes()
+    assert len(ours) == len(theirs) and ours[:HEADER_BYTES + 4 * 64] == theirs[:HEADER_BYTES + 4 * 64]
