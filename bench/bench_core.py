@@ -10,8 +10,9 @@
 2. Plan time of a 351-shard index: a DeepSeek-V3-shaped config (61 layers, 256 routed experts,
    hub layout, tiny dimensions) spread over 351 shards, planned from headers.
 3. Peak RSS of the load against the model's size (in a child process).
-4. ``--release``: plan of the header-only DeepSeek-V3 release (163 shards, 91,991 tensors) and
-   Kimi-K2 (61 shards, 139,644 tensors) at their real names and shapes (sparse files, no data),
+4. ``--release``: plan of the header-only DeepSeek-V3 release (163 shards, 91,991 tensors),
+   Kimi-K2 (61 shards, 139,644 tensors) and Kimi-K3 (93 shards, 497,052 tensors, compressed-tensors
+   MXFP4 experts) at their real names and shapes (sparse files, no data),
    CPU seconds best of ``--reps``, each contender in a fresh process, alternating with the
    baseline: reading and JSON-parsing every shard header (the least any safetensors loader does).
    Only this section runs with ``--release``.
@@ -163,10 +164,11 @@ print(t)
 
 
 def bench_release_plans(root: Path, reps: int) -> dict:
-    from quantplug.testing.scale import deepseek_v3_config, kimi_k2_config, write_header_only
+    from quantplug.testing.scale import deepseek_v3_config, kimi_k2_config, kimi_k3_config, write_header_only
 
     out = {}
-    for name, cfg in (("DeepSeek-V3", deepseek_v3_config()), ("Kimi-K2", kimi_k2_config())):
+    for name, cfg in (("DeepSeek-V3", deepseek_v3_config()), ("Kimi-K2", kimi_k2_config()),
+                      ("Kimi-K3", kimi_k3_config())):
         path = write_header_only(root / name, cfg)
         n = len(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"])
         base, ours = _alternate(RELEASE_BASE, RELEASE_PLAN, path, reps)

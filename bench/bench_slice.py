@@ -6,6 +6,8 @@
     python bench/bench_slice.py /tmp/dsv3-slice4 --cache-gb 4 --compare prefetch  # expert_prefetch on / off
     python bench/make_dsv3_slice.py --out /tmp/dsv3-slice2 --layers 2      # 15.8 GB: fits in memory
     python bench/bench_slice.py /tmp/dsv3-slice2 --cache-gb 0 --tokens 8   # all in memory: vs memory bandwidth
+    python bench/make_k3_slice.py --out /tmp/k3-slice                      # Kimi-K3: 1 KDA + 1 MLA/MoE layer, 23.6 GB
+    python bench/bench_slice.py /tmp/k3-slice --cache-gb 2 --tokens 16     # 896 MXFP4 experts served from the files
 
 Each run is a fresh process: plan (headers only), load with ``expert_cache_mb`` (bfloat16 model),
 a forward of the prompt, then greedy decode of ``--tokens`` tokens through the latent cache. The
@@ -19,6 +21,9 @@ checkpoint's expert tensors cold with positional reads of one expert tensor each
 ``--cache-gb 0`` loads every weight into memory instead (no page-cache drop needed: the weights are
 read at load) and reports decode against the memory-bandwidth bound: weight bytes one token reads
 (``token_bytes``) / the bandwidth of ``torch.dot`` over 2 GB in the same process (median of 9).
+With the experts served, the memory-bandwidth bound is reported too: the bytes a decode step must
+read (:func:`step_bytes`: weights in memory, the chosen experts, KDA's recurrent state) over
+:func:`memory_bandwidth`; ``bound_tokens_per_s`` stays the device bound.
 ``--compare`` runs two settings alternately (A B A B ...), each in a fresh process.
 """
 
@@ -145,6 +150,21 @@ def token_bytes(lm: Any) -> tuple[int, dict[str, int]]:
     return sum(parts.values()), parts
 
 
+def step_bytes(lm: Any) -> dict[str, int]:
+    """Bytes one decode step must read from memory with the routed experts served from the files:
+    the weights held in memory (:func:`token_bytes`: all but the embedding; served experts are not
+    parameters), the chosen experts (``num_experts_per_tok`` x an expert's bytes as stored, per
+    MoE layer) and the recurrent state of KDA layers (Kimi: heads x head_dim^2 float32 each, read
+    once; the convolution's state is negligible). The latent cache of a few tokens is left out."""
+    nonexpert, _ = token_bytes(lm)
+    cfg = lm.config
+    stores = [m.qp_store for m in lm.modules() if getattr(m, "qp_store", None) is not None]
+    experts = sum(cfg.num_experts_per_tok * st.slot_bytes for st in stores)
+    kda_layers = len(getattr(cfg, "kda_layers", ()))
+    state = kda_layers * getattr(cfg, "kda_heads", 0) * getattr(cfg, "kda_head_dim", 0) ** 2 * 4
+    return {"nonexpert": nonexpert, "experts": experts, "kda_state": state}
+
+
 def memory_bandwidth(gbytes: float = 2.0, reps: int = 9) -> float:
     """GB/s of this process streaming a float32 tensor of ``gbytes`` through ``torch.dot(x, x)``
     (BLAS, torch's threads; each element read once): the median of ``reps`` (single probes on
@@ -248,6 +268,9 @@ def child(args: argparse.Namespace) -> dict:
         decode_s = time.perf_counter() - t0
         dev = _io_read_bytes() - dev0
     after = cache.stats()
+    peak = _status_kb("VmHWM") / (1 << 20)  # before the bandwidth probe's 2 GB
+    step = step_bytes(lm)
+    bw = memory_bandwidth()
     n = args.tokens
     req = after["requests"] - before["requests"]
     hits = after["hits"] - before["hits"]
@@ -256,7 +279,9 @@ def child(args: argparse.Namespace) -> dict:
         "threads": args.threads, "prompt": args.prompt, "tokens": n,
         "plan_s": round(plan_s, 2), "load_s": round(load_s, 2), "rss_after_load_gib": round(rss_load, 2),
         "prefill_s": round(prefill_s, 2), "decode_s": round(decode_s, 2), "tokens_per_s": round(n / decode_s, 3),
-        "peak_rss_gib": round(_status_kb("VmHWM") / (1 << 20), 2),
+        "peak_rss_gib": round(peak, 2),
+        **{f"gb_per_token_{k}": round(v / GB, 3) for k, v in step.items()},
+        "memory_GBps": round(bw, 2), "memory_bound_tokens_per_s": round(bw / (sum(step.values()) / GB), 3),
         "decode_hit_rate": round(hits / req, 3) if req else 0.0,
         "decode_prefetched": after["prefetched"] - before["prefetched"],
         "decode_prefetch_hits": after["prefetch_hits"] - before["prefetch_hits"],

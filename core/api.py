@@ -34,7 +34,7 @@ Groups:
   its :class:`StackLayout`, :class:`Embedding`, :class:`RMSNorm`, :class:`FloatParams`,
   :class:`Rotary`); what the architecture declares for the core to read (1.5): its
   tensor-parallel plan ``qp_tp_plan`` (:class:`ColumnParallel`, :class:`RowParallel`,
-  :class:`FeatureParallel`, :class:`HeadParallel`, :class:`ExpertParallel`,
+  :class:`FeatureParallel`, :class:`HeadParallel` (:class:`HeadSlice`), :class:`ExpertParallel`,
   :class:`VocabParallel`, with the module interfaces :class:`HeadGroup`, :class:`ExpertGroup`,
   :class:`TiedModule`) and its dense-state mapping ``qp_dense_state`` (:class:`Unstack`,
   :class:`FoldHeads`);
@@ -103,6 +103,7 @@ from .models.declarations import (
     HeadGroup,
     HeadParallel,
     HeadPart,
+    HeadSlice,
     LatentAttention,
     RoutedExperts,
     RowParallel,
@@ -211,8 +212,9 @@ def _dense_declared(out: dict[str, torch.Tensor], name: str, mod: nn.Module, rul
     stacks = _stacks(mod, rule, name)
     if isinstance(rule, Unstack):
         store = getattr(mod, "qp_store", None)  # experts served from the checkpoint's files
-        for lin in stacks:
+        for j, lin in enumerate(stacks):
             base, proj = lin.qp_ckpt.rsplit(".", 1)
+            proj = rule.stored[j] if rule.stored else proj
             for k in range(lin.n):
                 w = store.dequantize(lin, k) if store is not None else lin.scheme.dequantize(lin, k)
                 out[f"{base}.{k}.{proj}.weight"] = w.detach().to(dtype).contiguous()
@@ -375,7 +377,7 @@ __all__ = [
     "EngineExperts", "EngineLatentAttention", "EngineMLP", "LatentAttention", "RoutedExperts",
     # ... and declaring its tensor-parallel plan (qp_tp_plan) and dense-state mapping (qp_dense_state)
     "ColumnParallel", "DeclarationError", "ExpertGroup", "ExpertParallel", "FeatureParallel", "FoldHeads", "HeadGroup",
-    "HeadParallel", "HeadPart", "RowParallel", "TiedModule", "Unstack", "VocabParallel",
+    "HeadParallel", "HeadPart", "HeadSlice", "RowParallel", "TiedModule", "Unstack", "VocabParallel",
     # errors
     "AmbiguousBackendError", "CheckpointError", "ConfigError", "LoadError", "NoBackendError", "PlanError",
     "PluginLoadError", "QuantplugError", "UnknownArchitectureError",

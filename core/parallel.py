@@ -71,6 +71,7 @@ from .models.declarations import (
     FeatureParallel,
     HeadGroup,
     HeadParallel,
+    HeadSlice,
     RowParallel,
     TiedModule,
     VocabParallel,
@@ -640,6 +641,15 @@ class _Sharder:
                 self.replicated(target, f"{stack.qp_ckpt}: {sres.reason}; attention is replicated in this layer")
                 return
             stacks.append((stack, sres))
+        floats: list[tuple[str, Split]] = []
+        for sl in entry.floats:
+            fres = self.head_floats(mod, sl, name, nh, heads)
+            if fres is None:
+                continue  # a parameter this module does not hold (an MLA layer beside KDA's)
+            if isinstance(fres, Unsplit):
+                self.replicated(target, f"{sl.param}: {fres.reason}; attention is replicated in this layer")
+                return
+            floats.append((sl.param, fres))
         for lin, direction, ranges, res in planned:
             self.linear(lin, direction, ranges, res=res)
         start, count = heads[self.rank]
@@ -647,7 +657,45 @@ class _Sharder:
             self.rewrites.update(sres.rewrites)
             stack.qp_hold_slots(count)
             self.decide(stack.qp_ckpt, "head-parallel", f"heads split {[n for _, n in heads]}")
+        for param, fres in floats:
+            self.rewrites.update(fres.rewrites)
+            self.decide(f"{target}.{param}", "head-parallel", f"heads split {[n for _, n in heads]}")
         mod.qp_hold_heads(start, count)
+
+    def head_floats(self, mod: nn.Module, sl: HeadSlice, where: str, nh: int,
+                    heads: Sequence[tuple[int, int]]) -> SplitResult | None:
+        """The rewrite of one :class:`HeadSlice` float parameter to this rank's heads' entries of its
+        head axis (the stored tensor's first axis longer than 1); None when the module holds no
+        such parameter."""
+        owner_name, _, local = sl.param.rpartition(".")
+        try:
+            owner = mod.get_submodule(owner_name) if owner_name else mod
+        except AttributeError:
+            return None
+        pps = [pp for pp in self.params.get(id(owner), []) if pp.local == local]
+        if not pps:
+            return None
+        pp = pps[0]
+        if len(pp.sources) != 1 or pp.sources[0][0].slot is not None:
+            return Unsplit(f"fed by {len(pp.sources)} tensors; only a single stored tensor splits")
+        src, info = pp.sources[0]
+        shape = _eff_shape(src, info)
+        axis = next((a for a, n in enumerate(shape) if n > 1), None)
+        if axis is None:
+            return Unsplit(f"{info.label} {list(shape)} has no head axis")
+        per = sl.per_head if sl.per_head is not None else shape[axis] // nh
+        if per < 1 or (sl.per_head is None and shape[axis] % nh) or shape[axis] < per * nh:
+            raise DeclarationError(f"tensor-parallel plan: {where}.{sl.param}: axis {axis} of {info.label} "
+                                   f"{list(shape)} does not hold {nh} heads of "
+                                   f"{sl.per_head if sl.per_head is not None else 'equal'} entries")
+
+        def rw(r: int, src: Source = src, info: TensorInfo = info, pp: ParamPlan = pp, axis: int = axis,
+               per: int = per) -> tuple[list[tuple[Source, TensorInfo]], tuple[int, ...]]:
+            start, count = heads[r]
+            s = [(_with_slice(src, axis, start * per, count * per), info)]
+            return s, _param_shape(pp, s)
+
+        return Split({id(pp): rw})
 
     def features(self, name: str, mod: nn.Module, entry: FeatureParallel) -> None:
         """:class:`FeatureParallel`: columns by output, rows by input, around one inner width."""

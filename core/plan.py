@@ -14,6 +14,7 @@ slice (``Source.slices``, :mod:`quantplug.parallel`) so every rank reads only it
 from __future__ import annotations
 
 import bisect
+import operator
 import re
 import time
 from collections import defaultdict
@@ -28,7 +29,7 @@ from torch import nn
 from .checkpoint import TORCH_DTYPES, Checkpoint, storage_shape
 from .checkpoint.gguf_index import GGUF_FLOATS
 from .errors import PlanError, group_problems
-from .layers.linear import LinearScheme, PlannedModule, QuantLinear, Source, StackedLinear
+from .layers.linear import LinearScheme, PlannedModule, QuantLinear, SlotSources, Source, StackedLinear
 from .memory import gc_paused
 from .models.config import ModelConfig, check_against_tensors
 from .models.registry import ArchSpec, get_arch
@@ -313,7 +314,13 @@ def _collect_params(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype,
         found: dict[str, TensorInfo] = {}
         for local, sources in mod.qp_sources.items():
             resolved: list[tuple[Source, TensorInfo]] = []
-            for src in sources:
+            bulk = _slots_in_bulk(sources, ckpt) if type(sources) is SlotSources else None
+            if bulk is not None:
+                infos = bulk
+                used.update(map(_NAME, infos))
+                resolved = list(zip(sources, infos))
+                found.setdefault(local, infos[0])
+            for src in sources if bulk is None else ():
                 info = ckpt.get(src.tensor)
                 if info is None:
                     if not src.optional:
@@ -371,6 +378,28 @@ def _collect_params(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype,
         if type(mod).qp_check is not PlannedModule.qp_check:  # also with nothing found: alternative forms
             problems += mod.qp_check(found)
     return params, used
+
+
+_NAME = operator.attrgetter("name")
+_TENSOR = operator.itemgetter(0)  # Source.tensor
+
+
+def _slots_in_bulk(sources: SlotSources, ckpt: Checkpoint) -> list[TensorInfo] | None:
+    """The tensors of per-slot sources when every one is present with an accepted dtype and the
+    expected shape (checked at C speed: one map over the names, set checks of dtypes and shapes);
+    None when any is not, or there are none: then the sources are checked one by one, which
+    reports each problem as before."""
+    if not sources:
+        return None
+    infos = list(map(ckpt.tensors.get, map(_TENSOR, sources)))
+    if None in infos:
+        return None
+    dtypes = {info.dtype for info in infos}
+    if not dtypes.issubset(sources.dtypes) or len(dtypes) > 1:
+        return None
+    if sources.shape and {info.shape for info in infos} != {tuple(sources.shape)}:
+        return None
+    return infos
 
 
 def _scheme_name(mod: PlannedModule) -> str:

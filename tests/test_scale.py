@@ -1,6 +1,7 @@
-"""DeepSeek-V3 / Kimi-K2 at their real dimensions: the header-only release inventories, the plan
-of a 163-shard index (issue 20: < 2 s, no tensor data read), and the streamed random-weight
-slice writers (FP8 safetensors and the same weights as GGUF Q4_0) at tiny dimensions."""
+"""DeepSeek-V3 / Kimi-K2 / Kimi-K3 at their real dimensions: the header-only release inventories,
+the plan of a 163-shard index (issue 20: < 2 s, no tensor data read) and of K3's 497,052 tensors,
+and the streamed random-weight slice writers (FP8 safetensors and the same weights as GGUF Q4_0)
+at tiny dimensions."""
 
 from __future__ import annotations
 
@@ -21,12 +22,14 @@ import torch
 from quantplug.testing.probes import forbid_data_reads
 from quantplug.testing.scale import (
     DEEPSEEK_V3_SHARDS,
+    KIMI_K3_SHARDS,
     DiskSpaceError,
     ShardWriter,
     StoredTensor,
     check_free_disk,
     deepseek_v3_config,
     kimi_k2_config,
+    kimi_k3_config,
     release_tensors,
     safetensors_header,
     slice_config,
@@ -89,6 +92,77 @@ def test_kimi_k2_inventory_matches_the_published_counts():
     assert sum(t.numel for t in tensors) == 1_026_470_731_056
     assert {t.layer for t in tensors if ".mlp.experts.383." in t.name} == set(range(1, 61))
     assert max(t.layer or 0 for t in tensors) == 60  # no MTP layer
+
+
+#: Kimi-K3 (ARCHITECTURES C2): 92 MoE layers x 896 experts x 3 projections x (weight_packed, weight_scale)
+K3_EXPERT_TENSORS = 92 * 896 * 3 * 2
+
+
+@pytest.fixture(scope="module")
+def k3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_header_only(tmp_path_factory.mktemp("k3") / "Kimi-K3", kimi_k3_config())
+
+
+def test_kimi_k3_inventory_is_architectures_c2():
+    cfg = kimi_k3_config()
+    text = cfg["text_config"]
+    assert (cfg["model_type"], text["model_type"]) == ("kimi_k3", "kimi_linear")
+    tensors = release_tensors(cfg)
+    by_name = {t.name: t for t in tensors}
+    assert len(by_name) == len(tensors) == 497_052
+    experts = [t for t in tensors if ".experts." in t.name]
+    assert len(experts) == K3_EXPERT_TENSORS == 494_592
+    assert {t.dtype for t in experts} == {"U8"}
+    # 1.56 TB (1.42 TiB): the MXFP4 experts 1.446 TB of it; 2.78 T parameters (two per packed byte)
+    assert sum(t.nbytes for t in tensors) == 1_559_965_415_552
+    assert sum(t.nbytes for t in experts) == 1_446_456_066_048
+    params = sum(t.numel * (2 if t.name.endswith("weight_packed") else 1) for t in tensors
+                 if not t.name.endswith("weight_scale"))
+    assert params == 2_779_484_476_000
+    m = "language_model.model.layers.5.block_sparse_moe"
+    assert by_name[f"{m}.experts.895.w1.weight_packed"].shape == (3072, 1792)
+    assert by_name[f"{m}.experts.895.w3.weight_scale"].shape == (3072, 112)
+    assert by_name[f"{m}.experts.0.w2.weight_packed"].shape == (3584, 1536)
+    assert by_name[f"{m}.experts.0.w2.weight_scale"].shape == (3584, 96)
+    assert by_name[f"{m}.routed_expert_down_proj.weight"].shape == (3584, 7168)
+    assert by_name[f"{m}.shared_experts.down_proj.weight"].shape == (7168, 6144)
+    assert by_name[f"{m}.gate.e_score_correction_bias"].dtype == "BF16"
+    kda = "language_model.model.layers.0.self_attn"  # 1-based layer 1: KDA
+    assert (by_name[f"{kda}.A_log"].dtype, by_name[f"{kda}.A_log"].shape) == ("F32", (96,))
+    assert (by_name[f"{kda}.q_conv1d.weight"].dtype, by_name[f"{kda}.q_conv1d.weight"].shape) == ("F32", (12288, 1, 4))
+    assert by_name[f"{kda}.dt_bias"].dtype == "F32"
+    assert by_name["language_model.model.layers.0.mlp.gate_proj.weight"].shape == (33792, 7168)
+    kinds = {t.layer: ("kda" if t.name.endswith("self_attn.A_log") else "mla") for t in tensors
+             if t.name.endswith(("self_attn.A_log", "self_attn.q_a_proj.weight"))}
+    assert sorted(k for k, v in kinds.items() if v == "mla") == [*range(3, 92, 4), 92]
+    assert len(kinds) == 93 and sum(v == "kda" for v in kinds.values()) == 69
+    assert {t.layer for t in experts} == set(range(1, 93))
+    assert by_name["language_model.lm_head.weight"].shape == by_name["language_model.model.embed_tokens.weight"].shape
+    assert tensors[0].name == "language_model.model.embed_tokens.weight" and tensors[-1].name == "language_model.lm_head.weight"
+    qc = text["quantization_config"]
+    assert qc["format"] == "mxfp4-pack-quantized" and qc["config_groups"]["group_0"]["targets"] == ["Linear"]
+    assert len(qc["ignore"]) == 1347 and "language_model.lm_head" in qc["ignore"]
+    assert not any(".experts." in e for e in qc["ignore"])
+
+
+def test_plan_of_kimi_k3_header_only(k3):
+    """The released K3 layout (497,052 tensors, 93 shards) plans through compressed-tensors with
+    the routed experts served from the files; no tensor data read; CPU time under the same
+    per-tensor guard as DeepSeek-V3's (5.4x its tensors)."""
+    shards = sorted(k3.glob("*.safetensors"))
+    assert len(shards) == KIMI_K3_SHARDS and shards[0].name == "model-00001-of-000093.safetensors"
+    assert sum(f.stat().st_blocks * 512 for f in shards) < 256 << 20  # headers only: ~130 MB
+    with forbid_data_reads(k3) as reads:
+        p = quantplug.plan(k3, options=SERVED)
+    assert not reads, reads.events
+    assert p.backend == "compressed_tensors" and not p.problems, p.problems[:5]
+    assert p.architecture == "KimiK3ForConditionalGeneration" and p.prefix == "language_model"
+    assert p.model_config.n_routed_experts == 896 and p.model_config.num_hidden_layers == 93
+    schemes = {d.value for d in p.decisions if d.hook == "quantplug_linear_scheme" and ".experts." in d.target}
+    assert len(schemes) == 1 and "mxfp4" in next(iter(schemes)), schemes
+    assert sum(len(pp.sources) for pp in p.params) == len(p.checkpoint.tensors) == 497_052
+    cpu, wall, _ = _best_cpu_seconds(k3, reps=1)
+    assert cpu < PLAN_BUDGET_S * 5.4, f"plan of Kimi-K3's 93-shard index: {cpu:.2f} s CPU ({wall:.2f} s wall)"
 
 
 def test_header_only_checkpoint_is_sparse_and_valid(dsv3):

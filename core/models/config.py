@@ -7,7 +7,7 @@ model's config under ``text_config``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -244,18 +244,19 @@ def check_against_tensors(cfg: ModelConfig, names: Iterable[str], file: str = "c
     built: a corrupt ``num_hidden_layers`` or ``n_routed_experts`` (a million layers) would
     otherwise make plan construction loop for minutes just to report everything missing."""
     last = cfg.num_hidden_layers - 1
-    layer_keys = (f"model.layers.{last}.",)
+    layer_key = f"model.layers.{last}."
     gguf_key = f"blk.{last}."
     hub0, hub_last = ".experts.0.", f".experts.{cfg.n_routed_experts - 1}."
-    has_layer = has_hub = has_last_expert = False
-    for n in names:
-        if not has_layer and (n.startswith(gguf_key) or any(k in n for k in layer_keys)):
-            has_layer = True
-        if cfg.n_routed_experts and ".experts." in n:
-            has_hub = has_hub or hub0 in n
-            has_last_expert = has_last_expert or hub_last in n
-        if has_layer and (has_last_expert or not cfg.n_routed_experts):
-            return
+    # substring searches over all names joined at once (C speed; a Kimi-K3 index has ~500,000): a
+    # key without a newline matches the joined text only inside one name
+    names = names if isinstance(names, Collection) else list(names)
+    joined = "\n".join(names)
+    has_layer = layer_key in joined or ("\n" + gguf_key in "\n" + joined
+                                         and any(n.startswith(gguf_key) for n in names))
+    has_hub = bool(cfg.n_routed_experts) and hub0 in joined
+    has_last_expert = bool(cfg.n_routed_experts) and hub_last in joined
+    if has_layer and (has_last_expert or not cfg.n_routed_experts):
+        return
     where = f"{file}: {'text_config.' if cfg.text_root else ''}"
     if not has_layer:
         raise ConfigError(f"{where}num_hidden_layers = {cfg.num_hidden_layers}, but the checkpoint holds no tensor "

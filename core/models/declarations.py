@@ -75,20 +75,41 @@ class FeatureParallel:
 
 
 @dataclass(frozen=True)
+class HeadSlice:
+    """A float parameter of a :class:`HeadParallel` module held per head (Kimi's KDA: the q / k / v
+    convolutions' channels, ``dt_bias``, ``A_log``): each rank reads only its heads' entries.
+
+    ``param``: the parameter's dotted name relative to the module (``"dt_bias"``,
+    ``"q_conv1d.weight"``; the owner is the module itself or a ``FloatParams`` child). The head
+    axis is the stored tensor's first axis longer than 1 (``[C, 1, W]`` and ``[C]``: axis 0;
+    Kimi-Linear's ``A_log`` ``[1, 1, H, 1]``: axis 2). ``per_head``: entries of that axis per
+    head; None: the axis length divided by the head count (an error unless it divides). The
+    heads' entries are the axis' first ``heads * per_head`` (K3's ``A_log`` stored as a longer 1-D
+    tensor whose first H entries are the heads': ``per_head=1``, the rest is read by no rank).
+    sglang: ``_a_log_weight_loader`` / the conv weights' ``narrow`` by ``tp_rank``."""
+
+    param: str
+    per_head: int | None = None
+
+
+@dataclass(frozen=True)
 class HeadParallel:
     """Attention heads over ranks: the ``column`` linears hold this rank's heads' output features
-    (MLA ``q_b_proj`` / ``q_proj``, ``kv_b_proj``, the Kimi-K3 ``g_proj``), the ``row`` linears
-    their input features (``o_proj``, all-reduced), the ``stacks`` (``StackedLinear`` with one
-    slot per head: split MLA ``k_b`` / ``v_b``) their slots. Absent members are skipped (a layout
-    without ``kv_b_proj``, a config without ``q_lora``); each present linear's width must be a
-    multiple of the head count. All or nothing: if the heads do not divide over the ranks or any
-    member cannot split, the layer's attention is replicated. The module implements
-    :class:`HeadGroup`. transformers: ``"colwise"`` / ``"rowwise"`` on q / k / v / o, with the head
-    count read from the local shapes."""
+    (MLA ``q_b_proj`` / ``q_proj``, ``kv_b_proj``, the Kimi-K3 ``g_proj``; KDA's q / k / v,
+    ``f_b_proj``, ``g_proj`` / ``g_b_proj`` and ``b_proj``, one feature per head), the ``row``
+    linears their input features (``o_proj``, all-reduced), the ``stacks`` (``StackedLinear`` with
+    one slot per head: split MLA ``k_b`` / ``v_b``) their slots, the ``floats``
+    (:class:`HeadSlice`) their entries. Absent members are skipped (a layout without
+    ``kv_b_proj``, a config without ``q_lora``, an MLA layer beside KDA's float parameters); each
+    present linear's width must be a multiple of the head count. All or nothing: if the heads do
+    not divide over the ranks or any member cannot split, the layer's attention is replicated.
+    The module implements :class:`HeadGroup`. transformers: ``"colwise"`` / ``"rowwise"`` on q / k
+    / v / o, with the head count read from the local shapes."""
 
     column: tuple[str, ...] = ()
     row: tuple[str, ...] = ()
     stacks: tuple[str, ...] = ()
+    floats: tuple[HeadSlice, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -162,9 +183,17 @@ class TiedModule(Protocol):
 @dataclass(frozen=True)
 class Unstack:
     """Each ``stacks`` member (a ``StackedLinear`` named ``<parent>.<proj>``) goes back to one
-    dense tensor per slot, ``<parent>.<slot>.<proj>.weight`` (routed experts in the hub layout)."""
+    dense tensor per slot, ``<parent>.<slot>.<proj>.weight`` (routed experts in the hub layout);
+    ``stored``: the per-slot names the architecture's checkpoints use instead, one per member in
+    order (Kimi's ``w1`` / ``w3`` / ``w2`` for gate / up / down; empty: the member names)."""
 
     stacks: tuple[str, ...]
+    stored: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.stored and len(self.stored) != len(self.stacks):
+            raise DeclarationError(f"Unstack: stored names {list(self.stored)} do not match the stacks "
+                                   f"{list(self.stacks)} one to one")
 
 
 @dataclass(frozen=True)

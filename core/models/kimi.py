@@ -59,6 +59,19 @@ from .config import (
     RopeConfig,
     parse_model_config,
 )
+from .declarations import (
+    ColumnParallel,
+    DenseRule,
+    ExpertParallel,
+    FeatureParallel,
+    FoldHeads,
+    HeadParallel,
+    HeadPart,
+    HeadSlice,
+    TPStyle,
+    Unstack,
+    VocabParallel,
+)
 from .deepseek import MLA, MLP, Decisions, MoE, _lin
 
 #: tokens per chunk of the chunked KDA form (transformers' and FLA's default)
@@ -390,7 +403,10 @@ class KDA(FloatParams):
         self.qp_init(d.ck(base))
         h, heads, hd = cfg.hidden_size, cfg.kda_heads, cfg.kda_head_dim
         dim = heads * hd
+        #: heads (and H * K) computed here: all of them, or this rank's share under tensor
+        #: parallelism (:meth:`qp_hold_heads`); ``all_heads`` never changes
         self.heads, self.head_dim, self.dim, self.width = heads, hd, dim, cfg.conv_kernel
+        self.all_heads = heads
         self.lower_bound = cfg.gate_lower_bound
         self.q_proj = _lin(d, f"{base}.q_proj", h, dim)
         self.k_proj = _lin(d, f"{base}.k_proj", h, dim)
@@ -416,6 +432,20 @@ class KDA(FloatParams):
         #: decode steps through the native KDA step (false: the torch recurrence, e.g. to compare)
         self.native = True
 
+    def qp_heads(self) -> int:
+        """All KDA heads of the layer (``HeadParallel``: the tensor-parallel plan splits them)."""
+        return self.all_heads
+
+    def qp_hold_heads(self, start: int, count: int) -> None:
+        """This rank computes KDA heads ``[start, start + count)``: its q / k / v, ``f_b_proj``, the
+        output gate and ``b_proj`` hold their features, the convolutions / ``dt_bias`` / ``A_log``
+        their entries (:class:`~quantplug.models.declarations.HeadSlice`), ``o_proj`` its input
+        columns (all-reduced); the forward and a new cache's state follow these counts."""
+        self.heads, self.dim = count, count * self.head_dim
+        for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
+            conv.channels = self.dim
+        self._conv = None
+
     def qp_check(self, found: Mapping[str, TensorInfo]) -> list[Problem]:
         log, folded = found.get("A_log"), found.get("A")
         if log is None and folded is None:
@@ -429,7 +459,7 @@ class KDA(FloatParams):
                             tensor=folded.label, file=folded.file.name, kind="shape")]
         info = log or folded
         assert info is not None
-        shape, n = info.shape, self.heads
+        shape, n = info.shape, self.all_heads
         # [1, 1, H, 1] (Kimi-Linear; llama.cpp's ssm_a ne [1, H, 1, 1]), [H], or [H, 1]: llama-quantize
         # writes that ne without its trailing ones ([1, H])
         if shape in ((1, 1, n, 1), (n,), (n, 1)) or (len(shape) == 1 and shape[0] > n):
@@ -674,6 +704,21 @@ class KimiTextModel(nn.Module):
         return self.norm(self.output_res(bank, h))
 
 
+#: how a Kimi layer's attention splits over tensor-parallel ranks: one entry for both kinds (members
+#: a layer does not hold are skipped). MLA as DeepSeek-V3's; KDA by head as sglang's
+#: ``KimiDeltaAttention``: q / k / v, ``f_b_proj``, the output gate (``g_proj`` or ``g_b_proj``)
+#: and ``b_proj`` (one feature per head) column-parallel, the convolutions' channels, ``dt_bias``
+#: and ``A_log`` by head, ``o_proj`` row-parallel; ``f_a_proj`` / ``g_a_proj`` (low rank) and
+#: ``o_norm`` (per head dim) replicated
+_ATTENTION_TP = HeadParallel(
+    column=("q_proj", "q_b_proj", "kv_b_proj", "g_proj", "k_proj", "v_proj", "f_b_proj", "g_b_proj", "b_proj"),
+    row=("o_proj",), stacks=("k_b", "v_b"),
+    floats=(HeadSlice("q_conv1d.weight"), HeadSlice("k_conv1d.weight"), HeadSlice("v_conv1d.weight"),
+            HeadSlice("dt_bias"), HeadSlice("A_log", per_head=1), HeadSlice("A", per_head=1)))
+_MLP_TP = FeatureParallel(column=("gate_proj", "up_proj"), row=("down_proj",))
+_EXPERTS = ("gate_proj", "up_proj", "down_proj")
+
+
 class KimiLinearForCausalLM(GenerationMixin, nn.Module):
     """Kimi-Linear (``kimi_linear``): ``model.*`` and ``lm_head``; ``generate`` / ``stream`` from
     :class:`quantplug.generate.GenerationMixin` with a :class:`HybridCache`."""
@@ -681,6 +726,27 @@ class KimiLinearForCausalLM(GenerationMixin, nn.Module):
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
         "fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"],
         "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+    #: how the model splits over tensor-parallel ranks (``quantplug.parallel`` reads it): attention by
+    #: head (:data:`_ATTENTION_TP`), routed experts expert-parallel (their latent partial sums
+    #: all-reduced inside :class:`~quantplug.models.deepseek.Experts`, before ``routed_expert_norm``:
+    #: the norm of the sum, not the sum of norms), the dense MLP and shared experts by feature; the
+    #: latent ``routed_expert_down_proj`` / ``routed_expert_up_proj``, the router and the attention
+    #: residuals' float parameters replicated
+    qp_tp_plan: ClassVar[Mapping[str, TPStyle]] = {
+        "model.embed_tokens": VocabParallel(),
+        "model.layers.*.self_attn": _ATTENTION_TP,
+        "model.layers.*.mlp": _MLP_TP,
+        "model.layers.*.block_sparse_moe.shared_experts": _MLP_TP,
+        "model.layers.*.block_sparse_moe.experts": ExpertParallel(stacks=_EXPERTS),
+        "lm_head": ColumnParallel(gather=True),
+    }
+    #: stacked layers back to the release's layout (``quantplug.api.dense_state`` reads it): routed
+    #: experts one tensor per expert named ``w1`` / ``w3`` / ``w2``; split MLA ``k_b`` / ``v_b`` (a
+    #: GGUF) folded into ``kv_b_proj``
+    qp_dense_state: ClassVar[Mapping[str, DenseRule]] = {
+        "model.layers.*.block_sparse_moe.experts": Unstack(stacks=_EXPERTS, stored=("w1", "w3", "w2")),
+        "model.layers.*.self_attn": FoldHeads("kv_b_proj", (HeadPart("k_b", transpose=True), HeadPart("v_b"))),
     }
     #: why the engine bridges (quantplug.bridge) refuse it
     qp_engine_refusal: ClassVar[str] = (

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, NoReturn
 
@@ -81,6 +81,10 @@ class ArchitectureConformance:
     act_quant_rtol: ClassVar[float] = 0.5
     #: bundled formats whose exporters write the architecture (names of ``quantplug.testing.formats.FORMATS``)
     formats: ClassVar[tuple[str, ...]] = tuple(FORMATS)
+    #: bundled formats that cannot hold some of the architecture's tensors: format -> text the plan's
+    #: refusal of that format's export must contain (the tensor it names); such an export must not
+    #: plan clean, and must be refused at plan time rather than load wrong
+    refusals: ClassVar[Mapping[str, str]] = {}
     #: greedy tokens generated in the cache check
     new_tokens: ClassVar[int] = 6
 
@@ -169,6 +173,15 @@ class ArchitectureConformance:
         if fmt not in self.formats:
             pytest.skip(f"{type(self).__name__}.formats leaves out {fmt}")
         q = FORMATS[fmt](arch_kit.root / fmt, arch_kit.config, arch_kit.tensors)
+        if fmt in self.refusals:
+            try:
+                text = "\n".join(p.describe() for p in self._plan(q).errors)
+            except QuantplugError as exc:
+                text = str(exc)
+            if self.refusals[fmt] not in text:
+                _fail(f"[format {fmt}] {type(self).__name__}.refusals expects the plan to refuse the {fmt} export "
+                      f"naming {self.refusals[fmt]!r}; it said: {text or 'nothing (a clean plan)'}")
+            return
         plan = self._plan(q)
         if plan.errors:
             _fail(f"[format {fmt}] the {fmt} export plans with problems:\n  " + "\n  ".join(p.describe() for p in plan.errors))

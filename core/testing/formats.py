@@ -34,10 +34,16 @@ import torch
 from . import write_checkpoint
 
 #: linear projections of the text model (what the formats quantize), DeepSeek-V3.2's indexer wq_b / wk
-#: and the MTP layers' ``eh_proj`` included; router, norms, embeddings stay float
-LINEAR = re.compile(r"(^|\.)model\.layers\.\d+\.((self_attn|mlp)\.(.+\.)?"
-                    r"(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|g_proj|gate_proj|up_proj|down_proj|"
-                    r"indexer\.wq_b|indexer\.wk)"
+#: and the MTP layers' ``eh_proj`` included; router, norms, embeddings stay float. The Kimi family's
+#: too (module names, not DeepSeek's assumed): the MoE block ``block_sparse_moe`` with per-expert
+#: ``w1`` / ``w3`` / ``w2`` and the latent ``routed_expert_down_proj`` / ``routed_expert_up_proj``;
+#: KDA's ``k_proj`` / ``v_proj`` / ``f_a_proj`` / ``f_b_proj`` / ``b_proj`` / ``g_a_proj`` /
+#: ``g_b_proj``. KDA's convolutions, ``dt_bias`` / ``A_log`` and the attention-residual
+#: ``*_res_proj`` [1, hidden] are float parameters, never matched
+LINEAR = re.compile(r"(^|\.)model\.layers\.\d+\.((self_attn|mlp|block_sparse_moe)\.(.+\.)?"
+                    r"(q_a_proj|q_b_proj|q_proj|k_proj|v_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|g_proj|gate_proj|"
+                    r"up_proj|down_proj|f_a_proj|f_b_proj|b_proj|g_a_proj|g_b_proj|routed_expert_down_proj|"
+                    r"routed_expert_up_proj|w1|w2|w3|indexer\.wq_b|indexer\.wk)"
                     r"|eh_proj)\.weight$")
 
 
@@ -66,8 +72,9 @@ def quark(path: Path, config: Mapping[str, Any], state: Mapping[str, torch.Tenso
     qc = {"quant_method": "quark", "global_quant_config": {"weight": weight, "input_tensors": None,
                                                          "output_tensors": None, "bias": None},
           "layer_quant_config": {}, "layer_type_quant_config": {},
-          # Quark exports leave lm_head unquantized (and this writer does not quantize it)
-          "exclude": ["lm_head"] if "lm_head.weight" in state else [],
+          # Quark exports leave lm_head unquantized (and this writer does not quantize it), under the
+          # name the checkpoint stores it by (language_model.lm_head in a Kimi wrapper)
+          "exclude": [n.removesuffix(".weight") for n in state if n.split(".")[-2:] == ["lm_head", "weight"]],
           "export": {"weight_format": "real_quantized", "pack_method": "reorder"}, "version": "0.13"}
     return write_checkpoint(path, _with_qc(config, qc), out)
 
@@ -162,9 +169,11 @@ def gguf(path: Path, config: Mapping[str, Any], state: Mapping[str, torch.Tensor
         w.add_nextn_predict_layers(nextn)
     w.add_embedding_length(int(text["hidden_size"]))
     w.add_head_count(int(text["num_attention_heads"]))
-    w.add_expert_count(int(text["n_routed_experts"]))
-    w.add_expert_used_count(int(text["num_experts_per_tok"]))
-    w.add_leading_dense_block_count(int(text["first_k_dense_replace"]))
+    # DeepSeek's config names, or Kimi-Linear's (whose KDA tensors have no deepseek2 name: left out,
+    # so a reader of deepseek2 files refuses the checkpoint at plan time naming them)
+    w.add_expert_count(int(text.get("n_routed_experts", text.get("num_experts", 0))))
+    w.add_expert_used_count(int(text.get("num_experts_per_tok", text.get("num_experts_per_token", 0))))
+    w.add_leading_dense_block_count(int(text.get("first_k_dense_replace", 0)))
     if dsa:  # transformers' DeepseekV32Config defaults where the config leaves them out
         w.add_indexer_head_count(int(text.get("index_n_heads", 64)))
         w.add_indexer_key_length(int(text.get("index_head_dim", 128)))

@@ -48,7 +48,8 @@ from ..checkpoint.safetensors_index import write_header
 
 __all__ = ["StoredTensor", "deepseek_v3_config", "kimi_k2_config", "slice_config", "release_tensors",
            "shard_layout", "safetensors_header", "write_header_only", "ShardWriter", "check_free_disk",
-           "DiskSpaceError", "DEEPSEEK_V3_SHARDS", "KIMI_K2_SHARDS"]
+           "DiskSpaceError", "DEEPSEEK_V3_SHARDS", "KIMI_K2_SHARDS", "KIMI_K3_SHARDS",
+           "kimi_k3_config", "kimi_k3_slice_config", "kimi_k3_tensors"]
 
 #: bytes per element of the safetensors dtypes used here
 ITEMSIZE = {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I8": 1, "I32": 4, "I64": 8}
@@ -56,6 +57,7 @@ ITEMSIZE = {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I8": 1, "I32"
 BLOCK = (128, 128)
 DEEPSEEK_V3_SHARDS = 163
 KIMI_K2_SHARDS = 61
+KIMI_K3_SHARDS = 93
 #: elements of Kimi-K2's stored ``rotary_emb.inv_freq`` (not qk_rope_head_dim / 2 = 32): the
 #: release's published inventory (139,644 tensors, 1,026,470,731,056 parameters) adds up only with 56
 KIMI_INV_FREQ_LEN = 56
@@ -110,6 +112,120 @@ def kimi_k2_config() -> dict[str, Any]:
     return copy.deepcopy(_KIMI_K2)
 
 
+# Kimi-K3 (ARCHITECTURES.md C1): no official config.json was read; the values are 3P-K3DOC's quotes,
+# cross-checked against sglang where its code asserts them. Wrapped as the release is: the text model
+# under text_config (kimi_linear), the quantization_config there too (only routed experts MXFP4).
+K3_LAYERS = 93
+K3_HIDDEN = 7168
+K3_EXPERTS = 896
+#: routed_scaling_factor of K3 is quoted by no source read (ARCHITECTURES C1); Kimi-K2's 2.827 stands
+#: in. K3's latent RMSNorm follows the weighted expert sum, so the value barely matters (only eps).
+K3_ROUTED_SCALING_FACTOR_PLACEHOLDER = 2.827
+#: llm-compressor's mxfp4 preset (compressed-tensors ``MXFP4``): symmetric float4 weights in groups of
+#: 32 with uint8 (E8M0) scales, no activation quantization in the weight-only "A16" form K3 ships
+_MXFP4_WEIGHTS: dict[str, Any] = {
+    "num_bits": 4, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group",
+    "block_structure": None, "dynamic": False, "actorder": None, "observer": "minmax", "observer_kwargs": {},
+    "scale_dtype": "torch.uint8", "zp_dtype": None,
+}
+
+
+def _k3_text_config() -> dict[str, Any]:
+    full = [i for i in range(1, K3_LAYERS + 1) if i % 4 == 0] + [K3_LAYERS]  # 1-based: 4, 8, ..., 92, 93
+    return {
+        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
+        "vocab_size": 163840, "hidden_size": K3_HIDDEN, "intermediate_size": 33792, "moe_intermediate_size": 3072,
+        "num_hidden_layers": K3_LAYERS, "num_attention_heads": 96, "num_key_value_heads": 96,
+        "num_experts": K3_EXPERTS, "num_experts_per_token": 16, "num_shared_experts": 2,
+        "moe_router_activation_func": "sigmoid", "moe_renormalize": True,
+        "routed_scaling_factor": K3_ROUTED_SCALING_FACTOR_PLACEHOLDER,
+        "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1, "topk_method": "noaux_tc",
+        "first_k_dense_replace": 1, "moe_layer_freq": 1,
+        "mla_use_nope": True, "mla_use_output_gate": True, "q_lora_rank": 1536, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "linear_attn_config": {"num_heads": 96, "head_dim": 128, "short_conv_kernel_size": 4,
+                               "use_full_rank_gate": True, "gate_lower_bound": -5.0,
+                               "kda_layers": [i for i in range(1, K3_LAYERS + 1) if i not in full],
+                               "full_attn_layers": full},
+        "hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
+        "attn_res_block_size": 12, "routed_expert_hidden_size": 3584, "latent_moe_use_norm": True,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "num_nextn_predict_layers": 0,
+        "model_max_length": 1048576, "bos_token_id": 163584, "eos_token_id": 163585,  # Kimi-K2's ids
+        "torch_dtype": "bfloat16",
+    }
+
+
+def _k3_unquantized_linears(text: Mapping[str, Any]) -> list[str]:
+    """Every ``nn.Linear`` of the K3 text model that the release leaves in bf16, by module name as
+    llm-compressor lists them in ``ignore`` (targets ``Linear``: each module of that class it did not
+    quantize): attention, KDA gates, dense / shared MLPs, the latent projections, the
+    attention-residual score projections ([1, hidden]: ``nn.Linear(hidden, 1)``) and ``lm_head``.
+    The vision tower's linears, which the release would list too, are left out: the header-only
+    checkpoint stores no vision tensors, and an exact ignore entry must name a stored module."""
+    lin = text["linear_attn_config"]
+    kda = set(lin["kda_layers"])
+    p = "language_model.model"
+    out: list[str] = []
+    for i in range(text["num_hidden_layers"]):
+        b = f"{p}.layers.{i}"
+        out += [f"{b}.self_attention_res_proj", f"{b}.mlp_res_proj"]
+        a = f"{b}.self_attn"
+        if i + 1 in kda:
+            out += [f"{a}.{x}" for x in ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_proj",
+                                          "o_proj")]
+        else:
+            out += [f"{a}.{x}" for x in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "g_proj",
+                                          "o_proj")]
+        if i < text["first_k_dense_replace"]:
+            out += [f"{b}.mlp.{x}" for x in ("gate_proj", "up_proj", "down_proj")]
+        else:
+            m = f"{b}.block_sparse_moe"
+            out += [f"{m}.shared_experts.{x}" for x in ("gate_proj", "up_proj", "down_proj")]
+            out += [f"{m}.routed_expert_down_proj", f"{m}.routed_expert_up_proj"]
+    return [*out, f"{p}.output_attn_res_proj", "language_model.lm_head"]
+
+
+def kimi_k3_config() -> dict[str, Any]:
+    """Kimi-K3's release config.json as ARCHITECTURES.md C1 quotes it (93 layers: 69 KDA + 24 MLA, first
+    dense, 896 routed experts top-16 + 2 shared, latent MoE 7168 -> 3584, attention residuals every 12
+    layers, SiTU), wrapped: ``KimiK3ForConditionalGeneration`` / ``kimi_k3`` at the top, the text model
+    under ``text_config``. The vision config is left out (no vision tensors are written).
+
+    ``text_config.quantization_config``: compressed-tensors ``mxfp4-pack-quantized``, one config group
+    targeting ``Linear`` with weights float4 group 32 (uint8 E8M0 scales), and an ``ignore`` list of
+    every other linear by name (1,347 entries, :func:`_k3_unquantized_linears`), as llm-compressor
+    writes a model whose only quantized linears are the routed experts.
+
+    Not from any source: ``routed_scaling_factor`` (:data:`K3_ROUTED_SCALING_FACTOR_PLACEHOLDER`), the
+    special token ids (Kimi-K2's), the exact llm-compressor bookkeeping fields (``observer`` etc.)."""
+    text = _k3_text_config()
+    text["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": copy.deepcopy(_MXFP4_WEIGHTS),
+                                      "input_activations": None, "output_activations": None,
+                                      "format": "mxfp4-pack-quantized"}},
+        "ignore": _k3_unquantized_linears(text), "kv_cache_scheme": None, "sparsity_config": {},
+        "transform_config": {}, "global_compression_ratio": None,
+    }
+    return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
+            "media_placeholder_token_id": 163605, "tie_word_embeddings": False, "text_config": text}
+
+
+def kimi_k3_slice_config(dense_width: int | None = None) -> dict[str, Any]:
+    """K3's release config cut to two decoder layers at its real widths: layer 0 KDA with the dense
+    MLP (``intermediate_size``, 33792 unless ``dense_width``), layer 1 MLA with the latent MoE (896
+    MXFP4 experts); the vocabulary, hidden size and every other value as released. The ignore list
+    follows the two layers."""
+    cfg = kimi_k3_config()
+    text = cfg["text_config"]
+    text["num_hidden_layers"] = 2
+    text["linear_attn_config"].update(kda_layers=[1], full_attn_layers=[2])
+    if dense_width is not None:
+        text["intermediate_size"] = dense_width
+    text["quantization_config"]["ignore"] = _k3_unquantized_linears(text)
+    return cfg
+
+
 def slice_config(layers: int, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A DeepSeek-V3-dimension config cut to ``layers`` decoder layers: the first dense, the rest
     MoE, no MTP layer (every other value as released)."""
@@ -123,6 +239,10 @@ def slice_config(layers: int, base: Mapping[str, Any] | None = None) -> dict[str
 # ---------------------------------------------------------------------------------------------
 # the tensor inventory
 # ---------------------------------------------------------------------------------------------
+
+#: a decoder layer's tensor: ``model.layers.N.`` (DeepSeek, Kimi-K2) or ``language_model.model.layers.N.`` (K3)
+_LAYER = re.compile(r"^(?:language_model\.)?model\.layers\.(\d+)\.")
+
 
 @dataclass(frozen=True)
 class StoredTensor:
@@ -142,7 +262,7 @@ class StoredTensor:
 
     @cached_property
     def layer(self) -> int | None:
-        m = re.match(r"^model\.layers\.(\d+)\.", self.name)
+        m = _LAYER.match(self.name)
         return int(m.group(1)) if m else None
 
 
@@ -197,12 +317,45 @@ def _layer(cfg: Mapping[str, Any], i: int, *, inv_freq: bool) -> Iterator[Stored
     yield StoredTensor(f"{b}.post_attention_layernorm.weight", "BF16", (h,))
 
 
+#: MXFP4 (compressed-tensors): two E2M1 codes per byte, one E8M0 scale byte per 32 inputs
+MXFP4_GROUP = 32
+
+
+def kimi_k3_tensors(cfg: Mapping[str, Any], *, a_log: str = "heads") -> list[StoredTensor]:
+    """Every tensor of the K3 release (ARCHITECTURES C2) for a wrapped K3 config: embeddings first,
+    then each decoder layer, then the final norm, the output attention-residual tensors and
+    ``lm_head``, all under ``language_model.``. Routed experts (``block_sparse_moe.experts.E.w1/w2/w3``)
+    are MXFP4: ``weight_packed`` U8 [out, in/2] + ``weight_scale`` U8 [out, in/32]; the KDA
+    ``{q,k,v}_conv1d.weight``, ``dt_bias`` and ``A_log`` F32; everything else BF16.
+
+    ``a_log``: ``"heads"`` stores ``A_log`` as [96] (llama.cpp's reading, the one chosen here),
+    ``"head_dim"`` as [128] (sglang's); see :func:`quantplug.testing.kimi.kimi_text_shapes`."""
+    from .kimi import RELEASE_FP32, kimi_text_shapes  # imports torch: only when a K3 inventory is built
+
+    shapes = kimi_text_shapes(cfg, a_log)
+    first: list[StoredTensor] = []
+    layers: list[StoredTensor] = []
+    last: list[StoredTensor] = []
+    for name, shape in shapes.items():
+        if ".experts." in name and name.endswith(".weight"):
+            out, inp = shape
+            base = name[: -len("weight")]
+            layers += [StoredTensor(base + "weight_packed", "U8", (out, inp // 2)),
+                       StoredTensor(base + "weight_scale", "U8", (out, inp // MXFP4_GROUP))]
+            continue
+        t = StoredTensor(name, "F32" if RELEASE_FP32.search(name) else "BF16", shape)
+        (layers if t.layer is not None else first if "embed_tokens" in name else last).append(t)
+    return first + layers + last
+
+
 def release_tensors(cfg: Mapping[str, Any], *, inv_freq: bool | None = None) -> list[StoredTensor]:
     """Every tensor of the FP8 release with this config, in module order: embeddings, decoder
     layers, final norm, lm_head, then the ``num_nextn_predict_layers`` MTP layers.
 
     ``inv_freq``: also store ``self_attn.rotary_emb.inv_freq`` per layer (Kimi-K2's release does;
-    default: when ``model_type`` is ``kimi_k2``)."""
+    default: when ``model_type`` is ``kimi_k2``). ``model_type`` kimi_k3: :func:`kimi_k3_tensors`."""
+    if cfg.get("model_type") == "kimi_k3":
+        return kimi_k3_tensors(cfg)
     if inv_freq is None:
         inv_freq = cfg.get("model_type") == "kimi_k2"
     h, v = cfg["hidden_size"], cfg["vocab_size"]
@@ -290,15 +443,20 @@ def write_header_only(path: str | Path, cfg: Mapping[str, Any] | None = None, *,
 
     Defaults follow the model: DeepSeek-V3 (``cfg`` None) = 163 shards of equal bytes named
     ``model-00001-of-000163.safetensors``; ``model_type`` kimi_k2 = 61 shards, one layer each,
-    named ``model-1-of-61.safetensors``."""
+    named ``model-1-of-61.safetensors``; ``model_type`` kimi_k3 = 93 shards, one layer each (Moonshot's
+    convention in Kimi-K2: a layer's experts are one ~16 GB file, and a shard never splits a layer),
+    named in the hub's style ``model-00001-of-000093.safetensors`` (the K3 release's own file names
+    and split were not seen)."""
     cfg = dict(cfg) if cfg is not None else deepseek_v3_config()
-    kimi = cfg.get("model_type") == "kimi_k2"
-    shards = shards or (KIMI_K2_SHARDS if kimi else DEEPSEEK_V3_SHARDS)
+    model_type = cfg.get("model_type")
+    by_layer = model_type in ("kimi_k2", "kimi_k3")
+    default_shards = {"kimi_k2": KIMI_K2_SHARDS, "kimi_k3": KIMI_K3_SHARDS}.get(str(model_type), DEEPSEEK_V3_SHARDS)
+    shards = shards or default_shards
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(cfg, indent=2))
-    layout = shard_layout(release_tensors(cfg), shards, by=by or ("layer" if kimi else "bytes"),
-                          style=style or ("plain" if kimi else "hub"))
+    layout = shard_layout(release_tensors(cfg), shards, by=by or ("layer" if by_layer else "bytes"),
+                          style=style or ("plain" if model_type == "kimi_k2" else "hub"))
     for fname, group in layout.items():
         header = safetensors_header(group)
         file = root / fname

@@ -91,3 +91,19 @@ def test_a_library_whose_layout_differs_is_refused(monkeypatch):
     path = Path(lib._name)
     with pytest.raises(OSError, match="struct layout differs"):
         native._open(path)
+
+
+def test_kernel_sources_name_no_model():
+    """The C sources are kernels and block steps: no model (DeepSeek, Kimi) or attention-family
+    (MLA) name in them; models compose block steps in Python."""
+    import re
+    from pathlib import Path
+
+    import quantplug.kernels
+
+    root = Path(quantplug.kernels.__file__).parent
+    files = [p for p in root.rglob("*") if p.suffix in (".c", ".h")]
+    assert len(files) > 10
+    hits = [f"{p.relative_to(root)}:{i}" for p in files for i, line in enumerate(p.read_text().splitlines(), 1)
+            if re.search(r"deepseek|kimi|\bmla\b", line, re.IGNORECASE)]
+    assert not hits, hits

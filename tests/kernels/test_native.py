@@ -204,6 +204,27 @@ def test_bfloat16_rows_multiply_within_float32_rounding(dtype, m):
 
 
 @needs_native
+def test_bfloat16_rows_sum_in_the_portable_lane_order():
+    """bfloat16 weights in a float32 model: every build (the AVX2 register kernel, the portable
+    loop) gives the bits of one float32 order: products w * x, lane j % 8 summed in ascending j,
+    then the 8 lanes in order (emulated here step by step in float32)."""
+    n, k = 12, 288
+    w = (torch.randn(n, k, generator=torch.Generator().manual_seed(3)) * 0.05).to(torch.bfloat16)
+    b = bound(Form("BF16"), w, n, k, dtype=torch.float32)
+    for m in (1, 3, 6):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(10 + m))
+        y = native.gemm(x, [b.ptr()], wround=native.WROUND[torch.float32])
+        prod = (x.unsqueeze(1) * w.float().unsqueeze(0)).view(m, n, k // 8, 8)   # float32 products
+        acc = torch.zeros(m, n, 8)
+        for j in range(k // 8):
+            acc = acc + prod[:, :, j]
+        want = torch.zeros(m, n)
+        for lane in range(8):
+            want = want + acc[:, :, lane]
+        assert torch.equal(y, want), m
+
+
+@needs_native
 @pytest.mark.parametrize("case", SCALED)
 @pytest.mark.parametrize("m", [1, 3, 5, 17])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -683,6 +704,7 @@ def test_avx2_and_portable_builds_compute_the_same(monkeypatch, tmp_path, march,
     for ggml_type in GGML:
         test_ggml_products_both_modes_against_float64_references(ggml_type, 5)
     test_ggml_blocks_decode_bit_exact_with_gguf_py("Q4_K")
+    test_bfloat16_rows_sum_in_the_portable_lane_order()
     for case in SCALED:
         test_scaled_forms_decode_to_their_definition_bit_for_bit(case, torch.bfloat16)
         test_scaled_forms_multiply_within_float32_rounding(case, 3, torch.bfloat16)

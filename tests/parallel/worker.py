@@ -74,6 +74,8 @@ def run_case(case: dict, rank: int) -> dict:
                                 if getattr(m, "qp_store", None) is not None}
         rec["served_slots"] = sum(m.qp_store.slots for m in model.modules() if getattr(m, "qp_store", None) is not None)
     rec["parallel"] = plan.parallel.to_dict() if plan.parallel is not None else None
+    if case.get("generate"):  # greedy decode with the cache, split over ranks (KDA states by head)
+        rec["generated"] = model.generate(ids[:1, :6], case["generate"], eos_token_id=None).tolist()
     if case.get("speculative"):  # the MTP draft logits and greedy speculative decoding, split over ranks
         lm = model.text_lm()
         from quantplug.generate import new_mtp_cache

@@ -1,5 +1,5 @@
-/* ---- one decode token of Kimi Delta Attention (KDA): gated delta rule, per-key-channel decay ---
- * For B sequences at one position, per (sequence, head), all in float32 (docs/architectures/kimi.md):
+/* ---- one decode token of KDA linear attention: gated delta rule, per-key-channel decay ----------
+ * For B sequences at one position, per (sequence, head), all in float32 (docs/kernels.md):
  *   conv:   c = sum_{j<W} w[c, j] * x[t - W + 1 + j, c] over the W - 1 pre-conv inputs in conv_state
  *           (oldest first) and this token's u; conv_state then shifts by one (u appended); SiLU on
  *           q, k and v

@@ -46,6 +46,11 @@ static void fast_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, 
 #ifndef QP_AVX512  /* AVX512: generic_rows512 (arch/x86_avx512.c) */
 /* exact, any form: each row's segments decoded into a buffer, multiplied into float32 sums */
 static void generic_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy, int wround) {
+#if defined(__AVX2__)
+    /* bfloat16 weights already hold the values of a float32 / bfloat16 model (a float16 model
+     * rounds them: the loop below) */
+    if (m->type == QP_BF16 && wround != QR_F16 && m->k % 8 == 0) { bf16_rows_avx2(m, in, r0, r1, xm, y, ldy); return; }
+#endif
     y -= r0;
     const int64_t K = m->k, seg = seg_len(m);
     float buf[QKK] __attribute__((aligned(64)));

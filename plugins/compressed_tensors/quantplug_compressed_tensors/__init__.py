@@ -23,6 +23,7 @@ from quantplug.api import (
     OptionSpec,
     Problem,
     hookimpl,
+    modules_of,
     option,
     quant_config_fields,
     refuse,
@@ -156,7 +157,7 @@ def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Seque
             return None
         return refuse(layer_name, "config_groups", "quantized fused 3-D expert tensors are not a compressed-tensors "
                       "layout quantplug knows")
-    answers = [(n, *qc.group_for(n)) for n in names]
+    answers = [(n, *a) for n, a in zip(names, qc.groups_for(names))]
     groups = {g.name if g else None for _, g, _ in answers}
     if groups == {None}:
         return None  # ignored or not targeted: the core's dense scheme answers
@@ -185,22 +186,26 @@ def quantplug_validate_plan(plan: Any, quant_config: CTConfig) -> list[Problem]:
     would quantize, or fail to ignore, the wrong layers: sglang issue 18370); patterns that match
     nothing are warnings."""
     qc = quant_config
-    modules: set[str] = set()
-    for name in plan.checkpoint.tensors:
-        parts = name.split(".")
-        modules.update(".".join(parts[:i]) for i in range(1, len(parts)))
-    names = {n for m in modules for n in qc.names_of(m)}
+    modules = modules_of(plan.checkpoint.tensors)
+    p = f"{qc.prefix}." if qc.prefix else ""
+    names: set[str] | None = None  # every module by both names: built only for a pattern to match
+
+    def names_a_module(entry: str) -> bool:
+        return entry in modules or bool(p) and p + entry in modules
+
     # ignore: the core's resolver (names through the prefix and other engines' spellings, a
     # did-you-mean, quantized tensors stored under an ignored module); targets: checked here
     ignore = tuple(e for e in qc.ignore if e not in LINEAR_CLASSES and not is_class_name(e))
     problems: list[Problem] = Exclusions(ignore, f"{qc.where}.ignore", qc.prefix).problems(
-        plan.checkpoint.tensors, QUANT_SUFFIXES, kind="ct-name")
+        plan.checkpoint.tensors, QUANT_SUFFIXES, kind="ct-name", modules=modules)
     entries = [(e, "ignore") for e in qc.ignore if is_class_name(e)] + [
         (t, f"config_groups.{g.name}.targets") for g in qc.groups for t in g.targets]
     for entry, section in entries:
         if entry in LINEAR_CLASSES:
             continue
         if entry.startswith("re:"):
+            if names is None:
+                names = {n for m in modules for n in qc.names_of(m)}
             if not any(match_name(n, entry) for n in names):
                 problems.append(Problem(f"{qc.where}.{section} pattern {entry!r} matches no module of this "
                                         "checkpoint", layer=entry, severity="warning", kind="ct-name"))
@@ -208,7 +213,7 @@ def quantplug_validate_plan(plan: Any, quant_config: CTConfig) -> list[Problem]:
             problems.append(Problem(f"{qc.where}.{section} entry {entry!r} looks like a module class; "
                                     "quantplug-compressed-tensors maps class targets onto 'Linear' only",
                                     layer=entry, severity="warning", kind="ct-name"))
-        elif entry not in names:
+        elif not names_a_module(entry):
             last = entry.rsplit(".", 1)[-1]
             pool = sorted(n for n in modules if n.rsplit(".", 1)[-1] == last) or sorted(modules)
             close = difflib.get_close_matches(entry, pool, n=1, cutoff=0.6)

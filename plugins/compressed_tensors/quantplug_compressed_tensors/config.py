@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,12 +166,64 @@ class CTConfig:
                        key=lambda x: x[0])
         return ignore, regex
 
+    @functools.cached_property
+    def _ignore_index(self) -> tuple[dict[str, int], list[tuple[int, str, re.Pattern[str] | None]]]:
+        """Exact ignore names -> their first position; (position, entry, regex) of the others (class
+        names, ``re:`` entries) in list order. llm-compressor lists every unquantized linear by
+        name (Kimi-K3: 1,347 names), which one dict lookup per name answers."""
+        exact: dict[str, int] = {}
+        others = []
+        for i, (entry, rx) in enumerate(self._compiled[0]):
+            if rx is None and entry not in LINEAR_CLASSES:
+                exact.setdefault(entry, i)
+            else:
+                others.append((i, entry, rx))
+        return exact, others
+
     def ignored_by(self, module: str) -> str | None:
+        """The first ignore entry (in list order) that matches ``module``, or None."""
         names = self.names_of(module)
-        for entry, rx in self._compiled[0]:
-            if entry in LINEAR_CLASSES or (rx.match(names[-1]) or rx.match(names[0]) if rx else entry in names):
+        exact, others = self._ignore_index
+        best = min((exact[n] for n in names if n in exact), default=len(self.ignore))
+        for i, entry, rx in others:
+            if i > best:
+                break
+            if rx is None or rx.match(names[-1]) or rx.match(names[0]):  # rx None: a class name, every linear
                 return entry
-        return None
+        return self.ignore[best] if best < len(self.ignore) else None
+
+    @functools.cached_property
+    def _by_name(self) -> frozenset[str] | None:
+        """Module names (as stored: prefixed and not) that an exact ignore entry or an exact target
+        names, when no entry is a regex and no ignore entry a class name (then every other linear
+        gets one answer, :meth:`groups_for`); None otherwise."""
+        if any(rx is not None or e in LINEAR_CLASSES for e, rx in self._compiled[0]) or self._compiled[1]:
+            return None
+        names = set(self._ignore_index[0]) | {t for g in self.groups for t in g.targets if t not in LINEAR_CLASSES}
+        p = f"{self.prefix}." if self.prefix else ""
+        return frozenset(names | {p + n for n in names} if p else names)
+
+    def groups_for(self, modules: Sequence[str]) -> list[tuple[Group | None, str]]:
+        """:meth:`group_for` of each module. Without regexes (and class names in ``ignore``), a
+        module that no entry names gets the class targets' answer, computed once: the routed
+        experts of a Kimi-K3 plan (247,296 modules) take set lookups, not a match each."""
+        named = self._by_name
+        if named is None or len(modules) < 2:
+            return [self.group_for(m) for m in modules]
+        hit = named.intersection(modules)
+        if not hit:
+            return [self._class_answer] * len(modules)
+        return [self.group_for(m) if m in hit else self._class_answer for m in modules]
+
+    @functools.cached_property
+    def _class_answer(self) -> tuple[Group | None, str]:
+        """:meth:`group_for` of a module that no exact entry names (regex-free configs)."""
+        found = sorted((t, g.name) for g in self.groups for t in g.targets if t in LINEAR_CLASSES)
+        if found:
+            t, name = found[0]
+            g = next(g for g in self.groups if g.name == name)
+            return g, f"config_groups.{g.name} targets {t!r}"
+        return None, "no config group targets it"
 
     def group_for(self, module: str) -> tuple[Group | None, str]:
         """The config group quantizing linear ``module`` and why (None: not targeted or ignored)."""

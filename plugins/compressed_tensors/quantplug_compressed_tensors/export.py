@@ -18,13 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from quantplug.api import TORCH_DTYPES, ExportResult, QuantplugError, dense_state
+from quantplug.api import TORCH_DTYPES, ExportResult, QuantplugError, dense_state, named_linears
 from safetensors.torch import save_file
 
 from .kernels import pack_rows
 
 GROUP = 32
-EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+#: a routed expert's projection: DeepSeek's ``mlp.experts.{k}.{gate,up,down}_proj``, the Kimi family's
+#: ``block_sparse_moe.experts.{k}.w{1,3,2}``
+EXPERT = re.compile(r"\.(mlp|block_sparse_moe)\.experts\.\d+\.((gate|up|down)_proj|w[123])\.weight$")
 #: llmcompressor's Kimi-K2 ignore list as model_free_ptq writes it (prefix-less, verbatim)
 IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
           "re:.*mlp\\.gate$", "model.embed_tokens"]
@@ -70,7 +72,14 @@ def export_w4a16(model: torch.nn.Module, plan: Any, destination: Path, options: 
     file = dest / "model.safetensors"
     save_file(tensors, str(file))
     cfg = copy.deepcopy(plan.checkpoint.config)
-    qc = w4a16_config()
+    # Kimi's list, plus by name every other linear it misses (the Kimi family's KDA is under self_attn,
+    # but its latent routed_expert_down_proj / routed_expert_up_proj are not): the export quantizes
+    # routed experts only, and a linear the list leaves to "Linear" would be read as int4
+    rules = [(e[3:], True) if e.startswith("re:") else (e, False) for e in IGNORE]
+    leftover = [n for n, _ in named_linears(model) if not EXPERT.search(f"{n}.weight") and not any(
+        re.match(r, n) or re.match(r, n.removeprefix("language_model.")) if rx else
+        r in (n, n.removeprefix("language_model.")) for r, rx in rules)]
+    qc = w4a16_config(IGNORE + sorted(leftover))
     cfg["quantization_config"] = qc
     if isinstance(cfg.get("text_config"), dict):  # Kimi releases repeat it inside text_config
         cfg["text_config"]["quantization_config"] = copy.deepcopy(qc)

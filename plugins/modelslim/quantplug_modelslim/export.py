@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,11 @@ def export_modelslim(model: torch.nn.Module, plan: LoadPlan, destination: Path,
     return out
 
 
+#: a routed expert's projection weight (DeepSeek's ``mlp.experts.{k}.*_proj``, the Kimi family's
+#: ``block_sparse_moe.experts.{k}.w{1,2,3}``)
+_EXPERT = re.compile(r"\.(mlp|block_sparse_moe)\.experts\.\d+\.[^.]+\.weight$")
+
+
 def _linear_type(name: str, recipe: str) -> str:
     if name.endswith("lm_head"):
         return "FLOAT"
@@ -110,7 +116,7 @@ def _write(state: Mapping[str, torch.Tensor], linears: set[str], plan: LoadPlan,
                 put(f"{ck}.quant_bias", torch.round(-wq.float().sum(-1) * o).to(torch.int32), typ)
                 deq = (torch.tensor(s, dtype=torch.float32) * ws[:, 0]).to(torch.float32)
                 put(f"{ck}.deq_scale", deq.view(torch.int32).to(torch.int64) & 0xFFFFFFFF, typ)
-        elif ".mlp.experts." in name and recipe == "w4a8":
+        elif _EXPERT.search(name) and recipe == "w4a8":
             wq, ws = _sym(w, 4)
             put(name, pack_int4_rows(wq), "W4A8_DYNAMIC")
             put(f"{ck}.weight_scale", ws, "W4A8_DYNAMIC")
