@@ -209,6 +209,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return cli_generate(args, _load(args))
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .eval import cli_eval
+
+    def load(path: str) -> Any:
+        from .loader import load as load_checkpoint
+
+        backend = args.backend if path == args.path else None
+        return load_checkpoint(path, backend=backend, options=_ckpt_options(args))
+
+    return cli_eval(args, load)
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     from .plan import build_plan
 
@@ -273,6 +285,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mtp: greedy speculative decoding with the checkpoint's multi-token-prediction layer "
                         "(same tokens as greedy; prints drafts and acceptance)")
     g.add_argument("--json", action="store_true", help="one JSON object: tokens, text, speed, cache bytes")
+    ev = ckpt_cmd("eval", "perplexity over a text (llama-perplexity's scoring); KL-divergence against a reference",
+                  cmd_eval)
+    ev.add_argument("--text", metavar="FILE", help="UTF-8 text to score (tokenized with the checkpoint's tokenizer)")
+    ev.add_argument("--ctx", type=int, default=None, metavar="N",
+                    help="tokens per window (default 512; a --reference file's own); the second half is scored")
+    ev.add_argument("--batch", type=int, default=1, metavar="B", help="windows per forward pass (default 1)")
+    ev.add_argument("--max-chunks", type=int, default=None, metavar="K", help="score at most K windows")
+    ev.add_argument("--save-logits", metavar="OUT",
+                    help="stream the distributions to OUT (llama.cpp's --kl-divergence-base format)")
+    ref = ev.add_mutually_exclusive_group()
+    ref.add_argument("--reference", metavar="OUT",
+                     help="a saved logits file (ours or llama-perplexity's): KLD, same top p, delta PPL against it")
+    ref.add_argument("--reference-model", metavar="PATH2",
+                     help="a second checkpoint as the reference (evaluated first, to a temporary logits file)")
+    ev.add_argument("--json", action="store_true", help="one JSON object")
     e = ckpt_cmd("explain", "each decision for one layer or tensor: value, plugin, reason", cmd_explain)
     e.add_argument("layer")
     d = sub.add_parser("demo", help="export tiny checkpoints with every backend, load them, compare with dense")

@@ -195,8 +195,11 @@ class Tokenizer:
         special = [i for i, t in enumerate(types) if t in GGUF_SPECIAL_TYPES]
         self._tk.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
         self._specials = set(special)
-        self.config = {**config, **{k: meta[k] for k in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
-                                    if k in meta}}
+        add_bos = meta.get("tokenizer.ggml.add_bos_token")
+        if add_bos is not None and not isinstance(add_bos, bool):
+            raise CheckpointError(f"{file}: metadata tokenizer.ggml.add_bos_token = {str(add_bos)[:40]}: expected a bool")
+        self.config = {**config, **{k: meta[k] for k in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                                                         "tokenizer.ggml.add_bos_token") if k in meta}}
         return self
 
     # -- use ----------------------------------------------------------------------------------
@@ -208,6 +211,28 @@ class Tokenizer:
             return _library(self.path, "encoding failed", lambda: list(self._tt.encode(text, allowed_special="all")))
         return _library(self.path, "encoding failed",
                         lambda: list(self._tk.encode(text, add_special_tokens=add_special_tokens).ids))
+
+    def added_bos(self) -> int | None:
+        """The BOS id this tokenizer puts before a text (llama.cpp's ``add_bos``), or None.
+
+        tokenizer.json: the token its post-processor adds in front (``encode`` with and without
+        special tokens compared); a GGUF vocabulary: ``tokenizer.ggml.bos_token_id`` when
+        ``tokenizer.ggml.add_bos_token`` is true (absent: false, llama.cpp's default for the
+        byte-level BPE vocabularies DeepSeek / Kimi GGUFs carry); tiktoken: tokenizer_config.json's
+        ``add_bos_token`` and ``bos_token`` (Kimi's files set neither: none)."""
+        if self.source == "gguf":
+            bos = self.config.get("tokenizer.ggml.bos_token_id")
+            return bos if self.config.get("tokenizer.ggml.add_bos_token") is True and isinstance(bos, int) else None
+        if self._tt is not None:
+            name = _token_str(self.config.get("bos_token"))
+            if self.config.get("add_bos_token") is not True or not name:
+                return None
+            ids = self.encode(name)
+            return ids[0] if len(ids) == 1 and ids[0] in self._specials else None
+        with_special, plain = self.encode("a"), self.encode("a", add_special_tokens=False)
+        if len(with_special) > len(plain) and with_special[1:1 + len(plain)] == plain:
+            return with_special[0]
+        return None
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         ids = [int(i) for i in ids]
