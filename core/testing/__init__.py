@@ -68,6 +68,26 @@ def hub_rope_spelling(cfg: dict[str, Any], key: str = "type") -> dict[str, Any]:
     return out
 
 
+def mla_shapes(a: str, h: int, nh: int, ql: int | None, kl: int, nope: int, rope: int, vd: int,
+               gate: bool) -> dict[str, tuple[int, ...]]:
+    """The tensors of one MLA layer ``a`` (``...self_attn``) and their shapes: q (LoRA or plain
+    ``q_proj``), the compressed KV, dense ``kv_b_proj``, the optional output gate, ``o_proj``."""
+    out: dict[str, tuple[int, ...]] = {}
+    if ql is None:
+        out[f"{a}.q_proj.weight"] = (nh * (nope + rope), h)
+    else:
+        out[f"{a}.q_a_proj.weight"] = (ql, h)
+        out[f"{a}.q_a_layernorm.weight"] = (ql,)
+        out[f"{a}.q_b_proj.weight"] = (nh * (nope + rope), ql)
+    out[f"{a}.kv_a_proj_with_mqa.weight"] = (kl + rope, h)
+    out[f"{a}.kv_a_layernorm.weight"] = (kl,)
+    out[f"{a}.kv_b_proj.weight"] = (nh * (nope + vd), kl)
+    if gate:
+        out[f"{a}.g_proj.weight"] = (nh * vd, h)
+    out[f"{a}.o_proj.weight"] = (h, nh * vd)
+    return out
+
+
 def text_names(cfg: Mapping[str, Any], layout: str = "hub", mtp: bool = False) -> dict[str, tuple[int, ...]]:
     """Every tensor name and shape of a text model with this config (names relative to the root).
 
@@ -95,18 +115,7 @@ def text_names(cfg: Mapping[str, Any], layout: str = "hub", mtp: bool = False) -
         out[f"{b}.input_layernorm.weight"] = (h,)
         out[f"{b}.post_attention_layernorm.weight"] = (h,)
         a = f"{b}.self_attn"
-        if ql is None:
-            out[f"{a}.q_proj.weight"] = (nh * (nope + rope), h)
-        else:
-            out[f"{a}.q_a_proj.weight"] = (ql, h)
-            out[f"{a}.q_a_layernorm.weight"] = (ql,)
-            out[f"{a}.q_b_proj.weight"] = (nh * (nope + rope), ql)
-        out[f"{a}.kv_a_proj_with_mqa.weight"] = (kl + rope, h)
-        out[f"{a}.kv_a_layernorm.weight"] = (kl,)
-        out[f"{a}.kv_b_proj.weight"] = (nh * (nope + vd), kl)
-        if cfg.get("mla_use_output_gate"):
-            out[f"{a}.g_proj.weight"] = (nh * vd, h)
-        out[f"{a}.o_proj.weight"] = (h, nh * vd)
+        out.update(mla_shapes(a, h, nh, ql, kl, nope, rope, vd, bool(cfg.get("mla_use_output_gate"))))
         if is_dsa(cfg):  # DeepSeek-V3.2's lightning indexer
             ih, idim = int(cfg.get("index_n_heads", 64)), int(cfg.get("index_head_dim", 128))
             out[f"{a}.indexer.wq_b.weight"] = (ih * idim, int(ql or 0))

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import write_checkpoint
+from . import mla_shapes, write_checkpoint
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from transformers import KimiLinearForCausalLM
@@ -211,18 +211,7 @@ def kimi_text_shapes(cfg: Mapping[str, Any], a_log: str = "heads") -> dict[str, 
             out[f"{a}.o_norm.weight"] = (kd,)
             out[f"{a}.o_proj.weight"] = (h, d)
         elif i + 1 in full_layers:
-            if ql is None:
-                out[f"{a}.q_proj.weight"] = (nh * (nope + rope), h)
-            else:
-                out[f"{a}.q_a_proj.weight"] = (ql, h)
-                out[f"{a}.q_a_layernorm.weight"] = (ql,)
-                out[f"{a}.q_b_proj.weight"] = (nh * (nope + rope), ql)
-            out[f"{a}.kv_a_proj_with_mqa.weight"] = (kl + rope, h)
-            out[f"{a}.kv_a_layernorm.weight"] = (kl,)
-            out[f"{a}.kv_b_proj.weight"] = (nh * (nope + vd), kl)
-            if text.get("mla_use_output_gate"):
-                out[f"{a}.g_proj.weight"] = (nh * vd, h)
-            out[f"{a}.o_proj.weight"] = (h, nh * vd)
+            out.update(mla_shapes(a, h, nh, ql, kl, nope, rope, vd, bool(text.get("mla_use_output_gate"))))
         else:
             raise ValueError(f"1-based layer {i + 1} is in neither kda_layers nor full_attn_layers")
         if i < dense_below or i % freq:
