@@ -21,7 +21,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -391,9 +391,10 @@ def _slots_in_bulk(sources: SlotSources, ckpt: Checkpoint) -> list[TensorInfo] |
     reports each problem as before."""
     if not sources:
         return None
-    infos = list(map(ckpt.tensors.get, map(_TENSOR, sources)))
-    if None in infos:
+    got = list(map(ckpt.tensors.get, map(_TENSOR, sources)))
+    if None in got:
         return None
+    infos = cast("list[TensorInfo]", got)
     dtypes = {info.dtype for info in infos}
     if not dtypes.issubset(sources.dtypes) or len(dtypes) > 1:
         return None

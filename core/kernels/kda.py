@@ -110,7 +110,7 @@ def kda_step(u: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, gp
     bounded = lower_bound is not None
     rc = lib.qp_kda_step(b, h, k, w, u.data_ptr(), conv_w.data_ptr(), conv_state.data_ptr() if w > 1 else None,
                          gpre.data_ptr(), dt_bias.data_ptr(), a_log.data_ptr(), int(bounded),
-                         float(lower_bound) if bounded else 0.0, beta_logits.data_ptr(), gate.data_ptr(),
+                         float(lower_bound) if lower_bound is not None else 0.0, beta_logits.data_ptr(), gate.data_ptr(),
                          o_norm_w.data_ptr(), float(eps), state.data_ptr(), int(state.dtype == torch.bfloat16),
                          out.data_ptr())
     native.check(rc, "kda_step")  # every argument was checked above: a refusal is a bug

@@ -193,17 +193,17 @@ def parse_kimi_config(config: dict[str, Any], architecture: str, wrapped: bool, 
         lbeta = f.opt_float("activation_situ_linear_beta", 0.0, 1e6)
         act = GatedAct("situ", beta, lbeta or None)
     # the core's parser on the DeepSeek names (aliases renamed; hidden_act and RoPE are not DeepSeek's here)
-    text = {_ALIASES.get(k, k): v for k, v in f.data.items()
+    deepseek: dict[str, Any] = {_ALIASES.get(k, k): v for k, v in f.data.items()
             if k not in ("hidden_act", "rope_scaling", "rope_parameters", "moe_router_activation_func")
             and not (k in _ALIASES and _ALIASES[k] in f.data)}
-    text.setdefault("n_routed_experts", 0)
+    deepseek.setdefault("n_routed_experts", 0)
     # the router has no groups in these models (1 / 1): the core's grouped router then keeps all
-    text.setdefault("n_group", 1)
-    text.setdefault("topk_group", 1)
-    if not text.get("qk_rope_head_dim"):
+    deepseek.setdefault("n_group", 1)
+    deepseek.setdefault("topk_group", 1)
+    if not deepseek.get("qk_rope_head_dim"):
         f.fail("qk_rope_head_dim", f.data.get("qk_rope_head_dim"), "a positive even integer (MLA's k_pe width, "
                                                                    "stored even without RoPE)")
-    inner = {**config, "text_config": text} if wrapped else text
+    inner = {**config, "text_config": deepseek} if wrapped else deepseek
     base = parse_model_config(inner, architecture, wrapped, file)
     cfg = KimiConfig(**{fld.name: getattr(base, fld.name) for fld in dataclasses.fields(ModelConfig)},
                      kda_heads=heads, kda_head_dim=head_dim, conv_kernel=kernel,
@@ -396,6 +396,10 @@ class KDA(FloatParams):
     Exactly one of the two must be present; any other shape is a plan error."""
 
     qp_fp32 = frozenset({"dt_bias", "A_log", "A"})
+    # registered by the loader from the plan (A_log, or llama.cpp's folded A); declared for type checkers
+    A: torch.Tensor
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
 
     def __init__(self, cfg: KimiConfig, i: int, d: Decisions) -> None:
         super().__init__()
@@ -566,6 +570,10 @@ class ResScore(FloatParams):
     one form must be complete (a plan error otherwise)."""
 
     qp_fp32 = frozenset({"norm", "proj", "score"})
+    # registered by the loader from the plan (the stored form's); declared for type checkers
+    norm: torch.Tensor
+    proj: torch.Tensor
+    score: torch.Tensor
 
     def __init__(self, hidden: int, base: str, eps: float) -> None:
         super().__init__()
@@ -592,7 +600,7 @@ class ResScore(FloatParams):
                         tensor=f"{b}_res_norm.weight", file=some.file.name if some is not None else None,
                         kind="missing")]
 
-    def weight(self) -> torch.Tensor:
+    def score_vector(self) -> torch.Tensor:
         """``norm.weight * proj.weight`` as one [hidden] float32 vector."""
         if "score" in self._parameters:
             return self.score.float()
@@ -602,7 +610,7 @@ class ResScore(FloatParams):
         """The per-token mix of ``rows`` and ``last`` (each [B, T, hidden]): weights softmax over the
         rows of ``sum_d rmsnormed(row)[d] * norm_w[d] * proj_w[d]`` (float32), applied to the raw rows."""
         v = torch.stack([*rows, last], dim=-2).float()                      # [B, T, n + 1, hidden]
-        score = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight()).sum(-1)
+        score = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.eps) * self.score_vector()).sum(-1)
         p = torch.softmax(score, dim=-1)
         return (p.unsqueeze(-1) * v).sum(dim=-2).to(last.dtype)
 
@@ -693,7 +701,7 @@ class KimiTextModel(nn.Module):
         assert self.output_res is not None
         bank: list[torch.Tensor] = []
         for i, (layer, c) in enumerate(zip(self.layers, caches)):
-            assert layer.attn_res is not None and layer.mlp_res is not None
+            assert isinstance(layer, KimiDecoderLayer) and layer.attn_res is not None and layer.mlp_res is not None
             x = layer.attn_res(bank, h) if bank else h
             if i % self.block == 0:
                 bank.append(h)
