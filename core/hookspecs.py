@@ -126,11 +126,17 @@ def answers(expected: str, kinds: Any, items: Any = None) -> Any:
 #:   ``Experts``, ``Router``, ``parse_model_config``).
 #:   Design note: an architecture is a declaration the core reads (config schema, skeleton,
 #:   tensor-parallel plan, dense-state and engine mappings); the core holds no list of them.
+#: * 1.7: ``LinearScheme.takes_fast`` (optional): whether a layer runs faster kernels under
+#:   ``kernels=fast``; a plan whose layers all answer False refuses the option, naming the backend.
+#:   ``quantplug.api.HeadSlice`` (a per-head float parameter of a head-parallel module);
+#:   ``PlannedModule.qp_check`` (plan-time checks of tensors whose shape several layouts satisfy).
+#:   Hooks are called through pluggy's own callers (``PluginManager.pluggy`` monitoring sees each),
+#:   and whether a hook's first answer wins is its spec's alone.
 #:
 #: A plugin declares at least the version of every feature it uses (:data:`API_SINCE`,
 #: :data:`SCHEME_SINCE`, each hook's ``versionadded``); ``quantplug.testing.contract`` checks it
 #: and the conformance kit runs that check.
-CONTRACT_VERSION = "1.6"
+CONTRACT_VERSION = "1.7"
 #: When each name of ``quantplug.api`` entered the contract; names not listed date from 1.1, when
 #: ``quantplug.api`` itself was added.
 API_SINCE: dict[str, str] = {
@@ -147,12 +153,13 @@ API_SINCE: dict[str, str] = {
     **dict.fromkeys(("DecoderLayer", "DeepseekV3ForCausalLM", "Experts", "MLA", "MLP", "MoE", "Router",
                      "parse_model_config", "EngineExperts", "EngineLatentAttention", "EngineMLP", "LatentAttention",
                      "RoutedExperts"), "1.6"),
+    "HeadSlice": "1.7",
 }
 #: When each optional ``LinearScheme`` member a scheme may define entered the contract (members
 #: not listed: 1.0).
 SCHEME_SINCE: dict[str, str] = {
     "reason": "1.1", "split": "1.1", "apply_row_parallel": "1.1", "apply_grouped": "1.1", "apply_all": "1.1",
-    "fuse": "1.2", "fuse_mlp": "1.3", "fuse_attention": "1.3", "form": "1.4",
+    "fuse": "1.2", "fuse_mlp": "1.3", "fuse_attention": "1.3", "form": "1.4", "takes_fast": "1.7",
 }
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)

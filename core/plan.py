@@ -466,6 +466,26 @@ def _indexer_problems(mcfg: ModelConfig, options: Mapping[str, Any]) -> list[Pro
                     "Hadamard block and one e4m3 scale per head); indexer='exact' takes any", kind="options")]
 
 
+def _kernels_problems(model: nn.Module, options: Mapping[str, Any], backend: str | None, claim: Any) -> list[Problem]:
+    """Option ``kernels=fast`` where no planned layer's scheme takes it
+    (:meth:`LinearScheme.takes_fast`): a plan error naming the backend (it used to do nothing,
+    silently). The bundled schemes that take it: the GGUF backend's types with a fast kernel, the
+    compressed-tensors pack-quantized int4 ones."""
+    if options.get("kernels", "exact") != "fast":
+        return []
+    schemes: dict[str, bool] = {}
+    for m in model.modules():
+        if isinstance(m, QuantLinear | StackedLinear):
+            name = m.scheme.describe()
+            schemes[name] = schemes.get(name, False) or bool(m.scheme.takes_fast())
+    if any(schemes.values()):
+        return []
+    who = f"backend {claim.plugin or backend}" if backend else "the dense (unquantized) checkpoint"
+    return [Problem(f"option kernels=fast: {who} has no fast kernels for this checkpoint's layers (schemes: "
+                    f"{', '.join(sorted(schemes)) or 'none'}); they run exact. Fast kernels exist for GGUF "
+                    "(backend expert_pack) and compressed-tensors int4: use kernels=exact here", kind="options")]
+
+
 def _memory_problems(plan: LoadPlan) -> list[Problem]:
     """The routed experts against the memory they may use: with ``expert_cache_mb`` the cache must
     hold one step's experts of a layer; without it, what the load copies into memory of its own
@@ -529,6 +549,7 @@ def _build_plan(path: str | Path, backend: str | None, options: Mapping[str, Any
     decisions += decider.decisions
     problems += decider.problems
     problems += _indexer_problems(mcfg, options)
+    problems += _kernels_problems(model, options, be, claim)
     params, used = _collect_params(model, ckpt, dtype, problems)
     skipped, unexpected = _skips(ckpt, arch, mcfg, prefix, used, decider.mtp_layers)
     for name in unexpected:

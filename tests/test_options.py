@@ -232,3 +232,30 @@ def test_plugins_options_lists_the_new_backends(capsys):
     assert {("modelopt", "load", "activation_quant"), ("modelopt", "export", "algo"),
             ("modelopt", "export", "input_amax"), ("gptq", "export", "group_size"), ("gptq", "export", "sym"),
             ("awq", "export", "group_size"), ("awq", "export", "sym")} <= rows
+
+
+#: the exports whose backend has fast kernels for some layer (LinearScheme.takes_fast)
+FAST = {"compressed-tensors-w4a16", "gguf-q8_0", "gguf-q4_0", "gguf-q8_0-expert-pack"}
+
+
+def test_kernels_fast_is_honoured_or_refused_by_every_bundled_backend(tmp_path):
+    """Issue: kernels=fast silently did nothing on five backends. Every bundled backend's export
+    of one model, planned with kernels=fast: where a layer takes it the plan records a fast
+    scheme; elsewhere the plan refuses the option, naming the backend."""
+    from quantplug.errors import PlanError
+    from quantplug.testing.engines import EXPORTS, export_formats, mla_config
+
+    cfg = mla_config(num_hidden_layers=2)
+    paths = export_formats(tmp_path, cfg)
+    assert set(paths) >= FAST | {"fp8-block", "modelslim-w4a8", "quark-mxfp4", "modelopt-nvfp4", "gptq-int4", "dense"}
+    backend = {e.label: e.backend for e in EXPORTS}
+    for label, path in paths.items():
+        if label in FAST:
+            plan = quantplug.plan(path, options={"kernels": "fast"})
+            fast = [m for m in plan.model.modules() if hasattr(m, "scheme") and m.scheme.takes_fast()]
+            assert fast, label
+            continue
+        who = f"backend {backend[label]}" if backend[label] else "the dense"
+        with pytest.raises(PlanError, match=rf"option kernels=fast: {who}.* has no fast kernels"):
+            quantplug.plan(path, options={"kernels": "fast"}).raise_for_problems()
+        assert not quantplug.plan(path, options={"kernels": "exact"}).problems, label

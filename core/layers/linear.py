@@ -126,6 +126,12 @@ class LinearScheme(abc.ABC):
     #: but O(cached tokens) per step)
     weight_only: bool = False
 
+    def takes_fast(self) -> bool:
+        """Whether this layer runs faster kernels with a documented error under the core's option
+        ``kernels=fast`` (contract 1.7). A plan none of whose layers answers True refuses
+        ``kernels=fast`` at plan time, naming the backend, instead of ignoring it. Default: False."""
+        return False
+
     @property
     def key(self) -> str:
         """Equality key: two answers with equal keys are the same scheme (fused shards must agree)."""

@@ -34,7 +34,7 @@ from .config import FORMATS, LINEAR_CLASSES, CTConfig, Group, is_class_name, mat
 from .schemes import CTScheme
 
 __version__ = "0.1.0"
-QUANTPLUG_CONTRACT = "1.4"
+QUANTPLUG_CONTRACT = "1.7"
 ACTIVATION_MODES = ("emulate", "none")
 #: values of the ``kernels`` option: "exact" (default) or "fast" (see schemes.CTScheme)
 KERNELS = ("exact", "fast")

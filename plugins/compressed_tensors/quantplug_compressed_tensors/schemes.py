@@ -63,6 +63,10 @@ class CTScheme(LinearScheme):
         #: exact kernels are dequantize then float matmul: MLA decode may absorb kv_b through them
         self.weight_only = (act is None or act_mode == "none") and not self.fast
 
+    def takes_fast(self) -> bool:
+        """Under ``kernels="fast"``: pack-quantized int4 weight-only layers (torch's int4 kernel)."""
+        return self.fast
+
     def describe(self) -> str:
         w = f"{self.fmt} {self.weights.describe()}" + ("; fast int4 kernel" if self.fast else "")
         if self.act is None:

@@ -66,7 +66,7 @@ from .pack import KV_FILE, KV_INDEX_SHA, PACK_NAME, ExpertCache, ExpertPack
 from .schemes import GGMLScheme, PackedExpertsScheme
 
 #: the hook-contract version this plugin is written for (quantplug.api.CONTRACT_VERSION)
-QUANTPLUG_CONTRACT = "1.5"
+QUANTPLUG_CONTRACT = "1.7"
 
 __version__ = "0.1.0"
 #: values of the ``kernels`` option: "exact" (default) or "fast" (see schemes.GGMLScheme)

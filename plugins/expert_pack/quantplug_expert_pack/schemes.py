@@ -50,6 +50,11 @@ class GGMLScheme(LinearScheme):
         #: exact kernels are dequantize then float matmul: MLA decode may absorb kv_b through them
         self.weight_only = kernels != "fast" or ggml_type not in ggml.FAST_TYPES
 
+    def takes_fast(self) -> bool:
+        """Under ``kernels="fast"``: the types with a fast kernel (native int8 activation blocks,
+        or torch's int4-pack kernel)."""
+        return self.kernels == "fast" and (self.ggml_type in ggml.FAST_TYPES or self.ggml_type in ggml.native.FAST_FORMS)
+
     @property
     def key(self) -> str:
         return "ggml"
