@@ -19,7 +19,7 @@ dicts with magic keys. The plugin manager stamps every answer with the plugin th
 the plan records it as a :class:`~quantplug.types.Decision`.
 
 Each spec below is the one source of its hook's contract: whether the first answer wins
-(``firstresult``) and what an answer must be (:func:`answers`); the plugin manager reads both
+(``firstresult``) and what an answer must be (``answers``); the plugin manager reads both
 from here. Hooks are called through pluggy's own callers (one subset caller per plugin, so that
 every answer is known to be that plugin's), so pluggy's tracing and ``add_hookcall_monitoring``
 (on ``quantplug.plugins.PluginManager.pluggy``) see every call.

@@ -42,7 +42,7 @@ def read_runs(fd: int, runs: Sequence[tuple[int, int]], out: torch.Tensor) -> No
 
 def read_into(fd: int, offset: int, out: torch.Tensor) -> None:
     """Fill contiguous CPU tensor ``out`` with the bytes at ``offset`` of file ``fd``
-    (:func:`read_runs` of one run)."""
+    (``read_runs`` of one run)."""
     read_runs(fd, [(offset, out.numel() * out.element_size())], out)
 
 

@@ -80,6 +80,9 @@ nitpick_ignore = [
     ("py:func", "quantplug.generate.new_mtp_cache"),
     ("py:class", "Indexer"),
     ("py:class", "quantplug.models.deepseek.Indexer"),
+    # the gated activation of the blocks' signatures (MLP, Experts, MoE: act=), documented on the
+    # Kimi architecture page
+    ("py:class", "quantplug.layers.activation.GatedAct"),
 ]
 
 

@@ -336,7 +336,7 @@ class MLPStep:
     shared experts (``f(x)``, x [M, H]), or routed experts (``f(x, pairs)``: ``pairs`` = (row,
     slot, weight) sorted by slot; row r's output is the sum over its pairs, in order, of
     ``weight * mlp_slot(x[r])``). ``reduce``: the all-reduce of a split MLP's partial output.
-    ``act``: SiLU (``silu(gate) * up``, the default) or SiTU (see :func:`mlp_act`); the whole-stack
+    ``act``: SiLU (``silu(gate) * up``, the default) or SiTU (see ``mlp_act``); the whole-stack
     step (:class:`StackStep`) takes SiLU steps only."""
 
     def __init__(self, layers: Sequence[Any], gate: Bound, up: Bound, down: Bound, stacked: bool,
@@ -344,7 +344,7 @@ class MLPStep:
         self.layers = list(layers)
         self.gate, self.up, self.down, self.stacked, self.reduce = gate, up, down, stacked, reduce
         self.h, self.i = gate.k, gate.n
-        #: ``qp_mlp``'s activation (id, a, b): :data:`SILU` or SiTU's
+        #: ``qp_mlp``'s activation (id, a, b): ``SILU`` or SiTU's
         self.act = act
 
     def live(self) -> bool:
@@ -391,7 +391,7 @@ def _mlp_call(gates: Sequence[Any], ups: Sequence[Any], downs: Sequence[Any], x:
               pairs: Sequence[tuple[int, int, float]], h: int, wround: int,
               act: tuple[int, float, float] = SILU) -> torch.Tensor:
     """``qp_mlp`` over the matrices of the experts used (``pairs`` = (row, expert index, weight),
-    grouped by expert), activation ``act`` (:func:`mlp_act`): [M, h] in x's dtype."""
+    grouped by expert), activation ``act`` (``mlp_act``): [M, h] in x's dtype."""
     import ctypes
 
     lib = native.library()
