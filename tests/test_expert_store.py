@@ -327,7 +327,13 @@ RSS_CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "compressed_tensors", "quark", "modelslim", "gguf"])
+#: one format by default (a child process measuring its RSS per format is a benchmark: ~15 s each);
+#: the others with the slow tests
+RSS_FORMATS = ["gguf"] + [pytest.param(f, marks=pytest.mark.slow) for f in ("fp8", "compressed_tensors", "quark",
+                                                                           "modelslim")]
+
+
+@pytest.mark.parametrize("fmt", RSS_FORMATS)
 def test_rss_is_the_non_expert_weights_plus_the_cache(tmp_path, fmt):
     """A checkpoint whose routed experts are 40-600 MB (the format's own bytes; the GGUF writer's
     are F32): served with a cache of 8 MiB (GGUF: 1.5 steps), the process grows by the non-expert weights + the cache (+10%, + a fixed 24 MiB
