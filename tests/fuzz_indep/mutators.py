@@ -1273,12 +1273,25 @@ def make_case(run_seed: int, index: int, seeds: list[tuple[str, Path]], dst: Pat
             if f.is_file() and not f.is_symlink() and f.stat().st_size == sizes.get(m.file) and \
                     _header(f.read_bytes(), m.file) == _header((src / m.file).read_bytes(), m.file):
                 m.meaning = "data"
+        # two JSON mutations that undo each other (list -> object -> list) leave the seed's content
+        if m.mutator.startswith("json.") and m.file and _same_json(dst / m.file, src / m.file):
+            m.meaning = "none"
         # a later mutation may have replaced the symlink that left the directory
         if m.meaning == "escape" and m.file:
             real = os.path.realpath(dst / m.file)
             if os.path.commonpath([real, os.path.realpath(dst)]) == os.path.realpath(dst):
                 m.meaning = "struct"
     return seed_name, done
+
+
+def _same_json(mutated: Path, seed: Path) -> bool:
+    """Whether a JSON file parses to exactly its seed's value (what a pair of inverse edits leaves)."""
+    if mutated.is_symlink() or not mutated.is_file() or not seed.is_file():
+        return False
+    try:
+        return json.loads(mutated.read_bytes()) == json.loads(seed.read_bytes())
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return False  # not JSON any more: a real change
 
 
 def _header(blob: bytes, name: str) -> bytes | None:
