@@ -1,4 +1,13 @@
-"""Shared fixtures: tiny checkpoints, a transformers reference, a fresh plugin manager."""
+"""Shared fixtures: tiny checkpoints, a transformers reference, a fresh plugin manager.
+
+The suite runs torch (and the native kernels, which run on torch's OpenMP threads) on ONE thread,
+and so do the processes it starts (``OMP_NUM_THREADS=1``): at the sizes of test models a thread
+pool only waits on its peers, and on a shared 2-core machine two spinning threads make every small
+op several times slower (``quantplug demo`` took 5.8 s on one thread, 37.7 s on two, with the other
+core busy). Tests of multi-threaded results set their thread count themselves
+(tests/kernels/test_native.py); ``QUANTPLUG_TEST_THREADS=N`` runs the whole suite on N threads.
+Under pytest-xdist each worker is one of those single-threaded processes.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +24,11 @@ from quantplug.testing.reference import hf_logits, rel_err
 __all__ = ["VENDOR", "hf_logits", "killed_child", "load_logits", "rel_err", "run_threads"]  # the transformers reference is quantplug.testing's
 
 VENDOR = Path(__file__).parent / "data" / "vendor"
+
+#: torch threads of the suite and of the processes it starts (module docstring)
+TEST_THREADS = int(os.environ.get("QUANTPLUG_TEST_THREADS", "1"))
+os.environ.setdefault("OMP_NUM_THREADS", str(TEST_THREADS))
+torch.set_num_threads(TEST_THREADS)
 
 
 @pytest.fixture(autouse=True)
@@ -45,8 +59,8 @@ def two_layer(tmp_path_factory) -> Callable[[str], Path]:
 @pytest.fixture(scope="module")
 def one_torch_thread() -> Iterator[None]:
     """torch on one thread for a module of tiny models (``pytestmark =
-    pytest.mark.usefixtures("one_torch_thread")``): a thread pool only waits on its peers at these
-    sizes, and two threads spinning on a shared 2-core machine are several times slower."""
+    pytest.mark.usefixtures("one_torch_thread")``) even where ``QUANTPLUG_TEST_THREADS`` asks for
+    more: a thread pool only waits on its peers at these sizes."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -5,13 +5,22 @@ from __future__ import annotations
 
 import math
 
+import pytest
+import quantplug.demo
 from quantplug.cli import main
 from quantplug.demo import run_demo
 from quantplug.plugins import get_plugin_manager
 
 
-def test_demo_rows_cover_every_exporting_backend(tmp_path):
-    rows = run_demo(tmp_path)
+@pytest.fixture(scope="module")
+def demo_rows(tmp_path_factory):
+    """One run of the demo (every exporter's checkpoint written, planned, loaded and run) for the
+    module's tests."""
+    return run_demo(tmp_path_factory.mktemp("demo"))
+
+
+def test_demo_rows_cover_every_exporting_backend(demo_rows):
+    rows = demo_rows
     assert rows[0].backend == "dense" and rows[0].max_rel_err == 0.0
     pm = get_plugin_manager()
     exporters = {r.name for r in pm.records() if pm.implements(r.name, "quantplug_export")}
@@ -26,7 +35,10 @@ def test_demo_rows_cover_every_exporting_backend(tmp_path):
         assert packed.model_bytes < plain.model_bytes and math.isclose(packed.max_rel_err, plain.max_rel_err, rel_tol=1e-5)
 
 
-def test_demo_cli_prints_table(capsys):
-    assert main(["demo"]) == 0
+def test_demo_cli_prints_table(capsys, monkeypatch, demo_rows):
+    """The CLI prints the demo's rows (the run itself is the test above's)."""
+    calls = []
+    monkeypatch.setattr(quantplug.demo, "run_demo", lambda: calls.append(1) or demo_rows)
+    assert main(["demo"]) == 0 and calls == [1]
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith("format") and "dense (safetensors, hub layout)" in out

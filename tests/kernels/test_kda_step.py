@@ -187,10 +187,8 @@ def test_native_step_declines_what_it_does_not_take():
 @needs_native
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 -march levels")
 @pytest.mark.parametrize(("march", "isa"), [("x86-64-v3", 2), ("x86-64", 0)])
-def test_avx2_and_portable_builds_compute_the_same(monkeypatch, tmp_path, march, isa):
-    monkeypatch.setenv("QUANTPLUG_NATIVE_MARCH", march)
-    monkeypatch.setenv("QUANTPLUG_CACHE", str(tmp_path))
-    lib = native._build()
+def test_avx2_and_portable_builds_compute_the_same(monkeypatch, march_build, march, isa):
+    lib = march_build(march)
     assert lib.qp_isa() == isa
     monkeypatch.setattr(native, "_lib", lib)
     monkeypatch.setattr(native, "_tried", True)

@@ -692,12 +692,10 @@ def test_non_finite_activations_give_nan_not_finite_garbage(mode):
 @needs_native
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 -march levels")
 @pytest.mark.parametrize(("march", "isa"), [("x86-64-v3", 2), ("x86-64", 0)])
-def test_avx2_and_portable_builds_compute_the_same(monkeypatch, tmp_path, march, isa):
+def test_avx2_and_portable_builds_compute_the_same(monkeypatch, march_build, march, isa):
     """The C file's other SIMD paths (AVX2 without AVX512, portable C), built for older x86 levels
     and run here, pass the same checks."""
-    monkeypatch.setenv("QUANTPLUG_NATIVE_MARCH", march)
-    monkeypatch.setenv("QUANTPLUG_CACHE", str(tmp_path))
-    lib = native._build()
+    lib = march_build(march)
     assert lib.qp_isa() == isa
     monkeypatch.setattr(native, "_lib", lib)
     monkeypatch.setattr(native, "_tried", True)
@@ -752,10 +750,36 @@ def test_a_failed_build_is_reported_not_raised(monkeypatch, tmp_path):
     assert not list((tmp_path / "cache" / "kernels").glob("*.so"))   # no half-written library left
 
 
+def _fake_cc(tmp_path: Path, delay_s: float = 0.0) -> tuple[Path, Path]:
+    """A stand-in C compiler for the cache tests (``CC=`` it): answers ``--version`` and "compiles"
+    by copying the library this process built (a full compile is ~10 s of CPU; what these tests
+    check is when the cache compiles, not the compiler), after ``delay_s``. Returns the script and
+    the file it appends a line to per compile."""
+    lib = native.library()
+    assert lib is not None
+    runs = tmp_path / "cc-runs"
+    script = tmp_path / "fake-cc"
+    script.write_text(f"""#!/bin/sh
+if [ "$1" = "--version" ]; then echo "fake-cc 1"; exit 0; fi
+out=""; while [ $# -gt 0 ]; do if [ "$1" = "-o" ]; then out="$2"; fi; shift; done
+sleep {delay_s}
+echo "$out" >> "{runs}"
+cp "{lib._name}" "$out"
+""")
+    script.chmod(0o700)
+    return script, runs
+
+
+def _compiles(runs: Path) -> int:
+    return len(runs.read_text().splitlines()) if runs.exists() else 0
+
+
 @needs_native
 def test_the_kernel_cache_is_private_and_checked_before_loading(monkeypatch, tmp_path):
+    cc, runs = _fake_cc(tmp_path)
+    monkeypatch.setenv("CC", str(cc))
     _fresh(monkeypatch, tmp_path / "a")
-    assert native.library() is not None
+    assert native.library() is not None and _compiles(runs) == 1
     d = tmp_path / "a" / "kernels"
     assert (os.stat(d).st_mode & 0o777) == 0o700
     (built,) = d.glob("qp_kernels-*.so")
@@ -772,6 +796,7 @@ def test_the_kernel_cache_is_private_and_checked_before_loading(monkeypatch, tmp
     planted("empty").write_bytes(b"")
     _fresh(monkeypatch, tmp_path / "empty")
     assert native.library() is not None and (tmp_path / "empty" / "kernels" / key).stat().st_size > 0
+    assert _compiles(runs) == 2
     # a library missing a symbol (a stale or foreign build at the key) is rebuilt
     other = tmp_path / "other.c"
     other.write_text("int qp_isa(void) { return 0; }\n")
@@ -779,7 +804,7 @@ def test_the_kernel_cache_is_private_and_checked_before_loading(monkeypatch, tmp
     subprocess.run(["cc", "-shared", "-fPIC", str(other), "-o", str(foreign)], check=True)
     os.chmod(foreign, 0o700)
     _fresh(monkeypatch, tmp_path / "foreign")
-    assert native.library() is not None and hasattr(native.library(), "qp_latent_post")
+    assert native.library() is not None and hasattr(native.library(), "qp_latent_post") and _compiles(runs) == 3
     # a symlink planted at the key is never loaded
     target = tmp_path / "target.so"
     subprocess.run(["cc", "-shared", "-fPIC", str(other), "-o", str(target)], check=True)
@@ -796,22 +821,25 @@ def test_the_kernel_cache_is_private_and_checked_before_loading(monkeypatch, tmp
     os.chmod(tmp_path / "open" / "kernels", 0o777)
     _fresh(monkeypatch, tmp_path / "open")
     assert native.library() is None and "writable by group or others" in native.status()
+    assert _compiles(runs) == 3  # refused files are never rebuilt over
 
 
 @needs_native
 def test_concurrent_first_builds_compile_once(tmp_path):
     """Two processes building into an empty cache at once: the lock makes the second wait and load
-    the first one's library (one compiler run: one .so, no stray temporaries)."""
+    the first one's library (one compiler run: one .so, no stray temporaries). The compiler is the
+    stand-in (``_fake_cc``), slowed to 2 s so that the second process arrives mid-build."""
+    cc, runs = _fake_cc(tmp_path, delay_s=2.0)
     code = ("import time, quantplug.kernels.native as n; t = time.time(); assert n.library() is not None, n.status(); "
             "print(n.status())")
-    env = dict(os.environ, QUANTPLUG_CACHE=str(tmp_path))
+    env = dict(os.environ, QUANTPLUG_CACHE=str(tmp_path / "cache"), CC=str(cc))
     env.pop("QUANTPLUG_NATIVE", None)
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
              for _ in range(2)]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
-    files = sorted(x.name for x in (tmp_path / "kernels").iterdir())
-    assert len([f for f in files if f.endswith(".so")]) == 1, files
+    files = sorted(x.name for x in (tmp_path / "cache" / "kernels").iterdir())
+    assert len([f for f in files if f.endswith(".so")]) == 1 and _compiles(runs) == 1, files
 
 
 @needs_native
