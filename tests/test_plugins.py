@@ -403,6 +403,29 @@ def _cli(site: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+@pytest.fixture
+def vendor_cli(vendor_site, monkeypatch, capsys):
+    """``vendor_cli(*args, **env)``: the CLI run in this process with ``vendor_site`` on sys.path and
+    only the given ``QUANTPLUG_*`` variables set (a fresh interpreter per call costs ~2 s of torch
+    import; the subprocess test above checks the discovery in a fresh interpreter)."""
+    from quantplug.cli import main
+    from quantplug.plugins import reset_plugin_manager
+
+    monkeypatch.syspath_prepend(str(vendor_site))
+
+    def run(*args: str, **env: str) -> subprocess.CompletedProcess:
+        for k in [k for k in os.environ if k.startswith("QUANTPLUG_")]:
+            monkeypatch.delenv(k)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        reset_plugin_manager()
+        rc = main(list(args))
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(list(args), rc, out.out, out.err)
+
+    return run
+
+
 def test_entry_point_vendor_active_broken_failed(vendor_site):
     r = _cli(vendor_site, "plugins", "--json")
     assert r.returncode == 0, r.stderr
@@ -417,24 +440,24 @@ def test_entry_point_vendor_active_broken_failed(vendor_site):
     assert table.returncode == 0 and "acme-quant" in table.stdout and "failed" in table.stdout
 
 
-def test_entry_point_strict_disable_allow(vendor_site):
-    r = _cli(vendor_site, "plugins", "--json", QUANTPLUG_STRICT_PLUGINS="1")
+def test_entry_point_strict_disable_allow(vendor_cli):
+    r = vendor_cli("plugins", "--json", QUANTPLUG_STRICT_PLUGINS="1")
     assert r.returncode == 1 and "broken" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
-    r = _cli(vendor_site, "plugins", "--json", QUANTPLUG_DISABLE="acme,broken")
+    r = vendor_cli("plugins", "--json", QUANTPLUG_DISABLE="acme,broken")
     recs = {p["name"]: p for p in json.loads(r.stdout)}
     assert recs["acme"]["status"] == "disabled" and recs["broken"]["status"] == "disabled"
-    r = _cli(vendor_site, "plugins", "--json", QUANTPLUG_PLUGINS="acme")
+    r = vendor_cli("plugins", "--json", QUANTPLUG_PLUGINS="acme")
     recs = {p["name"]: p for p in json.loads(r.stdout)}
     assert recs["acme"]["status"] == "active" and recs["broken"]["status"] == "disabled"
-    r = _cli(vendor_site, "plugins", "--json", QUANTPLUG_PLUGINS="")
+    r = vendor_cli("plugins", "--json", QUANTPLUG_PLUGINS="")
     assert all(p["status"] == "disabled" for p in json.loads(r.stdout))
 
 
-def test_entry_point_vendor_detects_checkpoint(vendor_site, tmp_path):
+def test_entry_point_vendor_detects_checkpoint(vendor_cli, tmp_path):
     cfg = tiny_config(num_hidden_layers=1, quantization_config={"quant_method": "acme"})
     path = write_checkpoint(tmp_path / "acme", cfg, random_state(cfg))
-    r = _cli(vendor_site, "plan", str(path), "--json", QUANTPLUG_PLUGINS="acme")
+    r = vendor_cli("plan", str(path), "--json", QUANTPLUG_PLUGINS="acme")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["backend"] == "acme" and d["backend_plugin"] == "acme (acme-quant 1.2.3)"
