@@ -15,9 +15,11 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from quantplug.kernels import native
 from quantplug.plugins import PluginManager, reset_plugin_manager
 from quantplug.testing.reference import hf_logits, rel_err
 
@@ -52,6 +54,31 @@ def two_layer(tmp_path_factory) -> Callable[[str], Path]:
             cfg = tiny_config(num_hidden_layers=2)
             made[kind] = Path(writers[kind](tmp_path_factory.mktemp(kind) / "c", cfg, random_state(cfg)))
         return made[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def march_build(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Any]:
+    """``march_build(march)``: the kernel library built with ``QUANTPLUG_NATIVE_MARCH=march`` in a
+    cache of the session's own (a full compile each: the AVX2 and portable builds are shared by
+    tests/kernels/test_native.py and test_kda_step.py instead of compiled by each)."""
+    built: dict[str, Any] = {}
+
+    def get(march: str) -> Any:
+        if march not in built:
+            saved = {k: os.environ.get(k) for k in ("QUANTPLUG_NATIVE_MARCH", "QUANTPLUG_CACHE")}
+            os.environ["QUANTPLUG_NATIVE_MARCH"] = march
+            os.environ["QUANTPLUG_CACHE"] = str(tmp_path_factory.mktemp(f"kernels-{march}"))
+            try:
+                built[march] = native._build()
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+        return built[march]
 
     return get
 
