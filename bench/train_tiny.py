@@ -22,7 +22,7 @@ full decoder block, the shared head; its loss predicts token t+2 and is added wi
 
 Determinism: seeds fixed (tokenizer training, initialisation, batch order), ``torch.set_num_threads``
 (``--threads``, 2), ``torch.use_deterministic_algorithms(True)``. Two runs on one machine write the
-same bytes (the script prints the sha256 of model.safetensors); a CPU with other vector units or
+same bytes (the script prints the sha256 of model.safetensors; checked with two 6-step runs); a CPU with other vector units or
 another torch build may round differently (another hash, the same figures within noise).
 
 Never pickle: every file written is JSON, text or safetensors.
@@ -411,7 +411,7 @@ def verify(model: Tiny, out: Path, held: torch.Tensor, args: argparse.Namespace)
         raise SystemExit("quantplug's logits differ from the trained model's")
     tokens, bos = text_tokens(out, (out / "heldout.txt").read_text())
     res = {}
-    r = evaluate(qm, tokens, n_ctx=args.eval_ctx, bos=bos, batch=8, progress=False)
+    r = evaluate(qm, tokens, n_ctx=args.eval_ctx, bos=bos, batch=8, max_chunks=args.eval_chunks, progress=False)
     res.update(heldout_ppl=round(r.ppl, 3), heldout_ppl_err=round(r.ppl_err, 3), heldout_tokens_scored=r.count,
                eval_ctx=args.eval_ctx)
     prompt = torch.tensor([tok_ids for tok_ids in tokens[:24]]).unsqueeze(0)
@@ -436,6 +436,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--eval-ctx", type=int, default=128)
+    ap.add_argument("--eval-chunks", type=int, default=None, help="held-out windows to score (default: all)")
     ap.add_argument("--log-every", type=int, default=20)
     ap.add_argument("--any-corpus", action="store_true", help="train even if the stdlib files differ from the recorded ones")
     train(ap.parse_args())
