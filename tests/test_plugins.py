@@ -378,7 +378,8 @@ def _make_dist(site: Path, dist: str, version: str, module: str, source: str, ep
 def vendor_site(tmp_path):
     site = tmp_path / "site"
     site.mkdir()
-    _make_dist(site, "acme-quant", "1.2.3", "acme_quant", """
+    # module names of their own: the example distribution's acme_quant may already be imported here
+    _make_dist(site, "acme-quant", "1.2.3", "qp_site_acme_quant", """
         from quantplug import hookimpl
         from quantplug.types import Claim
 
@@ -391,7 +392,7 @@ def vendor_site(tmp_path):
         def quantplug_resolve_prefix(model_config):
             return None
         """, "acme")
-    _make_dist(site, "broken-quant", "0.0.1", "broken_quant", "import does_not_exist_anywhere\n", "broken")
+    _make_dist(site, "broken-quant", "0.0.1", "qp_site_broken_quant", "import does_not_exist_anywhere\n", "broken")
     return site
 
 
@@ -412,6 +413,8 @@ def vendor_cli(vendor_site, monkeypatch, capsys):
     from quantplug.plugins import reset_plugin_manager
 
     monkeypatch.syspath_prepend(str(vendor_site))
+    for name in ("qp_site_acme_quant", "qp_site_broken_quant"):  # imported afresh from this test's site
+        monkeypatch.delitem(sys.modules, name, raising=False)
 
     def run(*args: str, **env: str) -> subprocess.CompletedProcess:
         for k in [k for k in os.environ if k.startswith("QUANTPLUG_")]:
