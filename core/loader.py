@@ -77,7 +77,7 @@ def _private(plan: LoadPlan, info: TensorInfo) -> torch.Tensor:
 
 def _materialize(plan: LoadPlan, pp: ParamPlan, device: torch.device, stage: _Stage) -> torch.Tensor:
     ckpt = plan.checkpoint
-    mapped = bool(plan.options.get("mmap", True))
+    mapped = plan.options.mmap
     for _, info in pp.sources:  # an expert pack's payloads: sha256 checked on first read
         qpack.verify(ckpt, info)
     if pp.sources[0][0].slices is not None:  # a tensor-parallel slice: read only its byte ranges
@@ -113,18 +113,20 @@ def execute(plan: LoadPlan, *, device: str | torch.device = "cpu",
     show = sys.stderr.isatty() if progress is None else progress
     served: set[int] = set()
     cache = None
-    budget = float(plan.options.get("expert_cache_mb") or 0.0)
+    budget = plan.options.expert_cache_mb
     if budget > 0:  # routed experts read on demand from the checkpoint's files (quantplug.experts)
-        served, cache, kept = experts.attach(plan, model, int(budget * (1 << 20)),
-                                             readers=int(plan.options.get("expert_readers", experts.READERS)))
+        served, cache, kept = experts.attach(plan, model, int(budget * (1 << 20)), readers=plan.options.expert_readers)
         for why in kept:
             warnings.warn(f"expert_cache_mb: routed experts of {why}; they are loaded into memory", stacklevel=3)
-        prefetch = bool(plan.options.get("expert_prefetch", True))
+        prefetch = plan.options.expert_prefetch
         for mod in model.modules():
             if hasattr(mod, "qp_prefetch"):
                 setattr(mod, "qp_prefetch", prefetch)  # noqa: B010 (a class default, set per model)
-    indexer = str(plan.options.get("indexer", "exact"))  # DSA models (the plan checked the head size)
-    state = torch.bfloat16 if plan.options.get("kda_state", "float32") == "bfloat16" else torch.float32
+    for mod in model.modules():  # the load's options, to the modules that take them
+        if isinstance(mod, PlannedModule):
+            mod.qp_configure(plan.options)
+    indexer = plan.options.indexer  # DSA models (the plan checked the head size)
+    state = torch.bfloat16 if plan.options.kda_state == "bfloat16" else torch.float32
     for mod in model.modules():
         if hasattr(mod, "qp_indexer"):
             setattr(mod, "qp_indexer", indexer)  # noqa: B010 (a class default, set per model)
@@ -215,7 +217,7 @@ def load(path: str | Path, *, backend: str | None = None, dtype: torch.dtype = t
         except BaseException as exc:  # noqa: BLE001
             err = exc
         comm.agree(err, "loading")
-        comm.timeout_s = float(p.options.get("tp_timeout_s", comm.timeout_s or 60.0))
+        comm.timeout_s = p.options.tp_timeout_s
         parallel.guard_model(model, comm)
         parallel.remember(comm)
     model.load_seconds = time.perf_counter() - t0  # type: ignore[assignment]

@@ -79,7 +79,8 @@ def bind(layer: Any, slots: int | None = None) -> Bound | None:
         return None
     # an embedding holds this rank's vocabulary rows under vocab parallelism: its rows, as stored
     out_f, in_f = (weights.weight.shape[-2], layer.dim) if hasattr(layer, "vocab") else (layer.out_features, layer.in_features)
-    mode = getattr(scheme, "kernels", "exact")
+    # the load's ``kernels`` where the scheme takes it (PlannedModule.qp_configure)
+    mode = layer.qp_kernel_mode
     b = Bound(weights, out_f, in_f, slots, layer.model_dtype, mode if mode in native.MODES else "exact",
               f"{getattr(layer, 'qp_ckpt', '?')} ({type(scheme).__name__})")
     if not b.device_ok or not b.native_shapes():

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..kernels import compute
-from .linear import LinearScheme, PlannedModule, Source
+from .linear import LinearScheme, PlannedModule, Source, kernels_mode
+
+if TYPE_CHECKING:
+    from ..options import LoadOptions
 
 
 class Embedding(PlannedModule):
@@ -36,6 +39,9 @@ class Embedding(PlannedModule):
         """``x E^T`` (a tied lm_head): natively on the embedding's form where bound."""
         y = compute.linear(self, x)
         return self.scheme.apply(self, x) if y is None else y
+
+    def qp_configure(self, options: LoadOptions) -> None:
+        self.qp_kernel_mode = kernels_mode(self.scheme, options)
 
     def qp_finish(self) -> None:
         self.scheme.process_after_loading(self)
