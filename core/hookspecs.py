@@ -139,8 +139,13 @@ def answers(expected: str, kinds: Any, items: Any = None) -> Any:
 #:   ``options.get(name)`` work unchanged. ``quantplug.api.KERNELS`` (the values of ``kernels``).
 #:   Under ``kernels=fast`` the core runs a layer's native products in fast mode exactly where its
 #:   scheme's ``takes_fast()`` answers True (it read a ``kernels`` attribute of the scheme before).
-#:   ``PlannedModule.qp_configure(options)``: a planned module takes the load's options before
-#:   loading (the linears and the embedding: ``qp_kernel_mode``, a declared field).
+#:   Module state is declared: every ``qp_*`` attribute the core sets on a module is a field its
+#:   class declares (``PlannedModule``: ``qp_parallel``, ``qp_native``, ``qp_kernel_mode``;
+#:   ``Experts.qp_store`` / ``qp_parallel``; ``MoE.qp_next`` / ``qp_prefetch``), and load options
+#:   reach modules one way, ``qp_configure(options)`` (protocol ``TakesOptions``, called by the
+#:   loader on every module defining it before loading; the loader no longer sets
+#:   ``qp_prefetch`` / ``qp_indexer`` / ``qp_state_dtype`` on whichever module has one, nor
+#:   ``qp_served_params`` on the model). A test scans the core for undeclared ones.
 #:
 #: A plugin declares at least the version of every feature it uses (:data:`API_SINCE`,
 #: :data:`SCHEME_SINCE`, each hook's ``versionadded``); ``quantplug.testing.contract`` checks it
@@ -163,7 +168,7 @@ API_SINCE: dict[str, str] = {
                      "parse_model_config", "EngineExperts", "EngineLatentAttention", "EngineMLP", "LatentAttention",
                      "RoutedExperts"), "1.6"),
     "HeadSlice": "1.7",
-    "LoadOptions": "1.8", "KERNELS": "1.8",
+    "LoadOptions": "1.8", "KERNELS": "1.8", "TakesOptions": "1.8",
 }
 #: When each optional ``LinearScheme`` member a scheme may define entered the contract (members
 #: not listed: 1.0).

@@ -23,7 +23,7 @@ import json
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .errors import ConfigError, QuantplugError
 from .types import CORE, OptionSpec, PluginInfo, Problem
@@ -156,6 +156,20 @@ class LoadOptions(Mapping[str, Any]):
     def __reduce__(self) -> tuple[Any, ...]:
         # the read-only view of ``extra`` does not pickle; the values do
         return (_restore, (dict(self.items()),))
+
+
+@runtime_checkable
+class TakesOptions(Protocol):
+    """A module that takes the load's options: the loader calls ``qp_configure(options)`` on
+    every module of the model that defines it, once, after the plan and before any tensor is
+    loaded. The one way load options reach modules; what a module keeps of them is its own
+    declared fields (``PlannedModule.qp_kernel_mode``, ``MoE.qp_prefetch``, ``Indexer.qp_indexer``,
+    ``KimiLinearForCausalLM.qp_state_dtype``).
+
+    .. versionadded:: 1.8
+    """
+
+    def qp_configure(self, options: LoadOptions) -> None: ...
 
 
 def _restore(values: dict[str, Any]) -> LoadOptions:

@@ -51,10 +51,12 @@ class Embedding(PlannedModule):
 class TiedHead(nn.Module):
     """lm_head sharing the embedding matrix (tie_word_embeddings)."""
 
+    #: tensor-parallel forward (``qp_parallel(embedding, x)``, ``quantplug.parallel``), None: unsplit
+    qp_parallel: Any = None
+
     def __init__(self, embed: Embedding) -> None:
         super().__init__()
         self._embed = [embed]  # a list, so the embedding is not registered twice
-        self.qp_parallel: Any = None
 
     def qp_tied_embedding(self) -> Embedding:
         """The embedding whose rows this head multiplies by (``quantplug.models.declarations.TiedModule``)."""

@@ -723,7 +723,7 @@ def fuse_attention(attn: nn.Module) -> Callable[..., torch.Tensor | None] | None
     o_proj = getattr(attn, "o_proj", None)
     if not isinstance(o_proj, QuantLinear) or type(o_proj.scheme).fuse_attention is LinearScheme.fuse_attention:
         return None
-    if any(getattr(m, "qp_parallel", None) is not None for m in attn.modules()):
+    if any(getattr(m, "qp_parallel", None) is not None for m in attn.modules()):  # norms etc. have none
         return None
     return o_proj.scheme.fuse_attention(attn)
 
