@@ -16,7 +16,9 @@ Groups:
   refusal naming the layer and the field, never a silent dense fallback), :data:`LAYER_KINDS`,
   :class:`SplitRule` (how a stored tensor follows a tensor-parallel split: ``LinearScheme.split``);
 * what hooks receive: :class:`Checkpoint`, :class:`ModelConfig`, :class:`RopeConfig`,
-  :class:`LoadPlan`;
+  :class:`LoadPlan`, :class:`LoadOptions` (``options``: the checked load options, a read-only
+  mapping with a typed field per core option, 1.8) and the values of the core's options
+  (:data:`KERNELS`); :class:`TakesOptions` (a module that takes the load's options, 1.8);
 * validated config reading (1.4): :class:`Fields` (typed field readers with key paths),
   :func:`config_fields`, :func:`quant_config_fields`, :func:`sidecar_fields`, :func:`read_json`
   (a JSON file, size and nesting bounded);
@@ -115,6 +117,7 @@ from .models.declarations import (
 )
 from .models.deepseek import MLA, MLP, DecoderLayer, DeepseekV3ForCausalLM, Experts, MoE, PlanOracle, Router
 from .models.registry import ArchSpec
+from .options import KERNELS, LoadOptions, TakesOptions
 from .plan import LoadPlan
 from .stats import StatsSource, expose_stats, stats_sources
 from .types import (
@@ -211,7 +214,9 @@ def _dense_declared(out: dict[str, torch.Tensor], name: str, mod: nn.Module, rul
                     dtype: torch.dtype) -> None:
     stacks = _stacks(mod, rule, name)
     if isinstance(rule, Unstack):
-        store = getattr(mod, "qp_store", None)  # experts served from the checkpoint's files
+        # experts served from the checkpoint's files (core Experts.qp_store); getattr: a third
+        # party's module declared by Unstack need not have one
+        store = getattr(mod, "qp_store", None)
         for j, lin in enumerate(stacks):
             base, proj = lin.qp_ckpt.rsplit(".", 1)
             proj = rule.stored[j] if rule.stored else proj
@@ -357,7 +362,7 @@ __all__ = [
     # exclusion / ignore lists
     "ALIASES", "Exclusions", "modules_of",
     # what hooks receive
-    "Checkpoint", "LoadPlan", "ModelConfig", "RopeConfig",
+    "Checkpoint", "KERNELS", "LoadOptions", "LoadPlan", "ModelConfig", "RopeConfig", "TakesOptions",
     # reading
     "FLOAT_DTYPES", "GGUF_FLOATS", "GGUFHeader", "SAFETENSORS_DTYPES", "SkippedArray", "TORCH_DTYPES",
     "check_inside", "contained", "ggml_types", "qpack", "read_gguf_header", "read_into", "safetensors_header",

@@ -48,6 +48,9 @@ class KVBFromSplit(nn.Module):
     :func:`quantplug.api.dense_state` folds back, up to float rounding.
     """
 
+    #: the checkpoint name it stands for (``...self_attn.kv_b_proj``)
+    qp_ckpt: str
+
     def __init__(self, attn: LatentAttention) -> None:
         super().__init__()
         k_b, v_b = getattr(attn, "k_b", None), getattr(attn, "v_b", None)
@@ -266,7 +269,7 @@ def planned_modules(model: nn.Module) -> dict[str, Projection]:
     engine = _engine_entries(lm)
     out: dict[str, Projection] = {}
     for name, mod in lm.named_modules():
-        if getattr(mod, "qp_parallel", None) is not None:
+        if getattr(mod, "qp_parallel", None) is not None:  # every module: most declare none
             raise QuantplugError(f"planned_modules: {name} is tensor-parallel; engines get an unsplit model")
         if isinstance(mod, QuantLinear):
             out[name] = _single(mod)

@@ -468,7 +468,7 @@ def step_bytes(plan: Any) -> int:
     each gate + up + down with their scales (0 when the plan stacks no routed experts)."""
     per_layer: dict[str, int] = {}
     for pp in plan.params:
-        if getattr(pp.module, "qp_stacked", False) and ".experts." in pp.param and pp.shape:
+        if pp.module.qp_stacked and ".experts." in pp.param and pp.shape:
             layer = pp.param.rsplit(".experts.", 1)[0]
             per_layer[layer] = per_layer.get(layer, 0) + pp.nbytes // pp.shape[0]
     return plan.model_config.num_experts_per_tok * max(per_layer.values(), default=0)

@@ -202,6 +202,7 @@ def layer_cache(attn: Any, batch: int, capacity: int, limit: int, *, dtype: torc
     indexer = getattr(attn, "indexer", None)
     return LatentCache(batch, attn.kv_lora_rank, attn.qk_rope_head_dim, dtype=dtype, device=device,
                        capacity=capacity, limit=limit, index_dim=getattr(indexer, "head_dim", 0),
+                       # getattr: no indexer (None), or a third party's without the option
                        index_fp8=getattr(indexer, "qp_indexer", "") == "fp8")
 
 

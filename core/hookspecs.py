@@ -132,11 +132,25 @@ def answers(expected: str, kinds: Any, items: Any = None) -> Any:
 #:   ``PlannedModule.qp_check`` (plan-time checks of tensors whose shape several layouts satisfy).
 #:   Hooks are called through pluggy's own callers (``PluginManager.pluggy`` monitoring sees each),
 #:   and whether a hook's first answer wins is its spec's alone.
+#: * 1.8: ``quantplug.api.LoadOptions``: the ``options`` every hook receives (and ``plan.options``)
+#:   is one frozen object, a typed field per core option (``options.kernels``,
+#:   ``options.expert_cache_mb``, ...) and the backend's options in ``options.extra``; it stays a
+#:   read-only ``Mapping[str, Any]`` of every option name, so hooks reading ``options[name]`` /
+#:   ``options.get(name)`` work unchanged. ``quantplug.api.KERNELS`` (the values of ``kernels``).
+#:   Under ``kernels=fast`` the core runs a layer's native products in fast mode exactly where its
+#:   scheme's ``takes_fast()`` answers True (it read a ``kernels`` attribute of the scheme before).
+#:   Module state is declared: every ``qp_*`` attribute the core sets on a module is a field its
+#:   class declares (``PlannedModule``: ``qp_parallel``, ``qp_native``, ``qp_kernel_mode``;
+#:   ``Experts.qp_store`` / ``qp_parallel``; ``MoE.qp_next`` / ``qp_prefetch``), and load options
+#:   reach modules one way, ``qp_configure(options)`` (protocol ``TakesOptions``, called by the
+#:   loader on every module defining it before loading; the loader no longer sets
+#:   ``qp_prefetch`` / ``qp_indexer`` / ``qp_state_dtype`` on whichever module has one, nor
+#:   ``qp_served_params`` on the model). A test scans the core for undeclared ones.
 #:
 #: A plugin declares at least the version of every feature it uses (:data:`API_SINCE`,
 #: :data:`SCHEME_SINCE`, each hook's ``versionadded``); ``quantplug.testing.contract`` checks it
 #: and the conformance kit runs that check.
-CONTRACT_VERSION = "1.7"
+CONTRACT_VERSION = "1.8"
 #: When each name of ``quantplug.api`` entered the contract; names not listed date from 1.1, when
 #: ``quantplug.api`` itself was added.
 API_SINCE: dict[str, str] = {
@@ -154,6 +168,7 @@ API_SINCE: dict[str, str] = {
                      "parse_model_config", "EngineExperts", "EngineLatentAttention", "EngineMLP", "LatentAttention",
                      "RoutedExperts"), "1.6"),
     "HeadSlice": "1.7",
+    "LoadOptions": "1.8", "KERNELS": "1.8", "TakesOptions": "1.8",
 }
 #: When each optional ``LinearScheme`` member a scheme may define entered the contract (members
 #: not listed: 1.0).
@@ -278,12 +293,18 @@ def quantplug_options() -> Sequence[OptionSpec] | None:
     option, what was expected and the declaring plugin). Every other hook receives ``options``
     converted to the declared types (a ``-o`` string ``"true"`` arrives as ``True``), with the
     default of every declared option that was not given; read them with ``options[name]``.
+    ``options`` is a :class:`~quantplug.api.LoadOptions` (1.8): a read-only mapping of every
+    option name, with a typed field per core option (``options.kernels``) and the backend's own
+    in ``options.extra``.
     Do not declare the core's own options (``kernels``, ``strict_split``, ``mmap``,
-    ``expert_cache_mb``, ``expert_prefetch``, ``expert_readers``, ``indexer``, ``tp_timeout_s``): read them.
+    ``expert_cache_mb``, ``expert_prefetch``, ``expert_readers``, ``indexer``, ``kda_state``, ``mtp``,
+    ``tp_timeout_s``): read them (already checked: ``options["kernels"]`` is one of
+    ``quantplug.api.KERNELS``; do not check them again against a copy of the choices).
     A backend that does not implement this hook (written for contract 1.3 or older) gets
     undeclared options unchecked, with a plan warning.
 
     .. versionadded:: 1.4
+    .. versionchanged:: 1.8 hooks receive ``options`` as a :class:`~quantplug.api.LoadOptions`.
 
     Example::
 
@@ -426,7 +447,8 @@ def quantplug_linear_scheme(
     scheme answers); kinds may be added over time, so answer None for one you do not know.
     The answers for a fused module and for each of its shards must agree (equal ``key``), else
     the plan reports a Problem. ``options``: the load options, checked against their declarations
-    (``quantplug_options``) and converted, with every declared default filled in.
+    (``quantplug_options``) and converted, with every declared default filled in (a read-only
+    mapping, :class:`~quantplug.api.LoadOptions` since 1.8).
 
     Tensor parallelism (``quantplug.parallel``; a load under a torch.distributed group of N > 1
     ranks, or ``plan(path, world_size=N)``). How a stored tensor splits is the scheme's answer,
@@ -468,6 +490,8 @@ def quantplug_linear_scheme(
     .. versionadded:: 1.0
     .. versionchanged:: 1.1 ``scheme.reason`` is recorded with the decision; ``quantplug.api.refuse``;
        ``LinearScheme.split`` declares tensor-parallel splits.
+    .. versionchanged:: 1.8 ``options`` is a :class:`~quantplug.api.LoadOptions` (a read-only
+       mapping, as before, with typed fields for the core's options).
 
     Example::
 

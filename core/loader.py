@@ -28,6 +28,7 @@ from .checkpoint.gguf_index import GGUF_FLOATS
 from .errors import CheckpointError, LoadError
 from .layers.linear import PlannedModule
 from .memory import read_into
+from .options import TakesOptions
 from .plan import LoadPlan, ParamPlan, build_plan
 from .plugins import PluginManager, get_plugin_manager
 from .stats import expose_stats
@@ -77,7 +78,7 @@ def _private(plan: LoadPlan, info: TensorInfo) -> torch.Tensor:
 
 def _materialize(plan: LoadPlan, pp: ParamPlan, device: torch.device, stage: _Stage) -> torch.Tensor:
     ckpt = plan.checkpoint
-    mapped = bool(plan.options.get("mmap", True))
+    mapped = plan.options.mmap
     for _, info in pp.sources:  # an expert pack's payloads: sha256 checked on first read
         qpack.verify(ckpt, info)
     if pp.sources[0][0].slices is not None:  # a tensor-parallel slice: read only its byte ranges
@@ -106,6 +107,12 @@ def _materialize(plan: LoadPlan, pp: ParamPlan, device: torch.device, stage: _St
 def execute(plan: LoadPlan, *, device: str | torch.device = "cpu",
             plugin_manager: PluginManager | None = None, progress: bool | None = None) -> nn.Module:
     """Load every parameter of ``plan`` and return the ready model (plan attached)."""
+    return _execute(plan, device, plugin_manager, progress)[0]
+
+
+def _execute(plan: LoadPlan, device: str | torch.device, plugin_manager: PluginManager | None,
+             progress: bool | None) -> tuple[nn.Module, set[int]]:
+    """:func:`execute`, and the ids of the parameter plans served on demand (not loaded)."""
     plan.raise_for_problems()
     pm = plugin_manager or get_plugin_manager()
     dev = torch.device(device)
@@ -113,23 +120,14 @@ def execute(plan: LoadPlan, *, device: str | torch.device = "cpu",
     show = sys.stderr.isatty() if progress is None else progress
     served: set[int] = set()
     cache = None
-    budget = float(plan.options.get("expert_cache_mb") or 0.0)
+    budget = plan.options.expert_cache_mb
     if budget > 0:  # routed experts read on demand from the checkpoint's files (quantplug.experts)
-        served, cache, kept = experts.attach(plan, model, int(budget * (1 << 20)),
-                                             readers=int(plan.options.get("expert_readers", experts.READERS)))
+        served, cache, kept = experts.attach(plan, model, int(budget * (1 << 20)), readers=plan.options.expert_readers)
         for why in kept:
             warnings.warn(f"expert_cache_mb: routed experts of {why}; they are loaded into memory", stacklevel=3)
-        prefetch = bool(plan.options.get("expert_prefetch", True))
-        for mod in model.modules():
-            if hasattr(mod, "qp_prefetch"):
-                setattr(mod, "qp_prefetch", prefetch)  # noqa: B010 (a class default, set per model)
-    indexer = str(plan.options.get("indexer", "exact"))  # DSA models (the plan checked the head size)
-    state = torch.bfloat16 if plan.options.get("kda_state", "float32") == "bfloat16" else torch.float32
-    for mod in model.modules():
-        if hasattr(mod, "qp_indexer"):
-            setattr(mod, "qp_indexer", indexer)  # noqa: B010 (a class default, set per model)
-        if hasattr(mod, "qp_state_dtype"):
-            setattr(mod, "qp_state_dtype", state)  # noqa: B010 (KDA models' cache state dtype)
+    for mod in model.modules():  # the load's options, to the modules that take them (declared fields)
+        if isinstance(mod, TakesOptions):
+            mod.qp_configure(plan.options)
     # shard by shard: sorting by (file, offset) turns reads into one forward sweep per file
     order = sorted((p for p in plan.params if id(p) not in served),
                    key=lambda p: (str(p.sources[0][1].file), p.sources[0][1].offset))
@@ -168,10 +166,9 @@ def execute(plan: LoadPlan, *, device: str | torch.device = "cpu",
     model.eval()
     if cache is not None:
         expose_stats(model, "expert_cache", cache)
-    model.qp_served_params = served  # type: ignore[assignment]  # plan entries read on demand, not loaded
     model.quantplug_plan = plan  # type: ignore[assignment]
     model.decisions = plan.decisions  # type: ignore[assignment]
-    return model
+    return model, served
 
 
 def load(path: str | Path, *, backend: str | None = None, dtype: torch.dtype = torch.float32,
@@ -196,7 +193,7 @@ def load(path: str | Path, *, backend: str | None = None, dtype: torch.dtype = t
     comm = parallel.resolve_group(group)
     if comm is None:
         p = build_plan(path, backend=backend, options=options, dtype=dtype, plugin_manager=plugin_manager)
-        model = execute(p, device=device, plugin_manager=plugin_manager, progress=progress)
+        model, served = _execute(p, device, plugin_manager, progress)
     else:
         # every rank bounds its forward collectives and shares failures through the store; a
         # failure here (a BaseException too: a Rust library's panic) reaches every rank's agree
@@ -210,16 +207,14 @@ def load(path: str | Path, *, backend: str | None = None, dtype: torch.dtype = t
             err = exc
         comm.agree(err, "planning")
         try:
-            model = execute(p, device=device, plugin_manager=plugin_manager,
-                            progress=progress if comm.rank == 0 else False)
+            model, served = _execute(p, device, plugin_manager, progress if comm.rank == 0 else False)
         except BaseException as exc:  # noqa: BLE001
             err = exc
         comm.agree(err, "loading")
-        comm.timeout_s = float(p.options.get("tp_timeout_s", comm.timeout_s or 60.0))
+        comm.timeout_s = p.options.tp_timeout_s
         parallel.guard_model(model, comm)
         parallel.remember(comm)
     model.load_seconds = time.perf_counter() - t0  # type: ignore[assignment]
-    served: set[int] = getattr(model, "qp_served_params", set())
     model.load_report = {  # type: ignore[assignment]
         "rank": comm.rank if comm else 0, "world_size": comm.world if comm else 1,
         "bytes_read": sum(parallel.source_bytes(s, i) for pp in p.params if id(pp) not in served

@@ -5,8 +5,11 @@ A plan validates every given option against the core's table and the selected ba
 declarations: an unknown name is a :class:`ConfigError` with a did-you-mean and, when another
 installed backend declares it, the name of that backend; a value of the wrong type or outside
 the allowed values is a :class:`ConfigError` naming the option, what was expected and who
-declares it. Hooks then receive the converted values plus the defaults of every declared
-option not given (``plan.options``); ``plan.option_sources`` says which were given.
+declares it. The result is one frozen :class:`LoadOptions` (``plan.options``): a typed field per
+core option (``options.kernels``, ``options.expert_cache_mb``, ...) read by the core, the
+backend's declared options in ``options.extra``, and, for hooks, a read-only mapping of every
+option name to its converted value (defaults of the options not given filled in);
+``plan.option_sources`` says which were given.
 
 A backend written for a contract older than 1.4 declares nothing: options nobody declares are
 then passed to it unchecked, with a plan warning (so older plugins keep working).
@@ -17,9 +20,10 @@ from __future__ import annotations
 import contextlib
 import difflib
 import json
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .errors import ConfigError, QuantplugError
 from .types import CORE, OptionSpec, PluginInfo, Problem
@@ -70,6 +74,114 @@ CORE_OPTIONS: tuple[OptionSpec, ...] = (
                "naming the ranks that did not arrive", minimum=0.001, maximum=1e6),
 )
 _CORE_NAMES = frozenset(o.name for o in CORE_OPTIONS)
+_CORE_SPECS = {o.name: o for o in CORE_OPTIONS}
+
+_NO_EXTRA: Mapping[str, Any] = MappingProxyType({})
+
+
+@dataclass(frozen=True, eq=False)
+class LoadOptions(Mapping[str, Any]):
+    """The options one load runs with (``plan.options``), checked and converted by the plan.
+
+    One typed field per option of the core's table (``CORE_OPTIONS``, same names and
+    defaults): the core reads these fields and hands the object to what needs it. The options the
+    selected backend declares (``quantplug_options``; for a backend declaring none, the options
+    passed to it unchecked) are in ``extra``, read-only.
+
+    It is also a read-only ``Mapping[str, Any]`` of every option name (the core's first, then the
+    backend's) to its value, which is what hooks receive as ``options``: ``options["kernels"]``,
+    ``options.get("activation_quant")``, ``dict(options)`` work as they did when it was a dict.
+    Equal to any mapping with the same items. Frozen: a load's options do not change after its
+    plan (``dataclasses.replace`` makes a changed copy).
+
+    .. versionadded:: 1.8
+    """
+
+    kernels: str = "exact"
+    strict_split: bool = False
+    mmap: bool = True
+    expert_cache_mb: float = 0.0
+    expert_prefetch: bool = True
+    expert_readers: int = 4
+    indexer: str = "exact"
+    kda_state: str = "float32"
+    mtp: bool = True
+    tp_timeout_s: float = 60.0
+    #: the backend's options (name -> converted value), read-only
+    extra: Mapping[str, Any] = field(default_factory=lambda: _NO_EXTRA)
+
+    def __post_init__(self) -> None:
+        clash = sorted(_CORE_NAMES.intersection(self.extra))
+        if clash:
+            raise QuantplugError(f"LoadOptions.extra names core option(s) {', '.join(clash)}: they are fields")
+        object.__setattr__(self, "extra", MappingProxyType(dict(self.extra)))
+
+    @classmethod
+    def of(cls, values: Mapping[str, Any] | None) -> LoadOptions:
+        """``values`` (option name -> value) as a LoadOptions: core options converted by their
+        declaration (a wrong value is a :class:`~quantplug.api.ConfigError`), the rest in ``extra``
+        as given. A LoadOptions is returned as it is. For code that builds a
+        :class:`~quantplug.api.LoadPlan` itself; a plan's own options are checked against every
+        declaration first."""
+        if isinstance(values, LoadOptions):
+            return values
+        core: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        for key, value in (values or {}).items():
+            spec = _CORE_SPECS.get(key)
+            if spec is None:
+                extra[key] = value
+                continue
+            try:
+                core[key] = spec.convert(value)
+            except ValueError as exc:
+                raise ConfigError(f"option {key}={_shown(value)}: expected {exc} (declared by core)") from None
+        return cls(**core, extra=extra)
+
+    def __getitem__(self, key: str) -> Any:
+        if key in _CORE_NAMES:
+            return getattr(self, key)
+        return self.extra[key]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from _FIELD_NAMES
+        yield from self.extra
+
+    def __len__(self) -> int:
+        return len(_FIELD_NAMES) + len(self.extra)
+
+    def __contains__(self, key: object) -> bool:
+        return key in _CORE_NAMES or key in self.extra
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # the read-only view of ``extra`` does not pickle; the values do
+        return (_restore, (dict(self.items()),))
+
+
+@runtime_checkable
+class TakesOptions(Protocol):
+    """A module that takes the load's options: the loader calls ``qp_configure(options)`` on
+    every module of the model that defines it, once, after the plan and before any tensor is
+    loaded. The one way load options reach modules; what a module keeps of them is its own
+    declared fields (``PlannedModule.qp_kernel_mode``, ``MoE.qp_prefetch``, ``Indexer.qp_indexer``,
+    ``KimiLinearForCausalLM.qp_state_dtype``).
+
+    .. versionadded:: 1.8
+    """
+
+    def qp_configure(self, options: LoadOptions) -> None: ...
+
+
+def _restore(values: dict[str, Any]) -> LoadOptions:
+    return LoadOptions.of(values)
+
+
+#: the core options' fields, in the table's order
+_FIELD_NAMES = tuple(f.name for f in fields(LoadOptions) if f.name != "extra")
+if set(_FIELD_NAMES) != _CORE_NAMES or any(
+        f.default != _CORE_SPECS[f.name].default for f in fields(LoadOptions) if f.name != "extra"):
+    raise AssertionError("LoadOptions' fields must be CORE_OPTIONS' names and defaults")  # pragma: no cover
+_FIELD_NAMES = tuple(o.name for o in CORE_OPTIONS)
 
 
 class OptionText(str):
@@ -128,12 +240,19 @@ def _owners(pm: PluginManager, option: str, scope: str, skip: str | None) -> lis
 class Resolved:
     """The options a plan runs with: every declared option's value, and where each came from."""
 
+    #: option name -> converted value (every declared option; the core's too for scope "load")
     values: dict[str, Any]
     #: option name -> "given" or "default"
     sources: dict[str, str]
     #: option name -> who declares it ("core", a backend, or "undeclared")
     owners: dict[str, str]
     warnings: list[Problem]
+
+    @property
+    def options(self) -> LoadOptions:
+        """The values as the frozen, typed :class:`LoadOptions` a load runs with (scope "load")."""
+        return LoadOptions(**{k: v for k, v in self.values.items() if k in _CORE_NAMES},
+                           extra={k: v for k, v in self.values.items() if k not in _CORE_NAMES})
 
 
 def resolve(pm: PluginManager, backend: str | None, given: Mapping[str, Any] | None,

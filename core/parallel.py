@@ -464,7 +464,7 @@ class _Sharder:
     def __init__(self, plan: LoadPlan, world: int, rank: int, comm: Comm | None) -> None:
         self.plan, self.world, self.rank = plan, world, rank
         self.comm = comm if comm is not None else Comm(world, rank)
-        self.strict = bool(plan.options.get("strict_split", False))
+        self.strict = plan.options.strict_split
         self.params: dict[int, list[ParamPlan]] = {}
         for pp in plan.params:
             self.params.setdefault(id(pp.module), []).append(pp)

@@ -33,6 +33,7 @@ from .layers.linear import LinearScheme, PlannedModule, QuantLinear, SlotSources
 from .memory import gc_paused
 from .models.config import ModelConfig, check_against_tensors
 from .models.registry import ArchSpec, get_arch
+from .options import LoadOptions
 from .options import resolve as resolve_options
 from .plugins import PluginManager, get_plugin_manager
 from .types import CORE, AttentionLayout, Claim, Decision, PluginInfo, Problem, SkipRule, TensorInfo
@@ -84,7 +85,8 @@ class LoadPlan:
     params: list[ParamPlan]
     skipped: dict[str, list[str]]
     problems: list[Problem]
-    options: Mapping[str, Any]
+    #: the checked options (typed fields for the core's, a read-only mapping for hooks)
+    options: LoadOptions
     checkpoint: Checkpoint = field(repr=False)
     model: nn.Module = field(repr=False)
     plan_seconds: float = 0.0
@@ -94,6 +96,10 @@ class LoadPlan:
     option_sources: dict[str, str] = field(default_factory=dict)
     #: option name -> who declares it ("core", the backend's name, or "undeclared")
     option_owners: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # a plan built by hand (tests, vendor kits) with a plain mapping of options
+        self.options = LoadOptions.of(self.options)
 
     @property
     def errors(self) -> list[Problem]:
@@ -162,7 +168,7 @@ class _Decider:
     """Answers the model's questions through the backend's hooks and records every answer."""
 
     def __init__(self, pm: PluginManager, backend: str | None, ckpt: Checkpoint, arch: ArchSpec,
-                 mcfg: ModelConfig, qc: Any, prefix: str, options: Mapping[str, Any], dtype: torch.dtype) -> None:
+                 mcfg: ModelConfig, qc: Any, prefix: str, options: LoadOptions, dtype: torch.dtype) -> None:
         self.pm, self.backend, self.ckpt, self.arch, self.mcfg = pm, backend, ckpt, arch, mcfg
         self.qc, self.prefix, self.options, self.model_dtype = qc, prefix, options, dtype
         self.decisions: list[Decision] = []
@@ -181,7 +187,7 @@ class _Decider:
         if k == 0:
             return
         target = self.ck(f"model.layers.{n}")
-        if not self.options.get("mtp", True):
+        if not self.options.mtp:
             self.decisions.append(Decision("mtp_layers", target, 0, CORE,
                                            f"option mtp=false: the {k} MTP layer(s) are skipped (rule mtp-layers)"))
             return
@@ -456,22 +462,22 @@ def build_plan(path: str | Path, *, backend: str | None = None, options: Mapping
         return p
 
 
-def _indexer_problems(mcfg: ModelConfig, options: Mapping[str, Any]) -> list[Problem]:
+def _indexer_problems(mcfg: ModelConfig, options: LoadOptions) -> list[Problem]:
     """Load option ``indexer=fp8`` (DeepSeek's reference FP8 indexer, DSA models) needs heads it can
     rotate and quantize as one block: ``index_head_dim`` a power of two of at most 128."""
     d = mcfg.index_head_dim
-    if options.get("indexer") != "fp8" or not mcfg.has_indexer or (d <= 128 and d & (d - 1) == 0):
+    if options.indexer != "fp8" or not mcfg.has_indexer or (d <= 128 and d & (d - 1) == 0):
         return []
     return [Problem(f"option indexer='fp8': index_head_dim = {d} must be a power of two of at most 128 (one "
                     "Hadamard block and one e4m3 scale per head); indexer='exact' takes any", kind="options")]
 
 
-def _kernels_problems(model: nn.Module, options: Mapping[str, Any], backend: str | None, claim: Any) -> list[Problem]:
+def _kernels_problems(model: nn.Module, options: LoadOptions, backend: str | None, claim: Any) -> list[Problem]:
     """Option ``kernels=fast`` where no planned layer's scheme takes it
     (:meth:`LinearScheme.takes_fast`): a plan error naming the backend (it used to do nothing,
     silently). The bundled schemes that take it: the GGUF backend's types with a fast kernel, the
     compressed-tensors pack-quantized int4 ones."""
-    if options.get("kernels", "exact") != "fast":
+    if options.kernels != "fast":
         return []
     schemes: dict[str, bool] = {}
     for m in model.modules():
@@ -495,7 +501,7 @@ def _memory_problems(plan: LoadPlan) -> list[Problem]:
 
     if plan.problems:
         return []
-    budget = float(plan.options.get("expert_cache_mb") or 0.0)
+    budget = plan.options.expert_cache_mb
     if budget > 0:
         why = experts.check_budget(plan, int(budget * (1 << 20)))
         return [Problem(why, kind="options")] if why else []
@@ -512,7 +518,7 @@ def _build_plan(path: str | Path, backend: str | None, options: Mapping[str, Any
                 dtype: torch.dtype, plugin_manager: PluginManager | None) -> LoadPlan:
     t0 = time.perf_counter()
     pm = plugin_manager or get_plugin_manager()
-    options = dict(options or {})
+    given = dict(options or {})
     ckpt = Checkpoint.open(path)
     arch = get_arch(ckpt.config, pm.architectures())
     mcfg = arch.parse_config(ckpt.config, str(ckpt.path / "config.json"))
@@ -521,8 +527,8 @@ def _build_plan(path: str | Path, backend: str | None, options: Mapping[str, Any
     claim = pm.detect(ckpt, backend)
     be = claim.backend if claim else None
     qc = claim.quant_config if claim else None
-    resolved = resolve_options(pm, be, options)  # every given option checked before any hook reads one
-    options = resolved.values
+    resolved = resolve_options(pm, be, given)  # every given option checked before any hook reads one
+    opts = resolved.options
     problems: list[Problem] = list(resolved.warnings)
     decisions: list[Decision] = []
     if claim is not None:
@@ -542,14 +548,14 @@ def _build_plan(path: str | Path, backend: str | None, options: Mapping[str, Any
                               "text weights named " + (f"{prefix}.model.layers..." if prefix else "model.layers...")))
     from_plugins: set[str] = set()
     packed = _merge_packed(pm, be, arch, qc, problems, from_plugins)
-    decider = _Decider(pm, be, ckpt, arch, mcfg, qc, prefix, options, dtype)
+    decider = _Decider(pm, be, ckpt, arch, mcfg, qc, prefix, opts, dtype)
     decider.decide_mtp(resolved.sources.get("mtp") == "given")
     model = arch.cls(mcfg, decider)
     _check_packed(decider, model, packed, from_plugins)
     decisions += decider.decisions
     problems += decider.problems
-    problems += _indexer_problems(mcfg, options)
-    problems += _kernels_problems(model, options, be, claim)
+    problems += _indexer_problems(mcfg, opts)
+    problems += _kernels_problems(model, opts, be, claim)
     params, used = _collect_params(model, ckpt, dtype, problems)
     skipped, unexpected = _skips(ckpt, arch, mcfg, prefix, used, decider.mtp_layers)
     for name in unexpected:
@@ -557,7 +563,7 @@ def _build_plan(path: str | Path, backend: str | None, options: Mapping[str, Any
         problems.append(Problem("unexpected: no parameter of the model takes it and no skip rule covers it",
                                 tensor=info.label, file=info.file.name, kind="unexpected"))
     plan = LoadPlan(Path(path), arch.name, mcfg, be, claim, qc, prefix, packed, decisions, params, skipped,
-                    problems, options, ckpt, model, option_sources=resolved.sources,
+                    problems, opts, ckpt, model, option_sources=resolved.sources,
                     option_owners=resolved.owners)
     for answer, by in pm.backend_all(be, "quantplug_validate_plan", plan=plan, quant_config=qc):
         for p in answer:

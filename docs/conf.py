@@ -83,6 +83,8 @@ nitpick_ignore = [
     # the gated activation of the blocks' signatures (MLP, Experts, MoE: act=), documented on the
     # Kimi architecture page
     ("py:class", "quantplug.layers.activation.GatedAct"),
+    # the type of Experts.qp_store (quantplug.experts, internal; docs/experts.md describes it)
+    ("py:class", "ExpertStore"),
 ]
 
 

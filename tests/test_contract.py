@@ -431,3 +431,124 @@ def test_the_api_imports_nothing_from_the_test_kit():
            and (n.module or "").split(".")[0] == "testing" or isinstance(n, ast.ImportFrom) and n.module
            and "testing" in n.module.split(".")]
     assert not bad, bad
+
+
+# -- module state: declared fields, not ad-hoc attributes (issue 33 item 2) -----------------------
+
+#: ``qp_`` attributes core sets on things that are not modules, and why
+_QP_NOT_MODULE_STATE = {"qp_answer": "hookspecs.answers marks hook-spec functions, not modules"}
+
+
+def _base_names(node: ast.ClassDef) -> list[str]:
+    out = []
+    for b in node.bases:
+        b = b.value if isinstance(b, ast.Subscript) else b
+        if isinstance(b, ast.Name):
+            out.append(b.id)
+        elif isinstance(b, ast.Attribute):
+            out.append(b.attr)
+    return out
+
+
+def undeclared_qp_assignments(root: Path) -> list[str]:
+    """Every assignment of a ``qp_*`` attribute in the Python files under ``root`` that no class
+    there declares: ``self.qp_x = ...`` in a method of class C must be declared (annotated or
+    assigned in a class body, or a method) by C or one of its bases defined under ``root``; any
+    other target (``mod.qp_x = ...``, ``setattr(mod, "qp_x", ...)``, ``object.__setattr__``) by
+    some class under ``root`` (its type is not known statically; a runtime check covers it)."""
+    declares: dict[str, set[str]] = {}
+    bases: dict[str, list[str]] = {}
+    found: list[tuple[str, str | None, str, str]] = []  # (where, class if self.<name>, object, name)
+    Assign, AnnAssign, AugAssign, Call, ClassDef = ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Call, ast.ClassDef
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        if "qp_" not in text:
+            # only files that mention qp_ can assign or declare one (parsing all of core takes
+            # seconds); a base class in such a file ends a chain early: a false failure, never a false pass
+            continue
+        rel = path.relative_to(root.parent)
+        stack: list[tuple[ast.AST, str | None]] = [(ast.parse(text, str(path)), None)]
+        while stack:
+            node, cls = stack.pop()
+            for child in ast.iter_child_nodes(node):
+                kind = type(child)
+                if kind is ClassDef:
+                    assert isinstance(child, ast.ClassDef)
+                    names = declares.setdefault(child.name, set())
+                    bases.setdefault(child.name, []).extend(_base_names(child))
+                    for item in child.body:
+                        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                            names.add(item.target.id)
+                        elif isinstance(item, ast.Assign):
+                            names.update(t.id for t in item.targets if isinstance(t, ast.Name))
+                        elif isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                            names.add(item.name)
+                    stack.append((child, child.name))
+                    continue
+                targets: list[tuple[ast.AST, str]] = []
+                if kind is Assign or kind is AnnAssign or kind is AugAssign:
+                    for t in child.targets if isinstance(child, ast.Assign) else [child.target]:
+                        for e in t.elts if isinstance(t, ast.Tuple) else [t]:
+                            if isinstance(e, ast.Attribute) and e.attr.startswith("qp_"):
+                                targets.append((e.value, e.attr))
+                elif kind is Call:
+                    assert isinstance(child, ast.Call)
+                    f, args = child.func, child.args
+                    if ((isinstance(f, ast.Attribute) and f.attr == "__setattr__" or isinstance(f, ast.Name)
+                         and f.id == "setattr") and len(args) >= 2 and isinstance(args[1], ast.Constant)
+                            and str(args[1].value).startswith("qp_")):
+                        targets.append((args[0], str(args[1].value)))
+                for obj, name in targets:
+                    own = cls if isinstance(obj, ast.Name) and obj.id == "self" else None
+                    found.append((f"{rel}:{child.lineno}", own, ast.unparse(obj), name))
+                stack.append((child, cls))
+    anywhere = set().union(*declares.values())
+
+    def declared_on(c: str, name: str, seen: frozenset[str] = frozenset()) -> bool:
+        if c in seen or c not in declares:
+            return False
+        return name in declares[c] or any(declared_on(b, name, seen | {c}) for b in bases[c])
+
+    bad = []
+    for where, own, obj, name in found:
+        if name in _QP_NOT_MODULE_STATE:
+            continue
+        if own is not None and not declared_on(own, name):
+            bad.append(f"{where}: {obj}.{name} (class {own} nor its bases declare it)")
+        elif own is None and name not in anywhere:
+            bad.append(f"{where}: {obj}.{name} (no class declares it)")
+    return bad
+
+
+def test_core_sets_no_undeclared_qp_attribute():
+    """Issue 33: module state is declared fields (or protocols), not ad-hoc ``qp_*`` attributes:
+    every ``qp_*`` attribute core assigns is declared on a class. Before: 39 distinct names,
+    several (the loader's qp_served_params on the model, per-model settings through setattr)
+    declared nowhere."""
+    assert undeclared_qp_assignments(ROOT / "core") == []
+
+
+def test_the_qp_scan_finds_an_ad_hoc_attribute(tmp_path):
+    pkg = tmp_path / "core"
+    pkg.mkdir()
+    (pkg / "m.py").write_text(
+        "class Layer:\n    qp_native = None\n    qp_done: bool\n"
+        "    def __init__(self):\n        self.qp_native = 1\n        self.qp_done = True\n        self.qp_extra = 2\n"
+        "class Sub(Layer):\n    def f(self):\n        self.qp_native, self.qp_more = 1, 2\n"
+        "def load(model, mod):\n    model.qp_served = set()\n    mod.qp_native = 3\n"
+        "    setattr(mod, 'qp_mode', 1)\n    object.__setattr__(mod, 'qp_done', 1)\n")
+    assert sorted(b.split(": ", 1)[1] for b in undeclared_qp_assignments(pkg)) == sorted([
+        "self.qp_extra (class Layer nor its bases declare it)", "self.qp_more (class Sub nor its bases declare it)",
+        "model.qp_served (no class declares it)", "mod.qp_mode (no class declares it)"])
+
+
+def test_loaded_modules_hold_only_declared_qp_state(ckpt):
+    """The runtime side of the scan above: after a load (experts served from the files, so the
+    expert stores attach), every ``qp_*`` entry of a module's ``__dict__`` is declared on its class
+    (a class attribute or an annotation somewhere in its MRO), and the model carries none of its own."""
+    model = quantplug.load(ckpt, progress=False, options={"expert_cache_mb": 64})
+    undeclared = [(name, attr) for name, m in model.named_modules() for attr in vars(m)
+                  if attr.startswith("qp_") and not any(attr in vars(c) or attr in vars(c).get("__annotations__", {})
+                                                        for c in type(m).__mro__)]
+    assert undeclared == []
+    assert any(getattr(m, "qp_store", None) is not None for m in model.modules())  # the stores did attach

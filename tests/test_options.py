@@ -259,3 +259,49 @@ def test_kernels_fast_is_honoured_or_refused_by_every_bundled_backend(tmp_path):
         with pytest.raises(PlanError, match=rf"option kernels=fast: {who}.* has no fast kernels"):
             quantplug.plan(path, options={"kernels": "fast"}).raise_for_problems()
         assert not quantplug.plan(path, options={"kernels": "exact"}).problems, label
+
+
+def test_load_options_fields_are_the_core_table():
+    """Issue 33: one frozen, typed options object. Its fields are exactly the core's table
+    (names, defaults, types), so a core option added to one and not the other fails here."""
+    import dataclasses
+
+    from quantplug.api import KERNELS, LoadOptions
+
+    fields = {f.name: f for f in dataclasses.fields(LoadOptions) if f.name != "extra"}
+    assert list(fields) == [o.name for o in CORE_OPTIONS]
+    hints = __import__("typing").get_type_hints(LoadOptions)
+    for o in CORE_OPTIONS:
+        assert fields[o.name].default == o.default and hints[o.name] is o.type, o.name
+    assert KERNELS == next(o for o in CORE_OPTIONS if o.name == "kernels").choices
+
+
+def test_plan_options_is_a_frozen_typed_read_only_mapping(fp8_ckpt):
+    import copy
+    import dataclasses
+    import pickle
+
+    from quantplug.api import LoadOptions
+
+    plan = build_plan(fp8_ckpt, options={"kernels": "exact", "expert_readers": "2", "activation_quant": "none"})
+    opts = plan.options
+    assert isinstance(opts, LoadOptions)
+    assert opts.kernels == "exact" and opts.expert_readers == 2 and opts.expert_cache_mb == 0.0
+    assert dict(opts.extra) == {"activation_quant": "none"}
+    # the mapping hooks receive: every name, core first, then the backend's
+    assert list(opts) == [o.name for o in CORE_OPTIONS] + ["activation_quant"] and len(opts) == len(CORE_OPTIONS) + 1
+    assert opts["activation_quant"] == "none" and opts.get("nope", 7) == 7 and "kernels" in opts
+    assert opts == {**dict(opts)} and dict(opts)["expert_readers"] == 2
+    with pytest.raises(KeyError):
+        opts["nope"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.kernels = "fast"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        opts.extra["activation_quant"] = "emulate"  # type: ignore[index]
+    assert pickle.loads(pickle.dumps(opts)) == opts and copy.deepcopy(opts) == opts
+    # a plan built by hand with a plain mapping gets one too, checked
+    assert LoadOptions.of({"kernels": "fast", "knob": 1}) == {**dict(LoadOptions()), "kernels": "fast", "knob": 1}
+    with pytest.raises(ConfigError, match=r"option kernels='turbo'"):
+        LoadOptions.of({"kernels": "turbo"})
+    with pytest.raises(QuantplugError, match="core option"):
+        LoadOptions(extra={"mmap": False})

@@ -79,9 +79,10 @@ def bind(layer: Any, slots: int | None = None) -> Bound | None:
         return None
     # an embedding holds this rank's vocabulary rows under vocab parallelism: its rows, as stored
     out_f, in_f = (weights.weight.shape[-2], layer.dim) if hasattr(layer, "vocab") else (layer.out_features, layer.in_features)
-    mode = getattr(scheme, "kernels", "exact")
+    # the load's ``kernels`` where the scheme takes it (PlannedModule.qp_configure)
+    mode = layer.qp_kernel_mode
     b = Bound(weights, out_f, in_f, slots, layer.model_dtype, mode if mode in native.MODES else "exact",
-              f"{getattr(layer, 'qp_ckpt', '?')} ({type(scheme).__name__})")
+              f"{layer.qp_ckpt} ({type(scheme).__name__})")
     if not b.device_ok or not b.native_shapes():
         return None  # shapes the C code does not take (e.g. inputs not a multiple of 32): torch path
     first = _first_param(layer)
@@ -108,7 +109,7 @@ def bound(layer: Any) -> Bound | None:
     layer.qp_native = b = None
     first = _first_param(layer)
     if first is not None and first[1].device.type == "cpu":
-        layer.qp_native = b = bind(layer, layer.n if getattr(layer, "qp_stacked", False) else None)
+        layer.qp_native = b = bind(layer, layer.n if layer.qp_stacked else None)
     return b
 
 

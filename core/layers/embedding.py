@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..kernels import compute
-from .linear import LinearScheme, PlannedModule, Source
+from .linear import LinearScheme, PlannedModule, Source, kernels_mode
+
+if TYPE_CHECKING:
+    from ..options import LoadOptions
 
 
 class Embedding(PlannedModule):
@@ -37,6 +40,9 @@ class Embedding(PlannedModule):
         y = compute.linear(self, x)
         return self.scheme.apply(self, x) if y is None else y
 
+    def qp_configure(self, options: LoadOptions) -> None:
+        self.qp_kernel_mode = kernels_mode(self.scheme, options)
+
     def qp_finish(self) -> None:
         self.scheme.process_after_loading(self)
         self.qp_native = compute.bind(self)
@@ -45,10 +51,12 @@ class Embedding(PlannedModule):
 class TiedHead(nn.Module):
     """lm_head sharing the embedding matrix (tie_word_embeddings)."""
 
+    #: tensor-parallel forward (``qp_parallel(embedding, x)``, ``quantplug.parallel``), None: unsplit
+    qp_parallel: Any = None
+
     def __init__(self, embed: Embedding) -> None:
         super().__init__()
         self._embed = [embed]  # a list, so the embedding is not registered twice
-        self.qp_parallel: Any = None
 
     def qp_tied_embedding(self) -> Embedding:
         """The embedding whose rows this head multiplies by (``quantplug.models.declarations.TiedModule``)."""

@@ -12,7 +12,7 @@ import abc
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,9 @@ from ..errors import QuantplugError
 from ..kernels import compute
 from ..kernels.forms import Form, Weights
 from ..types import FLOAT_DTYPES, SAFETENSORS_DTYPES, Problem, TensorInfo, TensorSpec
+
+if TYPE_CHECKING:
+    from ..options import LoadOptions
 
 FLOATS = tuple(sorted(FLOAT_DTYPES))
 
@@ -357,6 +360,13 @@ class RefusedScheme(LinearScheme):
         raise RuntimeError(f"{self.layer}: {self.why}")  # unreachable: the plan refuses to load
 
 
+def kernels_mode(scheme: LinearScheme, options: LoadOptions) -> str:
+    """The native kernels' mode of a layer computed by ``scheme`` under ``options``: "fast" when
+    the load asks for ``kernels=fast`` and the scheme takes it (:meth:`LinearScheme.takes_fast`),
+    else "exact"."""
+    return "fast" if options.kernels == "fast" and scheme.takes_fast() else "exact"
+
+
 class PlannedModule(nn.Module):
     """A module whose parameters the plan fills from named checkpoint tensors.
 
@@ -372,6 +382,10 @@ class PlannedModule(nn.Module):
     qp_native: Any = None
     #: stacked layers (routed experts, per-head K/V): one matrix per slot
     qp_stacked = False
+    #: the native kernels' mode for this layer's products: "fast" under load option
+    #: ``kernels=fast`` where its scheme takes it (:meth:`LinearScheme.takes_fast`), else "exact"
+    #: (set by :meth:`qp_configure`)
+    qp_kernel_mode: str = "exact"
     # registered by the loader from the plan; declared for type checkers
     weight: torch.Tensor
 
@@ -384,6 +398,10 @@ class PlannedModule(nn.Module):
         from ..checkpoint import TORCH_DTYPES
 
         return model_dtype if stored in FLOAT_DTYPES else TORCH_DTYPES.get(stored, torch.uint8)
+
+    def qp_configure(self, options: LoadOptions) -> None:  # noqa: B027 (optional, default no-op)
+        """Called by the loader with the load's checked options before any tensor is loaded (a
+        module reading load options takes them here). Default: nothing to take."""
 
     def qp_finish(self) -> None:
         """Called after loading (schemes post-process here)."""
@@ -441,6 +459,9 @@ class QuantLinear(PlannedModule):
         (:mod:`quantplug.kernels.compute`), else the scheme's ``apply``."""
         y = compute.linear(self, x)
         return self.scheme.apply(self, x) if y is None else y
+
+    def qp_configure(self, options: LoadOptions) -> None:
+        self.qp_kernel_mode = kernels_mode(self.scheme, options)
 
     def qp_finish(self) -> None:
         self.scheme.process_after_loading(self)
@@ -590,6 +611,9 @@ class StackedLinear(PlannedModule):
     #: the slots are served by an expert store (``quantplug.experts``): no tensors are loaded here
     qp_served = False
 
+    def qp_configure(self, options: LoadOptions) -> None:
+        self.qp_kernel_mode = kernels_mode(self.scheme, options)
+
     def qp_finish(self) -> None:
         if self.qp_served:
             return
@@ -699,7 +723,7 @@ def fuse_attention(attn: nn.Module) -> Callable[..., torch.Tensor | None] | None
     o_proj = getattr(attn, "o_proj", None)
     if not isinstance(o_proj, QuantLinear) or type(o_proj.scheme).fuse_attention is LinearScheme.fuse_attention:
         return None
-    if any(getattr(m, "qp_parallel", None) is not None for m in attn.modules()):
+    if any(getattr(m, "qp_parallel", None) is not None for m in attn.modules()):  # norms etc. have none
         return None
     return o_proj.scheme.fuse_attention(attn)
 

@@ -364,7 +364,7 @@ def declared(model: nn.Module, attr: str, kinds: tuple[type, ...]) -> Iterator[t
 
 def ckpt_name(mod: nn.Module, where: str) -> str:
     """The checkpoint name of a module a group entry names (its ``qp_ckpt``)."""
-    name = getattr(mod, "qp_ckpt", None)
+    name = getattr(mod, "qp_ckpt", None)  # a third party's module may lack it: said below
     if not isinstance(name, str):
         raise DeclarationError(f"{where} ({type(mod).__name__}) is named by a group entry but has no qp_ckpt "
                                "(its checkpoint name)")

@@ -18,7 +18,7 @@ layout): each MLA layer has ``self_attn.g_proj``
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,10 @@ from ..layers.norm import RMSNorm
 from ..layers.rope import Rotary, rotate_pairs, softmax_scale
 from ..types import AttentionLayout
 from .config import ModelConfig
+
+if TYPE_CHECKING:
+    from ..experts import ExpertStore
+    from ..options import LoadOptions
 from .declarations import (
     ColumnParallel,
     DenseRule,
@@ -110,6 +114,7 @@ def _step_reduce(columns: Sequence[nn.Module], rows: Sequence[nn.Module]) -> tup
     its partial output: every layer unsplit (no reduce), or the ``columns`` split by output rows
     and the ``rows`` by input features, each holding only its slice (``quantplug.parallel``), with
     no scheme reducing its own integer accumulators (``apply_row_parallel``)."""
+    # getattr: any module an architecture passes (a third party's need not be a PlannedModule)
     par = [getattr(m, "qp_parallel", None) for m in (*columns, *rows)]
     if all(p is None for p in par):
         return True, None
@@ -217,6 +222,11 @@ class Indexer(nn.Module):
     release); ``weights_proj`` and ``k_norm`` are float parameters.
     """
 
+    #: its checkpoint name
+    qp_ckpt: str
+    #: load option ``indexer``: "exact" (transformers) or "fp8" (DeepSeek's reference FP8 indexer)
+    qp_indexer: str = "exact"
+
     def __init__(self, cfg: ModelConfig, base: str, d: Decisions) -> None:
         super().__init__()
         assert cfg.q_lora_rank is not None  # the config parser requires it for an indexer
@@ -229,8 +239,9 @@ class Indexer(nn.Module):
         self.weights_proj = IndexerWeights(cfg.hidden_size, self.n_heads, d.ck(f"{base}.weights_proj"))
         self.softmax_scale = self.head_dim ** -0.5
 
-    #: load option ``indexer``: "exact" (transformers) or "fp8" (DeepSeek's reference FP8 indexer)
-    qp_indexer = "exact"
+    def qp_configure(self, options: LoadOptions) -> None:
+        """Takes load option ``indexer`` (the plan checked the head size for ``fp8``)."""
+        self.qp_indexer = options.indexer
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [b, heads, t, D_I] with its rope part (the first ``rope`` dims) rotated."""
@@ -298,6 +309,9 @@ class MLA(nn.Module):
     """Multi-head latent attention; ``kv_b_proj`` dense, or split per head into k_b / v_b; with
     DSA (DeepSeek-V3.2) a lightning :class:`Indexer` choosing the keys each query attends to."""
 
+    #: its checkpoint name
+    qp_ckpt: str
+
     def __init__(self, cfg: ModelConfig, i: int, d: Decisions, rotary: Rotary) -> None:
         super().__init__()
         base = f"model.layers.{i}.self_attn"
@@ -363,7 +377,7 @@ class MLA(nn.Module):
             cols.append(self.g_proj)
         ok, reduce = _step_reduce(cols, [self.o_proj])
         split = self.layout.kind != "dense"
-        if ok and all(getattr(m, "qp_parallel", None) is None for m in
+        if ok and all(m.qp_parallel is None for m in
                       ([self.kv_a_proj_with_mqa] + ([self.q_a_proj] if self.q_lora is not None else []))):
             self.step = MLAStep.build(
                 q_a=self.q_a_proj if self.q_lora is not None else None, kv_a=self.kv_a_proj_with_mqa, q_b=cols[0],
@@ -578,6 +592,9 @@ class MLP(nn.Module):
     """Gated MLP ``down(silu(gate(x)) * up(x))`` (dense layers and shared experts); one native
     call for a few rows where the three are bound to weight forms."""
 
+    #: its checkpoint name
+    qp_ckpt: str
+
     def __init__(self, d: Decisions, base: str, hidden: int, inter: int, act: GatedAct = SILU) -> None:
         super().__init__()
         self.qp_ckpt = d.ck(base)
@@ -686,6 +703,13 @@ class Experts(nn.Module):
 
     #: the stored per-expert names of (gate_proj, up_proj, down_proj) in DeepSeek's hub layout
     HUB_NAMES = ("gate_proj", "up_proj", "down_proj")
+    #: its checkpoint name
+    qp_ckpt: str
+    #: expert-parallel all-reduce of the routed output (``quantplug.parallel``), None: unsplit
+    qp_parallel: Callable[[torch.Tensor], torch.Tensor] | None = None
+    #: the experts served from the checkpoint's files (``quantplug.experts``, load option
+    #: ``expert_cache_mb``), None: held in memory
+    qp_store: ExpertStore | None = None
 
     def __init__(self, cfg: ModelConfig, d: Decisions, base: str, *, hidden: int | None = None,
                  names: tuple[str, str, str] = HUB_NAMES, act: GatedAct = SILU) -> None:
@@ -697,8 +721,6 @@ class Experts(nn.Module):
         #: :meth:`qp_hold_experts` gives each rank a contiguous block); stacked slot = k - slot_base
         #: (0 for schemes that address experts themselves, e.g. an expert pack)
         self.first, self.count, self.slot_base = 0, e, 0
-        #: expert-parallel all-reduce of the routed output (``quantplug.parallel``), None: unsplit
-        self.qp_parallel: Any = None
         self.gate_proj: StackedLinear
         self.up_proj: StackedLinear
         self.down_proj: StackedLinear
@@ -723,9 +745,6 @@ class Experts(nn.Module):
         self.step: MLPStep | None = None
         #: a token's experts in one call from the scheme (deprecated :meth:`LinearScheme.fuse_mlp`)
         self.one: Any = None
-        #: the experts served from the checkpoint's files (``quantplug.experts``, load option
-        #: ``expert_cache_mb``), None: held in memory
-        self.qp_store: Any = None
 
     def qp_hold_experts(self, start: int, count: int, slot_base: int,
                         reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -847,9 +866,13 @@ class MoE(nn.Module):
 
     #: the next MoE layer, whose likely experts a decode step prefetches when experts are served
     #: from the checkpoint's files (set by the text model after loading)
-    qp_next: Any = None
+    qp_next: MoE | None = None
     #: load option ``expert_prefetch``
-    qp_prefetch = True
+    qp_prefetch: bool = True
+
+    def qp_configure(self, options: LoadOptions) -> None:
+        """Takes load option ``expert_prefetch`` (it acts only where experts are served)."""
+        self.qp_prefetch = options.expert_prefetch
 
     def __init__(self, cfg: ModelConfig, d: Decisions, base: str, *, names: tuple[str, str, str] = Experts.HUB_NAMES,
                  act: GatedAct = SILU, latent: int | None = None, latent_norm: bool = False) -> None:
@@ -871,11 +894,12 @@ class MoE(nn.Module):
         """Experts served from files: start reading the next MoE layer's likely experts (its router
         on this layer's input, one row) while this layer computes."""
         nxt = self.qp_next
-        if nxt is None or not self.qp_prefetch or nxt.experts.qp_store is None or flat.shape[0] != 1:
+        store = None if nxt is None else nxt.experts.qp_store
+        if nxt is None or store is None or not self.qp_prefetch or flat.shape[0] != 1:
             return
         ex = nxt.experts
         ids, _ = nxt.gate.route_one(flat)
-        ex.qp_store.prefetch([e - ex.slot_base for e in ids if ex.first <= e < ex.first + ex.count])
+        store.prefetch([e - ex.slot_base for e in ids if ex.first <= e < ex.first + ex.count])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.latent is None:
@@ -1041,7 +1065,7 @@ class TextModel(nn.Module):
             return None
         embed = compute.bound(emb)
         hb = None
-        if not _hooked(head) and getattr(head, "qp_parallel", None) is None:
+        if not _hooked(head) and getattr(head, "qp_parallel", None) is None:  # any head module given
             hb = compute.bound(head.qp_tied_embedding() if isinstance(head, TiedHead) else head)
         if embed is None or hb is None:
             return None

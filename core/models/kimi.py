@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +73,9 @@ from .declarations import (
     VocabParallel,
 )
 from .deepseek import MLA, MLP, Decisions, MoE, _lin
+
+if TYPE_CHECKING:
+    from ..options import LoadOptions
 
 #: tokens per chunk of the chunked KDA form (transformers' and FLA's default)
 CHUNK = 64
@@ -764,6 +767,10 @@ class KimiLinearForCausalLM(GenerationMixin, nn.Module):
     #: the KDA state's dtype in a new cache (float32; bfloat16 halves it, as sglang's
     #: ``--mamba-ssm-dtype bfloat16``)
     qp_state_dtype: torch.dtype = torch.float32
+
+    def qp_configure(self, options: LoadOptions) -> None:
+        """Takes load option ``kda_state``."""
+        self.qp_state_dtype = torch.bfloat16 if options.kda_state == "bfloat16" else torch.float32
 
     def __init__(self, cfg: KimiConfig, d: Decisions) -> None:
         super().__init__()

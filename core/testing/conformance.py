@@ -801,9 +801,9 @@ def _form_mismatches(model: torch.nn.Module, ids: torch.Tensor, rtol: float) -> 
     n, bad = 0, []
     with torch.no_grad():
         for mod in model.modules():
-            b = getattr(mod, "qp_native", None)
-            if not isinstance(mod, PlannedModule) or b is None:
+            if not isinstance(mod, PlannedModule) or mod.qp_native is None:
                 continue
+            b = mod.qp_native
             n += 1
             scheme: Any = mod.scheme
             where = f"{mod.qp_ckpt} ({scheme.describe()}; form {b.form.describe()})"

@@ -121,8 +121,11 @@ def forbid_data_reads(path: str | Path, current: Callable[[], str] = lambda: "")
         return files.get((st.st_dev, st.st_ino))
 
     class GuardedFile(io.BufferedReader):
+        #: the weight file it reads and where its tensor data starts
+        _qp_file: tuple[Path, int]
+
         def _check(self, n: int) -> None:
-            path_, start = self._qp_file  # type: ignore[attr-defined]
+            path_, start = self._qp_file
             pos = self.tell()
             if n != 0 and (n < 0 or pos + n > start) and not trusted():
                 violation(f"read of {path_.name} bytes {pos}..{'end' if n < 0 else pos + n} "
@@ -155,7 +158,7 @@ def forbid_data_reads(path: str | Path, current: Callable[[], str] = lambda: "")
             return fh
         raw = fh.detach()
         guarded = GuardedFile(raw)
-        guarded._qp_file = hit  # type: ignore[attr-defined]
+        guarded._qp_file = hit
         return guarded
 
     def os_open(file: Any, flags: int, *args: Any, **kwargs: Any) -> int:

@@ -36,8 +36,6 @@ from .schemes import CTScheme
 __version__ = "0.1.0"
 QUANTPLUG_CONTRACT = "1.7"
 ACTIVATION_MODES = ("emulate", "none")
-#: values of the ``kernels`` option: "exact" (default) or "fast" (see schemes.CTScheme)
-KERNELS = ("exact", "fast")
 #: tensors only a quantized module stores (an ignored module holding one is a plan error)
 QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale", "input_global_scale",
                   "input_scale", "weight_shape", "weight_g_idx")
@@ -136,7 +134,7 @@ def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Seque
                             checkpoint: Any, options: Mapping[str, Any]) -> Any:
     qc = quant_config
     mode = option(options, "activation_quant", "emulate", ACTIVATION_MODES)
-    kernels = option(options, "kernels", "exact", KERNELS)
+    kernels = options["kernels"]  # the core's option, checked by the plan (quantplug.api.LoadOptions)
     if layer_kind == "embedding":
         group, why = qc.group_for(layer_name)
         if group is None:

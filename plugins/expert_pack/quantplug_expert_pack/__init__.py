@@ -56,7 +56,6 @@ from quantplug.api import (
     expose_stats,
     ggml,
     hookimpl,
-    option,
 )
 
 from .build import build_pack
@@ -69,8 +68,6 @@ from .schemes import GGMLScheme, PackedExpertsScheme
 QUANTPLUG_CONTRACT = "1.7"
 
 __version__ = "0.1.0"
-#: values of the ``kernels`` option: "exact" (default) or "fast" (see schemes.GGMLScheme)
-KERNELS = ("exact", "fast")
 
 _EXPERTS = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_proj|up_proj|down_proj)$")
 
@@ -203,7 +200,7 @@ def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Seque
     # in float32). With them the stacks stay packed: the native step reads a head's blocks faster
     # than its float32 copy (DeepSeek-V3's attention dims, Q8_0: 3 decode steps of one layer in
     # 37 ms packed vs 49 ms with the float32 copy)
-    kernels = option(options, "kernels", "exact", KERNELS)
+    kernels = options["kernels"]  # the core's option, checked by the plan (quantplug.api.LoadOptions)
     kv_heads = layer_kind in ("attn_k_b", "attn_v_b")
     cache_kv = kv_heads and kernels == "fast" and not (info.dtype in ggml.NATIVE_TYPES and ggml.native.library() is not None)
     return GGMLScheme(info.dtype, cache=bool(options.get("dequantize")) or cache_kv,
