@@ -76,6 +76,9 @@ RSS_CHILD = textwrap.dedent("""
 """)
 
 
+# a benchmark of two child processes (~14 s): the DeepSeek-V3 GGUF case in tests/test_expert_store.py
+# measures the same store's memory bound by default; served = in-memory is checked above
+@pytest.mark.slow
 def test_rss_is_the_non_expert_weights_plus_the_cache(tmp_path):
     """A K3 whose latent experts are ~150 MB (bfloat16, the release's dtypes otherwise): served
     with a cache of 1.5 steps, the process grows by at most the non-expert weights + the cache
