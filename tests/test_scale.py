@@ -195,12 +195,19 @@ def test_header_only_checkpoint_is_sparse_and_valid(dsv3):
 SERVED = {"expert_cache_mb": 4096}
 
 
-def test_plan_of_the_163_shard_index_reads_no_data_and_stays_linear(dsv3):
+@pytest.fixture(scope="module")
+def dsv3_served(dsv3: Path) -> tuple[quantplug.LoadPlan, float, float, list]:
+    """The 163-shard index planned once with SERVED (no tensor data read): the plan, its CPU and
+    wall seconds, and the data reads seen (none expected)."""
     c, t = time.process_time(), time.perf_counter()
     with forbid_data_reads(dsv3) as reads:
         p = quantplug.plan(dsv3, options=SERVED)
-    cpu, wall = time.process_time() - c, time.perf_counter() - t
-    assert not reads, reads.events
+    return p, time.process_time() - c, time.perf_counter() - t, list(reads.events)
+
+
+def test_plan_of_the_163_shard_index_reads_no_data_and_stays_linear(dsv3_served):
+    p, cpu, wall, reads = dsv3_served
+    assert not reads, reads
     assert p.backend == "fp8" and not p.problems
     assert p.model_config.num_hidden_layers == 61 and p.model_config.n_routed_experts == 256
     # the MTP layer 61 loads (option mtp, default true) but for its copies of the embedding and lm_head
@@ -227,13 +234,13 @@ def test_experts_larger_than_memory_are_a_plan_error_naming_the_numbers(dsv3, mo
     assert not quantplug.plan(dsv3).problems
 
 
-def test_experts_from_ssd_at_deepseek_v3_size_attach_in_seconds(dsv3):
+def test_experts_from_ssd_at_deepseek_v3_size_attach_in_seconds(dsv3, dsv3_served):
     """expert_cache_mb on the 163-shard index: 59 MoE layers (58 + the MTP layer 61) x 256 experts x
     3 projections x (weight, scale) addressed per expert from the headers (90,624 byte ranges), in
     CPU seconds."""
     from quantplug import experts
 
-    plan = quantplug.plan(dsv3, options={"expert_cache_mb": 4096})
+    plan = dsv3_served[0]  # SERVED: expert_cache_mb 4096 (the plan's model is this test's to attach to)
     assert not plan.problems
     c = time.process_time()
     skip, cache, kept = experts.attach(plan, plan.model, 4096 << 20)

@@ -12,8 +12,6 @@ from __future__ import annotations
 import base64
 import json
 import shutil
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,10 +72,18 @@ def _tiktoken(root: Path) -> None:
 
 
 def _expert_pack(src: Path, dst: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "quantplug", "expert-pack", "build", str(src), "-o", str(dst),
-                        "--alignment", "64"], capture_output=True, text=True, timeout=300)
-    if r.returncode:
-        raise RuntimeError(f"expert-pack build {src}: {r.stderr.strip()}")
+    """``quantplug expert-pack build SRC -o DST --alignment 64``, the CLI run in this process (a
+    second interpreter would spend ~2 s importing torch per pack)."""
+    import contextlib
+    import io
+
+    from quantplug.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        rc = main(["expert-pack", "build", str(src), "-o", str(dst), "--alignment", "64"])
+    if rc:
+        raise RuntimeError(f"expert-pack build {src}: {err.getvalue().strip()}")
 
 
 def build(root: Path) -> list[Seed]:
