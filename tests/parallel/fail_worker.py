@@ -78,8 +78,10 @@ def main() -> None:
             _record(out, scenario, lambda: model(ids))
         _record(out, "after", lambda: model(ids))  # the group is out of step: at once, on every rank
     (out_dir / f"rank{rank}.json").write_text(json.dumps(out))
-    if rank == 1:
-        time.sleep(5)  # a library user's process stays alive after its error
+    if rank == 1:  # a library user's process stays alive after its error: until rank 0 has decided (<= 30 s)
+        until = time.monotonic() + 30
+        while not (out_dir / "rank0.json").exists() and time.monotonic() < until:
+            time.sleep(0.05)
     sys.stdout.flush()
     os._exit(0)
 
