@@ -25,6 +25,7 @@ from .kernels import compute, native
 from .kernels.compute import NATIVE_ROWS
 from .layers.embedding import Embedding, TiedHead
 from .layers.linear import DenseScheme, FloatParams, QuantLinear, StackedLinear
+from .layers.rope import Rotary
 from .models.declarations import (
     EngineExperts,
     EngineLatentAttention,
@@ -348,6 +349,58 @@ def absorbed_attention(model: nn.Module) -> dict[str, AbsorbedMLA]:
             if isinstance(entry, EngineLatentAttention) and isinstance(mod, LatentAttention)}
 
 
+class PagedDecode:
+    """The loaded model's whole decoder stack as one native call per decode step, on an engine's
+    paged latent cache (:meth:`quantplug.kernels.compute.StackStep.paged`): the engine hands the
+    embeddings of B <= :data:`NATIVE_ROWS` sequences (each at its own position), every layer's
+    cache as [slots, kv_lora + rope] (latent, then the roped key) and each sequence's slots, and
+    gets the final norm back; what its own layer-by-layer forward computes, with one Python to C
+    crossing instead of a few hundred module calls per layer.
+
+    The engine's cached keys are taken as rotated in the checkpoint's own pair layout (vLLM's
+    DeepSeek rotary: interleaved pairs for a DeepSeek checkpoint); quantplug's rotation yields
+    halves, so its rotation matrices are permuted to the engine's layout (scores are unchanged:
+    queries and keys take the same permutation)."""
+
+    def __init__(self, step: compute.StackStep, rotary: Rotary) -> None:
+        self.step, self.rotary = step, rotary
+        rope = step.rope
+        half = rope // 2
+        perm = None
+        if rotary.interleave:  # halves (quantplug) -> interleaved pairs (the checkpoint's)
+            perm = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()
+        self.perm = perm
+        self.calls = 0
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv: Sequence[torch.Tensor],
+                 rows: torch.Tensor) -> torch.Tensor | None:
+        """``x`` [B, hidden] (model dtype), ``positions`` [B] int64, ``kv`` every layer's cache
+        [slots, kv_lora + rope], ``rows`` [B, R] int64 the slots of each sequence's positions:
+        the final norm [B, hidden], every layer's latent and key written at slot
+        ``rows[b, positions[b]]``; None (nothing written) when the step cannot run now."""
+        dtype = self.step.dtype
+        rot = torch.stack([self.rotary.step_rotation(p, dtype) for p in positions.tolist()])
+        if self.perm is not None:
+            rot = rot.index_select(2, self.perm)
+        out = self.step.paged(x, rot, kv, rows, positions)
+        if out is not None:
+            self.calls += 1
+        return out
+
+
+def paged_decode(model: nn.Module) -> PagedDecode | None:
+    """:class:`PagedDecode` of the loaded model; None where its text model decodes layer by layer
+    (a piece without a native form, experts served from files or split over ranks, a DSA model,
+    no native library: the text model's ``decode_stack()`` says so) or declares no such step."""
+    inner = getattr(text_model(model), "model", None)
+    build = getattr(inner, "decode_stack", None)
+    step = build() if callable(build) else None
+    rotary = getattr(inner, "rotary", None)
+    if step is None or not isinstance(rotary, Rotary):
+        return None
+    return PagedDecode(step, rotary)
+
+
 def float_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The float tensors of the loaded text model that are not part of a projection (norms, the
     router's weight and ``e_score_correction_bias``), by Hugging Face name, as loaded (no copy)."""
@@ -360,5 +413,5 @@ def float_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-__all__ = ["AbsorbedMLA", "KVBFromSplit", "Projection", "absorbed_attention", "float_state", "planned_mlps",
-           "planned_modules", "text_model"]
+__all__ = ["AbsorbedMLA", "KVBFromSplit", "PagedDecode", "Projection", "absorbed_attention", "float_state",
+           "paged_decode", "planned_mlps", "planned_modules", "text_model"]

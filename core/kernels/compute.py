@@ -544,8 +544,8 @@ class MLAStep:
         pos = cache.reserve(1)
         out = torch.empty(b, 1, self.h)
         rc = lib.qp_latent_step(self.ref, b, x2.data_ptr(), r.data_ptr(), lat.data_ptr(), lat.stride(2), lat.stride(0),
-                             kr.data_ptr(), kr.stride(2), kr.stride(0), pos, int(lat.dtype == torch.bfloat16),
-                             out.data_ptr(), self.wround)
+                             kr.data_ptr(), kr.stride(2), kr.stride(0), pos, None, 0, None,
+                             int(lat.dtype == torch.bfloat16), out.data_ptr(), self.wround)
         if rc != 0:
             cache.unreserve(1)
             native.check(rc, "latent_step")
@@ -731,6 +731,53 @@ class StackStep:
             return None
         return self._run(b, None, ids.contiguous(), embed, rot, caches, head, pick and head is not None)
 
+    def paged(self, x: torch.Tensor, rot: torch.Tensor, kv: Sequence[torch.Tensor], rows: torch.Tensor,
+              positions: torch.Tensor) -> torch.Tensor | None:
+        """A decode step on an engine's paged latent cache (vLLM's MLA cache): ``x`` [B, hidden] the
+        embeddings in the model dtype, ``rot`` [B, rope, rope] each row's rotation at its position,
+        ``kv`` every layer's cache as [slots, kv_lora + rope] (per slot the latent then the roped key;
+        float32 or bfloat16, the same for every layer), ``rows`` [B, R] int64 the slot of each
+        position of each sequence, ``positions`` [B] int64 each sequence's new token (< R; the
+        sequences may stand at different positions). Writes every layer's latent and key at slot
+        ``rows[b, positions[b]]`` and attends on ``rows[b, :positions[b] + 1]``. Returns the final
+        norm [B, hidden] in the model dtype; None (nothing written) when the step cannot run now or
+        a slot lies outside the cache."""
+        lib = native._lib
+        b = x.shape[0]
+        if (lib is None or b > NATIVE_ROWS or len(kv) != self.n or x.dtype != self.dtype or x.device.type != "cpu"
+                or x.numel() != b * self.h or not self.live()):
+            return None
+        c0, kl = kv[0], self.mla_steps[0].kv_lora
+        if (c0.dtype not in (torch.float32, torch.bfloat16) or c0.dim() != 2 or c0.shape[1] != kl + self.rope
+                or c0.device.type != "cpu" or c0.stride(1) != 1
+                or any(c.dtype != c0.dtype or c.shape != c0.shape or c.stride() != c0.stride() for c in kv)):
+            return None
+        if (rows.dtype != torch.int64 or rows.dim() != 2 or rows.shape[0] != b or positions.dtype != torch.int64
+                or tuple(positions.shape) != (b,) or rows.device.type != "cpu" or positions.device.type != "cpu"):
+            return None
+        rows, positions = rows.contiguous(), positions.contiguous()
+        lo, hi = torch.aminmax(rows)
+        plo, phi = torch.aminmax(positions)
+        if int(lo) < 0 or int(hi) >= c0.shape[0] or int(plo) < 0 or int(phi) >= rows.shape[1]:
+            return None
+        r = _rotations(rot, b, self.rope)
+        if r is None:
+            return None
+        import ctypes
+
+        esz, ld = c0.element_size(), c0.stride(0)
+        vp = ctypes.c_void_p * self.n
+        lats, krs = vp(*[c.data_ptr() for c in kv]), vp(*[c.data_ptr() + kl * esz for c in kv])
+        x2 = x.reshape(b, self.h).to(torch.float32, copy=True, memory_format=torch.contiguous_format)
+        out = torch.empty(b, self.h)
+        fn = self.final_norm
+        rc = lib.qp_decode_step(self.layers_arr, self.n, self.h, b, None, None, x2.data_ptr(), r.data_ptr(), lats, krs,
+                                ld, 0, ld, 0, 0, rows.data_ptr(), rows.shape[1], positions.data_ptr(),
+                                int(c0.dtype == torch.bfloat16), fn.data_ptr(), int(fn.dtype == torch.bfloat16),
+                                self.eps, out.data_ptr(), None, None, None, self.wround)
+        native.check(rc, "decode_step")
+        return out if self.dtype == torch.float32 else out.to(self.dtype)
+
     def _run(self, b: int, x: torch.Tensor | None, ids: torch.Tensor | None, embed: Bound | None,
              rot: torch.Tensor, caches: Sequence[Any], head: Bound | None, pick: bool
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
@@ -775,7 +822,7 @@ class StackStep:
         fn = self.final_norm
         rc = lib.qp_decode_step(self.layers_arr, self.n, self.h, b, None if ids is None else ids.data_ptr(),
                                 None if embed is None else embed.ptr(), x2.data_ptr(), r.data_ptr(), lats, krs,
-                                strides[0], strides[1], strides[2], strides[3], pos[0],
+                                strides[0], strides[1], strides[2], strides[3], pos[0], None, 0, None,
                                 int(lat.dtype == torch.bfloat16), fn.data_ptr(), int(fn.dtype == torch.bfloat16),
                                 self.eps, out.data_ptr(), None if head is None else head.ptr(),
                                 None if logits is None else logits.data_ptr(),

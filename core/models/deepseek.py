@@ -1048,6 +1048,12 @@ class TextModel(nn.Module):
                                       list(self.layers.modules()) + [self.norm], owners)
         return self._stack
 
+    def decode_stack(self) -> StackStep | None:
+        """The whole stack's one-call decode step (:class:`quantplug.kernels.compute.StackStep`) for
+        an engine that keeps its own (paged) latent cache (:func:`quantplug.bridge.paged_decode`);
+        None where this model decodes layer by layer (see :meth:`_stack_step`)."""
+        return self._stack_step()
+
     def decode_logits(self, ids: torch.Tensor, cache: MLACache, head: nn.Module,
                       pick: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """One decode step (``ids`` [B, 1] after the ``cache``'s tokens) from token ids to float32

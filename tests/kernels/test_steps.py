@@ -644,3 +644,88 @@ def test_prompt_expert_groups_with_activation_quantization_quantize_once_per_gro
         got = compute.grouped(gate, x, groups, [up])
     assert quantized == [big]
     assert rel_err(got, _torch_gate_up(path, x, groups)) < 1e-5
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_stack_step_equals_the_contiguous_cache_step(ckpts, dtype):
+    """``StackStep.paged`` (an engine's paged latent cache, vLLM's MLA layout: slots of latent ‖ key,
+    blocks of 16 in any order, sequences at different positions in one call) computes what the
+    contiguous-cache step computes for each sequence alone, writes each token's rows at its slot
+    only, and declines (writing nothing) for a slot outside the cache."""
+    model = quantplug.load(ckpts["Q8_0"], dtype=dtype, progress=False)
+    tm = model.model
+    st = tm._stack_step()
+    assert st is not None
+    lens, blocks, bs = [7, 21], [[5, 2], [0, 7, 3]], 16
+    nxt = torch.tensor([[11], [200]])
+    ids = torch.randint(0, 256, (2, max(lens)), generator=torch.Generator().manual_seed(5))
+    kl, rope, nl = st.mla_steps[0].kv_lora, st.rope, st.n
+    g = torch.Generator().manual_seed(9)
+    kv = [torch.randn(8 * bs, kl + rope, generator=g).to(dtype) for _ in range(nl)]  # garbage outside the rows
+    rows = torch.stack([torch.cat([(torch.tensor(blk)[:, None] * bs + torch.arange(bs)).flatten(),
+                                   torch.zeros(48 - len(blk) * bs, dtype=torch.int64)]) for blk in blocks])
+    refs, rots = [], []
+    with torch.inference_mode():
+        for b, n in enumerate(lens):
+            cache = new_cache(model, 1, 64)
+            model.next_logits(ids[b:b + 1, :n], cache)
+            for i, c in enumerate(cache.layers):  # the prompt's rows into the paged cache
+                kv[i][rows[b, :n], :kl] = c.latent[0, 0, :n]
+                kv[i][rows[b, :n], kl:] = c.k_rope[0, 0, :n]
+            rot = tm.rotary.step_rotation(n, dtype)
+            rots.append(rot)
+            refs.append((st(tm.embed_tokens(nxt[b:b + 1]), rot, cache.layers)[0, 0],
+                         [(c.latent[0, 0, n], c.k_rope[0, 0, n]) for c in cache.layers]))
+        before = [c.clone() for c in kv]
+        x = tm.embed_tokens(nxt)[:, 0]
+        pos = torch.tensor(lens)
+        bad = rows.clone()
+        bad[1, 3] = 8 * bs  # one slot past the cache: declined, nothing written
+        assert st.paged(x, torch.stack(rots), kv, bad, pos) is None
+        assert all(torch.equal(a, b) for a, b in zip(kv, before))
+        out = st.paged(x, torch.stack(rots), kv, rows, pos)
+    assert out is not None and out.dtype == dtype
+    written = {int(rows[b, n]) for b, n in enumerate(lens)}
+    for i, (c, c0) in enumerate(zip(kv, before)):
+        for b, n in enumerate(lens):
+            lat, key = refs[b][1][i]
+            assert torch.equal(c[rows[b, n], :kl], lat) and torch.equal(c[rows[b, n], kl:], key)
+        keep = [s for s in range(c.shape[0]) if s not in written]
+        assert torch.equal(c[keep], c0[keep])  # nothing else written
+    for b in range(2):
+        assert torch.equal(out[b], refs[b][0])  # the same rows, the same arithmetic
+
+
+@needs_native
+def test_paged_decode_takes_keys_in_the_checkpoints_pair_layout(ckpts):
+    """``bridge.paged_decode``: an engine (vLLM) caches roped keys in the checkpoint's own pair
+    layout (interleaved for DeepSeek), quantplug's rotation yields halves; the step's rotations are
+    permuted to the engine's layout, so its output equals quantplug's own step (up to the order of
+    the rope terms' float32 sums) and the key it writes is quantplug's, permuted."""
+    from quantplug.bridge import paged_decode
+
+    model = quantplug.load(ckpts["Q8_0"], progress=False)
+    pd = paged_decode(model)
+    assert pd is not None and model.model.rotary.interleave and pd.perm is not None
+    st, n = pd.step, 9
+    kl, rope = st.mla_steps[0].kv_lora, st.rope
+    inv = torch.argsort(pd.perm)  # engine layout[i] = halves[perm[i]]
+    ids = torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(2))
+    kv = [torch.zeros(32, kl + rope) for _ in range(st.n)]
+    rows = (torch.tensor([1, 0])[:, None] * 16 + torch.arange(16)).flatten()[None]
+    with torch.inference_mode():
+        cache = new_cache(model, 1, 32)
+        model.next_logits(ids, cache)
+        for i, c in enumerate(cache.layers):
+            kv[i][rows[0, :n], :kl] = c.latent[0, 0, :n]
+            kv[i][rows[0, :n], kl:] = c.k_rope[0, 0, :n][:, pd.perm]  # as the engine holds it
+        x = model.model.embed_tokens(torch.tensor([[42]]))
+        ref = st(x, model.model.rotary.step_rotation(n, torch.float32), cache.layers)
+        out = pd(x[:, 0], torch.tensor([n]), kv, rows)
+    assert out is not None and pd.calls == 1
+    # the score's rope terms summed in the engine's order: float32 rounding only
+    assert rel_err(out[0], ref[0, 0]) < 1e-6
+    for i, c in enumerate(cache.layers):
+        assert torch.equal(kv[i][rows[0, n], kl:][inv], c.k_rope[0, 0, n])
+        assert torch.equal(kv[i][rows[0, n], :kl], c.latent[0, 0, n])

@@ -132,19 +132,29 @@ done:
     return rc;
 }
 
+/* element offset of cached token j of row b: through the page map rmap [B, rm_ld], else strided */
+static inline int64_t cache_at(const int64_t *rmap, int64_t rm_ld, int64_t b, int64_t j, int64_t ld, int64_t lds_b) {
+    return rmap ? rmap[b * rm_ld + j] * ld : b * lds_b + j * ld;
+}
+
 /* attention of every head of each row b on its n cached tokens (latent row j of b at lat + b * lds_b
  * + j * ld_lat, its roped key at kr + b * krs_b + j * ld_kr, in elements; lat_bf16: the cache holds
- * bfloat16), each head's output through W_UV, the output gate, then o_proj: out [B, H]. */
+ * bfloat16), each head's output through W_UV, the output gate, then o_proj: out [B, H].
+ * A paged cache (an engine's blocks): rmap [B, rm_ld] gives the physical row of token j of row b
+ * (latent at lat + rmap[b * rm_ld + j] * ld_lat, key at kr + rmap[..] * ld_kr; lds_b / krs_b unused);
+ * lens [B] (or NULL: n each) the number of tokens of each row, at most n. */
 int qp_latent_post(const qp_latent_attn *m, int64_t B, const float *qcat, const void *lat, int64_t ld_lat, int64_t lds_b,
-                const void *kr, int64_t ld_kr, int64_t krs_b, int64_t n, int lat_bf16, const float *gate,
-                float *out, int wround) {
-    if (!latent_ok(m) || B <= 0 || n <= 0) return -1;
+                const void *kr, int64_t ld_kr, int64_t krs_b, int64_t n, const int64_t *rmap, int64_t rm_ld,
+                const int64_t *lens, int lat_bf16, const float *gate, float *out, int wround) {
+    if (!latent_ok(m) || B <= 0 || n <= 0 || (rmap && rm_ld < n)) return -1;
+    for (int64_t b = 0; b < B && lens; b++)
+        if (lens[b] <= 0 || lens[b] > n) return -1;
     const int64_t H = m->H, kl = m->kv_lora, rp = m->rope, nh = m->nh, vd = m->v;
     /* the latent as kv_b's activation quantization makes it: the expanded form quantizes kv_b's
      * input (the latent, per token), so the absorbed form attends on the quantized rows */
     const int latent_act = m->kv_dense && m->kv_b->act.kind != QA_NONE;
-    /* float32 cache rows without a quantization to apply are read in place; otherwise copied */
-    const int copy = lat_bf16 || latent_act;
+    /* float32 contiguous cache rows without a quantization to apply are read in place; otherwise copied */
+    const int copy = lat_bf16 || latent_act || rmap || lens;
     float *lf = (float *)malloc(sizeof(float) * (size_t)(copy ? B * n * (kl + rp) : 1));
     float *sc = (float *)malloc(sizeof(float) * (size_t)(B * nh * (n + kl + vd)));
     qp_scratch so, sl, sv;
@@ -154,16 +164,17 @@ int qp_latent_post(const qp_latent_attn *m, int64_t B, const float *qcat, const 
     if (!lf || !sc || !oo || (latent_act && !ol_) || (!m->kv_dense && !ov_)) { rc = -2; goto done; }
     /* float copies of the cached rows: [B, n, kl + rp] (latent ‖ key) */
     for (int64_t b = 0; b < B && copy; b++) {
-        for (int64_t j = 0; j < n; j++) {
+        const int64_t nb = lens ? lens[b] : n;
+        for (int64_t j = 0; j < nb; j++) {
             float *dst = lf + (b * n + j) * (kl + rp);
+            const int64_t lo = cache_at(rmap, rm_ld, b, j, ld_lat, lds_b), ko = cache_at(rmap, rm_ld, b, j, ld_kr, krs_b);
             if (lat_bf16) {
-                const uint16_t *src = (const uint16_t *)lat + b * lds_b + j * ld_lat;
-                const uint16_t *ks = (const uint16_t *)kr + b * krs_b + j * ld_kr;
+                const uint16_t *src = (const uint16_t *)lat + lo, *ks = (const uint16_t *)kr + ko;
                 for (int64_t i = 0; i < kl; i++) dst[i] = bits_f32((uint32_t)src[i] << 16);
                 for (int64_t i = 0; i < rp; i++) dst[kl + i] = bits_f32((uint32_t)ks[i] << 16);
             } else {
-                memcpy(dst, (const float *)lat + b * lds_b + j * ld_lat, sizeof(float) * (size_t)kl);
-                memcpy(dst + kl, (const float *)kr + b * krs_b + j * ld_kr, sizeof(float) * (size_t)rp);
+                memcpy(dst, (const float *)lat + lo, sizeof(float) * (size_t)kl);
+                memcpy(dst + kl, (const float *)kr + ko, sizeof(float) * (size_t)rp);
             }
         }
         if (latent_act) {
@@ -171,8 +182,8 @@ int qp_latent_post(const qp_latent_attn *m, int64_t B, const float *qcat, const 
             qp_mat kq = *m->kv_b;
             kq.act.epi = QE_FLOAT;  /* the float rows (q - o) * s, also for an integer-product form */
             kq.mode = 0;
-            prepare(&kq, n, kl, lf + b * n * (kl + rp), kl + rp, &sl, &in);
-            for (int64_t j = 0; j < n; j++)
+            prepare(&kq, nb, kl, lf + b * n * (kl + rp), kl + rp, &sl, &in);
+            for (int64_t j = 0; j < nb; j++)
                 memcpy(lf + (b * n + j) * (kl + rp), in.x + j * in.ldx, sizeof(float) * (size_t)kl);
         }
     }
@@ -184,21 +195,21 @@ int qp_latent_post(const qp_latent_attn *m, int64_t B, const float *qcat, const 
     {
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < B * nh; t++) {
-            const int64_t b = t / nh;
+            const int64_t b = t / nh, nb = lens ? lens[b] : n;
             const float *q = qcat + t * (kl + rp);
             const float *lb = copy ? lf + b * n * (kl + rp) : (const float *)lat + b * lds_b;
             const float *kb = copy ? lb + kl : (const float *)kr + b * krs_b;
             const int64_t ldl = copy ? kl + rp : ld_lat, ldk = copy ? kl + rp : ld_kr;
             float *s = sc + t * n, mx = -INFINITY, sum = 0.f;
-            for (int64_t j = 0; j < n; j++) {
+            for (int64_t j = 0; j < nb; j++) {
                 const float a = dot_f32(q, lb + j * ldl, kl), c = dot_f32(q + kl, kb + j * ldk, rp);
                 s[j] = a * m->scale + c * m->scale;
                 mx = s[j] > mx ? s[j] : mx;
             }
-            for (int64_t j = 0; j < n; j++) { s[j] = expf(s[j] - mx); sum += s[j]; }
+            for (int64_t j = 0; j < nb; j++) { s[j] = expf(s[j] - mx); sum += s[j]; }
             float inv = 1.f / sum, *o = ol + t * kl;
             for (int64_t i = 0; i < kl; i++) o[i] = 0.f;
-            for (int64_t j = 0; j < n; j++) axpy_f32(s[j] * inv, lb + j * ldl, o, kl);
+            for (int64_t j = 0; j < nb; j++) axpy_f32(s[j] * inv, lb + j * ldl, o, kl);
         }
         if (!m->kv_dense) {
             #pragma omp single
@@ -240,31 +251,46 @@ done:
 
 /* One whole decode step for B sequences at position pos: qp_latent_pre, the token's latent and key
  * written into each sequence's cache row pos (float32, or bfloat16 rounded to nearest even, as
- * torch's conversion), then qp_latent_post over the pos + 1 cached tokens. */
+ * torch's conversion), then qp_latent_post over the pos + 1 cached tokens. bpos [B] (or NULL: pos
+ * each): each sequence's own position; rmap / rm_ld: a paged cache, as qp_latent_post reads it (the
+ * token is written at its physical row rmap[b * rm_ld + position]). */
 int qp_latent_step(const qp_latent_attn *m, int64_t B, const float *x, const float *rot, void *lat, int64_t ld_lat, int64_t lds_b,
-                void *kr, int64_t ld_kr, int64_t krs_b, int64_t pos, int lat_bf16, float *out, int wround) {
+                void *kr, int64_t ld_kr, int64_t krs_b, int64_t pos, const int64_t *rmap, int64_t rm_ld,
+                const int64_t *bpos, int lat_bf16, float *out, int wround) {
     if (!latent_ok(m) || B <= 0 || pos < 0) return -1;
+    int64_t n = pos + 1;
+    if (bpos) {
+        n = 0;
+        for (int64_t b = 0; b < B; b++) {
+            if (bpos[b] < 0) return -1;
+            n = bpos[b] + 1 > n ? bpos[b] + 1 : n;
+        }
+    }
+    if (rmap && rm_ld < n) return -1;
     const int64_t kl = m->kv_lora, rp = m->rope, gw = m->g ? m->nh * m->v : 0;
     float *buf = (float *)malloc(sizeof(float) * (size_t)(B * (m->nh * (kl + rp) + kl + rp + gw) + 1));
-    if (!buf) return -2;
+    int64_t *lens = bpos ? (int64_t *)malloc(sizeof(int64_t) * (size_t)B) : NULL;
+    if (!buf || (bpos && !lens)) { free(buf); free(lens); return -2; }
     float *qcat = buf, *kvrow = qcat + B * m->nh * (kl + rp), *gate = kvrow + B * (kl + rp);
     int rc = qp_latent_pre(m, B, x, rot, qcat, kvrow, m->g ? gate : NULL, wround);
     if (rc == 0) {
         for (int64_t b = 0; b < B; b++) {
             const float *row = kvrow + b * (kl + rp);
+            const int64_t p = bpos ? bpos[b] : pos;
+            const int64_t lo = cache_at(rmap, rm_ld, b, p, ld_lat, lds_b), ko = cache_at(rmap, rm_ld, b, p, ld_kr, krs_b);
+            if (lens) lens[b] = p + 1;
             if (lat_bf16) {
-                uint16_t *l = (uint16_t *)lat + b * lds_b + pos * ld_lat, *k = (uint16_t *)kr + b * krs_b + pos * ld_kr;
+                uint16_t *l = (uint16_t *)lat + lo, *k = (uint16_t *)kr + ko;
                 for (int64_t i = 0; i < kl; i++) l[i] = (uint16_t)(f32_bits(round_bf16(row[i])) >> 16);
                 for (int64_t i = 0; i < rp; i++) k[i] = (uint16_t)(f32_bits(round_bf16(row[kl + i])) >> 16);
             } else {
-                memcpy((float *)lat + b * lds_b + pos * ld_lat, row, sizeof(float) * (size_t)kl);
-                memcpy((float *)kr + b * krs_b + pos * ld_kr, row + kl, sizeof(float) * (size_t)rp);
+                memcpy((float *)lat + lo, row, sizeof(float) * (size_t)kl);
+                memcpy((float *)kr + ko, row + kl, sizeof(float) * (size_t)rp);
             }
         }
-        rc = qp_latent_post(m, B, qcat, lat, ld_lat, lds_b, kr, ld_kr, krs_b, pos + 1, lat_bf16, m->g ? gate : NULL, out, wround);
+        rc = qp_latent_post(m, B, qcat, lat, ld_lat, lds_b, kr, ld_kr, krs_b, n, rmap, rm_ld, lens, lat_bf16,
+                            m->g ? gate : NULL, out, wround);
     }
-    free(buf);
+    free(buf); free(lens);
     return rc;
 }
-
-

@@ -103,11 +103,12 @@ done:
 
 /* the whole stack for B rows x [B, H] (the embeddings; overwritten by the residual stream) at
  * position pos of every sequence: layer i's latent / key rows at lat[i] / kr[i] (strides as in
- * qp_latent_step, the same for every layer); rot [B, rope, rope]; out [B, H] = the final norm of the
- * last residual. */
+ * qp_latent_step, the same for every layer; rmap / rm_ld / bpos as there: a paged cache, each sequence's
+ * own position); rot [B, rope, rope]; out [B, H] = the final norm of the last residual. */
 static int qp_stack_step(const qp_layer *layers, int L, int64_t H, int64_t B, float *x, const float *rot,
                   void *const *lat, void *const *kr, int64_t ld_lat, int64_t lds_b, int64_t ld_kr, int64_t krs_b,
-                  int64_t pos, int lat_bf16, const void *fnorm, int fnorm_bf16, float feps, float *out, int wround) {
+                  int64_t pos, const int64_t *rmap, int64_t rm_ld, const int64_t *bpos, int lat_bf16,
+                  const void *fnorm, int fnorm_bf16, float feps, float *out, int wround) {
     if (L <= 0 || H <= 0 || B <= 0 || pos < 0 || !fnorm || (wround != QR_NONE && wround != QR_BF16)) return -1;
     const int rnd = wround == QR_BF16;  /* a bfloat16 model: x holds bfloat16 values */
     for (int i = 0; i < L; i++) {
@@ -121,7 +122,8 @@ static int qp_stack_step(const qp_layer *layers, int L, int64_t H, int64_t B, fl
     for (int i = 0; i < L && rc == 0; i++) {
         const qp_layer *l = &layers[i];
         for (int64_t b = 0; b < B; b++) norm_into(x + b * H, h + b * H, H, l->attn_norm, l->norm_bf16, l->eps, rnd);
-        rc = qp_latent_step(l->attn, B, h, rot, lat[i], ld_lat, lds_b, kr[i], ld_kr, krs_b, pos, lat_bf16, a, wround);
+        rc = qp_latent_step(l->attn, B, h, rot, lat[i], ld_lat, lds_b, kr[i], ld_kr, krs_b, pos, rmap, rm_ld, bpos, lat_bf16,
+                            a, wround);
         if (rc) break;
         add_rows(x, a, B * H, rnd);
         for (int64_t b = 0; b < B; b++) norm_into(x + b * H, h + b * H, H, l->ffn_norm, l->norm_bf16, l->eps, rnd);
@@ -155,8 +157,9 @@ static int qp_stack_step(const qp_layer *layers, int L, int64_t H, int64_t B, fl
  * Every argument is checked before any cache row is written; -4: a token id outside the embedding. */
 int qp_decode_step(const qp_layer *layers, int L, int64_t H, int64_t B, const int64_t *ids, const qp_mat *emb,
                    float *x, const float *rot, void *const *lat, void *const *kr, int64_t ld_lat, int64_t lds_b,
-                   int64_t ld_kr, int64_t krs_b, int64_t pos, int lat_bf16, const void *fnorm, int fnorm_bf16,
-                   float feps, float *hid, const qp_mat *head, float *logits, int64_t *best, int wround) {
+                   int64_t ld_kr, int64_t krs_b, int64_t pos, const int64_t *rmap, int64_t rm_ld, const int64_t *bpos,
+                   int lat_bf16, const void *fnorm, int fnorm_bf16, float feps, float *hid, const qp_mat *head,
+                   float *logits, int64_t *best, int wround) {
     if (B <= 0 || H <= 0 || (wround != QR_NONE && wround != QR_BF16)) return -1;
     if (emb) {
         if (!ids || !mat_ok(emb) || emb->k != H) return -1;
@@ -169,8 +172,8 @@ int qp_decode_step(const qp_layer *layers, int L, int64_t H, int64_t B, const in
         for (int64_t b = 0; b < B; b++)
             for (int64_t c0 = 0; c0 < H; c0 += seg) deq_seg(emb, ids[b], c0, seg, x + b * H + c0, wround);
     }
-    int rc = qp_stack_step(layers, L, H, B, x, rot, lat, kr, ld_lat, lds_b, ld_kr, krs_b, pos, lat_bf16,
-                           fnorm, fnorm_bf16, feps, hid, wround);
+    int rc = qp_stack_step(layers, L, H, B, x, rot, lat, kr, ld_lat, lds_b, ld_kr, krs_b, pos, rmap, rm_ld, bpos,
+                           lat_bf16, fnorm, fnorm_bf16, feps, hid, wround);
     if (rc || !head) return rc;
     const int64_t zero = 0;
     rc = qp_gemm(&head, 1, B, H, hid, H, &zero, &B, &zero, &zero, logits, head->n, wround);

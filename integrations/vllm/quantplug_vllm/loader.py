@@ -12,6 +12,8 @@
 4. Where a vLLM module holds only planned modules, quantplug's own step runs it (gated MLPs), and
    vLLM's MLA multiplies by ``W_UK_T`` / ``W_UV`` computed from the planned ``kv_b_proj`` on use
    instead of holding dense copies (:mod:`.mla`); then vLLM post-processes.
+5. Decode-only batches run quantplug's whole-stack step, one native call per step, on vLLM's paged
+   MLA cache (:mod:`.decode`) where the model has one.
 
 Options for quantplug (``-o KEY=VALUE`` on the CLI) come from vLLM's
 ``model_loader_extra_config`` (``--model-loader-extra-config '{"activation_quant": "none"}'``).
@@ -26,7 +28,14 @@ from typing import Any
 
 import quantplug
 import torch
-from quantplug.bridge import AbsorbedMLA, absorbed_attention, float_state, planned_mlps, planned_modules
+from quantplug.bridge import (
+    AbsorbedMLA,
+    absorbed_attention,
+    float_state,
+    paged_decode,
+    planned_mlps,
+    planned_modules,
+)
 from quantplug.errors import QuantplugError
 from torch import nn
 from vllm.config import ModelConfig, VllmConfig
@@ -36,6 +45,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
 from vllm.utils.torch_utils import set_default_torch_dtype
 
+from . import decode
 from .method import NAME, QuantplugConfig, QuantplugLinearMethod, _register_fn, mlp_op
 from .mla import absorb_lazily, quantize_latent
 
@@ -102,6 +112,7 @@ class QuantplugModelLoader(BaseModelLoader):
             floats = float_state(qp_model)
             mlps = planned_mlps(qp_model)
             absorbed = absorbed_attention(qp_model)
+            paged = paged_decode(qp_model)
         except QuantplugError as exc:
             raise QuantplugLoadError(f"quantplug: {exc}") from exc
         t_load = time.perf_counter() - t0
@@ -121,6 +132,7 @@ class QuantplugModelLoader(BaseModelLoader):
         notes = self._wire(model, mlps, absorbed)
         del qp_model, floats
         process_weights_after_loading(model, model_config, torch.device("cpu"))
+        notes.setdefault("model", []).append(decode.install(model, paged))
         for name, mod in model.named_modules():  # per layer, how it runs where that is not "as planned"
             for note in [*getattr(getattr(mod, "quant_method", None), "notes", ()), *notes.get(name, ())]:
                 logger.info("quantplug: %s: %s", name, note)

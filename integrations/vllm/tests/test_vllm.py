@@ -115,7 +115,9 @@ def count_paths(monkeypatch: pytest.MonkeyPatch) -> collections.Counter:
 def test_greedy_equals_quantplug_generate(exports: dict[str, Path], label: str,
                                           count_paths: collections.Counter) -> None:
     """float32: vLLM's greedy tokens = ``quantplug generate``'s, 16 new tokens, every format with
-    its backend's default options (DeepSeek FP8 with its activation emulation included).
+    its backend's default options (DeepSeek FP8 with its activation emulation included), decoded
+    by quantplug's whole-stack step on vLLM's paged cache (one native call per step, every format
+    whose products all have native forms) and by vLLM's own layers.
 
     And quantplug's compute runs inside vLLM: for every format whose schemes declare forms, every
     product runs on them natively (projections, gated MLPs and routed experts as one ``MLPStep``
@@ -129,6 +131,14 @@ def test_greedy_equals_quantplug_generate(exports: dict[str, Path], label: str,
     # quantization="quantplug": vLLM's config stage would otherwise judge the checkpoint by its own
     # quant_method first (it refuses float32 for "fp8", asymmetric GPTQ, and knows nothing of "acme")
     llm = _llm(path, "float32", quantization="quantplug", model_loader_extra_config=options)
+    inner = _model(llm).model
+    stack = inner.quantplug_decode  # quantplug's whole-stack step on vLLM's paged cache, where the model has one
+    if stack is not None:
+        calls = stack.calls
+        assert _generate(llm) == want
+        assert stack.calls - calls == NEW - 1  # every decode step in one native call
+    assert (stack is None) == (label in NO_FORM or label.endswith("expert-pack")), label
+    inner.quantplug_decode = None  # vLLM's layers decode: each of quantplug's products inside them
     count_paths.clear()
     assert _generate(llm) == want
     mla = _model(llm).get_submodule("model.layers.0.self_attn.mla_attn.mla_attn")
