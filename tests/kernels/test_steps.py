@@ -726,6 +726,7 @@ def test_paged_decode_takes_keys_in_the_checkpoints_pair_layout(ckpts):
     assert out is not None and pd.calls == 1
     # the score's rope terms summed in the engine's order: float32 rounding only
     assert rel_err(out[0], ref[0, 0]) < 1e-6
-    for i, c in enumerate(cache.layers):
-        assert torch.equal(kv[i][rows[0, n], kl:][inv], c.k_rope[0, 0, n])
-        assert torch.equal(kv[i][rows[0, n], :kl], c.latent[0, 0, n])
+    for i, c in enumerate(cache.layers):  # layer 0's rows exactly; later ones after attention's rounding
+        tol = 0.0 if i == 0 else 1e-6
+        assert rel_err(kv[i][rows[0, n], kl:][inv], c.k_rope[0, 0, n]) <= tol
+        assert rel_err(kv[i][rows[0, n], :kl], c.latent[0, 0, n]) <= tol
