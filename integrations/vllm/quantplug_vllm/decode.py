@@ -104,5 +104,12 @@ def install(model: nn.Module, paged: PagedDecode | None) -> str:
 
     inner.forward = forward
     inner.quantplug_decode = paged
+    note = ""
+    if getattr(inner, "do_not_compile", True) is False:
+        # vLLM would trace this forward with torch.compile (dynamo, whole graph), which cannot
+        # pass through the native call; the model runs eagerly instead (its products are
+        # quantplug's native ones either way)
+        inner.do_not_compile = True
+        note = "; vLLM's torch.compile of the model is off (the native step runs eagerly)"
     return (f"decode-only batches of up to {NATIVE_ROWS} sequences run as one native call per step "
-            "(quantplug's whole-stack step on vLLM's paged MLA cache)")
+            f"(quantplug's whole-stack step on vLLM's paged MLA cache){note}")

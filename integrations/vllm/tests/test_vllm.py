@@ -160,6 +160,27 @@ def test_greedy_equals_quantplug_generate(exports: dict[str, Path], label: str,
         assert count_paths[("stacked_all", True)] >= (NEW - 1) * 3 * 2  # W_UK and W_UV of 3 layers
 
 
+@pytest.mark.parametrize("label", ["gguf-q4_0", "fp8-block"])
+def test_batched_decode_on_the_paged_cache_equals_each_sequence_alone(exports: dict[str, Path], label: str) -> None:
+    """Two sequences of different lengths decoded together (one native call per step for both,
+    each at its own position in vLLM's paged cache) give each prompt's ``quantplug generate``
+    tokens; also with vLLM's torch.compile mode on (the model then runs eagerly: the one-call
+    step cannot be traced)."""
+    if label not in exports:
+        pytest.skip(f"the backend writing {label} is not installed")
+    prompts = [PROMPT, [3, 250, 17]]
+    wants = [quantplug.load(exports[label], dtype=torch.float32, progress=False).generate(
+        torch.tensor([p]), NEW)[0, len(p):].tolist() for p in prompts]
+    llm = LLM(model=str(exports[label]), load_format="quantplug", skip_tokenizer_init=True, dtype="float32",
+              max_model_len=128, max_num_seqs=2, enforce_eager=label == "gguf-q4_0", quantization="quantplug")
+    stack = _model(llm).model.quantplug_decode
+    assert stack is not None
+    out = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                       SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in out] == wants
+    assert stack.calls == NEW - 1  # both sequences' decode steps together
+
+
 @pytest.mark.parametrize("label", sorted(PACKED))
 def test_bf16_tokens_and_weight_bytes(exports: dict[str, Path], label: str) -> None:
     """bfloat16 (the checkpoints' float type): tokens = quantplug's bfloat16 model's; the quantized
