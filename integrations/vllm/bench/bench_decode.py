@@ -34,6 +34,16 @@ import time
 from typing import Any
 
 PROMPT = [1, 5, 9, 33, 100, 7]
+#: model sizes (config.json overrides of ``quantplug.testing.engines.mla_config``): ``tiny`` the test
+#: checkpoints (3 layers, hidden 256, ~41 MB bf16: per-step engine overhead decides the speed), ``mid``
+#: ~0.5 GB bf16 (4 layers, hidden 1536, 16 heads, 16 routed experts of 768, top-4: a decode step reads
+#: ~220 MB of bf16 weights, so the weights, not the engine's per-step overhead, decide the speed)
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    "mid": {"hidden_size": 1536, "intermediate_size": 4096, "moe_intermediate_size": 768, "n_routed_experts": 16,
+            "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "num_attention_heads": 16,
+            "num_key_value_heads": 16, "q_lora_rank": 768, "num_hidden_layers": 4},
+}
 NEW = 64
 CONTENDERS = ("plugin", "vllm", "quantplug")
 
@@ -118,6 +128,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
     ap.add_argument("--compile", action="store_true", help="vLLM with torch.compile (slow warm-up)")
+    ap.add_argument("--size", default="tiny", choices=sorted(SIZES), help="model size (see SIZES)")
+    ap.add_argument("--keep", metavar="DIR", help="export into DIR (kept; reused when already there)")
     ap.add_argument("--worker", nargs=2, metavar=("CONTENDER", "PATH"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -128,10 +140,15 @@ def main() -> None:
     from quantplug.testing.engines import export_formats, mla_config
 
     contenders = [c for c in args.contenders.split(",") if c]
-    with tempfile.TemporaryDirectory() as root:
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.keep or tmp
         # topk_method "noaux_tc", as DeepSeek-V3's release config says: vLLM's own path needs it
         # (without it vLLM has no e_score_correction_bias parameter: KeyError); quantplug ignores it
-        paths = export_formats(root, mla_config(topk_method="noaux_tc"), only=args.labels)
+        have = {lb: os.path.join(root, lb) for lb in args.labels if os.path.exists(os.path.join(root, lb, "config.json"))}
+        todo = [lb for lb in args.labels if lb not in have]
+        paths = dict(have)
+        if todo:
+            paths.update(export_formats(root, mla_config(topk_method="noaux_tc", **SIZES[args.size]), only=todo))
         for label in args.labels:
             if label not in paths:
                 print(f"{label}: not exported (its backend is not installed)", flush=True)

@@ -129,7 +129,15 @@ class QuantplugModelLoader(BaseModelLoader):
             raise QuantplugLoadError(f"quantplug: {path}: vLLM's model has no layer for the planned modules "
                                      f"{', '.join(unused[:8])}")
         self._copy_floats(model, floats, path)
-        notes = self._wire(model, mlps, absorbed)
+        notes, quantized = self._wire(model, mlps, absorbed)
+        kinds = {q for q in quantized.values() if q is not None}
+        if paged is not None and kinds:
+            if len(kinds) > 1:  # one cache kind per step: some layers' latents cached quantized, some not
+                notes.setdefault("model", []).append("vLLM caches some layers' latents quantized and some not: "
+                                                     "decode steps run vLLM's layers")
+                paged = None
+            else:
+                paged.quantized_latent = kinds == {True}
         del qp_model, floats
         process_weights_after_loading(model, model_config, torch.device("cpu"))
         notes.setdefault("model", []).append(decode.install(model, paged))
@@ -146,7 +154,8 @@ class QuantplugModelLoader(BaseModelLoader):
         return model.eval()
 
     @staticmethod
-    def _wire(model: nn.Module, mlps: dict[str, nn.Module], absorbed: dict[str, AbsorbedMLA]) -> dict[str, list[str]]:
+    def _wire(model: nn.Module, mlps: dict[str, nn.Module], absorbed: dict[str, AbsorbedMLA]
+              ) -> tuple[dict[str, list[str]], dict[str, bool | None]]:
         """Where vLLM's module holds only planned modules, quantplug's own step runs it:
 
         * a gated MLP (dense MLP layers, shared experts) whose ``gate_up_proj`` and ``down_proj``
@@ -156,8 +165,10 @@ class QuantplugModelLoader(BaseModelLoader):
           :func:`~quantplug_vllm.mla.absorb_lazily`), and the cached latent quantized where
           ``kv_b_proj`` quantizes its input (:func:`~quantplug_vllm.mla.quantize_latent`).
 
-        Returns what to log per module."""
+        Returns what to log per module, and per MLA layer whether vLLM caches its latent quantized
+        (None: its kv_b_proj does not quantize its input)."""
         notes: dict[str, list[str]] = {}
+        quantized: dict[str, bool | None] = {}
         for name, mod in model.named_modules():
             if name in mlps:
                 qp = mlps[name]
@@ -179,8 +190,8 @@ class QuantplugModelLoader(BaseModelLoader):
                 wrapper = model.get_submodule(name.removesuffix(".mla_attn"))
                 layer_notes = notes.setdefault(owner, [])
                 absorb_lazily(mod, att, owner, layer_notes)
-                quantize_latent(wrapper, att, layer_notes)
-        return notes
+                quantized[owner] = quantize_latent(wrapper, att, layer_notes)
+        return notes, quantized
 
     @staticmethod
     def _align_config(model_config: ModelConfig, plan: Any) -> None:
