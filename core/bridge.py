@@ -362,11 +362,8 @@ class PagedDecode:
     halves, so its rotation matrices are permuted to the engine's layout (scores are unchanged:
     queries and keys take the same permutation)."""
 
-    def __init__(self, step: compute.StackStep, rotary: Rotary, quantized_latent: bool = False) -> None:
+    def __init__(self, step: compute.StackStep, rotary: Rotary) -> None:
         self.step, self.rotary = step, rotary
-        #: the engine's cache holds latents as kv_b's activation quantization makes them
-        #: (:meth:`~quantplug.kernels.compute.StackStep.paged`)
-        self.quantized_latent = quantized_latent
         rope = step.rope
         half = rope // 2
         perm = None
@@ -385,7 +382,7 @@ class PagedDecode:
         rot = torch.stack([self.rotary.step_rotation(p, dtype) for p in positions.tolist()])
         if self.perm is not None:
             rot = rot.index_select(2, self.perm)
-        out = self.step.paged(x, rot, kv, rows, positions, self.quantized_latent)
+        out = self.step.paged(x, rot, kv, rows, positions)
         if out is not None:
             self.calls += 1
         return out

@@ -37,9 +37,6 @@ from .native import Bound
 
 #: input rows per weight up to which the native row kernels run (one-call steps, batched decode)
 NATIVE_ROWS = 16
-#: a latent cache's kind, the latent steps' flags argument (``QC_*`` in ``qp_types.h``): bfloat16 rows;
-#: rows holding the latent as kv_b's activation quantization makes it
-QC_BF16, QC_QLATENT = 1, 2
 #: input rows per weight up to which an exact product (a prefill, a prompt's expert groups) of a
 #: weight-only form stays on the native row kernels: for forms decoded in registers (Q4_0 / Q8_0,
 #: INT4 / INT8 / FP8 / FP4), and for the other forms (decoded into a buffer per 4 rows); above
@@ -735,7 +732,7 @@ class StackStep:
         return self._run(b, None, ids.contiguous(), embed, rot, caches, head, pick and head is not None)
 
     def paged(self, x: torch.Tensor, rot: torch.Tensor, kv: Sequence[torch.Tensor], rows: torch.Tensor,
-              positions: torch.Tensor, quantized_latent: bool = False) -> torch.Tensor | None:
+              positions: torch.Tensor) -> torch.Tensor | None:
         """A decode step on an engine's paged latent cache (vLLM's MLA cache): ``x`` [B, hidden] the
         embeddings in the model dtype, ``rot`` [B, rope, rope] each row's rotation at its position,
         ``kv`` every layer's cache as [slots, kv_lora + rope] (per slot the latent then the roped key;
@@ -744,10 +741,7 @@ class StackStep:
         sequences may stand at different positions). Writes every layer's latent and key at slot
         ``rows[b, positions[b]]`` and attends on ``rows[b, :positions[b] + 1]``. Returns the final
         norm [B, hidden] in the model dtype; None (nothing written) when the step cannot run now or
-        a slot lies outside the cache. ``quantized_latent``: the cache holds each latent as the
-        layer's ``kv_b`` activation quantization makes it (where it quantizes: the engine's own
-        decode reads the rows as they are), so the step stores its latents so and attends on the
-        rows as stored, where by default it stores the latent and quantizes every row it reads."""
+        a slot lies outside the cache."""
         lib = native._lib
         b = x.shape[0]
         if (lib is None or b > NATIVE_ROWS or len(kv) != self.n or x.dtype != self.dtype or x.device.type != "cpu"
@@ -779,8 +773,7 @@ class StackStep:
         fn = self.final_norm
         rc = lib.qp_decode_step(self.layers_arr, self.n, self.h, b, None, None, x2.data_ptr(), r.data_ptr(), lats, krs,
                                 ld, 0, ld, 0, 0, rows.data_ptr(), rows.shape[1], positions.data_ptr(),
-                                (QC_BF16 if c0.dtype == torch.bfloat16 else 0) | (QC_QLATENT if quantized_latent else 0),
-                                fn.data_ptr(), int(fn.dtype == torch.bfloat16),
+                                int(c0.dtype == torch.bfloat16), fn.data_ptr(), int(fn.dtype == torch.bfloat16),
                                 self.eps, out.data_ptr(), None, None, None, self.wround)
         native.check(rc, "decode_step")
         return out if self.dtype == torch.float32 else out.to(self.dtype)

@@ -18,11 +18,6 @@ enum { QA_NONE = 0, QA_FP8 = 1, QA_FP8_STATIC = 2, QA_INT8_SYM = 3, QA_INT8_ASYM
 enum { QG_AFTER = 0, QG_TIMES = 1, QG_OVER = 2 };
 enum { QE_FLOAT = 0, QE_STATIC = 1, QE_DYNAMIC = 2 };
 enum { QR_NONE = 0, QR_BF16 = 1, QR_F16 = 2 };
-/* a latent cache's kind (the latent steps' lat_bf16 argument): QC_BF16 its rows are bfloat16 (else
- * float32); QC_QLATENT it holds each latent as kv_b's activation quantization makes it (an engine's
- * cache, which its own decode reads as is): the step stores quantized rows and attends on them as
- * stored, instead of storing the latent and quantizing every row on read */
-enum { QC_BF16 = 1, QC_QLATENT = 2 };
 /* the gated MLP's activation act(gate, up) (qp_mlp; compute.py: MLP_ACTS) */
 enum { QM_SILU = 0, QM_SITU = 1 };
 /* the kernels' own: QR_BF16 for weights known normal or zero (no subnormals, no NaN), where the

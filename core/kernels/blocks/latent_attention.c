@@ -146,15 +146,13 @@ static inline int64_t cache_at(const int64_t *rmap, int64_t rm_ld, int64_t b, in
 int qp_latent_post(const qp_latent_attn *m, int64_t B, const float *qcat, const void *lat, int64_t ld_lat, int64_t lds_b,
                 const void *kr, int64_t ld_kr, int64_t krs_b, int64_t n, const int64_t *rmap, int64_t rm_ld,
                 const int64_t *lens, int lat_bf16, const float *gate, float *out, int wround) {
-    if (!latent_ok(m) || B <= 0 || n <= 0 || (rmap && rm_ld < n) || (lat_bf16 & ~(QC_BF16 | QC_QLATENT))) return -1;
+    if (!latent_ok(m) || B <= 0 || n <= 0 || (rmap && rm_ld < n)) return -1;
     for (int64_t b = 0; b < B && lens; b++)
         if (lens[b] <= 0 || lens[b] > n) return -1;
     const int64_t H = m->H, kl = m->kv_lora, rp = m->rope, nh = m->nh, vd = m->v;
     /* the latent as kv_b's activation quantization makes it: the expanded form quantizes kv_b's
-     * input (the latent, per token), so the absorbed form attends on the quantized rows (quantized
-     * here, unless the cache holds them so: QC_QLATENT) */
-    const int latent_act = m->kv_dense && m->kv_b->act.kind != QA_NONE && !(lat_bf16 & QC_QLATENT);
-    lat_bf16 &= QC_BF16;
+     * input (the latent, per token), so the absorbed form attends on the quantized rows */
+    const int latent_act = m->kv_dense && m->kv_b->act.kind != QA_NONE;
     /* float32 contiguous cache rows without a quantization to apply are read in place; otherwise copied */
     const int copy = lat_bf16 || latent_act || rmap || lens;
     float *lf = (float *)malloc(sizeof(float) * (size_t)(copy ? B * n * (kl + rp) : 1));
@@ -255,13 +253,11 @@ done:
  * written into each sequence's cache row pos (float32, or bfloat16 rounded to nearest even, as
  * torch's conversion), then qp_latent_post over the pos + 1 cached tokens. bpos [B] (or NULL: pos
  * each): each sequence's own position; rmap / rm_ld: a paged cache, as qp_latent_post reads it (the
- * token is written at its physical row rmap[b * rm_ld + position]); lat_bf16: QC_* flags. */
+ * token is written at its physical row rmap[b * rm_ld + position]). */
 int qp_latent_step(const qp_latent_attn *m, int64_t B, const float *x, const float *rot, void *lat, int64_t ld_lat, int64_t lds_b,
                 void *kr, int64_t ld_kr, int64_t krs_b, int64_t pos, const int64_t *rmap, int64_t rm_ld,
                 const int64_t *bpos, int lat_bf16, float *out, int wround) {
-    if (!latent_ok(m) || B <= 0 || pos < 0 || (lat_bf16 & ~(QC_BF16 | QC_QLATENT))) return -1;
-    /* QC_QLATENT: rows stored as kv_b's activation quantization makes them (where it quantizes) */
-    const int qstore = (lat_bf16 & QC_QLATENT) && m->kv_dense && m->kv_b->act.kind != QA_NONE;
+    if (!latent_ok(m) || B <= 0 || pos < 0) return -1;
     int64_t n = pos + 1;
     if (bpos) {
         n = 0;
@@ -277,27 +273,13 @@ int qp_latent_step(const qp_latent_attn *m, int64_t B, const float *x, const flo
     if (!buf || (bpos && !lens)) { free(buf); free(lens); return -2; }
     float *qcat = buf, *kvrow = qcat + B * m->nh * (kl + rp), *gate = kvrow + B * (kl + rp);
     int rc = qp_latent_pre(m, B, x, rot, qcat, kvrow, m->g ? gate : NULL, wround);
-    if (rc == 0 && qstore) {
-        qp_scratch sq;
-        if (!scratch_alloc(&sq, B, kl)) rc = -2;
-        else {
-            qp_in in;
-            qp_mat kq = *m->kv_b;
-            kq.act.epi = QE_FLOAT;  /* the float rows (q - o) * s, as qp_latent_post makes them */
-            kq.mode = 0;
-            prepare(&kq, B, kl, kvrow, kl + rp, &sq, &in);
-            for (int64_t b = 0; b < B; b++)
-                memcpy(kvrow + b * (kl + rp), in.x + b * in.ldx, sizeof(float) * (size_t)kl);
-            scratch_free(&sq);
-        }
-    }
     if (rc == 0) {
         for (int64_t b = 0; b < B; b++) {
             const float *row = kvrow + b * (kl + rp);
             const int64_t p = bpos ? bpos[b] : pos;
             const int64_t lo = cache_at(rmap, rm_ld, b, p, ld_lat, lds_b), ko = cache_at(rmap, rm_ld, b, p, ld_kr, krs_b);
             if (lens) lens[b] = p + 1;
-            if (lat_bf16 & QC_BF16) {
+            if (lat_bf16) {
                 uint16_t *l = (uint16_t *)lat + lo, *k = (uint16_t *)kr + ko;
                 for (int64_t i = 0; i < kl; i++) l[i] = (uint16_t)(f32_bits(round_bf16(row[i])) >> 16);
                 for (int64_t i = 0; i < rp; i++) k[i] = (uint16_t)(f32_bits(round_bf16(row[kl + i])) >> 16);
