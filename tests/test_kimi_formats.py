@@ -208,6 +208,8 @@ def test_every_backend_exporter(kimi_dense, arch, row):
     weight_only = all(getattr(getattr(m, "scheme", None), "weight_only", True) for m in loaded.modules())
     with torch.no_grad():
         err = rel_err(loaded(IDS[:, :11]), quantplug.load(deq, progress=False)(IDS[:, :11]))
-    # weight-only: exact up to float rounding; activations quantized (fp8, int8, NVFP4's 4-bit codes):
-    # a sanity bound (K3's logits move 0.3-0.7 under them, a mis-mapped tensor moves them by more)
-    assert err <= (1e-5 if weight_only else 1.0), (row.label, weight_only, err)
+    # weight-only: exact up to float32 rounding (the AVX512 builds' int4 kernels sum in another order
+    # than the dequantized model's matmuls: GPTQ / AWQ int4 2.1e-5 there, below 1e-5 on AVX2);
+    # activations quantized (fp8, int8, NVFP4's 4-bit codes): a sanity bound (K3's logits move
+    # 0.3-0.7 under them, a mis-mapped tensor moves them by more)
+    assert err <= (5e-5 if weight_only else 1.0), (row.label, weight_only, err)

@@ -79,7 +79,8 @@ def test_dense_situ_step_equals_the_torch_formula(form, linear_beta):
     x = torch.randn(3, H, generator=torch.Generator().manual_seed(1)) * 2
     want = ref_mlp(layers, x, lambda g, u: situ_mul(g, u, 4.0, linear_beta))
     got = step(x)
-    assert got is not None and rel(got, want) < 1e-6, rel(got, want)
+    # float32 sums in the kernels' order (AVX512's 32-wide Q8_0 tile: 1.02e-6 from torch's matmul)
+    assert got is not None and rel(got, want) < 2e-6, rel(got, want)
     # SiTU is not SiLU here (the inputs reach tanh's bend)
     assert rel(ref_mlp(layers, x, lambda g, u: F.silu(g) * u), want) > 1e-3
 
