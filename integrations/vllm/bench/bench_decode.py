@@ -11,7 +11,8 @@ Contenders, each in a fresh process per round, their order rotating from round t
 * ``plugin``: ``vllm.LLM(path, load_format="quantplug", quantization="quantplug")``;
 * ``vllm``: ``vllm.LLM(path)``, vLLM's own loader and quantization (where it refuses the
   checkpoint, the row says so with vLLM's error);
-* ``quantplug``: ``quantplug.load(path).generate`` (no engine).
+* ``quantplug``: ``quantplug.load(path).generate`` (no engine);
+* ``plugin-layers`` (named in ``--contenders`` only): the plugin with its one-call decode step off.
 
 In each process: load, one warm-up generation, then ``--reps`` times greedy generation of 1 and of
 64 new tokens from one 6-token prompt. Decode tokens/s = 63 / (min t64 - min t1) over every
@@ -46,6 +47,8 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 NEW = 64
 CONTENDERS = ("plugin", "vllm", "quantplug")
+#: also measurable: ``plugin-layers``, the plugin with its one-call decode step off (vLLM's layers
+#: decode, each of quantplug's products inside them: the plugin before that step)
 
 
 def worker(contender: str, path: str, dtype_name: str, reps: int, compile_: bool) -> dict[str, Any]:
@@ -67,7 +70,8 @@ def worker(contender: str, path: str, dtype_name: str, reps: int, compile_: bool
     else:
         from vllm import LLM, SamplingParams
 
-        kw: dict[str, Any] = {"load_format": "quantplug", "quantization": "quantplug"} if contender == "plugin" else {}
+        plugin = contender.startswith("plugin")
+        kw: dict[str, Any] = {"load_format": "quantplug", "quantization": "quantplug"} if plugin else {}
         try:
             llm = LLM(model=path, skip_tokenizer_init=True, dtype=dtype_name, max_model_len=256, max_num_seqs=1,
                       enforce_eager=not compile_, **kw)
@@ -75,6 +79,9 @@ def worker(contender: str, path: str, dtype_name: str, reps: int, compile_: bool
             lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
             said = next((ln for ln in lines if "Value error" in ln), lines[-1] if lines else "")  # pydantic's
             return {"error": f"{type(exc).__name__}: {said}"[:300]}
+
+        if contender == "plugin-layers":
+            llm.llm_engine.model_executor.driver_worker.worker.model_runner.model.model.quantplug_decode = None
 
         def run(n: int) -> list[int]:
             res = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=n,

@@ -129,7 +129,7 @@ class QuantplugModelLoader(BaseModelLoader):
             raise QuantplugLoadError(f"quantplug: {path}: vLLM's model has no layer for the planned modules "
                                      f"{', '.join(unused[:8])}")
         self._copy_floats(model, floats, path)
-        notes = self._wire(model, mlps, absorbed, quantize=paged is None)
+        notes = self._wire(model, mlps, absorbed)
         del qp_model, floats
         process_weights_after_loading(model, model_config, torch.device("cpu"))
         notes.setdefault("model", []).append(decode.install(model, paged))
@@ -146,18 +146,17 @@ class QuantplugModelLoader(BaseModelLoader):
         return model.eval()
 
     @staticmethod
-    def _wire(model: nn.Module, mlps: dict[str, nn.Module], absorbed: dict[str, AbsorbedMLA], quantize: bool
-              ) -> dict[str, list[str]]:
+    def _wire(model: nn.Module, mlps: dict[str, nn.Module], absorbed: dict[str, AbsorbedMLA]) -> dict[str, list[str]]:
         """Where vLLM's module holds only planned modules, quantplug's own step runs it:
 
         * a gated MLP (dense MLP layers, shared experts) whose ``gate_up_proj`` and ``down_proj``
           hold exactly quantplug's gate / up / down: quantplug's MLP (``quantplug_vllm::mlp``: one
           native call for a decode step's rows, ``MLPStep``);
         * MLA: ``W_UK_T`` / ``W_UV`` computed on use from the planned ``kv_b_proj`` (no dense copy,
-          :func:`~quantplug_vllm.mla.absorb_lazily`), and with ``quantize`` the cached latent
-          quantized where ``kv_b_proj`` quantizes its input (:func:`~quantplug_vllm.mla.quantize_latent`;
-          without: the cache holds the latent itself, which quantplug's one-call decode step
-          quantizes as it reads each row, :mod:`.decode`).
+          :func:`~quantplug_vllm.mla.absorb_lazily`), and the cached latent quantized where
+          ``kv_b_proj`` quantizes its input (:func:`~quantplug_vllm.mla.quantize_latent`; quantplug's
+          one-call decode step, :mod:`.decode`, quantizes the rows it reads again, which leaves
+          quantized rows as they are in float32).
 
         Returns what to log per module."""
         notes: dict[str, list[str]] = {}
@@ -182,12 +181,7 @@ class QuantplugModelLoader(BaseModelLoader):
                 wrapper = model.get_submodule(name.removesuffix(".mla_attn"))
                 layer_notes = notes.setdefault(owner, [])
                 absorb_lazily(mod, att, owner, layer_notes)
-                if quantize:
-                    quantize_latent(wrapper, att, layer_notes)
-                elif att.quantizes_latent:
-                    layer_notes.append("the cached latent is stored as is: quantplug's decode step quantizes each row "
-                                       "as kv_b_proj quantizes its input when it reads it; vLLM's own decode (a batch "
-                                       "mixing prompts and decode tokens) attends on the float latent")
+                quantize_latent(wrapper, att, layer_notes)
         return notes
 
     @staticmethod
