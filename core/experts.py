@@ -255,7 +255,15 @@ class ExpertCache:
                     self._prefetched.discard(key)
                     self.counts["prefetch_hits"] += 1
         for s, fut in futures.items():
-            layers, nbytes = fut.result()
+            try:
+                layers, nbytes = fut.result()
+            except BaseException:
+                # a failed read (I/O error, checksum mismatch) caches nothing: the next request
+                # reads the expert again (after the file is repaired, it succeeds)
+                with self._lock:
+                    if self._pending.get((id(store), s)) is fut:
+                        del self._pending[(id(store), s)]
+                raise
             with self._lock:
                 e = self._admit(store, s, layers, nbytes)
                 assert e is not None  # a request's admission never drops

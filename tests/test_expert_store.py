@@ -262,6 +262,28 @@ def test_a_file_truncated_after_load_is_a_load_error_naming_it(tmp_path):
         model(IDS)
 
 
+def test_a_failed_expert_read_is_not_cached_and_a_retry_reads_again(built, monkeypatch):
+    """A read that fails (I/O error, checksum mismatch) leaves nothing behind in the cache: the next
+    request of that expert reads it again, and succeeds once the file is readable."""
+    path, _ = built["fp8"]
+    model = quantplug.load(path, progress=False, options={"expert_cache_mb": 1, "expert_prefetch": False})
+    real = experts.ExpertStore.build
+    calls = {"n": 0}
+
+    def failing_once(self, slot):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise LoadError("injected read failure")
+        return real(self, slot)
+
+    monkeypatch.setattr(experts.ExpertStore, "build", failing_once)
+    with pytest.raises(LoadError, match="injected read failure"), torch.no_grad():
+        model(IDS[:1, :3])
+    with torch.no_grad():
+        got = model(IDS[:1, :3])
+    assert torch.equal(got, quantplug.load(path, progress=False)(IDS[:1, :3]))
+
+
 def test_concurrent_requests_never_evict_experts_in_use(built):
     """Two threads decoding at once through a cache that holds little more than two steps: each
     thread's experts stay pinned until its next request; both get the single-thread logits."""
