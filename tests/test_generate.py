@@ -187,6 +187,23 @@ def test_expert_pack_cache_equals_recompute_and_cli_reports_ssd_reads(tmp_path, 
     assert d["stats"]["expert_cache"]["expert_reads"] == reads * 16 and d["stats"]["expert_cache"]["hits"] >= 0
 
 
+def test_cli_reports_the_hit_rate_of_experts_served_by_the_core_cache(tmp_path, capsys):
+    """Served experts (``expert_cache_mb``) are routed on Python numbers in a decode step, past the
+    routers' forward hooks: the hit rate comes from the core cache's own requests (one per
+    distinct expert of a layer and step), for every format (here DeepSeek FP8)."""
+    from quantplug.testing import formats, random_state, tiny_config
+
+    cfg = tiny_config()
+    path = formats.fp8(tmp_path / "fp8", cfg, random_state(cfg))
+    assert main(["generate", str(path), "--tokens", "1,2,3,4", "--max-new-tokens", "5", "--json",
+                 "-o", "expert_cache_mb=1", "-o", "expert_prefetch=false"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    grown = d["stats"]["expert_cache"]
+    assert grown["requests"] == 4 * 2 * 2  # 4 decode steps x 2 MoE layers x top-2 (distinct per layer and step)
+    assert d["expert_cache_hit_rate"] == round(1 - grown["expert_reads"] / grown["requests"], 4)
+    assert d["pack_reads_per_expert_use"] == round(grown["expert_reads"] / grown["requests"], 4)
+
+
 class _Counter:
     """A run-time statistics source (quantplug.api.StatsSource): counts the forwards it saw."""
 
