@@ -284,6 +284,44 @@ def test_a_failed_expert_read_is_not_cached_and_a_retry_reads_again(built, monke
     assert torch.equal(got, quantplug.load(path, progress=False)(IDS[:1, :3]))
 
 
+def test_checkpoint_add_pack_adds_a_backends_pack_once_and_refuses_a_name_another_file_holds(built, tmp_path):
+    """``Checkpoint.add_pack`` (contract 1.9): a pack's tensors join the checkpoint and its file the
+    files checked for changes at load; adding the same pack again does nothing; a stored name
+    another file holds is a CheckpointError naming both files."""
+    from quantplug.checkpoint import Checkpoint, qpack
+    from quantplug.errors import CheckpointError
+    from quantplug.types import TensorInfo
+
+    path, _ = built["fp8"]
+    ckpt = Checkpoint.open(path)
+    side = tmp_path / "side.qpack"
+    side.write_bytes(bytes(64))
+
+    class Side:
+        def __init__(self, name: str) -> None:
+            self.path, self.name = side, name
+
+        def tensors(self):
+            return {self.name: TensorInfo(self.name, side, "U8", (64,), 0, 64)}
+
+        def payload_at(self, offset):
+            return 0 if offset < 64 else -1
+
+        def payload_span(self, i):
+            return 0, 64
+
+        def verify(self, i, fd, data=None):
+            pass
+
+    assert isinstance(Side("x"), qpack.Pack)
+    ckpt.add_pack(Side("side.extra"))
+    ckpt.add_pack(Side("side.extra"))  # the same pack again: nothing happens
+    assert ckpt.tensors["side.extra"].file == side and side in ckpt.packs and side in ckpt.identity
+    taken = next(iter(Checkpoint.open(path).tensors))
+    with pytest.raises(CheckpointError, match=rf"tensor {taken} is in both .*\.safetensors and side\.qpack"):
+        Checkpoint.open(path).add_pack(Side(taken))
+
+
 def test_concurrent_requests_never_evict_experts_in_use(built):
     """Two threads decoding at once through a cache that holds little more than two steps: each
     thread's experts stay pinned until its next request; both get the single-thread logits."""
