@@ -50,6 +50,17 @@ def _measure(path: Path, fmt: str, backend: str | None, ids: torch.Tensor, ref: 
     return DemoRow(fmt, name, _dir_bytes(path), model_bytes(model), plan_ms, load_ms, err), logits
 
 
+def _served(path: Path, backend: str, pm: PluginManager) -> dict | None:
+    """The options of an export with an expert pack: its routed experts served from the pack through
+    the expert cache (``expert_cache_mb``: two steps of a layer), which is what a pack is for;
+    None (defaults: experts in memory) for any other export."""
+    if not any(path.glob("*.qpack")):
+        return None
+    from .experts import step_bytes
+
+    return {"expert_cache_mb": 2 * step_bytes(build_plan(path, backend=backend, plugin_manager=pm)) / (1 << 20)}
+
+
 def run_demo(workdir: Path | None = None, seed: int = 0) -> list[DemoRow]:
     pm = get_plugin_manager()
     tmp = tempfile.TemporaryDirectory(prefix="quantplug-demo-") if workdir is None else None
@@ -70,7 +81,7 @@ def run_demo(workdir: Path | None = None, seed: int = 0) -> list[DemoRow]:
             out = root / rec.name
             out.mkdir()
             for res in pm.export(rec.name, model=dense_model, destination=out, plan=dense_plan):
-                row, _ = _measure(res.path, res.format, rec.name, ids, ref, pm)
+                row, _ = _measure(res.path, res.format, rec.name, ids, ref, pm, _served(res.path, rec.name, pm))
                 rows.append(row)
         return rows
     finally:

@@ -17,8 +17,11 @@ from its router applied to the current hidden state (load option ``expert_prefet
 reads overlap this layer's compute. A caller's experts stay pinned until its next request, so a
 concurrent request never evicts experts in use.
 
-The expert pack (``quantplug expert-pack build``) stays for what it adds: one contiguous file of
-experts with checksums and alignment.
+Expert packs (``quantplug expert-pack build``) are storage in front of this one cache, for what
+they add: one contiguous file of experts with checksums and alignment. A version-2 pack is named
+by the safetensors index, a version-1 (GGUF) pack added by its backend
+(``Checkpoint.add_pack``); either way its payloads are the checkpoint's per-expert tensors, read
+here like any other, each payload's sha256 checked on first read.
 """
 
 from __future__ import annotations
@@ -255,7 +258,15 @@ class ExpertCache:
                     self._prefetched.discard(key)
                     self.counts["prefetch_hits"] += 1
         for s, fut in futures.items():
-            layers, nbytes = fut.result()
+            try:
+                layers, nbytes = fut.result()
+            except BaseException:
+                # a failed read (I/O error, checksum mismatch) caches nothing: the next request
+                # reads the expert again (after the file is repaired, it succeeds)
+                with self._lock:
+                    if self._pending.get((id(store), s)) is fut:
+                        del self._pending[(id(store), s)]
+                raise
             with self._lock:
                 e = self._admit(store, s, layers, nbytes)
                 assert e is not None  # a request's admission never drops
@@ -433,7 +444,7 @@ def attach(plan: Any, model: nn.Module, budget_bytes: int,
         why = ""
         for proj, lin in layers.items():
             params = by_module.get(id(lin), {})
-            if not params:  # nothing read by the plan: the backend serves them (an expert pack)
+            if not params:  # nothing read by the plan: the scheme supplies the weights itself
                 why = "-"
                 break
             pieces[proj] = {}

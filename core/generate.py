@@ -577,14 +577,16 @@ def cli_generate(args: Any, model: Any) -> int:
     """``quantplug generate``: stream the new text (or token ids) to stdout, or one JSON object.
 
     Statistics a backend exposes (``quantplug.api.expose_stats``): ``stats`` holds, per source,
-    each counter's growth over the decode steps. A source counting ``expert_reads`` (an expert
-    pack's cache) also gives ``expert_cache_hit_rate`` = 1 - expert reads / routed experts used
-    (distinct experts per MoE layer and step, counted at the routers), ``pack_reads_per_expert_use``
-    (above 1 when the budget cannot hold an expert between its projections) and
-    ``ssd_bytes_per_token`` (``bytes_read`` per decode step)."""
+    each counter's growth over the decode steps. A source counting ``expert_reads`` (the core's
+    expert cache, ``expert_cache_mb``) also gives ``expert_cache_hit_rate`` = 1 - expert reads /
+    routed experts used (distinct experts per MoE layer and step: the core cache's ``requests``,
+    another source's counted at the routers' forward), ``pack_reads_per_expert_use`` (above 1
+    when an expert is read more than once per use) and ``ssd_bytes_per_token`` (``bytes_read`` per
+    decode step)."""
     import json
     import sys
 
+    from .experts import ExpertCache
     from .stats import BYTES_READ, EXPERT_READS, stats_sources
     from .tokenizer import load_tokenizer
 
@@ -665,9 +667,12 @@ def cli_generate(args: Any, model: Any) -> int:
         name = next(n for n, s in sources.items() if s is packs)
         grown, steps = result["stats"][name], max(len(new) - 1, 1)
         misses = grown[EXPERT_READS]
-        result["expert_cache_hit_rate"] = round(max(0.0, 1 - misses / uses[0]), 4) if uses[0] else None
-        # > 1 when the budget is too small to keep an expert between its projections (thrashing)
-        result["pack_reads_per_expert_use"] = round(misses / uses[0], 4) if uses[0] else None
+        # the core's cache is asked once per distinct expert of a layer and step (a decode step routes
+        # on Python numbers, past the routers' forward hooks): its requests are the uses
+        used = grown["requests"] if isinstance(packs, ExpertCache) else uses[0]
+        result["expert_cache_hit_rate"] = round(max(0.0, 1 - misses / used), 4) if used else None
+        # > 1 when experts are read more than once per use (prefetches that were not used, thrashing)
+        result["pack_reads_per_expert_use"] = round(misses / used, 4) if used else None
         result["ssd_bytes_per_token"] = round(grown.get(BYTES_READ, 0) / steps, 1)
     if args.json:
         print(json.dumps(result))

@@ -146,11 +146,17 @@ def answers(expected: str, kinds: Any, items: Any = None) -> Any:
 #:   loader on every module defining it before loading; the loader no longer sets
 #:   ``qp_prefetch`` / ``qp_indexer`` / ``qp_state_dtype`` on whichever module has one, nor
 #:   ``qp_served_params`` on the model). A test scans the core for undeclared ones.
+#: * 1.9: ``Checkpoint.add_pack(pack)``: a backend whose format names an expert pack itself (the
+#:   GGUF backend's version-1 packs, named by a GGUF file's metadata) adds its payloads to the
+#:   checkpoint as tensors (protocol ``quantplug.api.qpack.Pack``), from ``quantplug_tensor_names``;
+#:   the core then loads them, or serves them through its one expert cache (``expert_cache_mb``,
+#:   ``expert_prefetch``, ``expert_readers``), with each payload's sha256 checked on first read,
+#:   as a version-2 pack's. Design note: one expert cache; a backend supplies storage, not a cache.
 #:
 #: A plugin declares at least the version of every feature it uses (:data:`API_SINCE`,
 #: :data:`SCHEME_SINCE`, each hook's ``versionadded``); ``quantplug.testing.contract`` checks it
 #: and the conformance kit runs that check.
-CONTRACT_VERSION = "1.8"
+CONTRACT_VERSION = "1.9"
 #: When each name of ``quantplug.api`` entered the contract; names not listed date from 1.1, when
 #: ``quantplug.api`` itself was added.
 API_SINCE: dict[str, str] = {
@@ -335,9 +341,16 @@ def quantplug_tensor_names(
     model names; messages show both (``blk.3.attn_k_b.weight (as ...k_b_proj.weight)``). Model
     names of stacked tensors follow the core's layouts: routed experts
     ``...mlp.experts.{gate,up,down}_proj.weight`` [E, out, in], split MLA
-    ``...self_attn.{k_b_proj,v_b_proj}.weight``.
+    ``...self_attn.{k_b_proj,v_b_proj}.weight``; one tensor per expert under the hub names
+    ``...mlp.experts.{e}.{gate,up,down}_proj.weight``.
+
+    A format that keeps tensors in a file the core does not index (the GGUF backend's version-1
+    expert pack, named by the GGUF's metadata) adds them here, before they are renamed, with
+    ``checkpoint.add_pack(pack)`` (1.9; ``pack`` follows ``quantplug.api.qpack.Pack``): they are
+    then the checkpoint's tensors, loaded or served by the core's expert cache like any other.
 
     .. versionadded:: 1.0
+    .. versionchanged:: 1.9 ``Checkpoint.add_pack``.
 
     Example::
 
@@ -539,7 +552,7 @@ def quantplug_process_after_loading(model: torch.nn.Module, quant_config: Any, o
 
         @hookimpl
         def quantplug_process_after_loading(model, quant_config, options):
-            expose_stats(model, "expert_cache", quant_config.cache(options))  # .stats() -> counters
+            expose_stats(model, "acme_decoder", quant_config.decoder)  # .stats() -> counters
     """
 
 

@@ -28,10 +28,10 @@ def test_demo_rows_cover_every_exporting_backend(demo_rows):
     for r in rows[1:]:
         assert math.isfinite(r.max_rel_err) and 0 < r.max_rel_err < 0.5, r
         assert r.plan_ms > 0 and r.load_ms > 0 and r.bytes > 0
-    if "expert_pack" in exporters:  # the pack row holds no experts in memory
+    if "expert_pack" in exporters:  # the pack row serves its experts from the pack: none in the model
         plain, packed = [r for r in rows if r.backend == "expert_pack"]
         # the same weights: equal up to float32 summation order (the pack's experts come through
-        # its cache, the plain file's through the native kernels)
+        # the expert cache's one-expert layers, the plain file's through the stacked ones)
         assert packed.model_bytes < plain.model_bytes and math.isclose(packed.max_rel_err, plain.max_rel_err, rel_tol=1e-5)
 
 

@@ -51,6 +51,13 @@ def _gguf_kquants(root: Path) -> Path:
                              {"ffn_gate_exps": "MXFP4", "ffn_up_exps": "Q8_0", "attn_k_b": "Q4_0"})
 
 
+def _pack(root: Path) -> Path:
+    from quantplug_expert_pack.build import build_pack
+
+    build_pack(root, progress=False)
+    return root
+
+
 def _export(dense: Path, backend: str, dest: Path, options: dict) -> Path:
     from quantplug.plugins import get_plugin_manager
 
@@ -88,6 +95,8 @@ def _build(name: str, root: Path) -> tuple[Path, dict]:
         return formats.gguf(root, cfg, state), {}
     if name == "gguf-kquants":
         return _gguf_kquants(root), {}
+    if name == "gguf-kquants-pack":  # the same GGUF after `expert-pack build`: its experts in a version-1 pack
+        return _pack(_gguf_kquants(root)), {}
     vendor = {"quark-vendor": ("quark_mxfp4_dsv3", {}),
               "modelslim-w8a8-vendor": ("modelslim_w8a8_dsv3", {"activation_quant": "msmodelslim"}),
               "ct-fp8-block-vendor": ("ct_fp8_block_dsv3", {}),
@@ -103,7 +112,7 @@ def _build(name: str, root: Path) -> tuple[Path, dict]:
 
 
 CASES = ["dense-hub-bf16", "dense-fused", "kimi-k25", "fp8", "ct-int4", "quark-export", "modelslim-w4a8-export",
-         "gguf-f32", "gguf-kquants", "quark-vendor", "modelslim-w8a8-vendor", "ct-fp8-block-vendor",
+         "gguf-f32", "gguf-kquants", "gguf-kquants-pack", "quark-vendor", "modelslim-w8a8-vendor", "ct-fp8-block-vendor",
          "ct-w4a16-experts-vendor", "ct-nvfp4-vendor", "ct-mxfp4-vendor", "gguf-iq-unsloth-vendor"]
 CASES += [c for c, mod in (("modelopt-nvfp4-vendor", "quantplug_modelopt"), ("gptq-vendor", "quantplug_gptq_awq"),
                            ("awq-vendor", "quantplug_gptq_awq")) if _installed(mod)]
@@ -262,6 +271,66 @@ def test_a_file_truncated_after_load_is_a_load_error_naming_it(tmp_path):
         model(IDS)
 
 
+def test_a_failed_expert_read_is_not_cached_and_a_retry_reads_again(built, monkeypatch):
+    """A read that fails (I/O error, checksum mismatch) leaves nothing behind in the cache: the next
+    request of that expert reads it again, and succeeds once the file is readable."""
+    path, _ = built["fp8"]
+    model = quantplug.load(path, progress=False, options={"expert_cache_mb": 1, "expert_prefetch": False})
+    real = experts.ExpertStore.build
+    calls = {"n": 0}
+
+    def failing_once(self, slot):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise LoadError("injected read failure")
+        return real(self, slot)
+
+    monkeypatch.setattr(experts.ExpertStore, "build", failing_once)
+    with pytest.raises(LoadError, match="injected read failure"), torch.no_grad():
+        model(IDS[:1, :3])
+    with torch.no_grad():
+        got = model(IDS[:1, :3])
+    assert torch.equal(got, quantplug.load(path, progress=False)(IDS[:1, :3]))
+
+
+def test_checkpoint_add_pack_adds_a_backends_pack_once_and_refuses_a_name_another_file_holds(built, tmp_path):
+    """``Checkpoint.add_pack`` (contract 1.9): a pack's tensors join the checkpoint and its file the
+    files checked for changes at load; adding the same pack again does nothing; a stored name
+    another file holds is a CheckpointError naming both files."""
+    from quantplug.checkpoint import Checkpoint, qpack
+    from quantplug.errors import CheckpointError
+    from quantplug.types import TensorInfo
+
+    path, _ = built["fp8"]
+    ckpt = Checkpoint.open(path)
+    side = tmp_path / "side.qpack"
+    side.write_bytes(bytes(64))
+
+    class Side:
+        def __init__(self, name: str) -> None:
+            self.path, self.name = side, name
+
+        def tensors(self):
+            return {self.name: TensorInfo(self.name, side, "U8", (64,), 0, 64)}
+
+        def payload_at(self, offset):
+            return 0 if offset < 64 else -1
+
+        def payload_span(self, i):
+            return 0, 64
+
+        def verify(self, i, fd, data=None):
+            pass
+
+    assert isinstance(Side("x"), qpack.Pack)
+    ckpt.add_pack(Side("side.extra"))
+    ckpt.add_pack(Side("side.extra"))  # the same pack again: nothing happens
+    assert ckpt.tensors["side.extra"].file == side and side in ckpt.packs and side in ckpt.identity
+    taken = next(iter(Checkpoint.open(path).tensors))
+    with pytest.raises(CheckpointError, match=rf"tensor {taken} is in both .*\.safetensors and side\.qpack"):
+        Checkpoint.open(path).add_pack(Side(taken))
+
+
 def test_concurrent_requests_never_evict_experts_in_use(built):
     """Two threads decoding at once through a cache that holds little more than two steps: each
     thread's experts stay pinned until its next request; both get the single-thread logits."""
@@ -292,13 +361,24 @@ def test_prefetch_reads_the_next_layers_experts_ahead(built):
     assert s_on["requests"] == s_off["requests"]
 
 
-def test_a_format_whose_scheme_serves_experts_itself_keeps_its_own_cache(tmp_path):
-    from fuzz import kit  # tests/ is on sys.path (above)
-
-    pack = kit.packed(tmp_path / "pack")
-    model = quantplug.load(pack, progress=False, options={"expert_cache_mb": 0.05})
-    assert all(getattr(m, "qp_store", None) is None for m in model.modules())
-    assert stats_sources(model)["expert_cache"].stats()["budget_bytes"] == int(0.05 * 2**20)  # the pack's own cache
+def test_a_gguf_expert_pack_is_served_by_the_one_cache(built):
+    """Issue 33: a version-1 (GGUF) expert pack has no cache of its own any more. Its payloads are
+    per-expert tensors of the checkpoint, so every MoE layer gets the core's store, the pack's
+    descriptor is the one the store reads through, and the statistics are the core cache's, once."""
+    path, _ = built["gguf-kquants-pack"]
+    need = experts.step_bytes(quantplug.plan(path))
+    model = quantplug.load(path, progress=False, options={"expert_cache_mb": 2 * need / (1 << 20)})
+    stores = [m.qp_store for m in model.modules() if getattr(m, "qp_store", None) is not None]
+    assert len(stores) == 2
+    pieces = [p for s in stores for proj in s.pieces.values() for per in proj.values() for p in per]
+    assert {p.info.file.name for p in pieces} == {"experts.qpack"}
+    assert all(p.info.stored_name.startswith("blk.") and p.info.stored_name.endswith("]") for p in pieces)
+    sources = stats_sources(model)
+    assert list(sources) == ["expert_cache"] and isinstance(sources["expert_cache"], experts.ExpertCache)
+    with torch.no_grad():
+        model(IDS[:, :3])
+    ckpt = model.quantplug_plan.checkpoint
+    assert list(ckpt.packs) == [path / "experts.qpack"] and path / "experts.qpack" in ckpt._files.fds
 
 
 RSS_CHILD = textwrap.dedent("""
@@ -330,7 +410,12 @@ RSS_CHILD = textwrap.dedent("""
 #: one format by default (a child process measuring its RSS per format is a benchmark: ~15 s each);
 #: the others with the slow tests
 RSS_FORMATS = ["gguf"] + [pytest.param(f, marks=pytest.mark.slow) for f in ("fp8", "compressed_tensors", "quark",
-                                                                           "modelslim")]
+                                                                           "modelslim", "gguf_pack")]
+
+
+def _gguf_pack(path: Path, config, state) -> Path:
+    """formats.gguf, then its routed experts moved into a version-1 expert pack."""
+    return _pack(formats.gguf(path, config, state))
 
 
 @pytest.mark.parametrize("fmt", RSS_FORMATS)
@@ -339,7 +424,7 @@ def test_rss_is_the_non_expert_weights_plus_the_cache(tmp_path, fmt):
     are F32): served with a cache of 8 MiB (GGUF: 1.5 steps), the process grows by the non-expert weights + the cache (+10%, + a fixed 24 MiB
     for the allocator's and the reader threads' arenas), where the in-memory load grows by the
     experts."""
-    write = getattr(formats, fmt)
+    write = _gguf_pack if fmt == "gguf_pack" else getattr(formats, fmt)
     cfg = tiny_config(hidden_size=1024, moe_intermediate_size=512, n_routed_experts=32, num_hidden_layers=4,
                       intermediate_size=256, vocab_size=256, n_group=4, topk_group=2, q_lora_rank=64,
                       kv_lora_rank=64, tie_word_embeddings=fmt == "quark")  # formats.quark leaves lm_head unquantized

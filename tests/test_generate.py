@@ -170,21 +170,42 @@ def test_expert_pack_cache_equals_recompute_and_cli_reports_ssd_reads(tmp_path, 
     d = json.loads(capsys.readouterr().out)
     assert len(d["tokens"]) == 5 and d["kv_cache_bytes_per_token"] == (32 + 16) * 3 * 4
     assert d["text"] == "".join(f"<tok{t}>" for t in d["tokens"])  # the GGUF's own vocabulary, read lazily
-    from quantplug_expert_pack.pack import PACK_NAME, ExpertPack
+    from quantplug import experts
+    from quantplug_expert_pack.pack import PACK_NAME, ROLES, ExpertPack
 
-    span = ExpertPack(root / PACK_NAME).expert_span(1, 0)[1]
+    pack = ExpertPack(root / PACK_NAME)
+    span = sum(pack.entry(1, 0, r).size for r in ROLES)  # one expert's payloads, as the core cache reads them
     # 1 MB holds all 16 experts: decode reads only experts the prompt did not route to, once each;
     # 4 decode steps x 2 experts x 2 MoE layers = 16 expert uses
     rate = d["expert_cache_hit_rate"]
     assert 0.5 <= rate <= 1 and d["ssd_bytes_per_token"] == pytest.approx((1 - rate) * 16 * span / 4)
-    # one slot: every routed expert of every decode step is read from the pack
+    # a budget of exactly one step of one layer (prefetch off): each layer's step evicts the other
+    # layer's experts, so every routed expert of every decode step is read from the pack
+    step = experts.step_bytes(quantplug.plan(root))
     assert main(["generate", str(root), "--tokens", "1,2,3,4", "--max-new-tokens", "5", "--json",
-                 "-o", f"expert_cache_mb={1.5 * span / 2**20}"]) == 0
+                 "-o", f"expert_cache_mb={step / 2**20}", "-o", "expert_prefetch=false"]) == 0
     d = json.loads(capsys.readouterr().out)
     reads = d["pack_reads_per_expert_use"]
     assert d["expert_cache_hit_rate"] == 0.0 and reads >= 1 and d["ssd_bytes_per_token"] == reads * 4 * span
     # the counters arrive through the declared protocol (quantplug.api.expose_stats), per source
     assert d["stats"]["expert_cache"]["expert_reads"] == reads * 16 and d["stats"]["expert_cache"]["hits"] >= 0
+
+
+def test_cli_reports_the_hit_rate_of_experts_served_by_the_core_cache(tmp_path, capsys):
+    """Served experts (``expert_cache_mb``) are routed on Python numbers in a decode step, past the
+    routers' forward hooks: the hit rate comes from the core cache's own requests (one per
+    distinct expert of a layer and step), for every format (here DeepSeek FP8)."""
+    from quantplug.testing import formats, random_state, tiny_config
+
+    cfg = tiny_config()
+    path = formats.fp8(tmp_path / "fp8", cfg, random_state(cfg))
+    assert main(["generate", str(path), "--tokens", "1,2,3,4", "--max-new-tokens", "5", "--json",
+                 "-o", "expert_cache_mb=1", "-o", "expert_prefetch=false"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    grown = d["stats"]["expert_cache"]
+    assert grown["requests"] == 4 * 2 * 2  # 4 decode steps x 2 MoE layers x top-2 (distinct per layer and step)
+    assert d["expert_cache_hit_rate"] == round(1 - grown["expert_reads"] / grown["requests"], 4)
+    assert d["pack_reads_per_expert_use"] == round(grown["expert_reads"] / grown["requests"], 4)
 
 
 class _Counter:

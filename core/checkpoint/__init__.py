@@ -21,7 +21,7 @@ from ..errors import CheckpointError, LoadError
 from ..types import TensorInfo
 from ..validation import contained, read_json
 from .gguf_index import gguf_view, index_gguf, storage_shape
-from .qpack import QPack
+from .qpack import Pack
 from .safetensors_index import TORCH_DTYPES, index_safetensors
 
 __all__ = ["Checkpoint", "TORCH_DTYPES", "storage_shape"]
@@ -40,8 +40,9 @@ class Checkpoint:
         self._files = _OpenFiles()
         self._maps = self._files.maps
         self._sidecars: dict[str, Any] = {}
-        #: expert packs (``quantplug expert-pack build``) holding some of ``tensors``, by file
-        self.packs: dict[Path, QPack] = {}
+        #: expert packs (``quantplug expert-pack build``) holding some of ``tensors``, by file:
+        #: version 2 found by the index, others added by their backend (:meth:`add_pack`)
+        self.packs: dict[Path, Pack] = {}
         #: model name -> stored name, when a backend renamed the tensors (see :meth:`renamed`)
         self.names: dict[str, str] = {}
         #: file -> (size, mtime_ns, inode) when the headers were read (see :meth:`check_unchanged`)
@@ -75,8 +76,37 @@ class Checkpoint:
         if not files:
             raise CheckpointError(f"{root}: no .safetensors or .gguf weight files found")
         ckpt = cls(root, config, tensors, files, metadata)
-        ckpt.packs = packs
+        ckpt.packs = dict(packs)
         return ckpt
+
+    def add_pack(self, pack: Pack) -> None:
+        """Add the tensors of an expert pack that this checkpoint's format names itself (the GGUF
+        backend's version-1 packs, named by a GGUF file's metadata), under their stored names.
+
+        From then on they are this checkpoint's tensors like a version-2 pack's: the plan resolves
+        them, the loader and the expert cache (``expert_cache_mb``) read them through the pack's
+        descriptor advised for random reads, each payload's sha256 checked on first read
+        (:func:`quantplug.checkpoint.qpack.verify`), and a pack replaced or resized after this call
+        is a :class:`LoadError` at load (:meth:`check_unchanged`). A backend calls it from
+        ``quantplug_tensor_names`` (before the tensors are renamed); adding the same pack again
+        does nothing; a stored name another file already holds is a :class:`CheckpointError`.
+
+        .. versionadded:: 1.9 (hook contract)
+        """
+        path = Path(pack.path)
+        if path in self.packs:
+            return
+        tensors = pack.tensors()
+        for name, info in tensors.items():
+            if name in self.tensors:
+                raise CheckpointError(f"tensor {name} is in both {self.tensors[name].file.name} and {path.name}")
+            if info.file != path:
+                raise CheckpointError(f"{path}: expert pack tensor {name} names file {info.file}, not the pack")
+        self.tensors.update(tensors)
+        self.packs[path] = pack
+        with contextlib.suppress(OSError):
+            st = os.stat(path)
+            self.identity[path] = (st.st_size, st.st_mtime_ns, st.st_ino)
 
     def renamed(self, names: dict[str, str]) -> Checkpoint:
         """A view of this checkpoint whose tensors carry model names.

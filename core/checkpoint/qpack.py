@@ -7,7 +7,9 @@ into one file, ``experts.qpack``, and points their ``model.safetensors.index.jso
 file's magic and adds the pack's tensors as :class:`~quantplug.types.TensorInfo` whose byte range
 is the payload: every backend, the in-memory loader and the expert cache read them as they read a
 shard's tensors. Version 1 (packs of GGUF experts) is named by a GGUF file's metadata and read by
-the backend that claims such files, not here. The layout, little-endian throughout:
+the backend that claims such files, which adds its payloads to the checkpoint the same way
+(:meth:`~quantplug.checkpoint.Checkpoint.add_pack`, any object of the :class:`Pack` protocol):
+from then on both versions are served alike. The layout of version 2, little-endian throughout:
 
 * header, 256 bytes: magic ``QPXPACK\\0``, version 2, header / entry sizes, alignment, counts,
   index / names / data offsets, exact file size, sha256 of config.json, of the source shards'
@@ -33,7 +35,7 @@ import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -122,6 +124,57 @@ def read_head(path: Path, size: int = HEADER_SIZE) -> tuple[bytes, int]:
     if len(head) < size:
         raise CheckpointError(f"{path}: truncated expert pack: {len(head)} bytes, the header alone is {size}")
     return head, actual
+
+
+@runtime_checkable
+class Pack(Protocol):
+    """What the checkpoint reader needs of an expert pack (:class:`QPack`, version 2; a backend's
+    own, such as the GGUF backend's version 1): its tensors, and each payload's sha256 checked on
+    first read. Methods may be called from the expert cache's reader threads.
+
+    .. versionadded:: 1.9
+    """
+
+    path: Path
+
+    def tensors(self) -> dict[str, TensorInfo]:
+        """Every payload as a tensor of the checkpoint (stored name -> info, ``file`` = the pack)."""
+        ...
+
+    def payload_at(self, offset: int) -> int:
+        """Index of the payload holding byte ``offset`` of the pack, or -1."""
+        ...
+
+    def payload_span(self, i: int) -> tuple[int, int]:
+        """(offset, size) of payload ``i``."""
+        ...
+
+    def verify(self, i: int, fd: int, data: Any = None) -> None:
+        """Check payload ``i``'s sha256 unless already checked: over ``data`` (the whole payload,
+        as just read) when given, else over the file's bytes through ``fd``; a mismatch is a
+        :class:`ChecksumError` naming the pack, the tensor and the expert."""
+        ...
+
+
+def payload_sha256(fd: int, offset: int, size: int, data: Any = None, *, where: str = "") -> bytes:
+    """sha256 of a payload: over ``data`` (a buffer holding it) when given, else over the file's
+    bytes at ``offset`` read through ``fd`` in chunks. A short read is a :class:`CheckpointError`
+    naming ``where``."""
+    sha = hashlib.sha256()
+    if data is not None:
+        sha.update(memoryview(data).cast("B"))
+        return sha.digest()
+    buf = bytearray(min(size, _VERIFY_CHUNK))
+    view = memoryview(buf)
+    done = 0
+    while done < size:
+        n = os.preadv(fd, [view[:min(len(buf), size - done)]], offset + done)
+        if n <= 0:
+            raise CheckpointError(f"{where}: short read at offset {offset + done:,} (the pack was truncated after "
+                                  "it was opened?)")
+        sha.update(view[:n])
+        done += n
+    return sha.digest()
 
 
 class QPack:
@@ -283,6 +336,10 @@ class QPack:
             return -1
         return i
 
+    def payload_span(self, i: int) -> tuple[int, int]:
+        p = self.payloads[i]
+        return p.offset, p.size
+
     def verify(self, i: int, fd: int, data: Any = None) -> None:
         """Check payload ``i``'s sha256 unless already checked: over ``data`` (a buffer holding the
         whole payload, as just read) when given, else over the file's bytes (read in chunks).
@@ -290,21 +347,7 @@ class QPack:
         if self._verified[i]:
             return
         p = self.payloads[i]
-        sha = hashlib.sha256()
-        if data is not None:
-            sha.update(memoryview(data).cast("B"))
-        else:
-            buf = bytearray(min(p.size, _VERIFY_CHUNK))
-            view = memoryview(buf)
-            done = 0
-            while done < p.size:
-                n = os.preadv(fd, [view[:min(len(buf), p.size - done)]], p.offset + done)
-                if n <= 0:
-                    raise self._fail(f"{p.describe()}: short read at offset {p.offset + done:,} (the pack was "
-                                     "truncated after it was opened?)")
-                sha.update(view[:n])
-                done += n
-        if sha.digest() != p.sha256:
+        if payload_sha256(fd, p.offset, p.size, data, where=f"{self.path}: {p.describe()}") != p.sha256:
             raise ChecksumError(f"{self.path}: checksum mismatch in {p.describe()}: its {p.size:,}-byte payload at "
                                 f"offset {p.offset:,} does not match the sha256 in the pack index; the expert pack is "
                                 "corrupt (rebuild it with `quantplug expert-pack build`)")
@@ -324,10 +367,9 @@ def verify(ckpt: Any, info: TensorInfo, data: Any = None) -> None:
     if i < 0:
         raise CheckpointError(f"{pack.path}: tensor {info.label} at offset {info.offset:,} is in no payload of the "
                               "pack index")
-    p = pack.payloads[i]
-    whole = data is not None and info.offset == p.offset and info.nbytes == p.size
+    whole = data is not None and (info.offset, info.nbytes) == pack.payload_span(i)
     pack.verify(i, ckpt.fd(info.file), data.numpy() if whole and hasattr(data, "numpy") else data if whole else None)
 
 
-__all__ = ["ChecksumError", "ENTRY_DTYPE", "ENTRY_SIZE", "EXPERT_NAME", "HEADER", "HEADER_SIZE", "MAGIC", "MAX_DIMS", "Payload",
-           "QPack", "ROLES", "VERSION", "align", "dtype_field", "is_qpack", "verify"]
+__all__ = ["ChecksumError", "ENTRY_DTYPE", "ENTRY_SIZE", "EXPERT_NAME", "HEADER", "HEADER_SIZE", "MAGIC", "MAX_DIMS", "Pack",
+           "Payload", "QPack", "ROLES", "VERSION", "align", "dtype_field", "is_qpack", "payload_sha256", "verify"]

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import quantplug
 import torch
-from quantplug.api import stats_sources
+from quantplug import experts
+from quantplug.api import dense_state, stats_sources
 from quantplug.checkpoint.gguf_index import read_gguf_header
 from quantplug.cli import main
 from quantplug.errors import CheckpointError, LoadError, PlanError
@@ -110,14 +111,19 @@ def test_expert_pack_build_then_load_matches(gguf_dir, tmp_path):
     pack = ExpertPack(root / PACK_NAME)
     assert all(pack.entry(1, e, r).offset % 4096 == 0 for e in range(8) for r in ("gate_proj", "up_proj", "down_proj"))
     plan = quantplug.plan(root)
-    assert not any(".experts." in p.param for p in plan.params)  # no expert bytes mapped or copied
-    budget_mb = 3 * pack.max_expert_span() / (1 << 20)  # three slots: far below the 16 experts' total
+    # the pack's payloads are the checkpoint's per-expert GGUF tensors, under their slab's name
+    info = plan.checkpoint.tensors["model.layers.1.mlp.experts.5.down_proj.weight"]
+    assert (info.stored_name, info.file.name, info.dtype, info.shape) == (
+        "blk.1.ffn_down_exps.weight[5]", PACK_NAME, "Q4_K", (64, 256))
+    assert {d.value for d in plan.decisions if d.hook == "expert_layout"} == {"hub"}
+    budget_mb = 1.5 * experts.step_bytes(plan) / (1 << 20)  # a step and a half: far below the 16 experts' total
     model, out = _logits(root, options={"expert_cache_mb": budget_mb})
     assert rel_err(out, ref) <= 1e-5
     stats = stats_sources(model)["expert_cache"].stats()
-    assert stats["evictions"] > 0 and stats["slots"] == 3 and stats["resident_bytes"] <= stats["budget_bytes"]
-    assert model.quantplug_plan.to_dict()["schemes"]["model.layers.1.mlp.experts.down_proj"].startswith(
-        "ggml Q4_K experts from experts.qpack")
+    assert stats["evictions"] > 0 and stats["peak_bytes"] <= stats["budget_bytes"]
+    assert model.quantplug_plan.to_dict()["schemes"]["model.layers.1.mlp.experts.down_proj"] == "ggml Q4_K"
+    _, in_memory = _logits(root)
+    assert torch.equal(in_memory, out)
 
 
 def test_corrupt_pack_payload_fails_on_first_read_naming_entry(gguf_dir, tmp_path):
@@ -131,11 +137,13 @@ def test_corrupt_pack_payload_fails_on_first_read_naming_entry(gguf_dir, tmp_pat
         b = fh.read(1)
         fh.seek(entry.offset + 3)
         fh.write(bytes([b[0] ^ 0xFF]))
-    model = quantplug.load(root, progress=False)  # the index is intact: plan and load succeed
-    with pytest.raises(LoadError, match=r"experts\.qpack: tensor blk\.2\.ffn_up_exps\.weight expert 5: checksum "
-                                        r"mismatch in layer 2 expert 5 up_proj"):
-        for e in range(8):
-            model.model.layers[2].mlp.experts.up_proj(torch.zeros(1, CFG["hidden_size"]), e)
+    want = r"experts\.qpack: tensor blk\.2\.ffn_up_exps\.weight expert 5: checksum mismatch in layer 2 expert 5 up_proj"
+    quantplug.plan(root)  # the index is intact: plans
+    with pytest.raises(CheckpointError, match=want):  # in memory: while loading
+        quantplug.load(root, progress=False)
+    model = quantplug.load(root, progress=False, options={"expert_cache_mb": 1})  # served: nothing read yet
+    with pytest.raises(CheckpointError, match=want):  # the first read of that expert
+        dense_state(model)
 
 
 def test_truncated_or_foreign_pack_is_a_plan_time_error(gguf_dir, tmp_path):
@@ -161,11 +169,33 @@ def test_truncated_or_foreign_pack_is_a_plan_time_error(gguf_dir, tmp_path):
         quantplug.plan(root)
 
 
-def test_cache_budget_below_one_expert_is_a_plan_problem(gguf_dir, tmp_path):
+def test_v1_pack_is_storage_of_the_checkpoint_checked_like_its_other_files(gguf_dir, tmp_path):
+    """The pack follows the core's pack protocol; its file is one of those the loader checks for
+    changes between plan and load (a pack rebuilt or replaced meanwhile is a LoadError naming it)."""
+    from quantplug.api import qpack
+    from quantplug.loader import execute
+    from quantplug.plan import build_plan
+
+    root = tmp_path / "changed"
+    shutil.copytree(gguf_dir[0], root)
+    build_pack(root, progress=False)
+    pack = ExpertPack(root / PACK_NAME)
+    assert isinstance(pack, qpack.Pack) and len(pack.tensors()) == 48
+    i = pack.payload_at(pack.entry(2, 3, "down_proj").offset + 5)
+    assert pack.payload_span(i) == (pack.entry(2, 3, "down_proj").offset, pack.entry(2, 3, "down_proj").size)
+    plan = build_plan(root, options={"expert_cache_mb": 1})
+    data = (root / PACK_NAME).read_bytes()
+    (root / PACK_NAME).unlink()
+    (root / PACK_NAME).write_bytes(data)  # the same bytes, a new file: not the one the plan read
+    with pytest.raises(LoadError, match=r"experts\.qpack: changed since the plan was made \((replaced|rewritten)"):
+        execute(plan, progress=False)
+
+
+def test_cache_budget_below_one_step_is_a_plan_problem(gguf_dir, tmp_path):
     root = tmp_path / "small"
     shutil.copytree(gguf_dir[0], root)
     build_pack(root, progress=False)
-    with pytest.raises(PlanError, match="holds less than one expert"):
+    with pytest.raises(PlanError, match="holds less than one step's routed experts of a layer"):
         quantplug.plan(root, options={"expert_cache_mb": 0.001})
 
 

@@ -242,8 +242,10 @@ def test_expert_pack_of_k3_gguf_with_split_kv(tmp_path, loaded):
     dst = tmp_path / "packed"
     res = build_pack(src, dst, progress=False)
     assert res.layers == 3 and res.experts == kimi_tiny.EXPERTS
-    one = build_plan(dst).checkpoint  # the GGUF no longer holds the routed experts
-    assert not any("ffn_gate_exps" in (t.stored_name or "") for t in one.tensors.values())
+    one = build_plan(dst).checkpoint  # the GGUF no longer holds the routed experts: the pack does, per expert
+    assert not any("_exps" in (t.stored_name or t.name) for t in one.tensors.values() if t.file.suffix == ".gguf")
+    w1 = one.tensors["model.layers.3.block_sparse_moe.experts.0.w1.weight"]
+    assert (w1.stored_name, w1.file.name) == ("blk.3.ffn_gate_exps.weight[0]", "experts.qpack")
     model = quantplug.load(dst, progress=False, options={"expert_cache_mb": 0.02})
     assert model.quantplug_plan.to_dict()["attention_layouts"]["model.layers.3.self_attn"] == "split_kv"
     with torch.no_grad():

@@ -509,7 +509,7 @@ def _operate(level: str, kind: str, root: Path, target: str) -> str:
     elif target.endswith(".qpack"):
         from quantplug_expert_pack.pack import ExpertPack
 
-        ExpertPack(path).close()
+        ExpertPack(path).tensors()  # the per-expert tensors the checkpoint gets from the index
     return "ok"
 
 

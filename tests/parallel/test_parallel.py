@@ -146,7 +146,7 @@ def build_cases(root: Path) -> dict[str, list[dict]]:
     pack = root / "pack"
     shutil.copytree(gguf, pack)
     build_pack(pack, progress=False)
-    paths["expert-pack"] = (pack, {"expert_cache_mb": 4})
+    paths["expert-pack"] = (pack, {})  # a version-1 pack: its per-expert payloads split by expert parallel
     # compressed-tensors: FP8 block 128 + dynamic fp8 per-token-group-128 activations (MLP split,
     # attention's 96-wide q_b_proj slices cut 128-blocks); int4 experts (EP) and dense rest;
     # pack-quantized int4 group 32 on every linear (symmetric)
@@ -208,9 +208,10 @@ def build_cases(root: Path) -> dict[str, list[dict]]:
     fail = dict(cases["dense-fused-hubrope"], name="rank-1-fails", fail_on=[1])
     group = dict(cases["dense-fused-hubrope"], name="explicit-group", group="new")
     # routed experts served from the files, a cache per rank, against the in-memory logits:
-    # per-expert tensors (FP8 blocks) and stacked GGUF *_exps sliced by expert parallel
+    # per-expert tensors (FP8 blocks), stacked GGUF *_exps sliced by expert parallel, and a GGUF
+    # expert pack's per-expert payloads
     served = [dict(cases[n], name=f"{n}-served", options={**cases[n]["options"], "expert_cache_mb": mb})
-              for n, mb in (("fp8-block", 0.05), ("gguf-kquants", 0.5))]
+              for n, mb in (("fp8-block", 0.05), ("gguf-kquants", 0.5), ("expert-pack", 0.5))]
     two = [cases[n] for n in paths if n != "uneven-4"] + [fail, group, *served]
     four = [cases[n] for n in paths if n != "uneven-2"] + served
     return {"2": two, "4": four}
@@ -453,7 +454,7 @@ def test_explicit_group(runs):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("name", ["fp8-block-served", "gguf-kquants-served"])
+@pytest.mark.parametrize("name", ["fp8-block-served", "gguf-kquants-served", "expert-pack-served"])
 def test_served_experts_have_a_cache_per_rank(runs, world, name):
     """expert_cache_mb under expert parallel: each rank serves only its experts from the files,
     through its own cache of the whole budget, and every rank's logits are the in-memory ones."""

@@ -8,17 +8,19 @@ Every GGUF-specific decision is one of this plugin's hook answers:
   ``quantplug expert-pack build``, the ``experts.qpack`` its GGUF names);
 * ``quantplug_tensor_names``: llama.cpp names (``blk.3.attn_q_a.weight``) -> model names
   (``blk.3.indexer.attn_k.weight`` -> ``model.layers.3.self_attn.indexer.wk.weight`` for V3.2);
+  with a version-1 expert pack, its payloads become the checkpoint's per-expert GGUF tensors
+  (``blk.3.ffn_down_exps.weight[17]`` -> ``model.layers.3.mlp.experts.17.down_proj.weight``,
+  ``Checkpoint.add_pack``), loaded or served by the core like any other format's experts;
 * ``quantplug_attention_layout``: split K/V for a layer whose GGUF has ``attn_k_b`` /
   ``attn_v_b``, dense for a legacy ``attn_kv_b``, decided per layer from the tensors present;
-* ``quantplug_linear_scheme``: :class:`~.schemes.GGMLScheme` per tensor type, or
-  :class:`~.schemes.PackedExpertsScheme` for routed experts that live in the pack;
+* ``quantplug_linear_scheme``: :class:`~.schemes.GGMLScheme` per tensor type (routed experts
+  stacked in the GGUF or one tensor per expert in the pack alike);
 * ``quantplug_validate_plan``: GGUF metadata vs config.json (deepseek32: the architecture against
   the config's indexer, ``attention.indexer.*`` against ``index_*``; kimi-linear / kimi-k3: the
   architecture against config.json's, the per-layer ``head_count_kv`` against the layer kinds, the
   KDA / SiTU / latent-MoE / attention-residual keys against their config fields), the V3.2
-  indexer's float tensors stored as floats, the pack against the model and the cache budget;
-* ``quantplug_process_after_loading``: the expert cache's counters exposed as statistics
-  ``expert_cache`` (``quantplug.api.stats_sources(model)``; ``quantplug generate`` reports them);
+  indexer's float tensors stored as floats, the pack against the model (experts per layer, MoE
+  layers present, config.json unchanged);
 * ``quantplug_export`` / ``quantplug_cli_commands``: GGUF writer, ``quantplug expert-pack build``
   (GGUF checkpoints: pack version 1, served by this backend; safetensors checkpoints of every
   format with per-expert tensors: version 2, read by the core for whichever backend claims them).
@@ -28,19 +30,19 @@ Options (``quantplug.load(..., options={...})`` / ``-o KEY=VALUE``), declared in
 faster forward, more memory; default false). It reads two of the core's options: ``kernels``
 ("exact", the default: bit-exact dequantization + float matmul; "fast": Q4_0 / Q4_1 / Q4_K /
 Q8_0 linears repacked at load for torch's int4 CPU kernel, bfloat16 activations; error
-documented in the README) and ``expert_cache_mb`` (the LRU budget for pack-served experts in
-MiB; 0, the default: every expert of the pack may stay in memory once read).
+documented in the README). The routed experts, in the GGUF or in a pack, follow the core's
+``expert_cache_mb`` / ``expert_prefetch`` / ``expert_readers`` (``docs/experts.md``): 0, the
+default, loads them into memory; a budget serves them from the files through the core's cache.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,23 +55,21 @@ from quantplug.api import (
     OptionSpec,
     Problem,
     contained,
-    expose_stats,
     ggml,
     hookimpl,
 )
 
 from .build import build_pack
 from .export import QUANTIZABLE, export_gguf
-from .names import model_to_gguf
-from .pack import KV_FILE, KV_INDEX_SHA, PACK_NAME, ExpertCache, ExpertPack
-from .schemes import GGMLScheme, PackedExpertsScheme
+from .names import model_to_gguf, pack_names
+from .pack import KV_FILE, KV_INDEX_SHA, PACK_NAME, ExpertPack
+from .schemes import GGMLScheme
 
-#: the hook-contract version this plugin is written for (quantplug.api.CONTRACT_VERSION)
-QUANTPLUG_CONTRACT = "1.7"
+#: the hook-contract version this plugin is written for (quantplug.api.CONTRACT_VERSION; 1.9:
+#: ``Checkpoint.add_pack``)
+QUANTPLUG_CONTRACT = "1.9"
 
 __version__ = "0.1.0"
-
-_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_proj|up_proj|down_proj)$")
 
 
 @dataclass(frozen=True)
@@ -79,23 +79,6 @@ class GGUFConfig:
     files: tuple[Path, ...]
     architecture: str
     pack: ExpertPack | None = None
-    _caches: dict[int, ExpertCache] = field(default_factory=dict, compare=False, repr=False)
-
-    def cache(self, options: Mapping[str, Any]) -> ExpertCache:
-        """The LRU cache for this load's budget (one per budget, shared by every MoE layer);
-        ``expert_cache_mb`` 0: a slot for every expert of the pack (experts in memory once read)."""
-        assert self.pack is not None
-        budget = self.budget(options)
-        if budget not in self._caches:
-            self._caches[budget] = ExpertCache(self.pack, budget)
-        return self._caches[budget]
-
-    def budget(self, options: Mapping[str, Any]) -> int:
-        assert self.pack is not None
-        mb = float(options.get("expert_cache_mb", 0.0) or 0.0)
-        if mb > 0:
-            return int(mb * (1 << 20))
-        return self.pack.max_expert_span() * len(self.pack.layers) * self.pack.n_experts
 
 
 @hookimpl
@@ -147,10 +130,14 @@ _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 @hookimpl
-def quantplug_tensor_names(model_config: Any, checkpoint: Any) -> dict[str, str] | None:
+def quantplug_tensor_names(model_config: Any, quant_config: Any, checkpoint: Any) -> dict[str, str] | None:
     if not _gguf_files(checkpoint):
         return None
     names = model_to_gguf(model_config)
+    pack = quant_config.pack if isinstance(quant_config, GGUFConfig) else None
+    if pack is not None:  # its payloads: per-expert GGUF tensors of the checkpoint, read by the core
+        checkpoint.add_pack(pack)
+        names.update(pack_names(names, pack))
     # the num_nextn_predict_layers MTP blocks have model names above (blk.61.nextn.eh_proj, ...);
     # other blocks past num_hidden_layers get model.layers.N names, so the core's MTP skip rule
     # lists them as skipped
@@ -182,12 +169,7 @@ def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Seque
                             quant_config: GGUFConfig, checkpoint: Any, options: Mapping[str, Any]) -> Any:
     if layer_kind not in ("linear", "experts", "attn_k_b", "attn_v_b", "embedding"):
         return None  # a kind added after this plugin was written: not ours to answer
-    if layer_kind == "experts":
-        m = _EXPERTS.match(layer_name)
-        stored = f"{layer_name}.weight" in checkpoint or any(f"{s}.weight" in checkpoint for s in shard_names)
-        if quant_config.pack is not None and m and not stored:
-            return PackedExpertsScheme(quant_config.pack, quant_config.cache(options), int(m.group(1)), m.group(2))
-    names = list(shard_names) or [layer_name]
+    names = list(shard_names) or [layer_name]  # routed experts from a pack: expert 0's tensor
     info = checkpoint.get(f"{names[0]}.weight") or checkpoint.get(f"{layer_name}.weight")
     if info is None:
         return None  # the core's dense scheme answers; the plan reports the missing tensor
@@ -273,7 +255,7 @@ def quantplug_validate_plan(plan: Any, quant_config: GGUFConfig) -> list[Problem
         problems += _check_indexer(ckpt, cfg, first)
     pack = quant_config.pack
     if pack is not None:
-        problems += _check_pack(plan, pack, quant_config)
+        problems += _check_pack(plan, pack)
     return problems
 
 
@@ -377,7 +359,12 @@ def _check_indexer(ckpt: Any, cfg: Any, first: str) -> list[Problem]:
     return problems
 
 
-def _check_pack(plan: Any, pack: ExpertPack, qc: GGUFConfig) -> list[Problem]:
+def _check_pack(plan: Any, pack: ExpertPack) -> list[Problem]:
+    """The pack against the model: experts per layer, a MoE layer whose experts are neither in the
+    GGUF nor in the pack, config.json changed since the build. Its payloads are the checkpoint's
+    tensors (:func:`quantplug_tensor_names`): the plan itself checks their types and shapes
+    against the schemes, lists a pack layer the model has no MoE layer for as unexpected tensors,
+    and sizes ``expert_cache_mb`` or the memory an in-memory load needs, as for any format."""
     cfg, name = plan.model_config, pack.path.name
     problems = []
     if pack.n_experts != cfg.n_routed_experts:
@@ -385,39 +372,21 @@ def _check_pack(plan: Any, pack: ExpertPack, qc: GGUFConfig) -> list[Problem]:
                                 f"n_routed_experts = {cfg.n_routed_experts}", file=name, kind="pack"))
     # the MTP layers the plan loads (core decision mtp_layers) are MoE layers of the model too
     mtp = sum(int(d.value) for d in plan.decisions if d.hook == "mtp_layers")
-    moe = [i for i in range(cfg.num_hidden_layers + mtp) if cfg.is_moe_layer(i)]
-    extra = sorted(set(pack.layers) - set(moe))
-    if extra:
-        problems.append(Problem(f"the expert pack has layers {extra}, which are not MoE layers of the model",
-                                file=name, kind="pack", severity="warning"))
+    planned = {int(m.group(1)) for pp in plan.params if (m := _EXPERT_PARAM.match(pp.param))}
+    for i in range(cfg.num_hidden_layers + mtp):
+        if cfg.is_moe_layer(i) and not pack.has_layer(i) and i not in planned:
+            problems.append(Problem(f"MoE layer {i}: its routed experts are neither in the GGUF (blk.{i}.ffn_*_exps) "
+                                    f"nor in the expert pack (it has layers {pack.layers})", file=name, kind="pack",
+                                    layer=f"model.layers.{i}"))
     config = plan.checkpoint.path / "config.json"
     if hashlib.sha256(config.read_bytes()).digest() != pack.config_sha256:
         problems.append(Problem("config.json changed since the expert pack was built", file=name, kind="pack",
                                 severity="warning"))
-    budget = qc.budget(plan.options)
-    largest = pack.max_expert_span()  # one cache slot: an expert's three adjacent, aligned payloads
-    mb = plan.options.get("expert_cache_mb")
-    if budget < largest:
-        problems.append(Problem(f"expert_cache_mb = {mb} holds less than one expert ({largest / (1 << 20):.3f} "
-                                "MiB); raise it", file=name, kind="options"))
-    elif not mb and budget > _memory_bytes():
-        problems.append(Problem(f"expert_cache_mb = 0 (experts in memory) needs {budget / (1 << 30):.1f} GiB for "
-                                f"the pack's experts, more than this machine's {_memory_bytes() / (1 << 30):.1f} "
-                                "GiB of memory; set expert_cache_mb to a budget in MiB", file=name, kind="options"))
     return problems
 
 
-def _memory_bytes() -> int:
-    try:
-        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError):  # not reported on this platform: no bound
-        return 1 << 62
-
-
-@hookimpl
-def quantplug_process_after_loading(model: Any, quant_config: GGUFConfig, options: Mapping[str, Any]) -> None:
-    if quant_config.pack is not None:  # hits, misses (expert_reads), bytes read, resident bytes, evictions
-        expose_stats(model, "expert_cache", quant_config.cache(options))
+#: a routed-expert parameter of the plan, its layer in group 1
+_EXPERT_PARAM = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.")
 
 
 @hookimpl

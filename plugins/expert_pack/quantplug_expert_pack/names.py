@@ -18,6 +18,8 @@ takes it folded), ``attn_res_score`` / ``ffn_res_score`` / ``output_res_score`` 
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import Any
 
 #: global tensors: model name -> GGUF name
@@ -148,4 +150,37 @@ def model_to_gguf(model_config: Any) -> dict[str, str]:
             table.update(NEXTN)
         for model_name, gguf_name in table.items():
             out[f"model.layers.{i}.{model_name}"] = f"blk.{i}.{gguf_name}"
+    return out
+
+
+#: the model's per-expert projection names under each MoE module (the core's ``Experts`` names:
+#: DeepSeek's hub layout under ``mlp``; Kimi-Linear / K3 store ``w1`` / ``w3`` / ``w2`` under
+#: ``block_sparse_moe``)
+PER_EXPERT = {
+    "mlp": {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"},
+    "block_sparse_moe": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
+}
+_STACKED = re.compile(r"^(model\.layers\.\d+\.(mlp|block_sparse_moe)\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+
+
+def pack_names(names: Mapping[str, str], pack: Any) -> dict[str, str]:
+    """Model name -> stored name of every payload of version-1 expert pack ``pack``, for the MoE
+    layers ``names`` (:func:`model_to_gguf`) maps a stacked ``blk.L.ffn_*_exps`` tensor to:
+    ``model.layers.3.mlp.experts.17.down_proj.weight`` -> ``blk.3.ffn_down_exps.weight[17]``
+    (:func:`~.pack.stored_name`), the names under which the model's ``Experts`` asks for one
+    tensor per expert. A pack layer of no such MoE layer keeps its stored names (unexpected
+    tensors in the plan, or skipped with the model's multi-token-prediction layers)."""
+    from .pack import stored_name
+
+    out: dict[str, str] = {}
+    for model_name, stored in names.items():
+        m, g = _STACKED.match(model_name), _EXPS.match(stored)
+        if m is None or g is None or not pack.has_layer(int(g.group(1))):
+            continue
+        base, proj = m.group(1), m.group(3)
+        own = PER_EXPERT[m.group(2)][proj]
+        layer = int(g.group(1))
+        for e in range(pack.n_experts):
+            out[f"{base}.{e}.{own}.weight"] = stored_name(layer, proj, e)
     return out

@@ -8,7 +8,9 @@ exact file size in the header (truncation is a plan-time error):
 
 * version 1 (:class:`ExpertPack`, this module): the routed experts of a GGUF checkpoint
   (``blk.N.ffn_{gate,up,down}_exps`` slabs as ggml blocks), named by the stripped GGUF's
-  metadata and served by this backend's :class:`ExpertCache`;
+  metadata; this backend validates it and adds each payload to the checkpoint as a per-expert
+  GGUF tensor (:meth:`ExpertPack.tensors`, ``Checkpoint.add_pack``), which the core then loads or
+  serves through its expert cache (``expert_cache_mb``) like any tensor;
 * version 2 (``quantplug.api.qpack``, read by the core): the routed experts of a safetensors
   checkpoint in any format, each expert's stored tensors verbatim under their checkpoint names,
   named by ``model.safetensors.index.json``; every backend reads them as it reads a shard.
@@ -44,12 +46,13 @@ Index: ``n_entries`` entries of 80 bytes, ordered by (layer, expert, role)::
     32 B sha256 of the payload
 
 Payloads: the expert's rows exactly as the GGUF stored them (ggml blocks), each starting on an
-``alignment`` boundary; one expert's three payloads are adjacent, so loading an expert is one
-read. Validation on open (header and index only): magic, version, sizes, entry count, index
+``alignment`` boundary; one expert's three payloads are adjacent (the core's expert cache reads
+them as three positional reads of one contiguous span). Validation on open (header and index only): magic, version, sizes, entry count, index
 order and checksum, every payload inside the file, payload size = rows x row bytes of its type,
 payloads in index order without overlaps, one expert's three adjacent (up to alignment padding).
-Each payload's sha256 is checked the first time it is read; a mismatch is a
-:class:`~quantplug.errors.LoadError` naming the pack, the GGUF tensor, the expert and the role.
+Each payload's sha256 is checked the first time it is read (:meth:`ExpertPack.verify`, called by
+the core's loader and expert cache); a mismatch is a :class:`~quantplug.errors.CheckpointError`
+naming the pack, the GGUF tensor, the expert and the role.
 
 Format ``QPXPACK`` version 2 (safetensors checkpoints, any format). Header, 256 bytes::
 
@@ -99,18 +102,15 @@ mismatch is a :class:`~quantplug.errors.CheckpointError` naming the pack, tensor
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import os
 import struct
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-import torch
-from quantplug.api import GGUF_FLOATS, CheckpointError, LoadError, QuantplugError, ggml, ggml_types, qpack
+from quantplug.api import GGUF_FLOATS, CheckpointError, QuantplugError, TensorInfo, ggml, ggml_types, qpack
 
 BLOCKS, FLOAT_TYPES = ggml.BLOCKS, ggml.FLOAT_TYPES
 
@@ -164,14 +164,16 @@ class PackEntry:
 
 
 class ExpertPack:
-    """A validated pack: header and index in memory, payloads read with ``pread`` on demand."""
+    """A validated version-1 pack: header and index in memory; its payloads are the checkpoint's
+    tensors (:meth:`tensors`), read by the core, checked on first read (:meth:`verify`).
+    Follows ``quantplug.api.qpack.Pack``."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self._fd: int | None = None
-        self._verified: set[tuple[int, int, int]] = set()
         self._lock = threading.Lock()
         self._read_header()
+        self._verified = np.zeros(len(self._idx), dtype=bool)
+        self._starts = self._idx["offset"].astype(np.int64)
 
     # -- validation (header + index only) -----------------------------------------------------
 
@@ -234,7 +236,7 @@ class ExpertPack:
                              f"{int(idx['size'][i])} is misaligned or outside the data region (file {file_size} bytes)")
         if len(idx) > 1:
             # payloads follow the index order (layer, expert, role) without sharing bytes, and one
-            # expert's three are adjacent up to alignment padding: an expert is one read of its span
+            # expert's three are adjacent up to alignment padding: an expert is one contiguous span of the file
             starts = idx["offset"].astype(np.int64)
             clash = np.nonzero(starts[1:] < ends[:-1])[0]
             if len(clash):
@@ -286,157 +288,60 @@ class ExpertPack:
     def layer_entries(self, layer: int, role: str) -> list[PackEntry]:
         return [self.entry(layer, e, role) for e in range(self.n_experts)]
 
-    # -- reading --------------------------------------------------------------------------------
+    # -- storage: the checkpoint's view ------------------------------------------------------------
 
-    def _fileno(self) -> int:
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY)
-        return self._fd
+    def tensors(self) -> dict[str, TensorInfo]:
+        """Every payload as a GGUF tensor of the checkpoint: the slab ``e`` of the
+        ``blk.L.ffn_{gate,up,down}_exps.weight`` it came from, stored name
+        ``blk.L.ffn_gate_exps.weight[e]`` (:func:`stored_name`), its ggml type, shape [rows, row
+        length], byte range in the pack. The backend maps them to the model's per-expert names
+        and adds them to the checkpoint (``Checkpoint.add_pack``): the core's loader and expert
+        cache read them like any tensor, each payload's sha256 checked on first read
+        (:meth:`verify`)."""
+        idx, by_id = self._idx, self._by_id
+        cols = {f: idx[f].tolist() for f in ("layer", "expert", "role", "ggml_type", "rows", "row_len", "offset",
+                                             "size")}
+        trusted = TensorInfo.trusted  # validated on open: types, sizes, bounds, order
+        out: dict[str, TensorInfo] = {}
+        for i in range(len(idx)):
+            name = stored_name(cols["layer"][i], ROLES[cols["role"][i]], cols["expert"][i])
+            out[name] = trusted(name, self.path, by_id[cols["ggml_type"][i]], (cols["rows"][i], cols["row_len"][i]),
+                                cols["offset"][i], cols["size"][i], "gguf")
+        return out
+
+    def payload_at(self, offset: int) -> int:
+        """Index of the payload holding byte ``offset`` of the pack, or -1."""
+        i = int(np.searchsorted(self._starts, offset, side="right")) - 1
+        if i < 0 or offset >= int(self._starts[i]) + max(int(self._idx["size"][i]), 1):
+            return -1
+        return i
+
+    def payload_span(self, i: int) -> tuple[int, int]:
+        return int(self._idx["offset"][i]), int(self._idx["size"][i])
+
+    def verify(self, i: int, fd: int, data: Any = None) -> None:
+        """Check payload ``i``'s sha256 unless already checked: over ``data`` (the whole payload as
+        just read) when given, else over the pack's bytes through ``fd``. A mismatch is a
+        ``ChecksumError`` (a :class:`~quantplug.errors.CheckpointError`) naming the pack, the GGUF
+        tensor, the expert and the role; nothing is marked checked, so a read after the file is
+        repaired checks it again."""
+        if self._verified[i]:
+            return
+        e = self._entry(self._idx, i, self._by_id)
+        where = f"{self.path}: {_tensor(e.layer, e.role)} expert {e.expert}"
+        if qpack.payload_sha256(fd, e.offset, e.size, data, where=where) != e.sha256:
+            raise qpack.ChecksumError(f"{where}: checksum mismatch in {e.describe()} at offset {e.offset} ({e.size} "
+                                      "bytes): the expert pack is corrupt (rebuild it with `quantplug expert-pack "
+                                      "build`)")
+        with self._lock:
+            self._verified[i] = True
 
     def expert_span(self, layer: int, expert: int) -> tuple[int, int]:
-        """(file offset, length) of one expert's three adjacent payloads: one read."""
+        """(file offset, length) of one expert's three adjacent payloads (alignment padding included)."""
         first, last = self.entry(layer, expert, ROLES[0]), self.entry(layer, expert, ROLES[-1])
         return first.offset, last.offset + last.size - first.offset
 
-    def max_expert_span(self) -> int:
-        if not len(self._idx):
-            return 0
-        offs = self._idx["offset"].astype(np.int64).reshape(-1, len(ROLES))
-        sizes = self._idx["size"].astype(np.int64).reshape(-1, len(ROLES))
-        return int((offs[:, -1] + sizes[:, -1] - offs[:, 0]).max())
 
-    def read_expert(self, layer: int, expert: int, out: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-        """The expert's gate/up/down payloads as uint8 tensors [rows, row_bytes], read with one
-        ``preadv`` into ``out`` (a uint8 buffer of at least :meth:`expert_span` bytes; a new one
-        if None). The returned tensors are views of that buffer."""
-        entries = [self.entry(layer, expert, r) for r in ROLES]
-        start, length = self.expert_span(layer, expert)
-        if out is None:
-            out = torch.empty(length, dtype=torch.uint8)
-        view = out.numpy().data.cast("B")[:length]
-        got = 0
-        fd = self._fileno()
-        while got < length:
-            try:
-                n = os.preadv(fd, [view[got:]], start + got)
-            except OSError as exc:
-                raise LoadError(f"{self.path}: {_tensor(layer, entries[0].role)} expert {expert}: read error at "
-                                f"offset {start + got} ({exc.strerror or exc})") from None
-            if n <= 0:
-                raise LoadError(f"{self.path}: {_tensor(layer, entries[0].role)} expert {expert}: short read at "
-                                f"{start + got} (file truncated after it was opened?)")
-            got += n
-        tensors = []
-        for role, e in enumerate(entries):
-            lo = e.offset - start
-            key = (layer, expert, role)
-            if key not in self._verified:
-                if hashlib.sha256(view[lo:lo + e.size]).digest() != e.sha256:
-                    raise LoadError(f"{self.path}: {_tensor(layer, e.role)} expert {expert}: checksum mismatch in "
-                                    f"{e.describe()} at offset {e.offset} ({e.size} bytes): the expert pack is corrupt")
-                with self._lock:
-                    self._verified.add(key)
-            tensors.append(out[lo:lo + e.size].view(e.shape[0], -1))
-        return tuple(tensors)
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
-        with contextlib.suppress(Exception):
-            self.close()
-
-
-class ExpertCache:
-    """LRU cache of packed experts (gate/up/down bytes as stored, still quantized).
-
-    Memory is one buffer of ``budget_bytes`` split into slots of the pack's largest expert span;
-    a miss reads the expert straight into the least recently used slot (no other allocation), so
-    resident memory never exceeds the budget and does not fragment. Pages of the buffer are
-    touched only as slots fill. The tensors :meth:`get` returns are views of a slot: use them
-    before the next :meth:`get` *from the same thread* (the model dequantizes them immediately).
-
-    Threads: the slot a thread's last :meth:`get` returned is pinned to that thread until its
-    next :meth:`get`, and eviction skips slots pinned by other threads, so concurrent forwards
-    never see their expert overwritten; when every slot is pinned, the read goes to a private
-    buffer (not cached). A failed read (I/O error, checksum mismatch) gives its slot back, so a
-    retry after the file is repaired reads it again. ``stats()`` reports hits, misses, evictions,
-    bytes read and the resident size.
-    """
-
-    def __init__(self, pack: ExpertPack, budget_bytes: int) -> None:
-        self.pack, self.budget = pack, int(budget_bytes)
-        self.slot_bytes = max(pack.max_expert_span(), 1)
-        self.n_slots = self.budget // self.slot_bytes
-        self._buffer: torch.Tensor | None = None
-        self._items: OrderedDict[tuple[int, int], tuple[int, tuple[torch.Tensor, ...]]] = OrderedDict()
-        self._free: list[int] = list(range(self.n_slots - 1, -1, -1))
-        self.hits = self.misses = self.evictions = self.bytes_read = self.unpinned_reads = 0
-        self._lock = threading.Lock()
-        self._pins: dict[int, int] = {}  # thread id -> slot its last get() returned
-
-    def _victim(self) -> tuple[int, int] | None:
-        """(layer, expert) of the least recently used item whose slot no other thread holds."""
-        pinned = set(self._pins.values())
-        for key, (slot, _) in self._items.items():
-            if slot not in pinned:
-                return key
-        return None
-
-    def get(self, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
-        key = (layer, expert)
-        me = threading.get_ident()
-        with self._lock:
-            self._pins.pop(me, None)  # this thread is done with what its previous get() returned
-            item = self._items.get(key)
-            if item is not None:
-                self._items.move_to_end(key)
-                self.hits += 1
-                self._pins[me] = item[0]
-                return item[1]
-            if self.n_slots < 1:
-                raise QuantplugError(f"{self.pack.path}: expert cache budget {self.budget} bytes holds no expert "
-                                     f"({self.slot_bytes} bytes each); raise expert_cache_mb")
-            if self._buffer is None:
-                self._buffer = torch.empty(self.n_slots * self.slot_bytes, dtype=torch.uint8)
-            if self._free:
-                slot = self._free.pop()
-            else:
-                victim = self._victim()
-                if victim is None:  # pins of threads that have exited, or more threads than slots
-                    live = {t.ident for t in threading.enumerate()}
-                    self._pins = {t: s for t, s in self._pins.items() if t in live}
-                    victim = self._victim()
-                if victim is None:  # every slot in use by another thread right now: read privately
-                    self.misses += 1
-                    self.unpinned_reads += 1
-                    self.bytes_read += self.pack.expert_span(layer, expert)[1]
-                    return self.pack.read_expert(layer, expert)
-                slot, _ = self._items.pop(victim)
-                self.evictions += 1
-            region = self._buffer[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
-            try:
-                tensors = self.pack.read_expert(layer, expert, region)
-            except BaseException:
-                self._free.append(slot)  # a failed read caches nothing; a retry reads again
-                raise
-            self._items[key] = (slot, tensors)
-            self._pins[me] = slot
-            self.misses += 1
-            self.bytes_read += self.pack.expert_span(layer, expert)[1]
-            return tensors
-
-    @property
-    def resident(self) -> int:
-        return len(self._items) * self.slot_bytes
-
-    def stats(self) -> dict[str, int]:
-        """Counters (``quantplug.api.StatsSource``): ``expert_reads`` (= ``misses``, experts read
-        from the pack) and ``bytes_read`` are the ones ``quantplug generate`` reports."""
-        return {"budget_bytes": self.budget, "slot_bytes": self.slot_bytes, "slots": self.n_slots,
-                "resident_bytes": self.resident, "hits": self.hits, "misses": self.misses,
-                "expert_reads": self.misses,
-                "evictions": self.evictions, "bytes_read": self.bytes_read, "experts_cached": len(self._items),
-                "unpinned_reads": self.unpinned_reads}
+def stored_name(layer: int, role: str, expert: int) -> str:
+    """The checkpoint's name of a version-1 payload: slab ``expert`` of the GGUF tensor it came from."""
+    return f"blk.{layer}.ffn_{role.removesuffix('_proj')}_exps.weight[{expert}]"

@@ -2,9 +2,9 @@
 
 * :class:`GGMLScheme`: one GGUF tensor in any supported ggml type, kept packed (a zero-copy view
   of the memory-mapped GGUF when the model dtype allows), dequantized per matmul by the torch
-  kernels in :mod:`.ggml`. Used for linears, split MLA K/V stacks and stacked routed experts.
-* :class:`PackedExpertsScheme`: routed experts served from an expert pack through the shared
-  LRU :class:`~.pack.ExpertCache`; the module holds no expert weights at all.
+  kernels in :mod:`.ggml`. Used for linears, split MLA K/V stacks and routed experts, whether
+  stacked in the GGUF (``*_exps``) or one tensor per expert in a version-1 expert pack (served,
+  with ``expert_cache_mb``, by the core's expert cache like any other format's).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from quantplug.api import (
-    GGUF_FLOATS,
     Form,
     Layer,
     LinearScheme,
@@ -27,8 +26,6 @@ from quantplug.api import (
     fuse_int4_packs,
     ggml,
 )
-
-from .pack import ROLES, ExpertCache, ExpertPack
 
 
 class GGMLScheme(LinearScheme):
@@ -177,74 +174,3 @@ class GGMLScheme(LinearScheme):
                 layer.register_buffer("_int4_sz", fast[1], persistent=False)
                 if fast[0].dim() == 3:  # stacked experts: each slot's views, made once
                     layer._int4_slots = list(zip(fast[0].unbind(0), fast[1].unbind(0)))
-
-
-class PackedExpertsScheme(LinearScheme):
-    """Routed experts ``role`` of MoE layer ``layer``, read from ``pack`` through ``cache``.
-
-    Declares no checkpoint tensors: the plan checks the pack's index entries instead (every
-    expert present, shape [out, in], one supported ggml type) in :meth:`check`, from the index
-    alone. Forward reads the selected expert's payloads on first use (checksum verified once).
-    """
-
-    name = "expert-pack"
-
-    def __init__(self, pack: ExpertPack, cache: ExpertCache, layer: int, role: str) -> None:
-        self.pack, self.cache, self.layer, self.role = pack, cache, layer, role
-        self._role = ROLES.index(role)
-        self._shape: tuple[int, int] | None = None
-        types = {e.ggml_type for e in pack.layer_entries(layer, role)} if pack.has_layer(layer) else set()
-        self.ggml_type = types.pop() if len(types) == 1 else "mixed" if types else "absent"
-
-    @property
-    def key(self) -> str:
-        return "ggml"
-
-    def describe(self) -> str:
-        return f"ggml {self.ggml_type} experts from {self.pack.path.name} (LRU cache {self.cache.budget >> 20} MiB)"
-
-    def tensor_specs(self, out_features: int, in_features: int) -> list[TensorSpec]:
-        self._shape = (out_features, in_features)
-        return []
-
-    def check(self, layer_name: str, tensors: Mapping[str, TensorInfo]) -> list[Problem]:
-        where = f"{self.pack.path.name}: layer {self.layer} {self.role}"
-        if not self.pack.has_layer(self.layer):
-            return [Problem(f"{where}: the expert pack has no entries for MoE layer {self.layer} "
-                            f"(it has layers {self.pack.layers})", layer=layer_name, file=self.pack.path.name)]
-        problems = []
-        if self.ggml_type == "mixed":
-            problems.append(Problem(f"{where}: experts use different ggml types; one type per layer and role "
-                                    "is expected", layer=layer_name, file=self.pack.path.name))
-        if self.ggml_type not in ggml.SUPPORTED and self.ggml_type != "mixed":
-            problems.append(Problem(f"{where}: ggml type {self.ggml_type} has no kernel; supported: "
-                                    f"{', '.join(ggml.SUPPORTED)}", layer=layer_name, file=self.pack.path.name))
-        for e in self.pack.layer_entries(self.layer, self.role):
-            if self._shape is not None and e.shape != self._shape:
-                problems.append(Problem(f"{where}: entry {e.describe()} has shape {list(e.shape)}, the model "
-                                        f"expects {list(self._shape)}", layer=layer_name, file=self.pack.path.name))
-                break
-        return problems
-
-    def dequantize(self, layer: Layer, index: int | None = None) -> torch.Tensor:
-        if index is None:
-            return torch.stack([self.dequantize(layer, e) for e in range(self.pack.n_experts)])
-        raw, entry_type = self._raw(index)
-        w = ggml.dequantize(raw, entry_type).to(layer.model_dtype)
-        # a float payload may come back as the slot itself: copy, the caller may keep it
-        return w.clone() if w.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr() else w
-
-    def _raw(self, index: int) -> tuple[torch.Tensor, str]:
-        """Expert ``index``'s payload for this role (a view of a cache slot: use it before the next
-        cache read) and its ggml type; float payloads viewed in their dtype."""
-        raw = self.cache.get(self.layer, index)[self._role]
-        entry_type = self.pack.entry(self.layer, index, self.role).ggml_type
-        if entry_type in ggml.FLOAT_TYPES:
-            raw = raw.view(GGUF_FLOATS[entry_type])
-        return raw, entry_type
-
-    def apply(self, layer: Layer, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
-        if index is None:
-            return F.linear(x, self.dequantize(layer).to(x.dtype))
-        raw, entry_type = self._raw(index)
-        return ggml.linear(x, raw, entry_type, layer.model_dtype)
