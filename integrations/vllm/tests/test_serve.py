@@ -2,7 +2,8 @@
 its own process group on a free loopback port, serving a tiny GGUF Q8_0 DeepSeek-V3 (DeepSeek's
 MLA dimensions, a byte-level BPE tokenizer and a chat template) through the plugin.
 
-One server for the module (it takes most of the time: about 40-50 s to start on 2 cores), then:
+One server for the module (most of the time: it was healthy 27-49 s after its start on a busy
+shared 2-core machine), then:
 ``/v1/completions`` and streamed ``/v1/chat/completions`` (the checkpoint's chat template) equal to
 ``quantplug generate``'s greedy tokens and text; 8 concurrent requests while another client
 disconnects mid-stream (its request is aborted; the others are undisturbed); a request after that;
