@@ -536,7 +536,18 @@ class Generation:
 
 
 class GenerationMixin:
-    """``generate`` and ``stream`` for the causal-LM classes; they provide ``text_lm()``."""
+    """``generate`` and ``stream`` for the causal-LM classes; they provide ``text_lm()``. Also the
+    fields :func:`quantplug.load` fills on the model it returns (declared here, so a loaded
+    model's state is declared fields, not attributes the loader adds)."""
+
+    #: the plan the model was loaded by (:class:`quantplug.api.Plan`: headers, options, problems)
+    quantplug_plan: Any = None
+    #: ``quantplug_plan.decisions``: each hook's answer and who gave it
+    decisions: Any = None
+    #: rank, world_size, bytes_read, experts_on_demand_bytes (the routed experts left in the files)
+    load_report: dict[str, Any] | None = None
+    #: wall seconds of plan and load
+    load_seconds: float | None = None
 
     def text_lm(self) -> Any:
         """The DeepseekV3ForCausalLM that generates (itself, or a wrapper's ``language_model``):
