@@ -540,7 +540,7 @@ class GenerationMixin:
     fields :func:`quantplug.load` fills on the model it returns (declared here, so a loaded
     model's state is declared fields, not attributes the loader adds)."""
 
-    #: the plan the model was loaded by (:class:`quantplug.api.Plan`: headers, options, problems)
+    #: the plan the model was loaded by (:class:`quantplug.api.LoadPlan`: headers, options, decisions)
     quantplug_plan: Any = None
     #: ``quantplug_plan.decisions``: each hook's answer and who gave it
     decisions: Any = None
@@ -548,6 +548,8 @@ class GenerationMixin:
     load_report: dict[str, Any] | None = None
     #: wall seconds of plan and load
     load_seconds: float | None = None
+    #: the statistics sources by name (:func:`quantplug.stats.expose_stats`; ``quantplug.stats(model)``)
+    quantplug_stats: dict[str, Any] | None = None
 
     def text_lm(self) -> Any:
         """The DeepseekV3ForCausalLM that generates (itself, or a wrapper's ``language_model``):

@@ -86,7 +86,7 @@ class Checkpoint:
         From then on they are this checkpoint's tensors like a version-2 pack's: the plan resolves
         them, the loader and the expert cache (``expert_cache_mb``) read them through the pack's
         descriptor advised for random reads, each payload's sha256 checked on first read
-        (:func:`quantplug.checkpoint.qpack.verify`), and a pack replaced or resized after this call
+        (``quantplug.checkpoint.qpack.verify``), and a pack replaced or resized after this call
         is a :class:`LoadError` at load (:meth:`check_unchanged`). A backend calls it from
         ``quantplug_tensor_names`` (before the tensors are renamed); adding the same pack again
         does nothing; a stored name another file already holds is a :class:`CheckpointError`.

@@ -152,7 +152,7 @@ class Pack(Protocol):
     def verify(self, i: int, fd: int, data: Any = None) -> None:
         """Check payload ``i``'s sha256 unless already checked: over ``data`` (the whole payload,
         as just read) when given, else over the file's bytes through ``fd``; a mismatch is a
-        :class:`ChecksumError` naming the pack, the tensor and the expert."""
+        ``ChecksumError`` naming the pack, the tensor and the expert."""
         ...
 
 
