@@ -48,15 +48,12 @@ def _flat(kv: torch.Tensor) -> tuple[torch.Tensor, int, int] | None:
     return flat, per, bs
 
 
-#: per wrapped model (id): vLLM's cache tensors and their flat [slots, width] views, block layout
-_VIEWS: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], int, int]] = {}
-
-
 def native_decode(inner: nn.Module, paged: PagedDecode, attn: list[nn.Module], input_ids: torch.Tensor | None,
                   positions: torch.Tensor, intermediate_tensors: Any, inputs_embeds: torch.Tensor | None
                   ) -> torch.Tensor | None:
     """The final norm of a decode-only batch through ``paged`` on vLLM's caches; None when the batch
-    is of another kind (then vLLM's forward runs it)."""
+    is of another kind (then vLLM's forward runs it). The caches' flat views are made per call: held
+    between calls they would keep a finished engine's cache memory alive."""
     if input_ids is None or inputs_embeds is not None or intermediate_tensors is not None or input_ids.dim() != 1:
         return None
     md = _metadata(attn[0].layer_name)
@@ -65,15 +62,10 @@ def native_decode(inner: nn.Module, paged: PagedDecode, attn: list[nn.Module], i
     if (dec is None or getattr(md, "num_prefills", 1) != 0 or md.num_decodes != b or md.num_actual_tokens != b
             or not 0 < b <= NATIVE_ROWS or positions.shape != (b,)):
         return None
-    caches = [a.kv_cache for a in attn]
-    memo = _VIEWS.get(id(inner))
-    if memo is None or len(memo[0]) != len(caches) or any(c is not k for c, k in zip(caches, memo[0])):
-        views = [_flat(c) for c in caches]
-        if any(v is None for v in views):
-            return None
-        memo = (caches, [v[0] for v in views], views[0][1], views[0][2])  # type: ignore[index]
-        _VIEWS[id(inner)] = memo  # vLLM binds its caches once; a rebind makes new views
-    flat, per, bs = memo[1], memo[2], memo[3]
+    views = [_flat(a.kv_cache) for a in attn]
+    if any(v is None for v in views):
+        return None
+    per, bs = views[0][1], views[0][2]  # type: ignore[index]
     pos = positions.to(torch.int64)
     if not torch.equal(dec.seq_lens[:b].to(torch.int64), pos + 1):
         return None  # each sequence one new token after its cached ones
@@ -83,7 +75,7 @@ def native_decode(inner: nn.Module, paged: PagedDecode, attn: list[nn.Module], i
         return None
     rows = (table.unsqueeze(-1) * per + torch.arange(bs)).reshape(b, -1)
     x = inner.embed_input_ids(input_ids)  # type: ignore[operator]
-    return paged(x, pos, flat, rows)
+    return paged(x, pos, [v[0] for v in views], rows)  # type: ignore[index]
 
 
 def install(model: nn.Module, paged: PagedDecode | None) -> str:
