@@ -22,7 +22,6 @@ import contextlib
 import functools
 import math
 import mmap
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -331,16 +330,21 @@ def _check_tiling(file: Path, tensors: list[TensorInfo], data_start: int, alignm
         raise CheckpointError(f"{file}: bytes {max(last_end, data_start)}..{file_size} after {before} belong to no "
                               f"tensor: tensor data must tile the data section (up to {alignment}-byte alignment "
                               "padding); a tensor's type or shape in the header does not match its data")
-    if pads:  # at most alignment - 1 bytes after each tensor: one small read each
+    if pads:  # at most alignment - 1 bytes after each tensor: every run in one call of the byte reader
+        from ..memory import read_runs
+
+        buf = torch.empty(sum(end - start for start, end, _ in pads), dtype=torch.uint8)
         try:
             with open(file, "rb") as fh:
-                for start, end, name in pads:
-                    if any(os.pread(fh.fileno(), end - start, start)):
-                        raise CheckpointError(f"{file}: the alignment padding after tensor {name} (bytes {start}..{end})"
-                                              " is not zeros: a tensor's type or shape in the header does not match "
-                                              "its data")
+                read_runs(fh.fileno(), [(start, end - start) for start, end, _ in pads], buf)
         except OSError as exc:
-            raise CheckpointError(f"{file}: cannot read ({exc.strerror})") from None
+            raise CheckpointError(f"{file}: cannot read ({exc.strerror or exc})") from None
+        at = 0
+        for start, end, name in pads if bool(buf.any()) else ():  # locate the first non-zero padding
+            if buf[at:at + end - start].any():
+                raise CheckpointError(f"{file}: the alignment padding after tensor {name} (bytes {start}..{end})"
+                                      " is not zeros: a tensor's type or shape in the header does not match its data")
+            at += end - start
 
 
 def index_gguf(root: Path) -> tuple[dict[str, TensorInfo], list[Path], dict[str, Any]]:

@@ -29,7 +29,6 @@ sha256 is checked the first time the loader or the expert cache reads it (:func:
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import struct
 import threading
@@ -164,15 +163,20 @@ def payload_sha256(fd: int, offset: int, size: int, data: Any = None, *, where: 
     if data is not None:
         sha.update(memoryview(data).cast("B"))
         return sha.digest()
-    buf = bytearray(min(size, _VERIFY_CHUNK))
-    view = memoryview(buf)
+    import torch
+
+    from ..memory import read_runs
+
+    buf = torch.empty(min(size, _VERIFY_CHUNK), dtype=torch.uint8)
     done = 0
-    while done < size:
-        n = os.preadv(fd, [view[:min(len(buf), size - done)]], offset + done)
-        if n <= 0:
-            raise CheckpointError(f"{where}: short read at offset {offset + done:,} (the pack was truncated after "
-                                  "it was opened?)")
-        sha.update(view[:n])
+    while done < size:  # the checkpoint byte reader, a chunk at a time
+        n = min(buf.numel(), size - done)
+        try:
+            read_runs(fd, [(offset + done, n)], buf[:n])
+        except OSError as exc:
+            raise CheckpointError(f"{where}: short read in bytes {offset:,}..{offset + size:,} (the pack was "
+                                  "truncated after it was opened?)") from exc
+        sha.update(buf[:n].numpy().data)
         done += n
     return sha.digest()
 

@@ -325,3 +325,26 @@ def reference_state_without_mtp(root, tmp):
         else:
             shutil.copy(f, tmp / f.name)
     return reference_state(tmp, MC)
+
+
+def test_payload_sha256_reads_through_the_checkpoint_byte_reader(tmp_path, monkeypatch):
+    """``qpack.payload_sha256`` hashes a payload's file bytes in chunks through ``memory.read_runs``
+    (the one checkpoint byte reader): the digest of the bytes at the offset whatever the chunk size,
+    and a payload running past the end of the file is a CheckpointError naming it."""
+    import hashlib
+    import os
+
+    from quantplug.checkpoint import qpack
+    from quantplug.errors import CheckpointError
+
+    data = os.urandom(10_000)
+    f = tmp_path / "p.bin"
+    f.write_bytes(data)
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        monkeypatch.setattr(qpack, "_VERIFY_CHUNK", 777)  # many chunks, a short last one
+        assert qpack.payload_sha256(fd, 123, 9_000, where="x") == hashlib.sha256(data[123:9_123]).digest()
+        with pytest.raises(CheckpointError, match=r"blk\.1 expert 3: short read in bytes 9,000\.\.11,000"):
+            qpack.payload_sha256(fd, 9_000, 2_000, where="blk.1 expert 3")
+    finally:
+        os.close(fd)
