@@ -119,7 +119,7 @@ def _latent_fake(c: torch.Tensor, key: int) -> torch.Tensor:
     return torch.empty_like(c)
 
 
-def quantize_latent(wrapper: nn.Module, absorbed: AbsorbedMLA, notes: list[str]) -> bool | None:
+def quantize_latent(wrapper: nn.Module, absorbed: AbsorbedMLA, notes: list[str]) -> None:
     """The latent vLLM caches for this layer, quantized as ``kv_b_proj``'s form quantizes its input.
 
     The expanded form (vLLM's prefill, DeepSeek's ``attn_impl="naive"``, quantplug's forward)
@@ -129,19 +129,18 @@ def quantize_latent(wrapper: nn.Module, absorbed: AbsorbedMLA, notes: list[str])
     rows: quantplug's native decode step quantizes them, and so does this (``kv_a_layernorm``'s
     output, before vLLM writes it to its cache and before prefill's ``kv_b_proj``, which quantizes
     the already quantized rows to the same values). A layer whose ``kv_b_proj`` does not quantize
-    its input is left alone. Returns whether vLLM caches this layer's latent quantized (None: the
-    layer's kv_b_proj does not quantize its input)."""
+    its input is left alone."""
     if absorbed.latent_unknown:
         notes.append("kv_b_proj quantizes its input but its scheme declares no form: vLLM's decode attends on "
                      "the float latent (DeepSeek's absorb arithmetic), quantplug's expands K/V through the scheme")
-        return False
+        return
     if not absorbed.quantizes_latent:
-        return None
+        return
     norm = getattr(wrapper, "kv_a_layernorm", None)
     if norm is None or getattr(wrapper, "fuse_qkv_rmsnorm", False):
         notes.append("kv_b_proj quantizes its input, but vLLM's attention here fuses kv_a_layernorm: the cached "
                      "latent is not quantized (decode tokens may part from quantplug's at near-ties)")
-        return False
+        return
     key = _register_fn(absorbed.latent)
     normed = norm.forward
 
@@ -153,4 +152,3 @@ def quantize_latent(wrapper: nn.Module, absorbed: AbsorbedMLA, notes: list[str])
     norm.forward = forward
     notes.append("the cached latent is quantized as kv_b_proj quantizes its input (the expanded form's "
                  "arithmetic, as quantplug's decode step attends)")
-    return True
