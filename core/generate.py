@@ -509,6 +509,9 @@ class Generation:
             return [self._next(last.unsqueeze(1), step)]  # one token left: a plain step
         self.drafts += 1
         start = self.cache.length
+        native = self._native_spec_step(step)
+        if native is not None:
+            return native
         hidden, logits = lm.hidden_and_logits(torch.stack([last, d], dim=1), self.cache)
         a = self._greedy(logits[:, 0], step)
         if bool((a == d).all()):
@@ -521,6 +524,30 @@ class Generation:
             self._draft = None  # generation ends with these tokens (batch 1): no draft needed
             return out
         self._draft = self._pick_draft(lm.mtp_logits(torch.stack(out, dim=1), hidden, self.mtp_cache)[:, -1])
+        return out
+
+    def _native_spec_step(self, step: int) -> list[torch.Tensor] | None:
+        """:meth:`_mtp_step`'s verify and draft in one native call (the model's
+        ``speculative_step``) when its picks are plain argmaxes (EOS not masked at either step); the
+        same tokens, acceptance and caches as the module path. None: the module path runs."""
+        spec = getattr(self.lm, "speculative_step", None)
+        if spec is None or (step + 1 < self.settings["min_new_tokens"] and self.eos):
+            return None
+        assert self._last is not None and self._draft is not None and self.mtp_cache is not None
+        start = self.cache.length
+        got = spec(self._last, self._draft, self.cache, self.mtp_cache)
+        if got is None:
+            return None
+        (a, b), acc, dlogits, _ = got
+        dev = self._last.device
+        if acc:
+            self.accepted += 1
+            out = [self._draft, torch.tensor([b], device=dev)]
+        else:
+            self.cache.truncate(start + 1)  # roll back the draft's entry in every layer
+            out = [torch.tensor([a], device=dev)]
+        ends = step + len(out) >= self.max_new_tokens or any(int(t[0]) in self.eos for t in out)
+        self._draft = None if ends else self._pick_draft(dlogits)
         return out
 
     def sequences(self) -> torch.Tensor:

@@ -201,7 +201,28 @@ def _guessed(g: Generation) -> int:
     return g.mtp_cache.length + 1 - PROMPT.shape[1]
 
 
-def test_every_draft_rejected_rolls_back(model, monkeypatch):
+@pytest.fixture(params=["native", "modules"])
+def spec_path(request, model, monkeypatch):
+    """Which way a speculative step runs: one native call (``speculative_step``: verify and draft
+    together), or the modules (the 2-token forward, then the MTP layer), as when a piece of the
+    model has no native form."""
+    from quantplug.models.deepseek import DeepseekV3ForCausalLM
+
+    if request.param == "modules":
+        monkeypatch.setattr(DeepseekV3ForCausalLM, "speculative_step", lambda self, *a: None)
+    calls = [0]
+    real = DeepseekV3ForCausalLM.speculative_step
+
+    def counted(self, *a):
+        got = real(self, *a)
+        calls[0] += got is not None
+        return got
+
+    monkeypatch.setattr(DeepseekV3ForCausalLM, "speculative_step", counted)
+    yield request.param, calls
+
+
+def test_every_draft_rejected_rolls_back(model, monkeypatch, spec_path):
     """Drafts forced wrong: every step emits the main token and drops the draft's cache entry.
     Without the roll-back the next step would attend to the rejected token."""
     plain = model.generate(PROMPT, 32, eos_token_id=None)[0, PROMPT.shape[1]:].tolist()
@@ -212,9 +233,10 @@ def test_every_draft_rejected_rolls_back(model, monkeypatch):
     assert g.accepted == 0 and g.drafts == 30   # 31 decode steps, the last one plain
     assert g.cache.length == PROMPT.shape[1] + 32 - 1
     assert g.acceptance_rate() == 0.0
+    assert spec_path[1][0] == (30 if spec_path[0] == "native" else 0)
 
 
-def test_every_draft_accepted_takes_bonus_tokens(model, monkeypatch):
+def test_every_draft_accepted_takes_bonus_tokens(model, monkeypatch, spec_path):
     """Drafts forced right (the greedy continuation itself): two tokens per main step."""
     plain = model.generate(PROMPT, 33, eos_token_id=None)[0, PROMPT.shape[1]:].tolist()
     monkeypatch.setattr(Generation, "_pick_draft", lambda self, logits: torch.tensor([plain[_guessed(self)]]))
@@ -222,8 +244,71 @@ def test_every_draft_accepted_takes_bonus_tokens(model, monkeypatch):
     assert spec == plain
     assert g.accepted == g.drafts == 16                     # 32 tokens in 16 steps, then none left
     assert g.cache.length == PROMPT.shape[1] + 33 - 1
-    # one pair per cached main position; the last step's two are not run (no draft needed after it)
-    assert g.mtp_cache is not None and g.mtp_cache.length == g.cache.length - 2
+    assert g.mtp_cache is not None
+    if spec_path[0] == "native":
+        # one call verifies and drafts: the MTP layer holds the pair of every cached main position
+        assert spec_path[1][0] == 16 and g.mtp_cache.length == g.cache.length
+    else:
+        # one pair per cached main position; the last step's two are not run (no draft needed after it)
+        assert g.mtp_cache.length == g.cache.length - 2
+
+
+def test_native_speculative_step_equals_the_modules(model):
+    """One native speculative step against the module path from the same state: the same picks,
+    acceptance and main-model logits, the drafter's logits equal ``mtp_logits``'s last row, and
+    both caches hold the same rows; once accepted (the draft set to the main model's pick), once
+    rejected."""
+    from quantplug.generate import new_cache
+
+    lm = model.text_lm()
+    with torch.inference_mode():
+        ref_cache = new_cache(lm, 1, 32)
+        hidden, logits = lm.hidden_and_logits(PROMPT, ref_cache, last_only=True)
+        last = logits[:, -1].argmax(-1)
+        ref_m = new_mtp_cache(lm, 1, 32)
+        lm.mtp_logits(torch.cat([PROMPT[:, 1:], last[:, None]], 1), hidden, ref_m)
+        base, mbase = ref_cache.length, ref_m.length
+        pick = lm.hidden_and_logits(last[:, None], ref_cache)[1][0, 0].argmax().reshape(1)
+        ref_cache.truncate(base)
+        for draft, accepted in ((pick, True), ((pick + 1) % CFG["vocab_size"], False)):
+            cache, mc = _copy_cache(ref_cache, base), _copy_cache(ref_m, mbase)
+            got = lm.speculative_step(last, draft, cache, mc)
+            assert got is not None
+            (a, b), acc, dlogits, lg = got
+            h2, l2 = lm.hidden_and_logits(torch.stack([last, draft], 1), ref_cache)
+            assert acc is accepted and a == int(l2[0, 0].argmax()) and b == int(l2[0, 1].argmax())
+            assert torch.equal(lg, l2[0])
+            if accepted:
+                pairs, hs = torch.tensor([[int(draft), b]]), h2
+            else:
+                ref_cache.truncate(base + 1)
+                pairs, hs = torch.tensor([[a]]), h2[:, :1]
+            ref_draft = lm.mtp_logits(pairs, hs, ref_m)[:, -1]
+            assert (dlogits - ref_draft).abs().max() <= 1e-5 * ref_draft.abs().max()
+            assert cache.length == base + 2 and mc.length == ref_m.length
+            for c, r in ((cache, ref_cache), (mc, ref_m)):
+                n = min(c.length, r.length)
+                for x, y in zip(c.layers, r.layers):
+                    assert (x.latent[:, :, :n] - y.latent[:, :, :n]).abs().max() <= 1e-5
+            ref_cache.truncate(base)
+            ref_m.truncate(mbase)
+
+
+def _copy_cache(c, length):
+    """A cache holding ``c``'s first ``length`` positions (its own tensors)."""
+    import copy
+
+    out = copy.copy(c)
+    out.layers = []
+    for layer in c.layers:
+        n = copy.copy(layer)
+        for name in type(layer).BUFFERS:
+            t = getattr(layer, name, None)
+            if t is not None:
+                setattr(n, name, t.clone())
+        out.layers.append(n)
+    out.truncate(length)
+    return out
 
 
 def test_stops_like_greedy_at_eos_and_max_new_tokens(model):

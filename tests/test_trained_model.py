@@ -70,16 +70,31 @@ def test_greedy_writes_python(model):
     assert text.isascii() and sum(c.isalnum() or c in " _.,():=\n'\"[]" for c in text) / len(text) > 0.9, text
 
 
-def test_speculative_mtp_equals_greedy(model, heldout):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_speculative_mtp_equals_greedy(model, heldout, dtype, monkeypatch):
+    """Every speculative step is one native call (verify and draft, ``qp_spec_step``) whose rows
+    are one-token steps' arithmetic: the tokens are plain greedy's in bfloat16 too."""
+    from quantplug.kernels import native
+
+    m = model if dtype == "float32" else quantplug.load(MODEL, dtype=torch.bfloat16, progress=False)
     tokens, _ = heldout
     prompt = torch.tensor([tokens[:32]])
-    plain = model.generate(prompt, 64, eos_token_id=None)[0, 32:].tolist()
-    g = model.stream(prompt, 64, eos_token_id=None, speculative="mtp")
+    plain = m.generate(prompt, 64, eos_token_id=None)[0, 32:].tolist()
+    lib, calls = native.library(), [0]
+    real = lib.qp_spec_step
+
+    def counted(*a):
+        calls[0] += 1
+        return real(*a)
+
+    monkeypatch.setattr(lib, "qp_spec_step", counted)
+    g = m.stream(prompt, 64, eos_token_id=None, speculative="mtp")
     spec = [int(t[0]) for t in g]
     rate = g.acceptance_rate()
-    print(f"MTP acceptance {g.accepted}/{g.drafts} = {rate:.3f}")
+    print(f"{dtype}: MTP acceptance {g.accepted}/{g.drafts} = {rate:.3f}")
     assert spec == plain
     assert rate is not None and rate > ACCEPT_BOUND
+    assert calls[0] == g.drafts > 0
 
 
 @pytest.mark.slow

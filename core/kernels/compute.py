@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -725,11 +725,110 @@ class StackStep:
         with ``pick`` and a head the greedy tokens [B] as ``logits.argmax(-1)``, else None);
         None when the step cannot run now (nothing appended)."""
         b = ids.shape[0]
-        if (embed is None or ids.dtype != torch.int64 or ids.device.type != "cpu" or ids.numel() != b
-                or embed.k != self.h or embed.model_dtype != self.dtype or embed.slots is not None
-                or head is not None and (head.k != self.h or head.model_dtype != self.dtype or head.slots is not None)):
+        if not self._takes(ids, embed, head) or ids.numel() != b:
             return None
         return self._run(b, None, ids.contiguous(), embed, rot, caches, head, pick and head is not None)
+
+    def sequence(self, ids: torch.Tensor | None, x: torch.Tensor | None, embed: Bound | None, rot: torch.Tensor,
+                 caches: Sequence[Any], head: Bound | None, pick: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+        """T <= :data:`NATIVE_ROWS` new tokens of ONE sequence (every cache of batch 1) in one native
+        call, each attending on the cached tokens and on the new ones before it (causal), as T
+        one-token steps would in turn: the step of a speculative verify. The tokens come as ids
+        ``ids`` [T] (int64, with ``embed`` the embedding's binding) or as inputs ``x`` [T, hidden] in
+        the model dtype; ``rot`` [T, rope, rope] the rotation of each token's position (the cache's
+        length onwards). Appends the T latents and keys to every cache and returns (the final norm
+        [1, T, hidden], float32 logits [T, vocab] through ``head`` or None, the greedy picks [T] with
+        ``pick`` and a head); None when the step cannot run now (nothing appended). Each row's
+        arithmetic is the one-token step's, so the logits equal T one-token steps' (tested)."""
+        if ids is not None:
+            if x is not None or not self._takes(ids, embed, head) or ids.dim() != 1:
+                return None
+            t = ids.shape[0]
+            ids = ids.contiguous()
+        else:
+            if (x is None or embed is not None or x.dtype != self.dtype or x.device.type != "cpu" or x.dim() != 2
+                    or x.shape[1] != self.h or head is not None and not self._takes(None, None, head)):
+                return None
+            t = x.shape[0]
+        if t < 1:
+            return None
+        got = self._run(t, x, ids, embed, rot, caches, head, pick and head is not None, one_sequence=True)
+        return None if got is None else (got[0].view(1, t, self.h), got[1], got[2])
+
+    def speculate(self, ids: torch.Tensor, embed: Bound, rot: torch.Tensor, caches: Sequence[Any], head: Bound,
+                  draft: DraftStep, proj: Bound, dcaches: Sequence[Any], drot: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int, bool]] | None:
+        """One step of greedy speculative decoding in one native call (``qp_spec_step``): ``ids`` [2]
+        = (the last emitted token, the draft) of ONE sequence through the stack at the cache's
+        length and the next position (``rot`` [2, rope, rope]; as :meth:`sequence`, so each row is a
+        one-token step), the draft accepted when the pick after the last token equals it; then
+        ``draft`` (the drafter, its one-layer cache ``dcaches``, its rows' rotations ``drot`` [2,
+        rope, rope], its projection's binding ``proj``) on the accepted pairs (hidden state, next
+        token) and the head on its last row. Returns (the final norm [1, 2, hidden], float32 logits
+        [2, vocab], the drafter's float32 logits [1, vocab] (their greedy pick is the next draft),
+        (pick after the last token, pick after the draft, accepted)); the
+        main caches gain both tokens (roll the draft back when it was rejected), the drafter's cache
+        its accepted pairs (2 or 1). None when the step cannot run now (nothing appended)."""
+        lib = native._lib
+        if (lib is None or len(caches) != self.n or len(dcaches) != 1 or ids.dtype != torch.int64 or tuple(ids.shape) != (2,)
+                or not self._takes(ids, embed, head) or not self.live() or not draft.live(self, proj)):
+            return None
+        every = [*caches, *dcaches]
+        c0 = caches[0]
+        if any(c.latent.shape[0] != 1 or c.latent.dtype != c0.latent.dtype or c.latent.shape[3] != c0.latent.shape[3]
+               or c.k_rope.shape[3] != c0.k_rope.shape[3] for c in every) or any(c.length != c0.length for c in caches):
+            return None
+        r, dr = _rotations(rot, 2, self.rope), _rotations(drot, 2, self.rope)
+        if r is None or dr is None:
+            return None
+        held: list[tuple[Any, int]] = []
+        try:
+            for c, t in [(c, 2) for c in caches] + [(dcaches[0], 2)]:
+                held.append((c, c.reserve(t)))  # may grow (re-allocate) a cache: pointers are read after
+        except BaseException:
+            for c, _ in held:
+                c.unreserve(2)
+            raise
+        lat, kr = c0.latent, c0.k_rope
+        if any((c.latent.stride(2), c.k_rope.stride(2)) != (lat.stride(2), kr.stride(2)) for c in every) or len(
+                {at for c, at in held[:-1]}) != 1:
+            for c, _ in held:
+                c.unreserve(2)
+            return None
+        import ctypes
+
+        vp = ctypes.c_void_p * self.n
+        lats, krs = vp(*[c.latent.data_ptr() for c in caches]), vp(*[c.k_rope.data_ptr() for c in caches])
+        d = dcaches[0]
+        hid = torch.empty(1, 2, self.h)
+        logits = torch.empty(2, head.n)
+        dlogits = torch.empty(1, head.n)
+        res = torch.empty(3, dtype=torch.int64)
+        ids = ids.contiguous()
+        fn = self.final_norm
+        rc = lib.qp_spec_step(self.layers_arr, self.n, self.h, ids.data_ptr(), embed.ptr(), r.data_ptr(), lats, krs,
+                              lat.stride(2), kr.stride(2), held[0][1], int(lat.dtype == torch.bfloat16), fn.data_ptr(),
+                              int(fn.dtype == torch.bfloat16), self.eps, head.ptr(), draft.struct(proj),
+                              d.latent.data_ptr(), d.k_rope.data_ptr(), held[-1][1], dr.data_ptr(), hid.data_ptr(),
+                              logits.data_ptr(), dlogits.data_ptr(), res.data_ptr(), self.wround)
+        if rc != 0:
+            for c, _ in held:
+                c.unreserve(2)
+            if rc == -4:  # a token id outside the embedding: the module path raises its own error
+                return None
+            native.check(rc, "spec_step")
+        a, b, acc = res.tolist()
+        if not acc:
+            d.unreserve(1)  # the drafter appended one pair
+        return (hid if self.dtype == torch.float32 else hid.to(self.dtype)), logits, dlogits, (a, b, bool(acc))
+
+    def _takes(self, ids: torch.Tensor | None, embed: Bound | None, head: Bound | None) -> bool:
+        """Whether token ids, the embedding's binding and the head's binding suit this step."""
+        if ids is not None and (embed is None or ids.dtype != torch.int64 or ids.device.type != "cpu"
+                                or embed.k != self.h or embed.model_dtype != self.dtype or embed.slots is not None):
+            return False
+        return head is None or (head.k == self.h and head.model_dtype == self.dtype and head.slots is None)
 
     def paged(self, x: torch.Tensor, rot: torch.Tensor, kv: Sequence[torch.Tensor], rows: torch.Tensor,
               positions: torch.Tensor) -> torch.Tensor | None:
@@ -779,14 +878,16 @@ class StackStep:
         return out if self.dtype == torch.float32 else out.to(self.dtype)
 
     def _run(self, b: int, x: torch.Tensor | None, ids: torch.Tensor | None, embed: Bound | None,
-             rot: torch.Tensor, caches: Sequence[Any], head: Bound | None, pick: bool
+             rot: torch.Tensor, caches: Sequence[Any], head: Bound | None, pick: bool, one_sequence: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+        """``b`` rows: b sequences at one position, or (``one_sequence``) b tokens of one sequence."""
         lib = native._lib
         if lib is None or b > NATIVE_ROWS or len(caches) != self.n or not self.live():
             return None
         c0 = caches[0]
+        t = b if one_sequence else 1  # positions each cache gains
         for c in caches:
-            if c.length != c0.length or c.latent.dtype != c0.latent.dtype or c.latent.shape[0] != b:
+            if c.length != c0.length or c.latent.dtype != c0.latent.dtype or c.latent.shape[0] != b // t:
                 return None
         if c0.latent.dtype not in (torch.float32, torch.bfloat16) or c0.latent.device.type != "cpu":
             return None
@@ -796,18 +897,23 @@ class StackStep:
         pos: list[int] = []
         try:
             for c in caches:
-                pos.append(c.reserve(1))  # may grow (re-allocate) the cache: pointers are read after
+                pos.append(c.reserve(t))  # may grow (re-allocate) the cache: pointers are read after
         except BaseException:
             for c in caches[:len(pos)]:
-                c.unreserve(1)
+                c.unreserve(t)
             raise
         lat, kr = c0.latent, c0.k_rope
         strides = (lat.stride(2), lat.stride(0), kr.stride(2), kr.stride(0))
         if any((c.latent.stride(2), c.latent.stride(0), c.k_rope.stride(2), c.k_rope.stride(0)) != strides
                for c in caches) or len(set(pos)) != 1:
             for c in caches:
-                c.unreserve(1)
+                c.unreserve(t)
             return None
+        # one sequence: every row reads and writes the one cache row (batch stride 0), row i at
+        # position pos + i; qp_latent_step writes all rows' latents before any row attends
+        bpos = torch.arange(pos[0], pos[0] + b) if one_sequence else None
+        if one_sequence:
+            strides = (strides[0], 0, strides[2], 0)
         import ctypes
 
         vp = ctypes.c_void_p * self.n
@@ -822,18 +928,71 @@ class StackStep:
         fn = self.final_norm
         rc = lib.qp_decode_step(self.layers_arr, self.n, self.h, b, None if ids is None else ids.data_ptr(),
                                 None if embed is None else embed.ptr(), x2.data_ptr(), r.data_ptr(), lats, krs,
-                                strides[0], strides[1], strides[2], strides[3], pos[0], None, 0, None,
+                                strides[0], strides[1], strides[2], strides[3], pos[0], None, 0,
+                                None if bpos is None else bpos.data_ptr(),
                                 int(lat.dtype == torch.bfloat16), fn.data_ptr(), int(fn.dtype == torch.bfloat16),
                                 self.eps, out.data_ptr(), None if head is None else head.ptr(),
                                 None if logits is None else logits.data_ptr(),
                                 None if best is None else best.data_ptr(), self.wround)
         if rc != 0:
             for c in caches:
-                c.unreserve(1)
+                c.unreserve(t)
             if rc == -4:  # a token id outside the embedding: the module path raises its own error
                 return None
             native.check(rc, "decode_step")
         return (out if self.dtype == torch.float32 else out.to(self.dtype)), logits, best  # bfloat16 values: exact
+
+
+class DraftStep:
+    """The drafter of :meth:`StackStep.speculate` (``qp_draft``): a next-token-prediction block as
+    DeepSeek's MTP layer is one, ``eh_proj(cat(enorm(embedding), hnorm(hidden)))`` through one
+    decoder layer (``block``, a one-layer :class:`StackStep` whose final norm is the block's head
+    norm). ``enorm`` / ``hnorm``: the two RMSNorm modules (their weights are read at each call and
+    must keep the block's norm dtype); ``proj_module``: ``eh_proj``, bound per call."""
+
+    def __init__(self, block: StackStep, enorm: torch.nn.Module, hnorm: torch.nn.Module, proj_module: torch.nn.Module) -> None:
+        self.block, self.enorm, self.hnorm, self.proj_module = block, enorm, hnorm, proj_module
+        self.c = native.Draft()
+        import ctypes
+
+        self.c.layer = ctypes.pointer(block.layers_arr[0])
+        self.c.fnorm = block.final_norm.data_ptr()
+        self.c.norm_bf16 = int(block.final_norm.dtype == torch.bfloat16)
+        self.c.eps = block.eps
+        self.dtype = block.final_norm.dtype
+
+    @staticmethod
+    def build(block: StackStep | None, enorm: torch.nn.Module, hnorm: torch.nn.Module,
+              proj_module: torch.nn.Module) -> DraftStep | None:
+        """None without a one-layer block step or when the norms' epsilons differ from the block's
+        head norm (``qp_draft`` has one)."""
+        if block is None or block.n != 1 or getattr(enorm, "eps", None) != block.eps or getattr(hnorm, "eps", None) != block.eps:
+            return None
+        return DraftStep(block, enorm, hnorm, proj_module)
+
+    def live(self, stack: StackStep, proj: Bound) -> bool:
+        """The block is as built, both norm weights are contiguous CPU tensors of the head norm's
+        dtype (refreshed into the struct), ``proj`` suits the stack and no drafter module has hooks."""
+        if not self.block.live() or proj.k != 2 * stack.h or proj.n != stack.h or proj.model_dtype != stack.dtype or proj.slots is not None:
+            return False
+        if _hooked(self.enorm) or _hooked(self.hnorm) or _hooked(self.proj_module):
+            return False
+        ew, hw = cast(torch.Tensor, self.enorm.weight), cast(torch.Tensor, self.hnorm.weight)
+        for w in (ew, hw):
+            if w.dtype != self.dtype or w.device.type != "cpu" or not w.is_contiguous() or w.numel() != stack.h:
+                return False
+        self.c.enorm, self.c.hnorm = ew.data_ptr(), hw.data_ptr()
+        return True
+
+    def struct(self, proj: Bound) -> Any:
+        import ctypes
+
+        self.c.proj = proj.ptr()
+        return ctypes.byref(self.c)
+
+
+def _hooked(m: torch.nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks)
 
 
 def _mat_array(ptrs: Sequence[Any], keep: list[Any]) -> Any:

@@ -45,6 +45,10 @@ static const qp_layout_entry QP_LAYOUT[] = {
     QP_FIELD(qp_layer, scaling), QP_FIELD(qp_layer, router), QP_FIELD(qp_layer, bias), QP_FIELD(qp_layer, gate),
     QP_FIELD(qp_layer, up), QP_FIELD(qp_layer, down), QP_FIELD(qp_layer, sg), QP_FIELD(qp_layer, su),
     QP_FIELD(qp_layer, sd),
+
+    QP_STRUCT(qp_draft),
+    QP_FIELD(qp_draft, layer), QP_FIELD(qp_draft, enorm), QP_FIELD(qp_draft, hnorm), QP_FIELD(qp_draft, fnorm),
+    QP_FIELD(qp_draft, norm_bf16), QP_FIELD(qp_draft, eps), QP_FIELD(qp_draft, proj),
 };
 #undef QP_STRUCT
 #undef QP_FIELD

@@ -77,7 +77,7 @@ FAST_FORMS = frozenset({"Q4_0", "Q8_0"})
 MIN_CODE = {"FP8": 2.0 ** -9, "FP4": 0.5, "INT4": 1.0, "INT8": 1.0}
 #: the symbols this module calls; a library missing one is rebuilt, then refused
 SYMBOLS = ("qp_form_info", "qp_isa", "qp_check", "qp_dequant", "qp_act_rows", "qp_gemm", "qp_mlp",
-           "qp_latent_pre", "qp_latent_post", "qp_latent_step", "qp_decode_step", "qp_fp8_has_nan", "qp_row_kernel",
+           "qp_latent_pre", "qp_latent_post", "qp_latent_step", "qp_decode_step", "qp_spec_step", "qp_fp8_has_nan", "qp_row_kernel",
            "qp_layout_table", "qp_kda_step")
 
 _lock = threading.Lock()
@@ -235,8 +235,18 @@ class Layer(ctypes.Structure):
         ("sg", ctypes.POINTER(Mat)), ("su", ctypes.POINTER(Mat)), ("sd", ctypes.POINTER(Mat))]
 
 
+class Draft(ctypes.Structure):
+    """``qp_draft``: the drafter of a speculative step (``qp_spec_step``): two norms, a projection of
+    their concatenation, one decoder layer, a final norm."""
+
+    _fields_ = [  # noqa: RUF012
+        ("layer", ctypes.POINTER(Layer)), ("enorm", ctypes.c_void_p), ("hnorm", ctypes.c_void_p),
+        ("fnorm", ctypes.c_void_p), ("norm_bf16", ctypes.c_int32), ("eps", ctypes.c_float), ("proj", ctypes.POINTER(Mat))]
+
+
 #: the C struct (``qp_types.h``) each ctypes Structure mirrors
-STRUCTS: dict[str, type[ctypes.Structure]] = {"qp_act": Act, "qp_mat": Mat, "qp_latent_attn": LatentAttn, "qp_layer": Layer}
+STRUCTS: dict[str, type[ctypes.Structure]] = {"qp_act": Act, "qp_mat": Mat, "qp_latent_attn": LatentAttn, "qp_layer": Layer,
+                                              "qp_draft": Draft}
 
 
 class LayoutEntry(ctypes.Structure):
@@ -304,6 +314,8 @@ def _declare(lib: ctypes.CDLL) -> None:
                             i32], i32),
         "qp_decode_step": ([ctypes.POINTER(Layer), i32, i64, i64, p, mp, p, p, p, p, i64, i64, i64, i64, i64, p, i64, p,
                             i32, p, i32, ctypes.c_float, p, mp, p, p, i32], i32),
+        "qp_spec_step": ([ctypes.POINTER(Layer), i32, i64, p, mp, p, p, p, i64, i64, i64, i32, p, i32, ctypes.c_float,
+                          mp, ctypes.POINTER(Draft), p, p, i64, p, p, p, p, p, i32], i32),
         "qp_fp8_has_nan": ([p, i64], i32),
         "qp_row_kernel": ([mp, i32], i32),
         "qp_kda_step": ([i64, i64, i64, i64, p, p, p, p, p, p, i32, ctypes.c_float, p, p, p, ctypes.c_float, p, i32,

@@ -91,4 +91,15 @@ typedef struct {
     const qp_mat *sg, *su, *sd;        /* shared experts, or NULL */
 } qp_layer;
 
+/* a drafter of greedy speculative decoding (a next-token-prediction block): for a token t and a
+ * hidden state h of the stack, x = proj(cat(norm_e(embedding of t), norm_h(h))) through one decoder
+ * layer, then its final norm; the stack's head picks the draft from it */
+typedef struct {
+    const qp_layer *layer;             /* the block (its own latent cache) */
+    const void *enorm, *hnorm, *fnorm; /* [H], f32 or bf16 (norm_bf16) */
+    int32_t norm_bf16;
+    float eps;
+    const qp_mat *proj;                /* [H, 2H] */
+} qp_draft;
+
 #endif

@@ -138,3 +138,14 @@ class Rotary(nn.Module):
             tab = (dtype, start, self._matrices(cos, sin).to(torch.float32).contiguous())
             object.__setattr__(self, "_step_table", tab)
         return tab[2][pos - tab[1]]
+
+    def step_rotations(self, pos: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+        """The rotation matrices of positions ``pos .. pos + count - 1`` ([count, d, d] float32, each
+        :meth:`step_rotation`'s): what a native step of ``count`` tokens of one sequence reads."""
+        first = self.step_rotation(pos, dtype)
+        tab = self._step_table
+        assert tab is not None
+        at = pos - tab[1]
+        if at + count <= tab[2].shape[0]:
+            return tab[2][at:at + count]  # one block: a view, no copy
+        return torch.stack([first] + [self.step_rotation(pos + i, dtype) for i in range(1, count)])

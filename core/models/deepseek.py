@@ -26,7 +26,7 @@ from torch import nn
 
 from ..generate import GenerationMixin, LatentCache, MLACache
 from ..kernels import compute
-from ..kernels.compute import NATIVE_ROWS, MLAStep, MLPStep, StackLayer, StackStep
+from ..kernels.compute import NATIVE_ROWS, DraftStep, MLAStep, MLPStep, StackLayer, StackStep
 from ..layers.activation import SILU, GatedAct
 from ..layers.embedding import Embedding, TiedHead
 from ..layers.linear import (
@@ -983,8 +983,66 @@ class MTPLayer(nn.Module):
         """``embeds`` [B, T, H] of tokens t_{j+1}, ``hidden`` [B, T, H] the main model's normed final
         hidden states at j: the normed output [B, T, H] whose LM head gives the draft for t_{j+2}
         (ARCHITECTURES D3: embedding first, hidden state second)."""
-        u = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
-        return self.head_norm(self.block(u, cos, sin, cache))
+        return self.head_norm(self.block(self.mix(embeds, hidden), cos, sin, cache))
+
+    def mix(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The block's input: ``eh_proj(cat([enorm(embeds), hnorm(hidden)]))``."""
+        return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+
+    def stack_step(self) -> StackStep | None:
+        """The block and ``shared_head.norm`` as one native step (:func:`stack_step`), built on
+        first use; None where the block runs another way."""
+        st = self.__dict__.get("_stack", False)
+        if st is False:
+            st = stack_step([self.block], self.head_norm, [self.head_norm])
+            object.__setattr__(self, "_stack", st)  # not a submodule: a step over this layer's modules
+        return st
+
+    def draft_step(self) -> DraftStep | None:
+        """The whole layer as the drafter of a native speculative step (:class:`DraftStep`), built
+        on first use; None where the block runs another way."""
+        st = self.__dict__.get("_draft", False)
+        if st is False:
+            st = DraftStep.build(self.stack_step(), self.enorm, self.hnorm, self.eh_proj)
+            object.__setattr__(self, "_draft", st)
+        return st
+
+
+def stack_step(layers: Sequence[nn.Module], norm: RMSNorm, extra: Sequence[nn.Module]) -> StackStep | None:
+    """The native step of decoder ``layers`` then the final ``norm`` in one call
+    (:class:`quantplug.kernels.compute.StackStep`; ``extra``: other modules whose hooks it would
+    skip); None when any layer runs another way: experts served from files or split over ranks, a
+    piece without a native form, an architecture's own router, a DSA indexer, a float16 model."""
+    parts: list[StackLayer] = []
+    owners: list[tuple[nn.Module, Any]] = []
+    for layer in layers:
+        assert isinstance(layer, DecoderLayer)
+        attn, mlp, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+        if attn.step is None or attn.indexer is not None or n1.eps != n2.eps:
+            return None
+        owners.append((attn, attn.step))
+        if isinstance(mlp, MLP):
+            if mlp.step is None:
+                return None
+            parts.append(StackLayer(mla=attn.step, attn_norm=n1.weight, ffn_norm=n2.weight, eps=n1.eps, mlp=mlp.step))
+            owners.append((mlp, mlp.step))
+            continue
+        assert isinstance(mlp, MoE)
+        if type(mlp.gate) is not Router:  # the native step routes as Router does (an architecture's own router: not)
+            return None
+        ex, cfg, shared = mlp.experts, mlp.gate.cfg, mlp.shared_experts
+        if (ex.step is None or ex.qp_store is not None or ex.qp_parallel is not None
+                or (ex.first, ex.count, ex.slot_base) != (0, ex.n, 0) or len(ex.step.gate.mats) != ex.n
+                or (shared is not None and shared.step is None)):
+            return None
+        owners += [(ex, ex.step)] + ([] if shared is None else [(shared, shared.step)])
+        parts.append(StackLayer(mla=attn.step, attn_norm=n1.weight, ffn_norm=n2.weight, eps=n1.eps,
+                                experts=ex.step, router=mlp.gate.weight, bias=mlp.gate.e_score_correction_bias,
+                                top_k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                                norm_topk=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor,
+                                shared=None if shared is None else shared.step))
+    modules = [m for layer in layers for m in layer.modules()] + list(extra)
+    return StackStep.build(parts, norm.weight, norm.eps, norm.weight.numel(), modules, owners)
 
 
 class TextModel(nn.Module):
@@ -1008,44 +1066,15 @@ class TextModel(nn.Module):
 
     def _stack_step(self) -> StackStep | None:
         """The whole stack's native decode step (:class:`quantplug.kernels.compute.StackStep`),
-        built once on first use; None when any layer runs another way (experts served from files
-        or split over ranks, a piece without a native form, a float16 model), and always for a
-        DSA model (DeepSeek-V3.2): the stack step composes the layers' MLA steps, which neither
-        write the indexer's keys nor select keys, so a DSA model decodes layer by layer (each
-        layer's own native MLA step still runs while every key is selected, see :meth:`MLA.forward`)."""
+        built once on first use; None when any layer runs another way (:func:`stack_step`), and
+        always for a DSA model (DeepSeek-V3.2): the stack step composes the layers' MLA steps,
+        which neither write the indexer's keys nor select keys, so a DSA model decodes layer by
+        layer (each layer's own native MLA step still runs while every key is selected, see
+        :meth:`MLA.forward`)."""
         if self._stack is not None or self._stack_tried:
             return self._stack
         self._stack_tried = True
-        parts: list[StackLayer] = []
-        owners: list[tuple[nn.Module, Any]] = []
-        for layer in self.layers:
-            assert isinstance(layer, DecoderLayer)
-            attn, mlp, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
-            if attn.step is None or attn.indexer is not None or n1.eps != n2.eps:
-                return None
-            owners.append((attn, attn.step))
-            if isinstance(mlp, MLP):
-                if mlp.step is None:
-                    return None
-                parts.append(StackLayer(mla=attn.step, attn_norm=n1.weight, ffn_norm=n2.weight, eps=n1.eps, mlp=mlp.step))
-                owners.append((mlp, mlp.step))
-                continue
-            assert isinstance(mlp, MoE)
-            if type(mlp.gate) is not Router:  # the native step routes as Router does (an architecture's own router: not)
-                return None
-            ex, cfg, shared = mlp.experts, mlp.gate.cfg, mlp.shared_experts
-            if (ex.step is None or ex.qp_store is not None or ex.qp_parallel is not None
-                    or (ex.first, ex.count, ex.slot_base) != (0, ex.n, 0) or len(ex.step.gate.mats) != ex.n
-                    or (shared is not None and shared.step is None)):
-                return None
-            owners += [(ex, ex.step)] + ([] if shared is None else [(shared, shared.step)])
-            parts.append(StackLayer(mla=attn.step, attn_norm=n1.weight, ffn_norm=n2.weight, eps=n1.eps,
-                                    experts=ex.step, router=mlp.gate.weight, bias=mlp.gate.e_score_correction_bias,
-                                    top_k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
-                                    norm_topk=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor,
-                                    shared=None if shared is None else shared.step))
-        self._stack = StackStep.build(parts, self.norm.weight, self.norm.eps, self.norm.weight.numel(),
-                                      list(self.layers.modules()) + [self.norm], owners)
+        self._stack = stack_step(list(self.layers), self.norm, [self.norm])
         return self._stack
 
     def decode_stack(self) -> StackStep | None:
@@ -1066,21 +1095,47 @@ class TextModel(nn.Module):
         st = self._stack_step()
         if st is None:
             return None
-        emb = self.embed_tokens
-        if emb.qp_parallel is not None or _hooked(emb):
-            return None
-        embed = compute.bound(emb)
-        hb = None
-        if not _hooked(head) and getattr(head, "qp_parallel", None) is None:  # any head module given
-            hb = compute.bound(head.qp_tied_embedding() if isinstance(head, TiedHead) else head)
-        if embed is None or hb is None:
+        bound = self._bindings(head)
+        if bound is None:
             return None
         rot = self.rotary.step_rotation(cache.length, st.dtype)
-        got = st.logits(ids, embed, rot, cache.layers, hb, pick)
+        got = st.logits(ids, bound[0], rot, cache.layers, bound[1], pick)
         if got is None:
             return None
         assert got[1] is not None  # a head was given
         return got[1], got[2]
+
+    def sequence_logits(self, ids: torch.Tensor, cache: MLACache, head: nn.Module,
+                        pick: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """``ids`` [1, T] (T <= NATIVE_ROWS) after the ``cache``'s tokens (batch 1) in one native
+        call: embedding, the whole stack with each token attending causally on the cache and the
+        tokens before it, and ``head`` (:meth:`StackStep.sequence`): what :meth:`forward` and then
+        ``head`` compute, row by row as T one-token steps. Returns (the final norm [1, T, hidden],
+        float32 logits [T, vocab], with ``pick`` the greedy picks [T]); None (nothing appended) when
+        a piece runs another way: then the caller runs the modules. Speculative decoding verifies
+        its draft this way."""
+        if ids.dim() != 2 or ids.shape[0] != 1 or not 1 <= ids.shape[1] <= NATIVE_ROWS:
+            return None
+        st = self._stack_step()
+        bound = None if st is None else self._bindings(head)
+        if st is None or bound is None:
+            return None
+        rot = self.rotary.step_rotations(cache.length, ids.shape[1], st.dtype)
+        got = st.sequence(ids[0], None, bound[0], rot, cache.layers, bound[1], pick)
+        if got is None:
+            return None
+        assert got[1] is not None  # a head was given
+        return got[0], got[1], got[2]
+
+    def _bindings(self, head: nn.Module) -> tuple[compute.Bound, compute.Bound] | None:
+        """The native bindings of the embedding and of ``head`` (any head module), or None when
+        either runs another way (split over ranks, hooked, no native form)."""
+        emb = self.embed_tokens
+        if emb.qp_parallel is not None or _hooked(emb) or _hooked(head) or getattr(head, "qp_parallel", None) is not None:
+            return None
+        embed = compute.bound(emb)
+        hb = compute.bound(head.qp_tied_embedding() if isinstance(head, TiedHead) else head)
+        return None if embed is None or hb is None else (embed, hb)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: MLACache | None = None) -> torch.Tensor:
@@ -1200,6 +1255,10 @@ class DeepseekV3ForCausalLM(GenerationMixin, nn.Module):
         normed final hidden states [B, T, H] (the LM head's input, what the MTP layer reads) and
         float32 logits [B, T, vocab], or with ``last_only`` [B, 1, vocab] of the last position (a
         prompt). Speculative decoding prefills and verifies T = 2 tokens this way."""
+        if not last_only and input_ids.shape[1] > 1:
+            got = self.model.sequence_logits(input_ids, cache, self.lm_head)
+            if got is not None:  # one native call (a speculative verify)
+                return got[0], got[1].unsqueeze(0)
         hidden = self.model(input_ids, None, cache)
         return hidden, self.lm_head(hidden[:, -1:] if last_only else hidden).float()
 
@@ -1216,12 +1275,65 @@ class DeepseekV3ForCausalLM(GenerationMixin, nn.Module):
         mtp = self.mtp[layer]
         assert isinstance(mtp, MTPLayer)
         start = cache.length + 1
+        if next_ids.shape[0] == 1 and next_ids.shape[1] <= NATIVE_ROWS:
+            got = self._mtp_native(mtp, next_ids, hidden, cache, start)
+            if got is not None:
+                return got
         positions = torch.arange(start, start + next_ids.shape[1], device=next_ids.device)
         positions = positions.unsqueeze(0).expand(next_ids.shape[0], -1)
         embeds = self.model.embed_tokens(next_ids)
         cos, sin = self.model.rotary.cos_sin(positions, embeds.dtype)
         out = mtp(embeds, hidden.to(embeds.dtype), cos, sin, cache.layers[0])
         return self.lm_head(out).float()
+
+    def speculative_step(self, last: torch.Tensor, draft: torch.Tensor, cache: MLACache,
+                         mtp_cache: MLACache) -> tuple[list[int], bool, torch.Tensor, torch.Tensor] | None:
+        """One greedy speculative step of batch 1 in one native call (``qp_spec_step``): the main
+        model on (``last``, ``draft``) [1] each after the ``cache``'s tokens, accepted when its pick
+        after ``last`` is ``draft``; then the first MTP layer on the accepted pairs, appended to
+        ``mtp_cache``, and the LM head on its last row. Returns (the picks after ``last`` and after
+        ``draft``, accepted, the draft logits [1, vocab] as :meth:`mtp_logits` gives the last row's,
+        float32 logits [2, vocab] of both positions); the
+        main cache holds both tokens (the caller rolls ``draft`` back when rejected). None when a
+        piece runs another way (nothing appended): then the caller runs the modules
+        (:meth:`hidden_and_logits`, :meth:`mtp_logits`)."""
+        if not len(self.mtp):
+            return None
+        mtp = self.mtp[0]
+        assert isinstance(mtp, MTPLayer)
+        st, dr = self.model._stack_step(), mtp.draft_step()
+        if st is None or dr is None or _hooked(mtp):
+            return None
+        bound = self.model._bindings(self.lm_head)
+        proj = compute.bound(mtp.eh_proj)
+        if bound is None or proj is None:
+            return None
+        rotary = self.model.rotary
+        rot = rotary.step_rotations(cache.length, 2, st.dtype)
+        drot = rotary.step_rotations(mtp_cache.length + 1, 2, st.dtype)
+        ids = torch.cat([last.reshape(1), draft.reshape(1)])
+        got = st.speculate(ids, bound[0], rot, cache.layers, bound[1], dr, proj, mtp_cache.layers, drot)
+        if got is None:
+            return None
+        _, logits, dlogits, (a, b, acc) = got
+        return [a, b], acc, dlogits, logits
+
+    def _mtp_native(self, mtp: MTPLayer, next_ids: torch.Tensor, hidden: torch.Tensor, cache: MLACache,
+                    start: int) -> torch.Tensor | None:
+        """:meth:`mtp_logits` of one sequence with the MTP block, its head norm and the LM head in
+        one native call (:meth:`MTPLayer.stack_step`; the norms and ``eh_proj`` before it as the
+        modules run them); None when a piece runs another way (nothing appended)."""
+        st = mtp.stack_step()
+        bound = None if st is None else self.model._bindings(self.lm_head)
+        if st is None or bound is None:
+            return None
+        embeds = self.model.embed_tokens(next_ids)
+        u = mtp.mix(embeds, hidden.to(embeds.dtype))[0]
+        rot = self.model.rotary.step_rotations(start, next_ids.shape[1], st.dtype)
+        got = st.sequence(None, u, None, rot, cache.layers, bound[1])
+        if got is None or got[1] is None:
+            return None
+        return got[1].unsqueeze(0)
 
     def text_lm(self) -> DeepseekV3ForCausalLM:
         return self

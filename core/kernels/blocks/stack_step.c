@@ -147,6 +147,16 @@ static int qp_stack_step(const qp_layer *layers, int L, int64_t H, int64_t B, fl
     return rc;
 }
 
+/* the first NaN of v [n], else the first largest value: torch.argmax's pick */
+static int64_t argmax_row(const float *v, int64_t n) {
+    int64_t at = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (v[i] != v[i]) return i;
+        if (v[i] > v[at]) at = i;
+    }
+    return at;
+}
+
 /* ---- one decode step from token ids to logits ---------------------------------------------------
  * qp_stack_step with the embedding lookup before it and the LM head after it, so that a decode
  * step crosses from Python into C once: x [B, H] = rows ids of emb exactly decoded (rounded to the
@@ -180,15 +190,59 @@ int qp_decode_step(const qp_layer *layers, int L, int64_t H, int64_t B, const in
     if (rc == 0 && wround == QR_BF16)
         for (int64_t i = 0; i < B * head->n; i++) logits[i] = round_bf16(logits[i]);
     if (rc == 0 && best)
-        for (int64_t b = 0; b < B; b++) {
-            const float *v = logits + b * head->n;
-            int64_t at = 0;
-            for (int64_t i = 0; i < head->n; i++) {
-                if (v[i] != v[i]) { at = i; break; }
-                if (v[i] > v[at]) at = i;
-            }
-            best[b] = at;
-        }
+        for (int64_t b = 0; b < B; b++) best[b] = argmax_row(logits + b * head->n, head->n);
+    return rc;
+}
+
+/* One step of greedy speculative decoding with one drafted token, in one call. The stack runs as
+ * qp_decode_step (embedding, stack, head, picks) on ids = (the last emitted token, the draft) of ONE
+ * sequence at positions pos and pos + 1 (every cache of batch 1: rows at lat[i] + j * ld_lat; rot
+ * [2, rope, rope]); each row's arithmetic is a one-token step's. The draft is accepted when the pick
+ * at pos equals it. The drafter then runs on the accepted pairs, (hid[0], ids[1]) and (hid[1], best[1])
+ * when accepted, else (hid[0], best[0]), appending its cache rows from dpos on (its cache laid out as
+ * the stack's; drot [2, rope, rope] each pair's rotation), and runs the head on its last row: dlogits [head->n], whose greedy pick is the next draft. hid [2, H] the stack's final
+ * norm, logits [2, head->n]; res = {best[0], best[1], accepted}. Every argument is checked before
+ * any cache row is written (-4: a token id outside the embedding). */
+int qp_spec_step(const qp_layer *layers, int L, int64_t H, const int64_t *ids, const qp_mat *emb, const float *rot,
+                 void *const *lat, void *const *kr, int64_t ld_lat, int64_t ld_kr, int64_t pos, int lat_bf16,
+                 const void *fnorm, int fnorm_bf16, float feps, const qp_mat *head, const qp_draft *dr,
+                 void *dlat, void *dkr, int64_t dpos, const float *drot, float *hid, float *logits, float *dlogits,
+                 int64_t *res, int wround) {
+    if (!ids || !emb || !head || !dr || !dr->layer || !dr->enorm || !dr->hnorm || !dr->fnorm || !dr->proj
+        || !dlat || !dkr || dpos < 0 || pos < 0 || !drot || !res || !dlogits || !mat_ok(dr->proj) || dr->proj->k != 2 * H
+        || dr->proj->n != H || !layer_ok(dr->layer, H) || dr->layer->E > 1024 || dr->layer->n_group > 1024
+        || !mat_ok(emb) || emb->k != H || (wround != QR_NONE && wround != QR_BF16))
+        return -1;
+    const int rnd = wround == QR_BF16;
+    const int64_t V = head->n, zero = 0, one = 1;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * H + 4 * H + 2 * H + 2 * H));
+    if (!buf) return -2;
+    float *x = buf, *cat = x + 2 * H, *u = cat + 4 * H, *dh = u + 2 * H;
+    const int64_t bpos[2] = {pos, pos + 1}, dbpos[2] = {dpos, dpos + 1};
+    int64_t best[2];
+    int rc = qp_decode_step(layers, L, H, 2, ids, emb, x, rot, lat, kr, ld_lat, 0, ld_kr, 0, pos, NULL, 0, bpos,
+                            lat_bf16, fnorm, fnorm_bf16, feps, hid, head, logits, best, wround);
+    if (rc) goto done;
+    const int acc = best[0] == ids[1];
+    const int64_t n = acc ? 2 : 1, tok[2] = {acc ? ids[1] : best[0], best[1]};
+    const int64_t seg = seg_len(emb);
+    for (int64_t r = 0; r < n; r++) {  /* the drafter's input rows: cat(norm_e(embedding), norm_h(hidden)) */
+        for (int64_t c0 = 0; c0 < H; c0 += seg) deq_seg(emb, tok[r], c0, seg, x + c0, wround);
+        norm_into(x, cat + r * 2 * H, H, dr->enorm, dr->norm_bf16, dr->eps, rnd);
+        norm_into(hid + r * H, cat + r * 2 * H + H, H, dr->hnorm, dr->norm_bf16, dr->eps, rnd);
+    }
+    rc = qp_gemm(&dr->proj, 1, n, 2 * H, cat, 2 * H, &zero, &n, &zero, &zero, u, H, wround);
+    if (rc) goto done;
+    if (rnd) for (int64_t i = 0; i < n * H; i++) u[i] = round_bf16(u[i]);
+    rc = qp_stack_step(dr->layer, 1, H, n, u, drot, &dlat, &dkr, ld_lat, 0, ld_kr, 0, dpos, NULL, 0, dbpos, lat_bf16,
+                       dr->fnorm, dr->norm_bf16, dr->eps, dh, wround);
+    if (rc) goto done;
+    rc = qp_gemm(&head, 1, 1, H, dh + (n - 1) * H, H, &zero, &one, &zero, &zero, dlogits, V, wround);
+    if (rc) goto done;
+    if (rnd) for (int64_t i = 0; i < V; i++) dlogits[i] = round_bf16(dlogits[i]);
+    res[0] = best[0]; res[1] = best[1]; res[2] = acc;
+done:
+    free(buf);
     return rc;
 }
 
