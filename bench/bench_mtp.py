@@ -14,9 +14,20 @@ over rounds of each contender's decode tokens/s, their ratio, the acceptance rat
 average before and after.
 
 ``--profile``: in this process, per dtype, the time of one plain decode step (the whole-stack
-native step), the 2-token verify forward (``hidden_and_logits``) and one MTP draft pass
-(``mtp_logits``), medians of many calls; and a cProfile of a speculative generation (top
-functions by own time).
+native step), the 2-token verify forward (``hidden_and_logits``: one native call,
+``StackStep.sequence``), one MTP draft pass (``mtp_logits``) and one whole speculative step
+(``speculative_step``: verify and draft in one native call, ``qp_spec_step``), medians of many
+calls; and a cProfile of a speculative generation (top functions by own time).
+
+``--oracle RATE`` with ``--mid DIR``: the cost side on a model whose weights, not per-call
+overhead, decide the speed. ``DIR`` gets (once) a random DeepSeek-V3 with an MTP layer of the vLLM
+bench's ``mid`` dimensions (4 layers, hidden 1536, 16 heads, 16 routed experts of 768, top-4,
+~0.6 GB bf16 with the MTP layer, vocabulary 2048). Random MTP weights accept nothing, so each
+speculative child replaces the drafter's pick by an oracle: the plain greedy continuation (from a
+plain run in the same child), wrong on purpose so that a fraction RATE of the drafts is accepted
+(the k-th draft is right when floor(k * RATE) > floor((k - 1) * RATE)). Tokens must still equal
+plain greedy's. It measures what the engine gives at a given acceptance, apart from the drafter's
+quality.
 """
 
 from __future__ import annotations
@@ -37,10 +48,26 @@ import json, sys, torch, quantplug
 from quantplug.eval import text_tokens
 path, dtype, mode, new, threads, reps, n_prompt = sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:8])
 torch.set_num_threads(threads)
-tokens, _ = text_tokens(path, open(f"{path}/heldout.txt").read())
+try:
+    tokens, _ = text_tokens(path, open(f"{path}/heldout.txt").read())
+except FileNotFoundError:  # --mid: random weights, no text
+    tokens = [1 + 37 * i % 2000 for i in range(n_prompt)]
 prompt = torch.tensor([tokens[:n_prompt]])
 m = quantplug.load(path, dtype=getattr(torch, dtype), progress=False)
 spec = "mtp" if mode == "mtp" else None
+oracle = float(sys.argv[8])
+if spec and oracle >= 0:  # the drafter's pick replaced: right for a fraction `oracle` of the drafts
+    from quantplug.generate import Generation
+    plain = m.generate(prompt, new, eos_token_id=None)[0, n_prompt:].tolist()
+    picks = [0]
+    def pick(self, logits):
+        picks[0] += 1
+        k = picks[0]
+        at = self.mtp_cache.length + 1 - n_prompt  # the new token this draft guesses
+        right = int(k * oracle) > int((k - 1) * oracle)
+        tok = plain[at] if at < len(plain) else 0
+        return torch.tensor([tok if right else (tok + 1) % logits.shape[-1]])
+    Generation._pick_draft = pick
 best, acc, out = 0.0, None, None
 for r in range(reps + 1):
     g = m.stream(prompt, new, eos_token_id=None, speculative=spec)
@@ -54,6 +81,32 @@ print(json.dumps({"tps": best, "acceptance": acc, "tokens": out}))
 """
 
 
+def prompt_tokens(model: Path, n: int) -> list[int]:
+    """The first ``n`` tokens of the model's held-out text; without one (``--mid``), fixed ids."""
+    from quantplug.eval import text_tokens
+
+    if not (model / "heldout.txt").exists():
+        return [1 + 37 * i % 2000 for i in range(n)]
+    return text_tokens(model, (model / "heldout.txt").read_text())[0][:n]
+
+
+def write_mid(root: Path) -> Path:
+    """The ``--mid`` model (random bf16 weights; the vLLM bench's ``mid`` dimensions, an MTP layer,
+    vocabulary 2048), written once."""
+    if (root / "config.json").exists():
+        return root
+    import torch
+    from quantplug.testing import random_state, write_checkpoint
+    from quantplug.testing.engines import mla_config
+
+    cfg = mla_config(hidden_size=1536, intermediate_size=4096, moe_intermediate_size=768, n_routed_experts=16,
+                     num_experts_per_tok=4, n_group=4, topk_group=2, num_attention_heads=16, num_key_value_heads=16,
+                     q_lora_rank=768, num_hidden_layers=4, num_nextn_predict_layers=1, vocab_size=2048)
+    state = {k: v.to(torch.bfloat16) for k, v in random_state(cfg, seed=3, mtp=True).items()}
+    write_checkpoint(root, cfg, state)
+    return root
+
+
 def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -61,7 +114,8 @@ def load_average() -> str:
 def run_child(model: Path, dtype: str, mode: str, args: argparse.Namespace) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     out = subprocess.run([sys.executable, "-c", CHILD, str(model), dtype, mode, str(args.new), str(args.threads),
-                          str(args.reps), str(args.prompt)], capture_output=True, text=True, env=env, check=True)
+                          str(args.reps), str(args.prompt), str(args.oracle)], capture_output=True, text=True, env=env,
+                         check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -85,6 +139,7 @@ def step_times(lm, prompt, n: int = 60) -> dict[str, float]:
         "step_modules": lambda: lm.hidden_and_logits(one, cache),
         "verify": lambda: lm.hidden_and_logits(two, cache),
         "draft": lambda: lm.mtp_logits(one, hidden[:, -1:], mcache),
+        "spec": lambda: lm.speculative_step(prompt[:, -1], prompt[:, -2], cache, mcache),
     }
     out = {}
     for name, fn in calls.items():
@@ -105,11 +160,9 @@ def profile(model: Path, args: argparse.Namespace) -> None:
 
     import quantplug
     import torch
-    from quantplug.eval import text_tokens
 
     torch.set_num_threads(args.threads)
-    tokens, _ = text_tokens(model, (model / "heldout.txt").read_text())
-    prompt = torch.tensor([tokens[:args.prompt]])
+    prompt = torch.tensor([prompt_tokens(model, args.prompt)])
     for dtype in args.dtypes.split(","):
         m = quantplug.load(model, dtype=getattr(torch, dtype), progress=False)
         m.generate(prompt, 8, eos_token_id=None)
@@ -117,7 +170,8 @@ def profile(model: Path, args: argparse.Namespace) -> None:
             ms = step_times(m.text_lm(), prompt)
         print(f"{dtype}: plain decode step (native stack) {ms['step']:.2f} ms; 1-token step through the modules "
               f"{ms['step_modules']:.2f} ms; 2-token verify forward {ms['verify']:.2f} ms; MTP draft pass "
-              f"{ms['draft']:.2f} ms (medians of 60; load {load_average()})")
+              f"{ms['draft']:.2f} ms; whole speculative step (verify + draft, one call) {ms['spec']:.2f} ms "
+              f"(medians of 60; load {load_average()})")
         pr = cProfile.Profile()
         pr.enable()
         m.generate(prompt, args.new, eos_token_id=None, speculative="mtp")
@@ -136,7 +190,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--mid", type=Path, default=None,
+                    help="write (once) and use the weight-bound random model with an MTP layer at this directory")
+    ap.add_argument("--oracle", type=float, default=-1.0,
+                    help="replace the drafter by the plain greedy continuation, right for this fraction of drafts")
     args = ap.parse_args()
+    if args.mid is not None:
+        args.model = write_mid(args.mid)
+    if args.oracle >= 0 and not 0 <= args.oracle <= 1:
+        ap.error("--oracle takes a fraction in [0, 1]")
     if args.profile:
         profile(args.model, args)
         return
