@@ -14,8 +14,10 @@ router). Nothing here is engine-specific.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -27,13 +29,18 @@ from .layers.embedding import Embedding, TiedHead
 from .layers.linear import DenseScheme, FloatParams, QuantLinear, StackedLinear
 from .layers.rope import Rotary
 from .models.declarations import (
+    DeclarationError,
     EngineExperts,
+    EngineFloats,
     EngineLatentAttention,
     EngineMLP,
+    EngineRename,
     LatentAttention,
     RoutedExperts,
     declared,
 )
+
+_V = TypeVar("_V")
 
 
 class KVBFromSplit(nn.Module):
@@ -227,16 +234,39 @@ def text_model(model: nn.Module) -> nn.Module:
 
 def engine_refusal(model: nn.Module) -> str | None:
     """Why an engine (vLLM, transformers) cannot take the modules of ``model`` (loaded, or a
-    plan's skeleton): its text model's class states it in ``qp_engine_refusal``, or declares no
+    plan's skeleton): the model (a wrapper's class) or its text model (its class, or the instance
+    for what its config enables) states it in ``qp_engine_refusal``, or the text model declares no
     ``qp_engine_plan`` at all; None when it can. Checked at plan time, before any data is read."""
     lm = text_model(model)
-    why = getattr(type(lm), "qp_engine_refusal", None)
-    if why:
-        return f"{type(lm).__name__}: {why}"
+    for m in (model, lm) if lm is not model else (lm,):
+        why = getattr(m, "qp_engine_refusal", None)
+        if why:
+            return f"{type(m).__name__}: {why}"
     if not any(getattr(type(m), "qp_engine_plan", None) for m in lm.modules()):
         return (f"{type(lm).__name__} declares no engine mapping (qp_engine_plan): an engine has no place for "
                 "its modules")
     return None
+
+
+def _engine_names(lm: nn.Module, named: Mapping[str, _V]) -> dict[str, _V]:
+    """``named`` under the engines' names: the text model class's ``qp_engine_names``
+    (:class:`~quantplug.models.declarations.EngineRename`, in order) applied to every key."""
+    renames = getattr(type(lm), "qp_engine_names", ())
+    if not renames:
+        return dict(named)
+    for r in renames:
+        if not isinstance(r, EngineRename):
+            raise DeclarationError(f"{type(lm).__name__}.qp_engine_names holds {type(r).__name__}; expected "
+                                   "EngineRename entries")
+    out: dict[str, _V] = {}
+    for name, value in named.items():
+        new = name
+        for r in renames:
+            new = re.sub(r.pattern, r.repl, new)
+        if new in out:
+            raise DeclarationError(f"{type(lm).__name__}.qp_engine_names: {name} and another name both become {new}")
+        out[new] = value
+    return out
 
 
 def _engine_entries(lm: nn.Module) -> dict[str, tuple[nn.Module, object]]:
@@ -260,6 +290,8 @@ def planned_modules(model: nn.Module) -> dict[str, Projection]:
       of each token's experts (quantplug's grouped expert forward);
     * ``model.embed_tokens``: the embedding, ``fn(ids)``.
 
+    Names are quantplug's unless the text model's class renames them for the engines
+    (``qp_engine_names``: Kimi-Linear's ``block_sparse_moe`` is the engines' ``mlp``).
     ``model`` is what ``quantplug.load`` returned (unsplit: no tensor parallelism). A module
     holding a member its engine entry lists as ``unsupported`` is refused, naming it and why.
     """
@@ -282,7 +314,7 @@ def planned_modules(model: nn.Module) -> dict[str, Projection]:
             out[name] = Projection(mod, [emb], emb.dim, [emb.vocab], [_describe(mod)])
         elif name in engine:
             _engine_projections(name, mod, engine[name][1], out)
-    return out
+    return _engine_names(lm, out)
 
 
 def _engine_projections(name: str, mod: nn.Module, entry: object, out: dict[str, Projection]) -> None:
@@ -338,15 +370,16 @@ def planned_mlps(model: nn.Module) -> dict[str, nn.Module]:
     :data:`NATIVE_ROWS` rows where the three are bound to forms), for an engine whose MLP module
     holds exactly these three planned linears."""
     lm = text_model(model)
-    return {name: mod for name, (mod, entry) in _engine_entries(lm).items() if isinstance(entry, EngineMLP)}
+    return _engine_names(lm, {name: mod for name, (mod, entry) in _engine_entries(lm).items()
+                              if isinstance(entry, EngineMLP)})
 
 
 def absorbed_attention(model: nn.Module) -> dict[str, AbsorbedMLA]:
     """:class:`AbsorbedMLA` of every MLA layer of the loaded text model, by Hugging Face module
     name (``model.layers.{i}.self_attn``)."""
     lm = text_model(model)
-    return {name: AbsorbedMLA(mod) for name, (mod, entry) in _engine_entries(lm).items()
-            if isinstance(entry, EngineLatentAttention) and isinstance(mod, LatentAttention)}
+    return _engine_names(lm, {name: AbsorbedMLA(mod) for name, (mod, entry) in _engine_entries(lm).items()
+                              if isinstance(entry, EngineLatentAttention) and isinstance(mod, LatentAttention)})
 
 
 class PagedDecode:
@@ -403,14 +436,24 @@ def paged_decode(model: nn.Module) -> PagedDecode | None:
 
 def float_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The float tensors of the loaded text model that are not part of a projection (norms, the
-    router's weight and ``e_score_correction_bias``), by Hugging Face name, as loaded (no copy)."""
+    router's weight and ``e_score_correction_bias``, KDA's convolutions and decay), by the engines'
+    name (as :func:`planned_modules`), as loaded (no copy), except where a module gives them in the
+    engines' form (:class:`~quantplug.models.declarations.EngineFloats`: Kimi's KDA convolutions
+    as one tensor)."""
     lm = text_model(model)
     out: dict[str, torch.Tensor] = {}
+    given: list[str] = []  # modules whose float tensors came from their qp_engine_floats
     for name, mod in lm.named_modules():
-        if isinstance(mod, FloatParams):
+        if any(name.startswith(g + ".") for g in given):
+            continue
+        if isinstance(mod, EngineFloats):
+            given.append(name)
+            for local, t in mod.qp_engine_floats().items():
+                out[f"{name}.{local}" if name else local] = t.detach()
+        elif isinstance(mod, FloatParams):
             for local, t in mod.named_parameters(recurse=False):
                 out[f"{name}.{local}" if name else local] = t.detach()
-    return out
+    return _engine_names(lm, out)
 
 
 __all__ = ["AbsorbedMLA", "KVBFromSplit", "PagedDecode", "Projection", "absorbed_attention", "float_state",

@@ -327,9 +327,10 @@ def test_kda_state_option_bfloat16_halves_the_state_with_its_error_measured(k3):
     assert (half.argmax(-1) == full.argmax(-1)).float().mean() >= 0.75
 
 
-def test_engine_bridges_refuse_kda_models_by_name_before_reading_data(k3):
-    """Issue: the engine bridges fill DeepSeek-V3 module trees; a KDA model is refused at plan
-    time naming why (transformers' bridge), and planned_modules (vLLM's) refuses it too."""
+def test_engine_bridges_refuse_the_released_k3_by_name_before_reading_data(k3, kimi_linear):
+    """Issue: the released Kimi-K3 has no engine model class (attention residuals, latent MoE...):
+    refused at plan time naming why (transformers' bridge), and planned_modules (vLLM's) refuses it
+    too. Kimi-Linear is not refused (transformers' KimiLinearForCausalLM takes it)."""
     from quantplug.bridge import engine_refusal, planned_modules
     from quantplug.errors import QuantplugError
     from quantplug.testing.probes import forbid_data_reads
@@ -337,11 +338,12 @@ def test_engine_bridges_refuse_kda_models_by_name_before_reading_data(k3):
     path, _, _ = k3
     with forbid_data_reads(path) as reads:
         why = engine_refusal(quantplug.plan(path).model)
-    assert not reads.events and why is not None and "KDA (Kimi Delta Attention)" in why
-    with pytest.raises(QuantplugError, match=r"planned_modules: KimiLinearForCausalLM: its KDA"):
+    assert not reads.events and why is not None and why.startswith("KimiK3ForConditionalGeneration: the released Kimi-K3")
+    with pytest.raises(QuantplugError, match=r"planned_modules: KimiK3ForConditionalGeneration: the released Kimi-K3"):
         planned_modules(quantplug.load(path))
+    assert engine_refusal(quantplug.plan(kimi_linear[0]).model) is None
     qt = pytest.importorskip("quantplug_transformers")
-    with forbid_data_reads(path), pytest.raises(qt.BridgeError, match=r"KDA \(Kimi Delta Attention\) layers"):
+    with forbid_data_reads(path), pytest.raises(qt.BridgeError, match=r"has no model class in transformers or vLLM"):
         qt.from_pretrained(path)
 
 

@@ -252,7 +252,9 @@ class EngineLatentAttention:
     ``v_b`` stacks (the engine gets a ``kv_b_proj`` either way), and the absorbed per-head
     products (``quantplug.bridge.AbsorbedMLA``). The module implements
     :class:`LatentAttention`. ``unsupported``: members an engine's latent attention has no
-    place for, with why (``(member, reason)``): a module holding one is refused by name."""
+    place for, with why (``(member, reason)``): a module holding one is refused by name. The
+    entry applies to the modules its pattern names that hold ``kv_a`` (a hybrid's other attention
+    layers under the same name, Kimi's KDA, are not MLA)."""
 
     q_a: str = "q_a_proj"
     kv_a: str = "kv_a_proj_with_mqa"
@@ -262,6 +264,26 @@ class EngineLatentAttention:
 
 
 EngineEntry = EngineMLP | EngineExperts | EngineLatentAttention
+
+
+@dataclass(frozen=True)
+class EngineRename:
+    """A name the engines' module tree gives what quantplug's text model names otherwise: every
+    name ``quantplug.bridge`` hands out (planned modules, float tensors) has ``pattern`` (a regular
+    expression) replaced by ``repl`` (``re.sub``), the renames applied in declaration order. Read
+    from the text model class's ``qp_engine_names`` (a tuple of renames; none: the names are the
+    engines' already). Kimi-Linear: transformers' ``KimiLinearForCausalLM`` holds the release's
+    ``block_sparse_moe`` as ``mlp`` and the forget gate's ``f_a_proj`` / ``f_b_proj`` / ``dt_bias`` /
+    ``A_log`` under ``self_attn.forget_gate``."""
+
+    pattern: str
+    repl: str
+
+    def __post_init__(self) -> None:
+        try:
+            re.compile(self.pattern)
+        except re.error as exc:
+            raise DeclarationError(f"EngineRename({self.pattern!r}): not a regular expression ({exc})") from None
 
 
 @runtime_checkable
@@ -276,6 +298,18 @@ class RoutedExperts(Protocol):
         ...
 
     def __call__(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class EngineFloats(Protocol):
+    """A module whose float tensors (its own and its float children's) engines hold in another
+    form than quantplug loads them: ``qp_engine_floats()`` gives them as the engines hold them, by
+    name relative to the module, and ``quantplug.bridge.float_state`` takes these in place of the
+    loaded ones. Kimi's KDA: the q / k / v convolutions as one ``conv1d.weight`` [3 * H * K, 1, W]
+    (q, k, v channels in order), and the decay rate as ``A_log`` [H] whichever form was loaded
+    (llama.cpp's folded ``A`` = -exp(A_log) unfolded)."""
+
+    def qp_engine_floats(self) -> dict[str, torch.Tensor]: ...
 
 
 @runtime_checkable
@@ -317,6 +351,8 @@ def _entry_members(entry: object) -> tuple[tuple[str, ...], tuple[str, ...]]:
         return (entry.gate, entry.up, entry.down), ()
     if isinstance(entry, EngineExperts):
         return entry.stacks, ()
+    if isinstance(entry, EngineLatentAttention):
+        return (entry.kv_a,), ()  # an MLA layer (a KDA layer under the same name holds no kv_a)
     return (), ()
 
 

@@ -62,6 +62,11 @@ from .config import (
 from .declarations import (
     ColumnParallel,
     DenseRule,
+    EngineEntry,
+    EngineExperts,
+    EngineLatentAttention,
+    EngineMLP,
+    EngineRename,
     ExpertParallel,
     FeatureParallel,
     FoldHeads,
@@ -508,6 +513,15 @@ class KDA(FloatParams):
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         return self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
 
+    def qp_engine_floats(self) -> dict[str, torch.Tensor]:
+        """The float tensors as engines hold a KDA layer
+        (:class:`~quantplug.models.declarations.EngineFloats`; transformers' conversion of the
+        release): ``conv1d.weight`` [3 * H * K, 1, W] float32 (the q, k, v convolutions in order,
+        whichever shape they were stored in), ``dt_bias``, ``A_log`` [H] float32 (computed as
+        ``log(-A)`` where llama.cpp's folded ``A`` was loaded) and ``o_norm.weight`` as loaded."""
+        return {"conv1d.weight": self.conv_weight().unsqueeze(1), "dt_bias": self.dt_bias, "A_log": self.a_log(),
+                "o_norm.weight": self.o_norm.weight}
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                 cache: KDAState | None = None) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T, hidden]; with ``cache`` the tokens continue its state (updated
@@ -759,11 +773,26 @@ class KimiLinearForCausalLM(GenerationMixin, nn.Module):
         "model.layers.*.block_sparse_moe.experts": Unstack(stacks=_EXPERTS, stored=("w1", "w3", "w2")),
         "model.layers.*.self_attn": FoldHeads("kv_b_proj", (HeadPart("k_b", transpose=True), HeadPart("v_b"))),
     }
-    #: why the engine bridges (quantplug.bridge) refuse it
-    qp_engine_refusal: ClassVar[str] = (
-        "its KDA (Kimi Delta Attention) layers have no place in the DeepSeek-V3 module tree the engine bridges "
-        "fill (transformers' KimiLinearForCausalLM and vLLM's Kimi-Linear model are not bridged); run it with "
-        "quantplug.load / generate")
+    #: how an engine's own Kimi-Linear module tree (transformers' ``KimiLinearForCausalLM``) takes the
+    #: planned modules (``quantplug.bridge`` reads it): the MLA layers as DeepSeek-V3's (the entry
+    #: applies to the layers holding ``kv_a_proj_with_mqa``; a KDA layer's projections are plain
+    #: linears), the dense MLP and shared experts as gated MLPs, the routed experts called as
+    #: ``fn(x, topk_ids, topk_weights)``
+    qp_engine_plan: ClassVar[Mapping[str, EngineEntry]] = {
+        "model.layers.*.self_attn": EngineLatentAttention(unsupported=(
+            ("g_proj", "the MLA output gate (mla_use_output_gate) is not part of the engines' Kimi-Linear attention"),
+        )),
+        "model.layers.*.mlp": EngineMLP(),
+        "model.layers.*.block_sparse_moe.shared_experts": EngineMLP(),
+        "model.layers.*.block_sparse_moe.experts": EngineExperts(),
+    }
+    #: the engines' names for what quantplug names as the release does (transformers' conversion
+    #: mapping for ``kimi_linear``): the MoE block is ``mlp``, the forget gate's members sit under
+    #: ``self_attn.forget_gate`` (the q / k / v convolutions become one ``conv1d``: :meth:`KDA.qp_engine_floats`)
+    qp_engine_names: ClassVar[tuple[EngineRename, ...]] = (
+        EngineRename(r"\.block_sparse_moe(?=\.|$)", ".mlp"),
+        EngineRename(r"\.self_attn\.(f_a_proj|f_b_proj|dt_bias|A_log)(?=\.|$)", r".self_attn.forget_gate.\1"),
+    )
     #: the KDA state's dtype in a new cache (float32; bfloat16 halves it, as sglang's
     #: ``--mamba-ssm-dtype bfloat16``)
     qp_state_dtype: torch.dtype = torch.float32
@@ -818,12 +847,37 @@ class KimiLinearForCausalLM(GenerationMixin, nn.Module):
     def text_lm(self) -> KimiLinearForCausalLM:
         return self
 
+    @property
+    def qp_engine_refusal(self) -> str | None:
+        """Why the engine bridges (``quantplug.bridge``) refuse this model: the Kimi-K3 features its
+        config enables, which transformers' ``KimiLinearForCausalLM`` does not compute (its config
+        would silently drop them); None for a Kimi-Linear model."""
+        cfg = self.config
+        lacks = [what for on, what in (
+            (cfg.attn_res_block_size is not None, "attention residuals (attn_res_block_size)"),
+            (cfg.latent_size is not None, "the latent MoE (routed_expert_hidden_size)"),
+            (not cfg.act.is_silu, f"the {cfg.act.kind} activation (hidden_act)"),
+            (cfg.full_rank_gate, "the full-rank KDA output gate (use_full_rank_gate)"),
+            (cfg.gate_lower_bound is not None, "the bounded forget gate (gate_lower_bound)"),
+            (cfg.mla_use_output_gate, "the MLA output gate (mla_use_output_gate)"),
+            (cfg.moe_layer_freq != 1, "MoE layers every moe_layer_freq layers"),
+        ) if on]
+        if not lacks:
+            return None
+        return (f"transformers' KimiLinearForCausalLM has no {', '.join(lacks)} (Kimi-K3's features); run it with "
+                "quantplug.load / generate")
+
 
 class KimiK3ForConditionalGeneration(GenerationMixin, nn.Module):
     """The released Kimi-K3: Kimi-Linear's text model (with K3's features, see the module
     docstring) under ``language_model``; vision not loaded."""
 
     packed_modules_mapping = KimiLinearForCausalLM.packed_modules_mapping
+    #: why the engine bridges (quantplug.bridge) refuse it
+    qp_engine_refusal: ClassVar[str] = (
+        "the released Kimi-K3 (attention residuals, latent MoE, SiTU, full-rank KDA output gate, bounded forget "
+        "gate, MLA output gate) has no model class in transformers or vLLM to bridge into; run it with "
+        "quantplug.load / generate")
 
     def __init__(self, cfg: KimiConfig, d: Decisions) -> None:
         super().__init__()
