@@ -183,3 +183,111 @@ def test_paged_decode_on_an_engines_cache_equals_quantplugs_own_step(exports: di
         tol = 0.0 if i == 0 else 1e-5
         assert (kv[i][rows[0, n], :kl] - c.latent[0, 0, n]).abs().max() <= tol * c.latent[0, 0, n].abs().max()
         assert (kv[i][rows[0, n], kl:] - c.k_rope[0, 0, n][pd.perm]).abs().max() <= tol * c.k_rope[0, 0, n].abs().max()
+
+
+# -- Kimi-Linear: transformers' own KimiLinearForCausalLM -------------------------------------------
+
+VENDOR = Path(__file__).parents[1] / "data" / "vendor"
+#: a 70-token prompt: the chunked KDA form crosses a chunk (64 tokens)
+LONG = torch.randint(2, 250, (1, 70), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    """A tiny Kimi-Linear checkpoint (release names) and transformers' float32 eager
+    KimiLinearForCausalLM holding the same weights."""
+    from quantplug.testing.kimi import kimi_linear_hf_checkpoint
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield kimi_linear_hf_checkpoint(tmp_path_factory.mktemp("kimi") / "kimi-linear")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _greedy(model: object, path: Path, ids: torch.Tensor) -> tuple[list[int], list[int]]:
+    got = model.generate(ids, max_new_tokens=NEW, do_sample=False)[0, ids.shape[1]:].tolist()  # type: ignore[attr-defined]
+    want = quantplug.load(path, progress=False).generate(ids, NEW)[0, ids.shape[1]:].tolist()
+    return got, want
+
+
+def test_kimi_linear_is_transformers_kimi_linear(kimi: tuple[Path, object]) -> None:
+    """A Kimi-Linear checkpoint gives transformers' own KimiLinearForCausalLM with quantplug's planned
+    modules (KDA and MLA projections QuantLinear, the forget gate's under ``forget_gate``, the routed
+    experts quantplug's under ``mlp.experts``) and the release's float tensors mapped as transformers
+    maps them (q / k / v convolutions as one ``conv1d``): its float32 logits on a 70-token prompt
+    equal transformers' own model on the same weights within 1e-5 (relative to the largest logit), and
+    transformers' greedy generate (its cache: KDA states, MLA latents) gives quantplug's tokens."""
+    path, ref = kimi
+    model = qt.from_pretrained(path)
+    assert type(model) is transformers.KimiLinearForCausalLM
+    kda, mla = model.model.layers[0].self_attn, model.model.layers[1].self_attn
+    assert isinstance(kda, transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention)
+    assert all(isinstance(m, QuantLinear) for m in (kda.q_proj, kda.forget_gate.f_a_proj, kda.o_proj, mla.kv_b_proj))
+    assert type(model.model.layers[1].mlp.experts).__module__.startswith("quantplug.")
+    with torch.no_grad():
+        got, want = model(LONG).logits, ref(LONG).logits  # type: ignore[operator]
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    tokens, quantplugs = _greedy(model, path, torch.tensor([PROMPT]))
+    assert tokens == quantplugs
+
+
+@pytest.mark.parametrize("label", ["gguf_kimi_linear_q8_0", "gguf_kimi_linear_q4_k_m", "fp8"])
+def test_kimi_linear_quantized_generate_equals_quantplug_generate(kimi: tuple[Path, object], tmp_path: Path,
+                                                                 label: str) -> None:
+    """Quantized Kimi-Linear through the bridge: llama.cpp's own GGUFs (tests/data/vendor: Q8_0,
+    Q4_K_M; split K/V, folded ``A``, [1, C, 1, W] convolutions) and DeepSeek block FP8 of the tiny
+    model: transformers' greedy tokens = quantplug generate's, and the quantized tensors stay packed
+    (GGUF blocks uint8, FP8 float8)."""
+    if label == "fp8":
+        pytest.importorskip("quantplug_fp8", reason="quantplug-fp8 is not installed")
+        from quantplug.testing.formats import fp8
+        from quantplug.testing.kimi import kimi_linear_config, kimi_linear_state
+
+        cfg = kimi_linear_config()
+        path, packed = fp8(tmp_path / "fp8", cfg, kimi_linear_state(cfg)), torch.float8_e4m3fn
+    else:
+        pytest.importorskip("quantplug_expert_pack", reason="quantplug-expert-pack is not installed")
+        path, packed = VENDOR / label, torch.uint8
+    model = qt.from_pretrained(path)
+    assert type(model) is transformers.KimiLinearForCausalLM
+    params = dict(model.named_parameters())
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.forget_gate.f_b_proj.weight",
+                 "model.layers.1.mlp.experts.gate_proj.weight", "model.layers.1.mlp.shared_experts.down_proj.weight"):
+        assert params[name].dtype == packed, name
+    if label != "fp8":  # llama.cpp stores MLA's K/V split: served as stored
+        assert params["model.layers.1.self_attn.kv_b_proj.k_b.weight"].dtype == torch.uint8
+    got, want = _greedy(model, Path(path), torch.tensor([PROMPT]))
+    assert got == want
+
+
+@pytest.mark.parametrize("case", ["k3", "k3-feature"])
+def test_kimi_k3_is_refused_naming_why(tmp_path: Path, case: str) -> None:
+    """The released Kimi-K3 has no transformers class: refused before any tensor data is read, naming
+    why; a Kimi-Linear checkpoint enabling a K3 feature transformers' KimiLinearForCausalLM lacks is
+    refused naming the feature (its config would silently drop it)."""
+    from quantplug.testing.kimi import (
+        kimi_k3_config,
+        kimi_k3_state,
+        kimi_linear_config,
+        kimi_linear_state,
+        write_kimi_checkpoint,
+    )
+    from quantplug.testing.probes import forbid_data_reads
+
+    if case == "k3":
+        cfg = kimi_k3_config()
+        path = write_kimi_checkpoint(tmp_path / case, cfg, kimi_k3_state(cfg))
+        why = ("KimiK3ForConditionalGeneration: the released Kimi-K3 (attention residuals, latent MoE, SiTU, "
+               "full-rank KDA output gate, bounded forget gate, MLA output gate) has no model class in transformers "
+               "or vLLM to bridge into; run it with quantplug.load / generate")
+    else:
+        cfg = kimi_linear_config(attn_res_block_size=2)
+        path = write_kimi_checkpoint(tmp_path / case, cfg, kimi_linear_state(cfg))
+        why = ("KimiLinearForCausalLM: transformers' KimiLinearForCausalLM has no attention residuals "
+               "(attn_res_block_size) (Kimi-K3's features); run it with quantplug.load / generate")
+    with forbid_data_reads(path) as reads, pytest.raises(qt.BridgeError) as info:
+        qt.from_pretrained(path)
+    assert str(info.value) == f"{path}: {why}"
+    assert not reads.events

@@ -1,5 +1,6 @@
-"""quantplug-transformers: transformers' own ``DeepseekV3ForCausalLM`` running quantplug's planned
-modules, from one call, for every format an installed quantplug backend claims.
+"""quantplug-transformers: transformers' own ``DeepseekV3ForCausalLM`` (``DeepseekV32ForCausalLM``,
+``KimiLinearForCausalLM``) running quantplug's planned modules, from one call, for every format an
+installed quantplug backend claims.
 
     model = quantplug_transformers.from_pretrained(path)      # transformers.DeepseekV3ForCausalLM
     model.generate(ids, max_new_tokens=16)                    # transformers' generate
@@ -12,7 +13,10 @@ loaded for it (:func:`quantplug.bridge.planned_modules`): linears by ``QuantLine
 ``apply``), routed experts by quantplug's stacked experts (same call signature as transformers'
 ``DeepseekV3Experts``), GGUF's split K/V by a ``kv_b_proj`` computed from the stacks, a quantized
 ``token_embd`` by quantplug's embedding. Norms and the router are transformers' own modules with
-quantplug's loaded tensors. Nothing is dequantized for the bridge.
+quantplug's loaded tensors. Nothing is dequantized for the bridge. Kimi-Linear: the same, under the
+names transformers' ``KimiLinearForCausalLM`` gives them (the architecture declares the renames;
+its KDA layers' projections are planned linears, their convolutions / ``dt_bias`` / ``A_log``
+quantplug's loaded tensors); the released Kimi-K3 has no transformers class and is refused.
 
 Why a function and not ``AutoModelForCausalLM.from_pretrained(path, quantization_config=...)``
 through a registered ``HfQuantizer``: see docs/transformers.md ("Why not a registered quantizer").
@@ -33,6 +37,11 @@ __version__ = "0.1.0"
 
 #: the merged projections vLLM builds; transformers keeps their parts as separate linears
 _MERGED = (".fused_qkv_a_proj", ".gate_up_proj")
+#: quantplug's text-model class -> transformers' (config class, model class) of the same module tree;
+#: a DeepSeek-V3.2 checkpoint (an indexer) takes DeepSeek-V3.2's, other text models DeepSeek-V3's
+_CLASSES = {
+    "KimiLinearForCausalLM": ("KimiLinearConfig", "KimiLinearForCausalLM"),
+}
 
 
 class BridgeError(QuantplugError):
@@ -50,35 +59,41 @@ def _text_config(plan: Any) -> dict[str, Any]:
 
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
     owner, _, local = name.rpartition(".")
-    mod = model.get_submodule(owner)
+    try:
+        mod = model.get_submodule(owner)
+    except AttributeError:
+        mod = None
+    old = None if mod is None else mod._parameters.get(local, mod._buffers.get(local))
+    if mod is None or old is None:
+        raise BridgeError(f"transformers' {type(model).__name__} has no tensor {name} for quantplug's {name}")
+    if old.shape != value.shape:  # the same values in another shape ([H] vs [1, 1, H, 1]; GGUF's [1, C, 1, W])
+        if old.numel() != value.numel():
+            raise BridgeError(f"quantplug's {name} has shape {list(value.shape)}; transformers' "
+                              f"{type(model).__name__} holds {list(old.shape)}")
+        value = value.reshape(old.shape)
     if local in mod._parameters:
         mod._parameters[local] = nn.Parameter(value, requires_grad=False)
-    elif local in mod._buffers:
-        mod._buffers[local] = value
     else:
-        raise BridgeError(f"transformers' DeepseekV3ForCausalLM has no tensor {name} for quantplug's {name}")
+        mod._buffers[local] = value
 
 
 def from_pretrained(path: str | Path, *, dtype: torch.dtype = torch.float32, options: dict[str, Any] | None = None,
                     backend: str | None = None, attn_implementation: str | None = None) -> Any:
     """transformers' ``DeepseekV3ForCausalLM`` for the checkpoint at ``path`` in any quantplug format
     (``DeepseekV32ForCausalLM`` for a DeepSeek-V3.2 checkpoint: its indexer's ``wq_b`` / ``wk`` are
-    planned linears like the others, ``k_norm`` / ``weights_proj`` quantplug's loaded tensors).
+    planned linears like the others, ``k_norm`` / ``weights_proj`` quantplug's loaded tensors;
+    ``KimiLinearForCausalLM`` for a Kimi-Linear checkpoint). A model the engines cannot take (the
+    released Kimi-K3) is refused naming why, before any tensor data is read.
 
     ``dtype``: the model dtype (activations, float tensors); ``options`` / ``backend``: as
     ``quantplug.load``; ``attn_implementation``: transformers' (default: its own choice).
     The returned model carries ``quantplug_plan``; its ``generation_config`` has the checkpoint's
     end-of-sequence ids as ``quantplug generate`` reads them (none: generation runs to
     ``max_new_tokens``)."""
-    from quantplug.bridge import engine_refusal
+    import transformers
+    from quantplug.bridge import engine_refusal, text_model
     from quantplug.loader import execute
-    from transformers import (
-        DeepseekV3Config,
-        DeepseekV3ForCausalLM,
-        DeepseekV32Config,
-        DeepseekV32ForCausalLM,
-        GenerationConfig,
-    )
+    from transformers import GenerationConfig
 
     plan = quantplug.plan(path, dtype=dtype, options=options, backend=backend)
     why = engine_refusal(plan.model) if not plan.errors else None
@@ -86,12 +101,15 @@ def from_pretrained(path: str | Path, *, dtype: torch.dtype = torch.float32, opt
         raise BridgeError(f"{path}: {why}")
     qp = execute(plan, progress=False)
     plan = qp.quantplug_plan
-    config: Any
-    build: Any
-    if plan.model_config.has_indexer:  # DeepSeek-V3.2
-        config, build = DeepseekV32Config(**_text_config(plan)), DeepseekV32ForCausalLM
-    else:
-        config, build = DeepseekV3Config(**_text_config(plan)), DeepseekV3ForCausalLM
+    names = _CLASSES.get(type(text_model(qp)).__name__)
+    if names is None:
+        names = (("DeepseekV32Config", "DeepseekV32ForCausalLM") if plan.model_config.has_indexer
+                 else ("DeepseekV3Config", "DeepseekV3ForCausalLM"))
+    text = _text_config(plan)
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        text.setdefault(key, None)  # not transformers' defaults (a real model's ids, maybe past a small vocabulary)
+    config: Any = getattr(transformers, names[0])(**text)
+    build: Any = getattr(transformers, names[1])
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
     with torch.device("meta"):
@@ -104,13 +122,14 @@ def from_pretrained(path: str | Path, *, dtype: torch.dtype = torch.float32, opt
             model.get_submodule(name)
         except AttributeError:
             raise BridgeError(f"{path}: quantplug planned {name} ({', '.join(proj.schemes)}); transformers' "
-                              "DeepseekV3ForCausalLM has no such module") from None
+                              f"{type(model).__name__} has no such module") from None
         model.set_submodule(name, proj.modules[0] if len(proj.modules) == 1 and name.endswith(
             ("experts", "embed_tokens")) else _module(proj))
     for name, t in float_state(qp).items():
         _set_tensor(model, name, t)
-    rotary = model.model.rotary_emb
-    model.model.rotary_emb = type(rotary)(config=config)  # its inv_freq is computed, not loaded
+    rotary = getattr(model.model, "rotary_emb", None)  # none in Kimi-Linear (MLA without RoPE)
+    if rotary is not None:
+        model.model.rotary_emb = type(rotary)(config=config)  # its inv_freq is computed, not loaded
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise BridgeError(f"{path}: transformers' tensors with no quantplug source: {', '.join(left[:8])}")
