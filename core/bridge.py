@@ -2,14 +2,16 @@
 their own model (the vLLM plugin ``quantplug-vllm``, the transformers bridge
 ``quantplug-transformers``).
 
-An engine builds its own DeepSeek-V3 module tree; quantplug's plan has decided, for every
+An engine builds its own DeepSeek-V3 (or Kimi-Linear) module tree; quantplug's plan has decided, for every
 projection of the checkpoint, how it is stored and computed. :func:`planned_modules` hands the
 engine those decisions as loaded, callable modules under the names the engine's tree uses
 (``model.layers.3.self_attn.q_a_proj``, ``model.layers.3.mlp.experts``, ``lm_head``...), so the
 engine's layer delegates its product to quantplug's planned module (its scheme's ``apply`` /
 ``apply_grouped``, fused where the scheme fuses) and never sees a quantized format.
 :func:`float_state` gives the float tensors the engine keeps as its own parameters (norms, the
-router). Nothing here is engine-specific.
+router). Nothing here is engine-specific, nor architecture-specific: what differs between
+architectures (merged projections, the engines' names, float tensors held in another form, why no
+engine takes a model) is what the model classes declare (:mod:`quantplug.models.declarations`).
 """
 
 from __future__ import annotations
