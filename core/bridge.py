@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -314,19 +315,18 @@ def _embed_local(emb: Embedding, ids: torch.Tensor) -> torch.Tensor:
     return emb.scheme.embed(emb, ids)
 
 
-def _engine_local(name: str, mod: QuantLinear, par: object, proj: Projection) -> None:
+def _engine_local(name: str, mod: QuantLinear, par: Any, proj: Projection) -> None:
     """A linear split under an engine's tensor parallelism: what this rank computes of it."""
-    kind = getattr(par, "kind", "")
-    sharded = bool(getattr(par, "sharded", False))
+    kind, sharded = par.kind, bool(par.sharded)
     if kind == "row" and not sharded:
         raise QuantplugError(f"planned_modules: {name} ({mod.qp_ckpt}) is row-parallel in the engine but the plan "
                              "keeps it whole on every rank (see its tensor_parallel decision); load with "
                              "strict_split so the plan refuses it")
     if kind == "column":
-        start, length = getattr(par, "start"), getattr(par, "length")
+        start, length = par.start, par.length
         proj.shard = (start, length)
         proj.out_features = [length]
-        if getattr(par, "gather", False):  # lm_head: the engine gathers the logits
+        if par.gather:  # lm_head: the engine gathers the logits
             proj.fn = mod.product if sharded else (lambda x: mod.product(x)[..., start:start + length])
 
 
