@@ -9,10 +9,10 @@ one-node machine), so the engine is started with one CPU per rank given by hand
 (``VLLM_CPU_OMP_THREADS_BIND="0|1"``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``): skipped where fewer than
 two CPUs are allowed.
 
-Each case is its own vLLM engine in a child process (vLLM starts two worker processes; about 60-70 s
-per case on a busy 2-core machine, most of it vLLM's start), so the default run holds one (GGUF
-Q8_0); the float32 dense checkpoint, compressed-tensors W4A16 and the refusal of a split that cuts
-FP8 blocks run with ``-m slow``."""
+Each case is its own vLLM engine in a child process (vLLM starts two worker processes; 60-100 s per
+case on a busy 2-core machine, most of it vLLM's start and its workers' shutdown), so the default
+run holds one (GGUF Q8_0); the float32 dense checkpoint, compressed-tensors W4A16 and the refusal of
+a split that cuts FP8 blocks run with ``-m slow``."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -53,20 +54,32 @@ llm = LLM(model=path, load_format="quantplug", skip_tokenizer_init=True, dtype="
 out = llm.generate([{"prompt_token_ids": json.loads(sys.argv[3])}],
                    SamplingParams(temperature=0, max_tokens=int(sys.argv[4]), ignore_eos=True), use_tqdm=False)
 print("QUANTPLUG_TOKENS " + json.dumps(list(out[0].outputs[0].token_ids)), flush=True)
+# an explicit shutdown that waits for the workers: at interpreter exit vLLM force-kills them after
+# 5 s, which on a busy machine leaves its shared-memory all-reduce segments in /dev/shm (2 x 4 MiB)
+llm.llm_engine.engine_core.shutdown(timeout=120)
 """
 
 
 @pytest.fixture(scope="module")
-def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return export_formats(tmp_path_factory.mktemp("tp"), only=["dense", "gguf-q8_0", "compressed-tensors-w4a16",
-                                                                "fp8-block"])
+def export(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The tiny model's export in format ``label`` (written on first use; skipped where its backend
+    is not installed)."""
+    root = tmp_path_factory.mktemp("tp")
+
+    def get(label: str) -> Path:
+        out = export_formats(root / label, only=[label])
+        if label not in out:
+            pytest.skip(f"the backend writing {label} is not installed")
+        return out[label]
+
+    return get
 
 
 def _engine(path: Path) -> tuple[int, str]:
     """vLLM with ``tensor_parallel_size=2`` in a child process: (exit code, its stdout + stderr)."""
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="|".join(str(c) for c in CPUS[:TP]),
                VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1",
-               VLLM_ENABLE_V1_MULTIPROCESSING="1")
+               VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS="60")
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(path), str(TP), json.dumps(PROMPT), str(NEW)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
@@ -105,27 +118,21 @@ def _equal_tokens_and_rank_bytes(path: Path) -> None:
     assert "expert parallel on" in out
 
 
-def test_tensor_parallel_gguf_q8_0(exports: dict[str, Path]) -> None:
-    if "gguf-q8_0" not in exports:
-        pytest.skip("quantplug-expert-pack (GGUF export) is not installed")
-    _equal_tokens_and_rank_bytes(exports["gguf-q8_0"])
+def test_tensor_parallel_gguf_q8_0(export: Callable[[str], Path]) -> None:
+    _equal_tokens_and_rank_bytes(export("gguf-q8_0"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("label", ["dense", "compressed-tensors-w4a16"])
-def test_tensor_parallel_more_formats(exports: dict[str, Path], label: str) -> None:
-    if label not in exports:
-        pytest.skip(f"the backend writing {label} is not installed")
-    _equal_tokens_and_rank_bytes(exports[label])
+def test_tensor_parallel_more_formats(export: Callable[[str], Path], label: str) -> None:
+    _equal_tokens_and_rank_bytes(export(label))
 
 
 @pytest.mark.slow
-def test_tensor_parallel_split_cutting_blocks_is_refused(exports: dict[str, Path]) -> None:
+def test_tensor_parallel_split_cutting_blocks_is_refused(export: Callable[[str], Path]) -> None:
     """The tiny model's shared experts (intermediate 128) in 128-blocks of FP8: a 2-way split cuts
     the blocks, so quantplug's plan would keep them whole on each rank; vLLM splits them, so the
     load is refused, naming the layers and why."""
-    if "fp8-block" not in exports:
-        pytest.skip("quantplug-fp8 is not installed")
-    code, out = _engine(exports["fp8-block"])
+    code, out = _engine(export("fp8-block"))
     assert code != 0
     assert "model.layers.1.mlp.shared_experts" in out and "would cut its 128-feature blocks" in out, out[-6000:]
