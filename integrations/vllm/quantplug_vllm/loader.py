@@ -15,6 +15,11 @@
 5. Decode-only batches run quantplug's whole-stack step, one native call per step, on vLLM's paged
    MLA cache (:mod:`.decode`) where the model has one.
 
+Under ``tensor_parallel_size`` N > 1 each worker plans and loads rank r of N (vLLM's TP group:
+``quantplug.parallel.EngineComm``, quantplug's modules compute partial products and vLLM's layers
+run every collective), with ``strict_split`` on and vLLM's expert parallel turned on (quantplug's
+plan gives each rank whole experts); step 5 is declined (see ``docs/vllm.md``, Tensor parallel).
+
 Options for quantplug (``-o KEY=VALUE`` on the CLI) come from vLLM's
 ``model_loader_extra_config`` (``--model-loader-extra-config '{"activation_quant": "none"}'``).
 """
