@@ -16,10 +16,11 @@ engine takes a model) is what the model classes declare (:mod:`quantplug.models.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -196,6 +197,10 @@ class Projection:
     out_features: list[int]
     schemes: list[str]
     notes: list[str] = field(default_factory=list)
+    #: under an engine's tensor parallelism (``quantplug.parallel.EngineComm``): this rank's
+    #: ``(start, length)`` of the output features split over the ranks (column-parallel rows, the
+    #: vocabulary block of an embedding or lm_head); None: the whole output
+    shard: tuple[int, int] | None = None
 
 
 def _describe(m: nn.Module) -> str:
@@ -294,8 +299,15 @@ def planned_modules(model: nn.Module) -> dict[str, Projection]:
 
     Names are quantplug's unless the text model's class renames them for the engines
     (``qp_engine_names``: Kimi-Linear's ``block_sparse_moe`` is the engines' ``mlp``).
-    ``model`` is what ``quantplug.load`` returned (unsplit: no tensor parallelism). A module
-    holding a member its engine entry lists as ``unsupported`` is refused, naming it and why.
+    ``model`` is what ``quantplug.load`` returned: unsplit, or this rank's share of a load under an
+    engine's tensor parallelism (``group=quantplug.parallel.EngineComm(...)``), where the engine's
+    layers run the collectives: every projection computes this rank's part only (a column-parallel
+    one its output rows, ``shard``; a row-parallel one its partial sum, which the engine
+    all-reduces; the routed experts this rank's experts' partial sum; the embedding looks up the
+    rank-local ids the engine hands it; ``lm_head`` returns this rank's vocabulary block of the
+    logits, which the engine gathers). A module split with a process group of its own collectives
+    (quantplug's tensor parallelism) is refused, and so is a row-parallel layer the plan left whole.
+    A module holding a member its engine entry lists as ``unsupported`` is refused, naming it and why.
     """
     lm = text_model(model)
     why = engine_refusal(model)
@@ -304,19 +316,51 @@ def planned_modules(model: nn.Module) -> dict[str, Projection]:
     engine = _engine_entries(lm)
     out: dict[str, Projection] = {}
     for name, mod in lm.named_modules():
-        if getattr(mod, "qp_parallel", None) is not None:  # every module: most declare none
-            raise QuantplugError(f"planned_modules: {name} is tensor-parallel; engines get an unsplit model")
+        par = getattr(mod, "qp_parallel", None)  # every module: most declare none
+        if par is not None and not getattr(getattr(par, "comm", None), "engine", False):
+            raise QuantplugError(f"planned_modules: {name} is split by quantplug's own tensor parallelism (its "
+                                 "collectives run inside quantplug); an engine gets an unsplit model, or one loaded "
+                                 "with group=quantplug.parallel.EngineComm(...)")
         if isinstance(mod, QuantLinear):
             out[name] = _single(mod)
+            if par is not None:
+                _engine_local(name, mod, par, out[name])
         elif isinstance(mod, Embedding):
             out[name] = _single(mod)
             out[name].in_features, out[name].out_features = mod.dim, [mod.vocab]
+            if par is not None:  # vocab-parallel: the engine masks the ids to this rank's rows and reduces
+                out[name].fn = functools.partial(_embed_local, mod)
+                out[name].shard = (par.start, par.length)
         elif isinstance(mod, TiedHead):
             emb = mod._embed[0]
             out[name] = Projection(mod, [emb], emb.dim, [emb.vocab], [_describe(mod)])
+            if par is not None:  # the tied embedding's vocabulary block; the engine gathers the logits
+                out[name].fn = emb.product
+                out[name].out_features = [par.length]
+                out[name].shard = (par.start, par.length)
         elif name in engine:
             _engine_projections(name, mod, engine[name][1], out)
     return _engine_names(lm, out)
+
+
+def _embed_local(emb: Embedding, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (rank-local: the engine subtracted this rank's first row) of this rank's block."""
+    return emb.scheme.embed(emb, ids)
+
+
+def _engine_local(name: str, mod: QuantLinear, par: Any, proj: Projection) -> None:
+    """A linear split under an engine's tensor parallelism: what this rank computes of it."""
+    kind, sharded = par.kind, bool(par.sharded)
+    if kind == "row" and not sharded:
+        raise QuantplugError(f"planned_modules: {name} ({mod.qp_ckpt}) is row-parallel in the engine but the plan "
+                             "keeps it whole on every rank (see its tensor_parallel decision); load with "
+                             "strict_split so the plan refuses it")
+    if kind == "column":
+        start, length = par.start, par.length
+        proj.shard = (start, length)
+        proj.out_features = [length]
+        if par.gather:  # lm_head: the engine gathers the logits
+            proj.fn = mod.product if sharded else (lambda x: mod.product(x)[..., start:start + length])
 
 
 def _engine_projections(name: str, mod: nn.Module, entry: object, out: dict[str, Projection]) -> None:

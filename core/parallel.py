@@ -274,9 +274,32 @@ class Comm:
                             "(their error is on their stderr)")
 
 
+class EngineComm(Comm):
+    """The ranks of an engine whose own tensor-parallel layers run the forward collectives (vLLM's
+    RowParallelLinear and MoE all-reduces, VocabParallelEmbedding's masked lookup, the logits
+    gather): loading plans, reads and agrees over ``group`` as any load does, and the planned
+    modules compute this rank's partial products only: ``all_reduce`` returns its input (the
+    engine sums), ``all_gather`` is refused (a layer that needs its input gathered is one the plan
+    replicated where the engine splits it: load with ``strict_split`` so the plan refuses it).
+    Pass it as ``quantplug.load(..., group=EngineComm(world, rank, group))``."""
+
+    #: planned modules' forward collectives are the engine's
+    engine = True
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def all_gather(self, t: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+        raise ParallelError(f"rank {self.rank} of {self.world}: a planned module asked to all-gather its input or "
+                            "output inside an engine that runs its own collectives (a layer the plan replicated, "
+                            "or an unsplit head): the engine gathers")
+
+
 def resolve_group(group: Any = None) -> Comm | None:
-    """The Comm for ``group`` (default: the initialized default group), None when not
-    distributed or world size 1."""
+    """The Comm for ``group`` (default: the initialized default group; a :class:`Comm` as given),
+    None when not distributed or world size 1."""
+    if isinstance(group, Comm):
+        return group if group.world > 1 else None
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return None
     world = dist.get_world_size(group)

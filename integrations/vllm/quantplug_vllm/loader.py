@@ -15,6 +15,11 @@
 5. Decode-only batches run quantplug's whole-stack step, one native call per step, on vLLM's paged
    MLA cache (:mod:`.decode`) where the model has one.
 
+Under ``tensor_parallel_size`` N > 1 each worker plans and loads rank r of N (vLLM's TP group:
+``quantplug.parallel.EngineComm``, quantplug's modules compute partial products and vLLM's layers
+run every collective), with ``strict_split`` on and vLLM's expert parallel turned on (quantplug's
+plan gives each rank whole experts); step 5 is declined (see ``docs/vllm.md``, Tensor parallel).
+
 Options for quantplug (``-o KEY=VALUE`` on the CLI) come from vLLM's
 ``model_loader_extra_config`` (``--model-loader-extra-config '{"activation_quant": "none"}'``).
 """
@@ -46,7 +51,7 @@ from vllm.model_executor.model_loader.utils import initialize_model, process_wei
 from vllm.utils.torch_utils import set_default_torch_dtype
 
 from . import decode
-from .method import NAME, QuantplugConfig, QuantplugLinearMethod, _register_fn, mlp_op
+from .method import NAME, QuantplugConfig, QuantplugLinearMethod, QuantplugLoadError, _register_fn, mlp_op
 from .mla import absorb_lazily, quantize_latent
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's logger, so its handler prints it
@@ -62,10 +67,7 @@ CPU_UNSUPPORTED = {
                              "CuTe DSL kernels ('No module named cutlass' on the CPU build)",
 }
 
-
-class QuantplugLoadError(ValueError):
-    """A quantplug plan or load failure, as vLLM reports load errors (a ValueError); the message
-    is quantplug's, naming the file, the tensor or layer and what was expected."""
+__all__ = ["ARCHITECTURES", "QuantplugLoadError", "QuantplugModelLoader", "held_bytes"]
 
 
 def held_bytes(model: nn.Module) -> int:
@@ -81,6 +83,12 @@ def held_bytes(model: nn.Module) -> int:
         seen.add(key)
         total += t.numel() * t.element_size()
     return total
+
+
+def _all_reduced(fn: Any, x: torch.Tensor) -> torch.Tensor:
+    from vllm.distributed import tensor_model_parallel_all_reduce
+
+    return tensor_model_parallel_all_reduce(fn(x))
 
 
 class QuantplugModelLoader(BaseModelLoader):
@@ -99,13 +107,29 @@ class QuantplugModelLoader(BaseModelLoader):
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         path, dtype = model_config.model, model_config.dtype
-        if vllm_config.parallel_config.world_size > 1:
-            raise QuantplugLoadError("quantplug: load_format='quantplug' loads one unsplit model (tensor / pipeline "
-                                     f"parallel size 1); this engine has world size {vllm_config.parallel_config.world_size}")
+        par = vllm_config.parallel_config
+        tp = int(par.tensor_parallel_size)
+        if par.pipeline_parallel_size > 1 or getattr(par, "decode_context_parallel_size", 1) > 1 \
+                or getattr(par, "prefill_context_parallel_size", 1) > 1:
+            raise QuantplugLoadError("quantplug: load_format='quantplug' splits a model by tensor (and expert) "
+                                     f"parallelism only; this engine has pipeline parallel size "
+                                     f"{par.pipeline_parallel_size} (context parallel: "
+                                     f"{getattr(par, 'decode_context_parallel_size', 1)} decode, "
+                                     f"{getattr(par, 'prefill_context_parallel_size', 1)} prefill)")
         options = self._options()
+        rank = 0
+        if tp > 1:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            rank = int(get_tensor_model_parallel_rank())
+            # vLLM splits every layer quantplug's plan declares a split for (MLA heads, MLPs, the
+            # vocabulary, experts): a layer the plan would keep whole (a split cutting a block) has no
+            # place in vLLM's sharded layer, so the plan refuses it, naming the layer and why
+            options["strict_split"] = "true"
         t0 = time.perf_counter()
         try:
-            plan = quantplug.plan(path, dtype=dtype, options=options)  # headers only; raises every problem
+            # headers only; raises every problem (under TP: this rank's share, before any collective)
+            plan = quantplug.plan(path, dtype=dtype, options=options, world_size=tp, rank=rank)
         except QuantplugError as exc:
             raise QuantplugLoadError(f"quantplug: {exc}") from exc
         text_arch = plan.architecture
@@ -116,16 +140,22 @@ class QuantplugModelLoader(BaseModelLoader):
                                      f"{text_arch}); load_format='quantplug' builds vLLM's {' / '.join(ARCHITECTURES)}"
                                      + (f": {why}; quantplug's own generate runs it" if why else ""))
         self._align_config(model_config, plan)
+        group = None
+        if tp > 1:
+            group = self._tensor_parallel(vllm_config, tp, rank)
         try:
-            qp_model = quantplug.load(path, dtype=dtype, options=options, progress=False)
+            qp_model = quantplug.load(path, dtype=dtype, options=options, progress=False, group=group)
             projections = planned_modules(qp_model)
             floats = float_state(qp_model)
             mlps = planned_mlps(qp_model)
             absorbed = absorbed_attention(qp_model)
-            paged = paged_decode(qp_model)
+            # under TP every layer's all-reduce is vLLM's, between layers: one native call over the
+            # whole stack cannot make them, so vLLM's layers decode (each product still quantplug's)
+            paged = paged_decode(qp_model) if tp == 1 else None
         except QuantplugError as exc:
             raise QuantplugLoadError(f"quantplug: {exc}") from exc
         t_load = time.perf_counter() - t0
+        report = dict(getattr(qp_model, "load_report", {}))
 
         qc = QuantplugConfig(projections, plan.backend)
         vllm_config.quant_config = qc
@@ -142,7 +172,13 @@ class QuantplugModelLoader(BaseModelLoader):
         notes = self._wire(model, mlps, absorbed)
         del qp_model, floats
         process_weights_after_loading(model, model_config, torch.device("cpu"))
-        notes.setdefault("model", []).append(decode.install(model, paged))
+        if tp > 1:
+            decode.install(model, None)
+            notes.setdefault("model", []).append(
+                f"decode steps run vLLM's layers under tensor parallel size {tp} (quantplug's whole-stack native "
+                "step is declined: vLLM's all-reduces run between the layers, inside no one native call)")
+        else:
+            notes.setdefault("model", []).append(decode.install(model, paged))
         for name, mod in model.named_modules():  # per layer, how it runs where that is not "as planned"
             for note in [*getattr(getattr(mod, "quant_method", None), "notes", ()), *notes.get(name, ())]:
                 logger.info("quantplug: %s: %s", name, note)
@@ -153,7 +189,43 @@ class QuantplugModelLoader(BaseModelLoader):
         logger.info("quantplug: %s loaded by backend %s in %.2f s (%d projections; schemes: %s); vLLM holds "
                     "%.1f MB of weights", path, backend, t_load, len(projections), ", ".join(schemes),
                     held_bytes(model) / 1e6)
+        if tp > 1:
+            par_plan = plan.parallel
+            logger.info("quantplug: tensor-parallel rank %d of %d read %d bytes of the checkpoint (plan: %s per "
+                        "rank; %d replicated on every rank, %d split over the ranks)", rank, tp,
+                        report.get("bytes_read", -1), par_plan.rank_bytes if par_plan else "?",
+                        par_plan.replicated_bytes if par_plan else -1, par_plan.sharded_bytes if par_plan else -1)
+        model.quantplug_load_report = report  # type: ignore[assignment]
         return model.eval()
+
+    @staticmethod
+    def _tensor_parallel(vllm_config: VllmConfig, tp: int, rank: int) -> Any:
+        """Under vLLM's tensor parallelism: vLLM's sharding and quantplug's tensor-parallel plan
+        agree layer by layer (MLA heads, MLPs column / row parallel, vocabulary blocks; checked per
+        layer as vLLM builds it), except routed experts: vLLM shards each expert's intermediate
+        width unless expert parallel is on, quantplug's plan gives each rank whole experts in
+        contiguous blocks (vLLM's 'linear' expert placement). So vLLM's expert parallel is turned
+        on for this model. Returns quantplug's group: vLLM's TP group (its gloo CPU group), in
+        which the planned modules compute this rank's partial products and vLLM's layers run
+        every collective."""
+        from quantplug.parallel import EngineComm
+        from vllm.distributed import get_tp_group
+
+        par = vllm_config.parallel_config
+        if not par.enable_expert_parallel:
+            logger.info("quantplug: expert parallel on (tensor parallel size %d): quantplug's plan gives each rank "
+                        "whole routed experts in contiguous blocks, where vLLM's tensor-parallel experts would "
+                        "split each expert's intermediate width", tp)
+            par.enable_expert_parallel = True
+        placement = getattr(par, "expert_placement_strategy", "linear")
+        if placement != "linear":
+            raise QuantplugLoadError(f"quantplug: expert_placement_strategy {placement!r}: quantplug's "
+                                     "expert-parallel plan places contiguous blocks of experts ('linear')")
+        tpg = get_tp_group()
+        if tpg.world_size != tp or tpg.rank_in_group != rank:
+            raise QuantplugLoadError(f"quantplug: vLLM's TP group is rank {tpg.rank_in_group} of {tpg.world_size}, "
+                                     f"its parallel config says tensor parallel size {tp}")
+        return EngineComm(tp, rank, tpg.cpu_group)
 
     @staticmethod
     def _wire(model: nn.Module, mlps: dict[str, nn.Module], absorbed: dict[str, AbsorbedMLA]) -> dict[str, list[str]]:
@@ -180,6 +252,9 @@ class QuantplugModelLoader(BaseModelLoader):
                         and gu.proj.modules == [qp.gate_proj, qp.up_proj] and dn.proj.modules == [qp.down_proj]):
                     key = _register_fn(qp)
                     mod.forward = functools.partial(mlp_op, key=key)
+                    if getattr(down, "reduce_results", False) and getattr(down, "tp_size", 1) > 1:
+                        # vLLM's RowParallelLinear would all-reduce down_proj's partial sums: so does this
+                        mod.forward = functools.partial(_all_reduced, mod.forward)
                     step = "one native call per decode step (MLPStep)" if qp.step is not None else \
                         "gate + up in one call, then down"
                     notes.setdefault(name, []).append(f"runs as quantplug's MLP: {step}")

@@ -107,11 +107,50 @@ def _attach(layer: nn.Module, proj: Projection) -> None:
     layer.quantplug = nn.ModuleList(proj.modules)
 
 
+class QuantplugLoadError(ValueError):
+    """A quantplug plan or load failure, as vLLM reports load errors (a ValueError); the message
+    is quantplug's, naming the file, the tensor or layer and what was expected."""
+
+
 def _check_width(prefix: str, what: str, vllm_value: Any, planned: Any) -> None:
     if vllm_value != planned:
-        raise ValueError(f"quantplug: vLLM's layer {prefix} has {what} {vllm_value}, the quantplug plan's "
-                         f"modules for it have {planned}: the checkpoint's config.json and its tensors disagree "
-                         "with vLLM's reading of the config")
+        why = ("the checkpoint's config.json and its tensors disagree with vLLM's reading of the config"
+               if _tp_size() == 1 else
+               f"this rank's share in quantplug's tensor-parallel plan (rank {_tp_rank()} of {_tp_size()}) is not the "
+               "one vLLM's layer holds")
+        raise QuantplugLoadError(f"quantplug: vLLM's layer {prefix} has {what} {vllm_value}, the quantplug plan's "
+                                 f"modules for it have {planned}: {why}")
+
+
+def _tp_size() -> int:
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
+    try:
+        return int(get_tensor_model_parallel_world_size())
+    except AssertionError:  # no TP group (a layer built outside vLLM's engine)
+        return 1
+
+
+def _tp_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
+def _check_vocab_shard(prefix: str, layer: nn.Module, proj: Projection) -> None:
+    """Under tensor parallelism: this rank's vocabulary rows in quantplug's plan are the ones vLLM's
+    ``VocabParallelEmbedding`` / ``ParallelLMHead`` holds on this rank."""
+    idx = layer.shard_indices
+    want = (int(idx.org_vocab_start_index), int(idx.org_vocab_end_index - idx.org_vocab_start_index))
+    if proj.shard != want:
+        raise QuantplugLoadError(
+            f"quantplug: vLLM's layer {prefix} holds vocabulary rows [{want[0]}, {want[0] + want[1]}) on rank "
+            f"{_tp_rank()} of {_tp_size()} (the vocabulary padded to vLLM's multiple, then split evenly); quantplug's "
+            f"tensor-parallel plan gives this rank rows {_rows(proj.shard)} (contiguous blocks of the vocabulary)")
+
+
+def _rows(shard: tuple[int, int] | None) -> str:
+    return "all of them" if shard is None else f"[{shard[0]}, {shard[0] + shard[1]})"
 
 
 class QuantplugLinearMethod(LinearMethodBase):
@@ -122,6 +161,8 @@ class QuantplugLinearMethod(LinearMethodBase):
         self.prefix, self.proj = prefix, proj
         self.key = _register_fn(proj.fn)
         self.out_features = sum(proj.out_features)
+        #: zero columns after this rank's logits (a tensor-parallel lm_head: vLLM's per-rank width)
+        self.pad = 0
         #: what the loader says about this layer at load (a fallback, a transient dequantize)
         self.notes: list[str] = list(proj.notes)
 
@@ -130,7 +171,13 @@ class QuantplugLinearMethod(LinearMethodBase):
         _check_width(self.prefix, "input width", input_size_per_partition, self.proj.in_features)
         if isinstance(layer, ParallelLMHead):
             # the vocabulary padded to vLLM's multiple; logits beyond the vocabulary are cut by vLLM
-            _check_width(self.prefix, "vocabulary", layer.org_vocab_size, self.out_features)
+            if getattr(layer, "tp_size", 1) > 1:
+                # this rank's block of the logits, padded to vLLM's per-rank width (vLLM gathers the
+                # ranks' blocks, then cuts the padding after the vocabulary)
+                _check_vocab_shard(self.prefix, layer, self.proj)
+                self.pad = int(layer.num_embeddings_per_partition) - self.out_features
+            else:
+                _check_width(self.prefix, "vocabulary", layer.org_vocab_size, self.out_features)
         else:
             _check_width(self.prefix, "output widths", list(output_partition_sizes), self.proj.out_features)
         _attach(layer, self.proj)
@@ -141,6 +188,8 @@ class QuantplugLinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         out = linear_op(x, self.key, self.out_features)
+        if self.pad:
+            out = torch.nn.functional.pad(out, (0, self.pad))
         return out if bias is None else out + bias
 
     def tie_weights(self, layer: nn.Module, embed_tokens: nn.Module) -> nn.Module:
@@ -163,7 +212,10 @@ class QuantplugEmbeddingMethod(QuantizeMethodBase):
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra: Any) -> None:
         _check_width(self.prefix, "embedding width", input_size_per_partition, self.dim)
-        _check_width(self.prefix, "vocabulary", layer.org_vocab_size, self.proj.out_features[0])
+        if getattr(layer, "tp_size", 1) > 1:  # vLLM hands this rank's ids minus its first row, then reduces
+            _check_vocab_shard(self.prefix, layer, self.proj)
+        else:
+            _check_width(self.prefix, "vocabulary", layer.org_vocab_size, self.proj.out_features[0])
         self.dtype = params_dtype
         _attach(layer, self.proj)
 
@@ -192,6 +244,18 @@ class QuantplugMoEMethod(FusedMoEMethodBase):
         _check_width(self.prefix, "hidden size", hidden_size, self.proj.in_features)
         _check_width(self.prefix, "expert intermediate size", intermediate_size_per_partition,
                      experts.gate_proj.out_features)
+        # expert parallel (the loader enables vLLM's under tensor parallelism): the experts vLLM's
+        # map places on this rank are quantplug's contiguous block; the router hands global ids
+        emap = getattr(layer, "_expert_map", None)
+        if emap is not None:
+            local = [int(e) for e in torch.nonzero(emap >= 0).flatten().tolist()]
+            mine = list(range(int(experts.first), int(experts.first) + int(experts.count)))
+            if local != mine or [int(emap[e]) for e in local] != list(range(len(local))):
+                raise QuantplugLoadError(
+                    f"quantplug: vLLM's layer {self.prefix} places experts {_span(local)} on rank {_tp_rank()} "
+                    f"of {_tp_size()} (expert placement {getattr(layer, 'expert_placement_strategy', '?')!r}); "
+                    f"quantplug's expert-parallel plan gives this rank experts {_span(mine)} (contiguous blocks: "
+                    "vLLM's 'linear' placement)")
         _attach(layer, self.proj)
 
     def get_fused_moe_quant_config(self, layer: nn.Module) -> Any:
@@ -200,6 +264,12 @@ class QuantplugMoEMethod(FusedMoEMethodBase):
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               shared_experts: Any = None, shared_experts_input: torch.Tensor | None = None) -> torch.Tensor:
         return experts_op(x, topk_ids.to(torch.long), topk_weights, self.key)
+
+
+def _span(ids: list[int]) -> str:
+    if ids and ids == list(range(ids[0], ids[-1] + 1)):
+        return f"[{ids[0]}, {ids[-1] + 1})"
+    return str(ids)
 
 
 class QuantplugConfig(QuantizationConfig):
