@@ -96,8 +96,10 @@ from .models.declarations import (
     ColumnParallel,
     DeclarationError,
     EngineExperts,
+    EngineFloats,
     EngineLatentAttention,
     EngineMLP,
+    EngineRename,
     ExpertGroup,
     ExpertParallel,
     FeatureParallel,
@@ -380,6 +382,8 @@ __all__ = [
     "DecoderLayer", "DeepseekV3ForCausalLM", "Experts", "MLA", "MLP", "MoE", "Router", "parse_model_config",
     # ... declaring how engines take it (qp_engine_plan, 1.6)
     "EngineExperts", "EngineLatentAttention", "EngineMLP", "LatentAttention", "RoutedExperts",
+    # ... renaming its modules for the engines and giving them float tensors in their form (1.10)
+    "EngineFloats", "EngineRename",
     # ... and declaring its tensor-parallel plan (qp_tp_plan) and dense-state mapping (qp_dense_state)
     "ColumnParallel", "DeclarationError", "ExpertGroup", "ExpertParallel", "FeatureParallel", "FoldHeads", "HeadGroup",
     "HeadParallel", "HeadPart", "HeadSlice", "RowParallel", "TiedModule", "Unstack", "VocabParallel",

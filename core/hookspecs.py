@@ -152,11 +152,21 @@ def answers(expected: str, kinds: Any, items: Any = None) -> Any:
 #:   the core then loads them, or serves them through its one expert cache (``expert_cache_mb``,
 #:   ``expert_prefetch``, ``expert_readers``), with each payload's sha256 checked on first read,
 #:   as a version-2 pack's. Design note: one expert cache; a backend supplies storage, not a cache.
+#: * 1.10: engines take more architectures. ``EngineRename`` (a text model class's
+#:   ``qp_engine_names``: the names an engine gives its modules where they differ from the
+#:   checkpoint's, e.g. Kimi-Linear's ``block_sparse_moe`` -> ``mlp``) and ``EngineFloats`` (a
+#:   module's ``qp_engine_floats()``: its float tensors in the engine's form, e.g. KDA's three
+#:   convolutions as one), read by ``quantplug.bridge``; ``qp_engine_refusal`` may be decided per
+#:   instance (a config's features). Under an engine's tensor parallelism
+#:   (``quantplug.parallel.EngineComm``) each rank loads its share and the bridge hands the engine
+#:   each rank's part of every projection; the engine runs the collectives. Design note: an engine
+#:   integration owns its process group; quantplug plans, reads and splits, never communicates in
+#:   the engine's forward.
 #:
 #: A plugin declares at least the version of every feature it uses (:data:`API_SINCE`,
 #: :data:`SCHEME_SINCE`, each hook's ``versionadded``); ``quantplug.testing.contract`` checks it
 #: and the conformance kit runs that check.
-CONTRACT_VERSION = "1.9"
+CONTRACT_VERSION = "1.10"
 #: When each name of ``quantplug.api`` entered the contract; names not listed date from 1.1, when
 #: ``quantplug.api`` itself was added.
 API_SINCE: dict[str, str] = {
@@ -175,6 +185,7 @@ API_SINCE: dict[str, str] = {
                      "RoutedExperts"), "1.6"),
     "HeadSlice": "1.7",
     "LoadOptions": "1.8", "KERNELS": "1.8", "TakesOptions": "1.8",
+    "EngineFloats": "1.10", "EngineRename": "1.10",
 }
 #: When each optional ``LinearScheme`` member a scheme may define entered the contract (members
 #: not listed: 1.0).
