@@ -272,16 +272,20 @@ def _grouped_native(bs: Sequence[Bound | None], x: torch.Tensor, groups: Sequenc
 
 def stacked_all(layer: Any, x: torch.Tensor) -> torch.Tensor | None:
     """Per-head stacks (split MLA K/V): x [.., n, T, K] -> [.., n, T, N], slot i on x[.., i, :, :],
-    for one sequence of few tokens in one native call; None otherwise."""
+    in one native call: one sequence of few tokens, or in fast mode (whose products are the
+    native ones at every size) any tokens and sequences; None otherwise."""
     b = bound(layer)
     if b is None or not native.native_ok(x):
         return None
     nh, t, k = x.shape[-3], x.shape[-2], x.shape[-1]
-    if x.numel() != nh * t * k or nh != len(b.mats) or not _row_kernels(b, t):
+    fast = b.mode == "fast"
+    seqs = x.numel() // max(nh * t * k, 1)  # fast mode: a batch of sequences too
+    if x.numel() == 0 or nh != len(b.mats) or not (fast or (seqs == 1 and _row_kernels(b, t))):
         return None
-    x2 = native._as_f32_rows(x.reshape(nh * t, k), k)
-    y = native.gemm(x2, [b.ptr(h) for h in range(nh)], [(h * t, t, h * t, 0) for h in range(nh)],
-                    out_rows=nh * t, wround=b.wround)
+    g = seqs * nh
+    x2 = native._as_f32_rows(x.reshape(g * t, k), k)
+    y = native.gemm(x2, [b.ptr(i % nh) for i in range(g)], [(i * t, t, i * t, 0) for i in range(g)],
+                    out_rows=g * t, wround=b.wround)
     return (y if x.dtype == torch.float32 else y.to(x.dtype)).view(*x.shape[:-1], b.n)
 
 

@@ -163,12 +163,15 @@ def test_int4_grouped_equals_one_call_per_group(ggml_type):
 def test_fast_mode_keeps_mla_kv_heads_dequantized_exactly(ckpts):
     """Under kernels="fast" without the native kernels the per-head MLA K/V stacks (attn_k_b /
     attn_v_b) are dequantized once at load (exact values, shown in the plan) instead of at every
-    step; exact mode keeps them packed, and so does fast mode where the native kernels run them."""
+    step; exact mode keeps them packed, and so does fast mode where the native kernels run them,
+    there in fast mode as every other Q4_0 / Q8_0 product (llama.cpp rounds attn_k_b's and
+    attn_v_b's inputs to Q8_0 blocks as any quantized matmul's)."""
     if ggml.native.library() is not None:
         native_fast, _ = _run(ckpts["Q4_0"], "fast")
         for proj in ("k_b", "v_b"):
             layer = getattr(native_fast.model.layers[0].self_attn, proj)
             assert "cached" not in layer.scheme.describe() and getattr(layer, "_dequantized", None) is None
+            assert layer.qp_kernel_mode == "fast" and layer.qp_native.mode == "fast"
     with ggml.native.disabled():
         fast, _ = _run(ckpts["Q4_0"], "fast")
         exact, _ = _run(ckpts["Q4_0"])
@@ -180,6 +183,27 @@ def test_fast_mode_keeps_mla_kv_heads_dequantized_exactly(ckpts):
         x = torch.randn(2, f.weight.shape[0], 3, f._dequantized.shape[-1], generator=torch.Generator().manual_seed(4))
         with torch.inference_mode():
             assert rel_err(f.forward_all(x), e.forward_all(x)) < 1e-6
+
+
+@pytest.mark.skipif(ggml.native.library() is None, reason="native kernels not built")
+@pytest.mark.parametrize("proj", ["k_b", "v_b"])
+def test_fast_mla_kv_heads_round_a_prompts_inputs_as_a_step(ckpts, proj):
+    """Under kernels="fast" a prompt's per-head K/V products (many tokens, several sequences)
+    are the native fast products, as a decode step's: each head's rows through that head's
+    int8-activation product, bit for bit, and not the exact product (which rounds no input)."""
+    model = quantplug.load(ckpts["Q8_0"], progress=False, options={"kernels": "fast"})
+    layer = getattr(model.model.layers[0].self_attn, proj)
+    b = layer.qp_native
+    nh = len(b.mats)
+    x = torch.randn(2, nh, 40, b.k, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        got = layer.forward_all(x)
+    want = torch.stack([torch.stack([ggml.native.gemm(x[s, h].contiguous(), [b.ptr(h)]) for h in range(nh)])
+                        for s in range(2)])
+    assert torch.equal(got, want)
+    dense = ggml.dequantize(layer.weight, "Q8_0")
+    exact = torch.matmul(x, dense.transpose(-1, -2))
+    assert 0 < rel_err(got, exact) < 2e-2
 
 
 def test_scratch_made_in_inference_mode_serves_later_plain_work(ckpts, monkeypatch):

@@ -323,11 +323,10 @@ def test_ggml_products_both_modes_against_float64_references(ggml_type, m):
     if ggml_type not in native.FAST_FORMS:              # no int8-block form: the exact path
         assert torch.equal(fast, exact)
         return
-    # fast: per block the integer dot of the codes times d_w * d_x (llama.cpp's int8 activation
-    # blocks, d = amax / 127, codes round half to even): the exact weights against those values
-    blocks = x.reshape(m, -1, 32)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
-    xq = (torch.round(blocks * torch.where(d != 0, 1 / d, torch.zeros_like(d))) * d).reshape(m, k)
+    # fast: per block the integer dot of the codes times d_w * d_x (ggml's CPU-backend Q8_0
+    # activation blocks, _ggml_q8_0_blocks): the exact weights against those values
+    q, d = _ggml_q8_0_blocks(x.numpy().reshape(m, -1, 32))
+    xq = torch.from_numpy(q.astype(np.float32) * d[..., None]).reshape(m, k)
     assert ((fast.double() - xq.double() @ dense.t()).abs() <= f64_bound(xq, dense)).all()
     assert 0 < (fast.double() - ref).norm() / ref.norm() < 2e-2
 
@@ -850,14 +849,74 @@ def test_concurrent_first_builds_compile_once(tmp_path):
     assert len([f for f in files if f.endswith(".so")]) == 1 and _compiles(runs) == 1, files
 
 
+def _ggml_q8_0_blocks(xb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Activation blocks xb [..., 32] as ggml's CPU backend quantizes a Q8_0 / Q4_0 matmul's input
+    (``quantize_row_q8_0``, ggml-cpu/arch/x86/quants.c): amax = max |x|, codes rint(x * (127 /
+    amax)) (round half to even), the scale amax / 127 stored as float16 (``block_q8_0.d``);
+    quantplug's extra rule: a block holding a NaN or an infinity gets scale NaN. Returns the codes
+    (int32, 0 for such blocks) and the scales as float32."""
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        amax = np.abs(xb).max(-1)
+        inv = np.where(np.isfinite(amax) & (amax != 0), np.float32(127) / amax, np.float32(0)).astype(np.float32)
+        q = np.nan_to_num(np.rint(xb * inv[..., None]), nan=0.0).astype(np.int32)
+        d = (amax / np.float32(127)).astype(np.float32).astype(np.float16).astype(np.float32)
+        return q, np.where(np.isfinite(amax), d, np.float32(np.nan)).astype(np.float32)
+
+
+@needs_native
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q8_0"])
+def test_fast_activation_blocks_are_ggml_q8_0_bit_for_bit(ggml_type):
+    """The activations a fast product multiplies, read back exactly: a weight whose row 32 b + j
+    holds one code 1 at input 32 b + j (scale 1, every other code 0; Q4_0: code 9 against 8
+    elsewhere) gives y[i, 32 b + j] = d_b * q_j with one nonzero term, an exact float32 product.
+    Those equal ggml's CPU-backend Q8_0 blocks of x (:func:`_ggml_q8_0_blocks`) bit for bit,
+    float16 scales included (a float32 scale, quantplug's fast mode before, is ~1e-4 off in some
+    block), and gguf-py's reference quantization (``quantize_row_q8_0_ref``: 1 / d, half away
+    from zero) wherever neither rule sits on a rounding tie. Values over float16 scales' whole
+    range: a tiny block (subnormal scale), a zero block, a block whose scale rounds to zero."""
+    from gguf.quants import quantize as gguf_quantize
+
+    k = 256
+    n = k
+    size = 18 if ggml_type == "Q4_0" else 34
+    raw = np.zeros((n, k // 32, size), dtype=np.uint8)
+    raw[:, :, :2] = np.array([1.0], dtype=np.float16).view(np.uint8)
+    if ggml_type == "Q4_0":
+        raw[:, :, 2:] = 0x88  # code 8 - 8 = 0 in both nibbles
+    for r in range(n):
+        b, j = divmod(r, 32)
+        if ggml_type == "Q8_0":
+            raw[r, b, 2 + j] = 1
+        else:  # nibble j < 16: low nibble of byte j, else the high nibble of byte j - 16
+            byte = raw[r, b, 2 + j % 16]
+            raw[r, b, 2 + j % 16] = (byte & 0xF0) | 9 if j < 16 else (byte & 0x0F) | (9 << 4)
+    b_ = Bound(Weights(Form(ggml_type), torch.from_numpy(raw.reshape(n, -1))), n, k, None, torch.float32, "fast", "w")
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(6, k, generator=gen) * torch.logspace(-3, 3, 6).unsqueeze(1)
+    x[0, :32] *= 1e-4        # a scale in float16's subnormal range
+    x[1, 32:64] = 0.0        # a zero block
+    x[2, 64:96] *= 1e-7      # amax / 127 below float16's smallest subnormal: scale 0
+    got = native.gemm(x, [b_.ptr()]).numpy()
+    q, d = _ggml_q8_0_blocks(x.numpy().reshape(6, -1, 32))
+    want = (q.astype(np.float32) * d[..., None]).reshape(6, k)
+    np.testing.assert_array_equal(got, want)  # exact (a sum 0 + -0 may give 0 where want is -0)
+    # gguf-py's reference Q8_0 of the same rows: the same scales (float16 of amax / 127) and
+    # codes, but at the rare values where x / d and x * (127 / amax) round apart
+    ref = gguf_quantize(x.numpy(), GGMLQuantizationType.Q8_0).reshape(6, k // 32, 34)
+    assert np.array_equal(ref[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float32), d)
+    ref_q = ref[:, :, 2:].view(np.int8).astype(np.int32)
+    assert (ref_q != q).sum() <= 2 and np.abs(ref_q - q).max() <= 1
+
+
 @needs_native
 @pytest.mark.parametrize("ggml_type", ["Q4_0", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 4, 5])
 @pytest.mark.parametrize("k", [256, 288])
 def test_fast_products_quantize_activations_as_documented(ggml_type, rows, k):
-    """Fast Q4_0 / Q8_0: each 32 activations as int8 codes rint(x / d), d = max |x| / 127 (a
-    zero block: codes 0; a block with an infinity: scale NaN), integer block dot products with
-    the weight codes, times the two scales: a numpy model of that arithmetic, within float32
+    """Fast Q4_0 / Q8_0: each 32 activations as ggml's CPU backend makes its Q8_0 blocks
+    (:func:`_ggml_q8_0_blocks`: codes rint(x * 127 / amax), scale amax / 127 as float16; a zero
+    block: codes 0; a block with an infinity: scale NaN), integer block dot products with the
+    weight codes, times the two scales: a numpy model of that arithmetic, within float32
     summation order (a code off by one would be ~1e-3 off). An odd number of blocks per row (the
     AVX512 tile takes two at a time) and the extreme codes (Q8_0 -128 and 127, Q4_0 0 and 15)."""
     n = 40
@@ -880,10 +939,7 @@ def test_fast_products_quantize_activations_as_documented(ggml_type, rows, k):
         codes = blocks[:, :, 2:].view(np.int8).astype(np.int32)
     xb = x.numpy().reshape(rows, k // 32, 32)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        amax = np.abs(xb).max(-1)
-        d = np.where(np.isfinite(amax), amax / np.float32(127), np.nan).astype(np.float32)
-        inv = np.where(np.isfinite(d) & (d != 0), np.float32(1) / d, np.float32(0)).astype(np.float32)
-        q = np.nan_to_num(np.rint(xb * inv[..., None]), nan=0.0).astype(np.int32)
+        q, d = _ggml_q8_0_blocks(xb)
         dots = np.einsum("rbj,nbj->rnb", q, codes).astype(np.float64)
         want = (dots * dw[None].astype(np.float64) * d[:, None, :].astype(np.float64)).sum(-1)
     assert np.array_equal(np.isnan(got), np.isnan(want))

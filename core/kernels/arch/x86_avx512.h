@@ -192,8 +192,9 @@ static inline __attribute__((always_inline)) int64_t scaled_run512(int t, const 
 
 /* quantize_row on 32 values at a time */
 static inline __attribute__((always_inline)) void quantize_row512(const float *x, int64_t K, int8_t *q, float *d) {
-    /* the same operations on 32 values at a time: max of |x| (exact), x * id rounded to nearest
-     * even by the conversion (lrintf's rounding), narrowed (the codes fit int8) */
+    /* the same operations on 32 values at a time: max of |x| (exact), x * (127 / amax) rounded to
+     * nearest even by the conversion (lrintf's rounding), narrowed (the codes fit int8); the scale
+     * rounded to float16 (ggml's block_q8_0.d) */
     const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff)), inf = _mm512_set1_ps(INFINITY);
     for (int64_t b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
@@ -201,11 +202,11 @@ static inline __attribute__((always_inline)) void quantize_row512(const float *x
         const __m512 a0 = _mm512_and_ps(x0, absmask), a1 = _mm512_and_ps(x1, absmask);
         const int finite = (_mm512_cmp_ps_mask(a0, inf, _CMP_LT_OQ) & _mm512_cmp_ps_mask(a1, inf, _CMP_LT_OQ)) == 0xFFFF;
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
-        const float db = finite ? amax / 127.f : NAN, id = finite && db != 0.f ? 1.f / db : 0.f;
+        const float id = finite && amax != 0.f ? 127.f / amax : 0.f;
         const __m512 vid = _mm512_set1_ps(id);
         _mm_storeu_si128((__m128i *)(q + b * QK), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, vid))));
         _mm_storeu_si128((__m128i *)(q + b * QK + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, vid))));
-        d[b] = db;
+        d[b] = finite ? round_f16(amax / 127.f) : NAN;
     }
 }
 

@@ -263,8 +263,12 @@ static void act_int8_row(const qp_act *a, const float *x, int64_t k, float *q, f
     *o_out = o;
 }
 
-/* fast mode: one row of K floats -> int8 blocks q and their scales d (a block holding a NaN or an
- * infinity gets scale NaN, so every output it touches is NaN, as a float matmul would give) */
+/* fast mode: one row of K floats -> int8 blocks q and their scales d, as ggml's CPU backend makes
+ * its Q8_0 activation blocks (quantize_row_q8_0, x86): amax = max |x| over 32 values, codes
+ * rint(x * (127 / amax)) (round half to even), the scale amax / 127 stored as float16 and read
+ * back, so d is that float16 value (0 for a zero block or one whose scale rounds to 0; infinity
+ * past float16's range). A block holding a NaN or an infinity gets scale NaN, so every output it
+ * touches is NaN, as a float matmul would give. */
 static void quantize_row(const float *x, int64_t K, int8_t *q, float *d) {
 #ifdef QP_AVX512
     quantize_row512(x, K, q, d);
@@ -278,9 +282,9 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d) {
             if (!isfinite(a)) finite = 0;
             else if (a > amax) amax = a;
         }
-        float db = finite ? amax / 127.f : NAN, id = finite && db != 0.f ? 1.f / db : 0.f;
+        const float id = finite && amax != 0.f ? 127.f / amax : 0.f;
         for (int j = 0; j < QK; j++) q[b * QK + j] = (int8_t)lrintf(xb[j] * id);
-        d[b] = db;
+        d[b] = finite ? round_f16(amax / 127.f) : NAN;
     }
 #endif
 }

@@ -181,12 +181,16 @@ def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Seque
     # int4 calls together (DeepSeek-V3: 16.8M values per layer, 0.15% of its weights, but 4 GiB
     # in float32). With them the stacks stay packed: the native step reads a head's blocks faster
     # than its float32 copy (DeepSeek-V3's attention dims, Q8_0: 3 decode steps of one layer in
-    # 37 ms packed vs 49 ms with the float32 copy)
+    # 37 ms packed vs 49 ms with the float32 copy). There the Q4_0 / Q8_0 stacks take the native
+    # fast products too: llama.cpp multiplies attn_k_b / attn_v_b as any quantized matmul, its
+    # input (q_nope per head, the attention's latent output per head) rounded to Q8_0 blocks
     kernels = options["kernels"]  # the core's option, checked by the plan (quantplug.api.LoadOptions)
     kv_heads = layer_kind in ("attn_k_b", "attn_v_b")
-    cache_kv = kv_heads and kernels == "fast" and not (info.dtype in ggml.NATIVE_TYPES and ggml.native.library() is not None)
+    native_kv = info.dtype in ggml.NATIVE_TYPES and ggml.native.library() is not None
+    cache_kv = kv_heads and kernels == "fast" and not native_kv
+    kv_fast = native_kv and info.dtype in ggml.native.FAST_FORMS
     return GGMLScheme(info.dtype, cache=bool(options.get("dequantize")) or cache_kv,
-                      kernels="exact" if layer_kind == "embedding" or kv_heads else kernels)
+                      kernels="exact" if layer_kind == "embedding" or (kv_heads and not kv_fast) else kernels)
 
 
 _META_CHECKS = (
