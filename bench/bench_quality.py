@@ -35,11 +35,14 @@ Steps (deterministic: fixed text, fixed calibration, no sampling; ``--threads`` 
    read back from the file (llama-quantize falls back per tensor when a row is not a multiple of a
    K-quant's 256: this model's rows are 32 to 256 long), and ``llama-perplexity --kl-divergence``
    reads the same reference file for llama.cpp's own figures on the same tokens;
-4. the expert cache: greedy generation of ``--new`` tokens after the held-out text's first
-   ``--prompt`` tokens (EOS disabled), routed experts served from the bf16 safetensors with
-   ``expert_cache_mb`` holding some of the routed experts (:data:`BUDGETS`), with
-   ``expert_prefetch`` on and off; the cache counters of the decode steps (as ``quantplug generate
-   --json`` reports them: from the first generated token on) and of the prefill.
+4. the expert cache: routed experts served from the bf16 safetensors with ``expert_cache_mb`` holding
+   some of the routed experts (:data:`BUDGETS`), ``expert_prefetch`` on and off, over two decodes:
+   the held-out text itself (a prefill of its first ``--prompt`` tokens, then its next ``--new``
+   tokens fed one decode step each: the learned routing of real text) and a greedy generation of
+   ``--new`` tokens after the same prompt (EOS disabled; this small model soon repeats itself, so
+   its routing repeats too); the cache counters of the decode steps (for the generation as
+   ``quantplug generate --json`` counts them: from the first generated token on) and of the
+   prefill.
 
 Output: a JSON object (``--json``) and markdown tables on stdout. Never pickle: nothing here reads
 or writes one.
@@ -354,47 +357,72 @@ def expert_sizes() -> tuple[int, int]:
     return per, n
 
 
-def run_prefetch(prompt: list[int], new: int, budgets: tuple[int, ...]) -> dict[str, Any]:
+#: expert cache counters reported per run
+COUNTERS = ("requests", "hits", "misses", "expert_reads", "bytes_read", "evictions", "prefetched", "prefetch_hits",
+            "prefetch_dropped")
+
+
+def _decode_steps(model: Any, cache: Any, prompt: list[int], new: int, forced: list[int] | None
+                  ) -> tuple[list[int], dict[str, float], dict[str, float]]:
+    """Greedy generation of ``new`` tokens (EOS disabled; counters from the first generated token on,
+    as ``quantplug generate --json`` counts them), or with ``forced``: a prefill of ``prompt`` then one
+    decode step per token of ``forced`` (the text's own next tokens fed back instead of the model's
+    picks: the routing of real text through the decode path). Returns the tokens fed or generated,
+    the counters after the prefill and at the end."""
+    if forced is None:
+        toks: list[int] = []
+        before: dict[str, float] = {}
+        for step, t in enumerate(model.stream(torch.tensor([prompt]), new, eos_token_id=None)):
+            toks.append(int(t[0]))
+            if step == 0:
+                before = dict(cache.stats())
+        return toks, before, dict(cache.stats())
+    from quantplug.generate import new_cache
+
+    lm = model.text_lm()
+    kv = new_cache(lm, 1, len(prompt) + len(forced))
+    with torch.inference_mode():
+        lm.next_logits(torch.tensor([prompt]), kv)
+        before = dict(cache.stats())
+        for t in forced:
+            lm.next_logits(torch.tensor([[t]]), kv)
+    return list(forced), before, dict(cache.stats())
+
+
+def run_prefetch(tokens: list[int], prompt_len: int, new: int, budgets: tuple[int, ...]) -> dict[str, Any]:
     from quantplug import load
     from quantplug.api import stats_sources
 
     per, n = expert_sizes()
-    runs = []
-    for slots in budgets:
-        mb = slots * per / (1 << 20)
-        for prefetch in (False, True):
-            model = load(MODEL, progress=False, options={"expert_cache_mb": mb, "expert_prefetch": prefetch})
-            cache = stats_sources(model)["expert_cache"]
-            gen = model.stream(torch.tensor([prompt]), new, eos_token_id=None)
-            toks, before, after_prefill = [], None, None
-            for step, t in enumerate(gen):
-                toks.append(int(t[0]))
-                if step == 0:
-                    before = dict(cache.stats())
-                    after_prefill = before
-            end = cache.stats()
-            keys = ("requests", "hits", "misses", "expert_reads", "bytes_read", "evictions", "prefetched",
-                    "prefetch_hits", "prefetch_dropped")
-            decode = {k: end.get(k, 0) - before.get(k, 0) for k in keys}
-            decode["hit_rate"] = round(decode["hits"] / decode["requests"], 4) if decode["requests"] else None
-            decode["bytes_per_token"] = round(decode["bytes_read"] / max(len(toks) - 1, 1), 1)
-            runs.append({"budget_experts": slots, "expert_cache_mb": round(mb, 4),
-                         "prefetch": prefetch, "tokens": len(toks), "token_ids": toks,
-                         "prefill": {k: after_prefill.get(k, 0) for k in keys}, "decode": decode,
-                         "peak_bytes": end.get("peak_bytes")})
-            log(f"  budget {slots}/{n} experts ({mb:.3f} MiB), prefetch {prefetch}: {decode}")
-            del model, gen
-            gc.collect()
-    same = len({tuple(r["token_ids"]) for r in runs}) == 1
-    return {"expert_bytes": per, "routed_experts": n, "prompt_tokens": len(prompt), "new_tokens": new,
-            "same_tokens_every_run": same, "runs": runs}
+    prompt = tokens[:prompt_len]
+    out: dict[str, Any] = {"expert_bytes": per, "routed_experts": n, "prompt_tokens": prompt_len, "new_tokens": new}
+    for mode in ("text", "greedy"):
+        runs = []
+        for slots in budgets:
+            mb = slots * per / (1 << 20)
+            for prefetch in (False, True):
+                model = load(MODEL, progress=False, options={"expert_cache_mb": mb, "expert_prefetch": prefetch})
+                cache = stats_sources(model)["expert_cache"]
+                forced = tokens[prompt_len:prompt_len + new] if mode == "text" else None
+                toks, before, end = _decode_steps(model, cache, prompt, new, forced)
+                steps = len(toks) - (1 if mode == "greedy" else 0)
+                decode = {k: end.get(k, 0) - before.get(k, 0) for k in COUNTERS}
+                decode["hit_rate"] = round(decode["hits"] / decode["requests"], 4) if decode["requests"] else None
+                decode["bytes_per_token"] = round(decode["bytes_read"] / max(steps, 1), 1)
+                runs.append({"budget_experts": slots, "expert_cache_mb": round(mb, 4), "prefetch": prefetch,
+                             "decode_steps": steps, "token_ids": toks,
+                             "prefill": {k: before.get(k, 0) for k in COUNTERS}, "decode": decode,
+                             "peak_bytes": end.get("peak_bytes")})
+                log(f"  {mode}: budget {slots}/{n} experts ({mb:.3f} MiB), prefetch {prefetch}: {decode}")
+                del model
+                gc.collect()
+        toks = runs[0]["token_ids"]
+        out[mode] = {"runs": runs, "same_tokens_every_run": len({tuple(r["token_ids"]) for r in runs}) == 1,
+                     "distinct_tokens": len(set(toks))}
+    return out
 
 
 # -- tables ------------------------------------------------------------------------------------------
-
-
-def _f(x: Any, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
 
 
 def _kld_cells(r: dict[str, Any]) -> str:
@@ -433,11 +461,11 @@ def llama_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def prefetch_table(p: dict[str, Any]) -> str:
+def prefetch_table(runs: list[dict[str, Any]]) -> str:
     head = ["budget (experts / MiB)", "prefetch", "requests", "hits", "misses", "hit rate", "bytes read",
-            "bytes/token", "prefetched", "prefetch hits", "dropped"]
+            "bytes/step", "prefetched", "prefetch hits", "dropped"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in p["runs"]:
+    for r in runs:
         d = r["decode"]
         out.append(f"| {r['budget_experts']} / {r['expert_cache_mb']:.3f} | {'on' if r['prefetch'] else 'off'} | "
                    f"{d['requests']} | {d['hits']} | {d['misses']} | {d['hit_rate']:.3f} | {d['bytes_read']:,} | "
@@ -467,10 +495,16 @@ def print_tables(result: dict[str, Any]) -> None:
         print()
     if "prefetch" in result:
         p = result["prefetch"]
-        print(f"expert cache, greedy {p['new_tokens']} tokens after {p['prompt_tokens']} held-out tokens; one expert "
-              f"{p['expert_bytes']:,} bytes; {p['routed_experts']} routed experts in the decoder's MoE layers; "
-              f"same tokens in every run: {p['same_tokens_every_run']}\n")
-        print(prefetch_table(p))
+        print(f"expert cache: one routed expert {p['expert_bytes']:,} bytes as the cache holds it; "
+              f"{p['routed_experts']} routed experts in the MoE layers plain decoding runs\n")
+        for mode, what in (("text", f"the held-out text: prefill of its first {p['prompt_tokens']} tokens, then "
+                                    f"its next {p['new_tokens']} tokens one decode step each"),
+                           ("greedy", f"greedy generation of {p['new_tokens']} tokens after the held-out text's "
+                                      f"first {p['prompt_tokens']} (decode steps after the first token)")):
+            m = p[mode]
+            print(f"{what}; {m['distinct_tokens']} distinct tokens; same tokens in every run: "
+                  f"{m['same_tokens_every_run']}\n")
+            print(prefetch_table(m["runs"]) + "\n")
 
 
 def main() -> None:
@@ -541,7 +575,7 @@ def main() -> None:
         save()
     if "prefetch" not in skip:
         t0 = time.perf_counter()
-        result["prefetch"] = run_prefetch(tokens[:args.prompt], args.new, BUDGETS)
+        result["prefetch"] = run_prefetch(tokens, args.prompt, args.new, BUDGETS)
         result["prefetch_s"] = round(time.perf_counter() - t0, 1)
     save()
     print_tables(result)
