@@ -44,6 +44,12 @@ Steps (deterministic: fixed text, fixed calibration, no sampling; ``--threads`` 
    ``quantplug generate --json`` counts them: from the first generated token on) and of the
    prefill.
 
+Parts 2 and 3 run side by side by default (``--jobs 2``: the exporters' part in a second process
+reading the same reference file), each with ``--threads`` (1) threads: on 2 cores two one-thread
+processes beat one two-thread process, whose every parallel region waits for its second thread
+when the machine is busy. ``--skip`` leaves parts out; ``--tables`` prints the tables of saved
+JSON files (parts run separately are merged).
+
 Output: a JSON object (``--json``) and markdown tables on stdout. Never pickle: nothing here reads
 or writes one.
 """
@@ -84,8 +90,8 @@ EXPORTS: list[tuple[str, dict[str, Any]]] = [
     ("awq", {"sym": False}),
     ("awq", {"sym": True}),
     ("modelslim", {"recipes": ["w8a8", "w4a8"], "float_dtype": "bfloat16"}),
-    *[("expert_pack", {"type": t, "pack": False}) for t in ("BF16", "F16", "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0",
-                                                             "MXFP4")],
+    *[("expert_pack", {"type": t, "pack": False}) for t in ("F32", "BF16", "F16", "Q8_0", "Q5_1", "Q5_0", "Q4_1",
+                                                             "Q4_0", "MXFP4")],
 ]
 #: llama-quantize types, each made with the importance matrix
 LLAMA_TYPES = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL", "IQ3_S", "IQ3_XXS",
@@ -520,6 +526,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=32, help="prefetch: prompt tokens (the held-out text's first)")
     ap.add_argument("--new", type=int, default=128, help="prefetch: tokens generated")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: exports, llama, prefetch")
+    ap.add_argument("--jobs", type=int, default=2, choices=(1, 2), help="2: the exporters' part runs in a second "
+                    "process (one more --threads) beside the llama.cpp part")
+    ap.add_argument("--reference", type=Path, help=argparse.SUPPRESS)  # the --jobs child: reuse the parent's file
     ap.add_argument("--tables", type=Path, nargs="+", help="print the tables of JSON files this script wrote "
                     "(parts run with --skip are merged), and exit")
     args = ap.parse_args()
@@ -537,6 +546,15 @@ def main() -> None:
     from quantplug.eval import evaluate, text_tokens
 
     t_start = time.perf_counter()
+    if args.reference is not None:  # the exporters' part for a --jobs 2 parent: its reference, no tables
+        _, bos = text_tokens(MODEL, "")
+        calib_ids, _ = text_tokens(MODEL, calibration_text()[:20000])
+        calib = [torch.tensor(calib_ids[i * args.ctx:(i + 1) * args.ctx]).view(1, -1) for i in range(4)]
+        t0 = time.perf_counter()
+        part = {"exports": run_exports(args.work, args.reference, bos, calib), "exports_s": 0.0}
+        part["exports_s"] = round(time.perf_counter() - t0, 1)
+        args.json.write_text(json.dumps(part, indent=1))
+        return
     tokens, bos = text_tokens(MODEL, (MODEL / "heldout.txt").read_text(encoding="utf-8"))
     ref_path = args.work / "reference.logits"
     model = load(MODEL, progress=False)
@@ -548,13 +566,22 @@ def main() -> None:
            "bytes": weight_bytes(MODEL)}
     log(f"reference: PPL {r.ppl:.3f} +/- {r.ppl_err:.3f} over {ref['tokens_scored']} tokens, "
         f"{time.perf_counter() - t_start:.1f} s")
+    child = None
+    if args.jobs == 2 and "exports" not in skip and args.bin is not None and "llama" not in skip:
+        part_json = args.work / "part-exports.json"
+        part_json.unlink(missing_ok=True)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--work", str(args.work), "--json", str(part_json),
+               "--reference", str(ref_path), "--ctx", str(args.ctx), "--threads", str(args.threads)]
+        log("exporters' part in a second process:", " ".join(cmd))
+        child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=(args.work / "part-exports.log").open("w"))
+        skip.add("exports")
     self_check = evaluate_path(MODEL, ref_path, bos)
     calib_text = calibration_text()
     calib_ids, _ = text_tokens(MODEL, calib_text[:20000])  # 4 windows need far less
     calib = [torch.tensor(calib_ids[i * args.ctx:(i + 1) * args.ctx]).view(1, -1) for i in range(4)]
     result: dict[str, Any] = {"model": str(MODEL.relative_to(ROOT)), "ctx": args.ctx, "reference": ref,
                               "reference_vs_itself": self_check, "torch": torch.__version__,
-                              "threads": args.threads}
+                              "threads": args.threads, "jobs": args.jobs if child is not None else 1}
 
     def save() -> None:  # after each part, so that a late failure keeps the figures measured
         result["total_s"] = round(time.perf_counter() - t_start, 1)
@@ -572,6 +599,11 @@ def main() -> None:
         result["llama"] = run_llama(args.bin, args.work, ref_path, bos, args.threads, args.ctx, calib_text,
                                     args.imatrix_chunks, LLAMA_TYPES)
         result["llama_s"] = round(time.perf_counter() - t0, 1)
+        save()
+    if child is not None:
+        if child.wait():
+            raise SystemExit(f"the exporters' part failed ({child.returncode}): see {args.work / 'part-exports.log'}")
+        result.update(json.loads((args.work / "part-exports.json").read_text()))
         save()
     if "prefetch" not in skip:
         t0 = time.perf_counter()
