@@ -197,10 +197,13 @@ def export_gguf(model: torch.nn.Module, plan: LoadPlan, destination: Path,
     cfg = dict(plan.checkpoint.config)
     cfg.pop("quantization_config", None)
     (plain / "config.json").write_text(json.dumps(cfg, indent=2))
-    tensors = gguf_state(model_state(model, plan), model_config, split_kv=bool(options.get("split_kv", True)))
+    split = bool(options.get("split_kv", True))
+    tensors = gguf_state(model_state(model, plan), model_config, split_kv=split)
     write_gguf(plain / "model.gguf", tensors, model_config, default_type=dtype,
                types={"attn_k_b": "Q4_0"} if dtype != "F32" else {})
-    results = [ExportResult(plain, f"gguf {dtype} (split K/V, attn_k_b Q4_0)", (plain / "model.gguf",))]
+    # the label says what was written: attn_k_b exists only split, and stays F32 in an F32 export
+    layout = ("split K/V, attn_k_b Q4_0" if dtype != "F32" else "split K/V") if split else "attn_kv_b"
+    results = [ExportResult(plain, f"gguf {dtype} ({layout})", (plain / "model.gguf",))]
     if options.get("pack", True):
         packed = dest / "gguf-pack"
         shutil.copytree(plain, packed)
