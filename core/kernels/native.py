@@ -78,6 +78,7 @@ MIN_CODE = {"FP8": 2.0 ** -9, "FP4": 0.5, "INT4": 1.0, "INT8": 1.0}
 #: the symbols this module calls; a library missing one is rebuilt, then refused
 SYMBOLS = ("qp_form_info", "qp_isa", "qp_check", "qp_dequant", "qp_act_rows", "qp_gemm", "qp_mlp",
            "qp_latent_pre", "qp_latent_post", "qp_latent_step", "qp_decode_step", "qp_spec_step", "qp_fp8_has_nan", "qp_row_kernel",
+           "qp_pair_products", "qp_pair_tasks", "qp_bf16_has_subnormal",
            "qp_layout_table", "qp_kda_step")
 
 _lock = threading.Lock()
@@ -318,6 +319,9 @@ def _declare(lib: ctypes.CDLL) -> None:
                           mp, ctypes.POINTER(Draft), p, p, i64, p, p, p, p, p, i32], i32),
         "qp_fp8_has_nan": ([p, i64], i32),
         "qp_row_kernel": ([mp, i32], i32),
+        "qp_pair_products": ([i32], i32),
+        "qp_pair_tasks": ([], i64),
+        "qp_bf16_has_subnormal": ([p, i64], i32),
         "qp_kda_step": ([i64, i64, i64, i64, p, p, p, p, p, p, i32, ctypes.c_float, p, p, p, ctypes.c_float, p, i32,
                          p], i32),
     }
@@ -437,6 +441,10 @@ class Bound:
         # scale below 2^-126 (then no kernel may flush it: the bfloat16 conversion instruction would)
         nz = eff[eff > 0] if eff is not None else None
         tiny = int(nz is not None and nz.numel() > 0 and float(nz.min()) * MIN_CODE.get(f.dtype, 1.0) < 2.0 ** -126)
+        if f.dtype == "BF16" and self.wround == WROUND[torch.bfloat16]:
+            # stored bfloat16 rows in a bfloat16 model take the pair products (which read a
+            # subnormal as zero) unless a value is subnormal
+            tiny = int(has_subnormal_bf16(weights.weight))
         self.mats = (Mat * count)()
         base = weights.weight.data_ptr()
         for i in range(count):
@@ -534,6 +542,36 @@ def has_nan_codes(q: torch.Tensor) -> bool:
     rest = torch.cat([b[:head], b[head + n8:]])
     return bool(((rest & 0x7F) == 0x7F).any())
 
+
+
+def has_subnormal_bf16(w: torch.Tensor) -> bool:
+    """Whether bfloat16 ``w`` holds a subnormal value (exponent bits 0, mantissa not 0): natively
+    at memory speed (``qp_bf16_has_subnormal``), else in torch."""
+    b = w.contiguous().view(torch.int16).reshape(-1)
+    if b.device.type == "cpu":
+        lib = library()
+        if lib is not None:
+            rc = lib.qp_bf16_has_subnormal(b.data_ptr(), b.numel())
+            check(min(rc, 0), "qp_bf16_has_subnormal")
+            return rc == 1
+    return bool((((b & 0x7F80) == 0) & ((b & 0x7F) != 0)).any())
+
+
+def pair_products(on: bool | None = None) -> bool:
+    """bfloat16 pair products (AVX512-BF16 builds): a bfloat16 model's exact products on bfloat16
+    inputs multiply pairs of bfloat16 values in one instruction (``vdpbf16ps``) instead of two
+    float32 FMAs; the same sums (docs/kernels.md). ``on`` switches them for later products (tests
+    compare both ways); returns whether they were on before (False where the build has none)."""
+    lib = library()
+    if lib is None:
+        return False
+    return lib.qp_pair_products(-1 if on is None else int(on)) == 1
+
+
+def pair_tasks() -> int:
+    """How many row tasks have taken the bfloat16 pair products in this process."""
+    lib = library()
+    return 0 if lib is None else int(lib.qp_pair_tasks())
 
 
 def native_ok(x: torch.Tensor) -> bool:

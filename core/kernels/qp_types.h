@@ -49,7 +49,8 @@ typedef struct {
     int32_t big;                   /* FP8: some effective scale >= 2^119 (its fold by 256 would overflow) */
     int32_t gmode;                 /* QG_*: how gs combines with the scale */
     int32_t zi8;                   /* zero points are int8 */
-    int32_t tiny;                  /* scaled forms: some weight may be subnormal (a scale below 2^-117) */
+    int32_t tiny;                  /* scaled forms: some weight may be subnormal (a scale below 2^-117);
+                                      bfloat16 rows (a bfloat16 model): some value is subnormal */
     const int32_t *rowsum;         /* INT8 integer path: sum of each row's codes */
     const int32_t *bias;           /* QE_STATIC: integer bias per row */
     const float *os;               /* QE_STATIC: output scale per row */

@@ -63,6 +63,12 @@ def ggml_rows(ggml_type: str, n: int, k: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(random_rows(ggml_type, (n, k), np.random.default_rng(seed), scale=1e-2))
 
 
+def model_input(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a product of a ``dtype`` model takes it: a bfloat16 model rounds its inputs to
+    bfloat16 first (the value its torch module holds), float32 / float16 ones take x as given."""
+    return x.to(torch.bfloat16).float() if dtype == torch.bfloat16 else x
+
+
 def f64_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
     """float32 rounding allowance of x @ dense.T: a few ulps of the sum of |products|."""
     return 1e-6 * (x.double().abs() @ dense.double().abs().t()) + 1e-30
@@ -200,6 +206,7 @@ def test_bfloat16_rows_multiply_within_float32_rounding(dtype, m):
     dense = w.to(dtype).float()
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     y = native.gemm(x, [b.ptr()], wround=native.WROUND[dtype])
+    x = model_input(x, dtype)
     assert ((y.double() - x.double() @ dense.double().t()).abs() <= f64_bound(x, dense)).all()
 
 
@@ -251,6 +258,89 @@ def test_scaled_forms_multiply_within_float32_rounding(case, m, dtype):
     dense = dense.to(dtype).float()
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     y = native.gemm(x, [b.ptr()], wround=b.wround)
+    x = model_input(x, dtype)
+    assert ((y.double() - x.double() @ dense.double().t()).abs() <= f64_bound(x, dense)).all()
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0", "BF16"])
+@pytest.mark.parametrize("m", [1, 3, 5])
+def test_a_bfloat16_model_rounds_each_product_input_to_bfloat16(kind, m):
+    """A bfloat16 model's product takes its input as the model's torch module holds it: rounded to
+    bfloat16 (the native steps' own intermediates, silu(g) * u, an attention output, are float32
+    sums until a product reads them): x and bfloat16(x) give the same bits."""
+    n, k = 70, 288
+    w = ((torch.randn(n, k, generator=torch.Generator().manual_seed(m)) * 0.05).to(torch.bfloat16) if kind == "BF16"
+         else ggml_rows(kind, n, k, m))
+    b = bound(Form(kind), w, n, k, dtype=torch.bfloat16)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + 1))
+    assert torch.equal(native.gemm(x, [b.ptr()], wround=b.wround),
+                       native.gemm(model_input(x, torch.bfloat16), [b.ptr()], wround=b.wround))
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0", "BF16"])
+@pytest.mark.parametrize("m", [1, 3, 5, 17])
+def test_bfloat16_pair_products_sum_the_same_products(kind, m):
+    """AVX512-BF16 builds: a bfloat16 model's Q4_0 / Q8_0 / bfloat16-row products multiply pairs of
+    bfloat16 values in one instruction (vdpbf16ps) where the float32 tile makes two FMAs. The same
+    weights and inputs, the sums in another order: both within float32 rounding of the float64
+    product; the pair path taken when on (counted), never when off."""
+    if not native.pair_products():
+        pytest.skip("this build has no bfloat16 pair products (AVX512-BF16)")
+    n, k = 70, 288
+    if kind == "BF16":
+        w = (torch.randn(n, k, generator=torch.Generator().manual_seed(m)) * 0.05).to(torch.bfloat16)
+        dense = w.float()
+    else:
+        w = ggml_rows(kind, n, k, m)
+        dense = ggml.dequantize(w, kind).to(torch.bfloat16).float()
+    b = bound(Form(kind), w, n, k, dtype=torch.bfloat16)
+    x = model_input(torch.randn(m, k, generator=torch.Generator().manual_seed(m + 1)), torch.bfloat16)
+    ref = x.double() @ dense.double().t()
+    t0 = native.pair_tasks()
+    on = native.gemm(x, [b.ptr()], wround=b.wround)
+    t1 = native.pair_tasks()
+    native.pair_products(False)
+    try:
+        off = native.gemm(x, [b.ptr()], wround=b.wround)
+        t2 = native.pair_tasks()
+    finally:
+        native.pair_products(True)
+    assert t1 > t0 and t2 == t1
+    for y in (on, off):
+        assert ((y.double() - ref).abs() <= f64_bound(x, dense)).all()
+    # a float32 model's products never take them (its inputs are not rounded)
+    b32 = bound(Form(kind), w, n, k, dtype=torch.float32)
+    native.gemm(x, [b32.ptr()], wround=b32.wround)
+    assert native.pair_tasks() == t2
+
+
+@needs_native
+def test_subnormal_values_keep_the_bfloat16_pair_products_off():
+    """The pair instruction reads a subnormal value as zero: bfloat16 rows holding one are marked
+    ``tiny`` at binding and take the FMA tile (the product 2^-130 * 2^120 kept), and so does an input
+    row holding one."""
+    n, k = 8, 64
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    w[0, 5] = 2.0 ** -130                                   # subnormal in bfloat16
+    b = bound(Form("BF16"), w, n, k, dtype=torch.bfloat16)
+    assert b.mats[0].tiny == 1
+    assert bound(Form("BF16"), w, n, k, dtype=torch.float32).mats[0].tiny == 0   # no pair products there
+    x = torch.zeros(1, k)
+    x[0, 5] = 2.0 ** 120
+    t0 = native.pair_tasks()
+    y = native.gemm(x, [b.ptr()], wround=b.wround)
+    assert y[0, 0].item() == 2.0 ** -10 and native.pair_tasks() == t0
+    w[0, 5] = 1.0
+    b = bound(Form("BF16"), w, n, k, dtype=torch.bfloat16)
+    assert b.mats[0].tiny == 0
+    x = model_input(torch.randn(2, k, generator=g), torch.bfloat16)
+    x[1, 3] = 2.0 ** -130
+    y = native.gemm(x, [b.ptr()], wround=b.wround)
+    assert native.pair_tasks() == t0
+    dense = w.float()
     assert ((y.double() - x.double() @ dense.double().t()).abs() <= f64_bound(x, dense)).all()
 
 
@@ -271,7 +361,7 @@ def test_subnormal_weights_in_a_bfloat16_model_are_kept_not_flushed():
         dense = (w.float() * 2.0 ** exp).to(torch.bfloat16).float()
         x = torch.randn(3, k, generator=g) * 2.0 ** (-exp - 10)  # products below 1
         y = native.gemm(x, [b.ptr()], wround=b.wround)
-        ref = x.double() @ dense.double().t()
+        ref = model_input(x, torch.bfloat16).double() @ dense.double().t()
         assert ref.abs().max() > 1e-3
         assert ((y.double() - ref).abs() <= f64_bound(x, dense)).all()
 

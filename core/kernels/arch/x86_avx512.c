@@ -150,10 +150,74 @@ QP_EXACT_TILE(exact_tile_32_bf16, QR_BF16)
 QP_EXACT_TILE(exact_tile_32_bf16n, QR_BF16_NORMAL)
 #undef QP_EXACT_TILE
 
+#if defined(__AVX512BF16__)
+/* the exact tile of a bfloat16 model on bfloat16 pairs (in->xb): each block's 32 weights rounded
+ * to bfloat16 into one register (Q4_0: its 16-value table rounded, duplicated to 32 words and
+ * looked up by vpermw, which reads an index's low 5 bits: the stray fifth bit of a low nibble's
+ * byte picks the copy; Q8_0: both halves rounded by one conversion; bfloat16 rows: the stored
+ * words), then one vdpbf16ps per x row where the float32 tile makes two FMAs. The weights are
+ * exact_tile_32_bf16n's; the sums differ from its in order only. */
+static inline __attribute__((always_inline)) void exact_tile_32_dp(const qp_mat *m, const qp_in *in, int64_t r, int i0,
+                                                                  const int rt, const int mt, float *y, int64_t ldy) {
+    const int type = m->type, size = type == QP_Q4_0 ? 18 : type == QP_Q8_0 ? 34 : 64;
+    const int64_t nb = m->k / QK, ldw = m->ldw, ldxb = in->ldxb;
+    const uint16_t *xb = in->xb + (int64_t)i0 * ldxb;
+    const __m512 base = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+    __m512 acc[RT][MT];
+    for (int a = 0; a < rt; a++) for (int i = 0; i < mt; i++) acc[a][i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i w[RT];
+        for (int a = 0; a < rt; a++) {
+            const uint8_t *blk = m->w + (r + a) * ldw + b * size;
+            _mm_prefetch((const char *)(blk + RT * ldw), _MM_HINT_T1);
+            if (type == QP_BF16) {
+                w[a] = _mm512_loadu_si512((const void *)blk);
+            } else {
+                uint16_t h;
+                memcpy(&h, blk, 2);
+                const __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16((short)h));  /* exact */
+                if (type == QP_Q4_0) {
+                    const __m512 tab = _mm512_mul_ps(d, base);
+                    const __m128i q = _mm_loadu_si128((const __m128i *)(blk + 2));
+                    const __m512i idx = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_srli_epi16(q, 4), q));
+                    w[a] = _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(tab, tab));
+                } else {
+                    const __m512 lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2)))));
+                    const __m512 hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18)))));
+                    w[a] = pair_words(lo, hi);
+                }
+            }
+        }
+        for (int i = 0; i < mt; i++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + i * ldxb + b * QK));
+            for (int a = 0; a < rt; a++) acc[a][i] = _mm512_dpbf16_ps(acc[a][i], (__m512bh)w[a], xv);
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        for (int a = 0; a < rt; a++) y[(int64_t)(i0 + i) * ldy + r + a] = _mm512_reduce_add_ps(acc[a][i]);
+}
+#endif
+
 /* wround: how the Q4_0 / Q8_0 weights are rounded (QR_NONE / QR_BF16 / QR_BF16_NORMAL; bfloat16
- * rows take QR_NONE: their values are already bfloat16) */
+ * rows take QR_NONE: their values are already bfloat16). Where the input has bfloat16 pairs (a
+ * bfloat16 model) and the weights round to normal bfloat16 values (Q4_0 / Q8_0 always; bfloat16
+ * rows unless m->tiny), the pair tile. */
 static void exact_rows_32(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy,
                           int wround) {
+#if defined(__AVX512BF16__)
+    if (in->xb && (wround == QR_BF16_NORMAL || (m->type == QP_BF16 && !m->tiny))) {
+        __atomic_fetch_add(&qp_pair_count, 1, __ATOMIC_RELAXED);
+        y -= r0;
+        for (int64_t r = r0; r < r1; r += RT) {
+            int rt = r1 - r < RT ? (int)(r1 - r) : RT;
+            for (int i0 = 0; i0 < xm; i0 += MT) {
+                int mt = xm - i0 < MT ? xm - i0 : MT;
+                QP_TILE(exact_tile_32_dp, m, in, r, i0, rt, mt, y, ldy);
+            }
+        }
+        return;
+    }
+#endif
     y -= r0;
     for (int64_t r = r0; r < r1; r += RT) {
         int rt = r1 - r < RT ? (int)(r1 - r) : RT;

@@ -117,6 +117,33 @@ static inline __m512 round_vec(__m512 v, int wround) {
     return v;
 }
 
+#if defined(__AVX512BF16__)
+/* bfloat16 pair products (vdpbf16ps): a register holds 32 bfloat16 values of a block in their
+ * order, dword l the values 2l and 2l + 1; the instruction adds value 2l + 1's product to lane l,
+ * then value 2l's, each product exact (bfloat16 times bfloat16) and each sum rounded once: float32
+ * sums as the FMA tiles make them, in another order. It treats subnormal inputs as zero (and
+ * flushes a subnormal sum): callers pass no subnormal value. */
+
+/* one row of K float32 values (K a multiple of 32) as bfloat16 at o; 0 (o partly written) when
+ * some value is not a bfloat16 (low 16 bits set) or is subnormal */
+static inline int xb_row512(const float *x, int64_t K, uint16_t *o) {
+    const __m512i low = _mm512_set1_epi32(0xFFFF), expo = _mm512_set1_epi32(0x7F800000), mag = _mm512_set1_epi32(0x7FFFFFFF);
+    __mmask16 bad = 0;
+    for (int64_t c = 0; c < K; c += 32) {
+        const __m512i a = _mm512_loadu_si512((const void *)(x + c)), b = _mm512_loadu_si512((const void *)(x + c + 16));
+        bad |= _mm512_test_epi32_mask(a, low) | _mm512_test_epi32_mask(b, low);
+        bad |= _mm512_testn_epi32_mask(a, expo) & _mm512_test_epi32_mask(a, mag);
+        bad |= _mm512_testn_epi32_mask(b, expo) & _mm512_test_epi32_mask(b, mag);
+        _mm512_storeu_si512((void *)(o + c), (__m512i)_mm512_cvtne2ps_pbh(_mm512_castsi512_ps(b), _mm512_castsi512_ps(a)));
+    }
+    return bad == 0;
+}
+
+/* values [0, 16) and [16, 32) of a block (float32, normal or zero) as 32 bfloat16 (rounded to
+ * nearest even, as round_vec's QR_BF16_NORMAL) */
+static inline __m512i pair_words(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
+#endif
+
 /* 16 values of a scaled form at element i of a row, before the scale: one function per form, so
  * each decode loop below is specialized (no per-element branch) */
 static inline __m512 raw16_int8(const uint8_t *row, int64_t i) {

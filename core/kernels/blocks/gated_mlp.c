@@ -79,7 +79,7 @@ int qp_mlp(const qp_mat *const *gate, const qp_mat *const *up, const qp_mat *con
     for (int p = 0; p < P; p++) memcpy(xg + p * H, x + prow[p] * ldx, sizeof(float) * (size_t)H);
     /* every expert's gate / up / down share one activation treatment (one scheme): prepared once */
     qp_in inx, inh;
-    prepare(gate[0], P, H, xg, H, &sx, &inx);
+    prepare(gate[0], P, H, xg, H, &sx, &inx, wround);
     const int threads = max_threads();
     int64_t rg = (2 * E * I) / (4 * threads), rd = (E * H) / (4 * threads);
     rg = rg < RT ? RT : (rg + RT - 1) / RT * RT;
@@ -96,9 +96,7 @@ int qp_mlp(const qp_mat *const *gate, const qp_mat *const *up, const qp_mat *con
             int is_up = rest >= per_i;
             int64_t r0 = (rest % per_i) * rg, r1 = r0 + rg > I ? I : r0 + rg;
             qp_in in = inx;
-            in.x += start[e] * in.ldx;
-            if (in.u8) { in.u8 += start[e] * H; in.xs += start[e]; in.xo += start[e]; }
-            if (in.q8) { in.q8 += start[e] * H; in.d8 += start[e] * (H / QK); }
+            in_skip(&in, start[e], H);
             rows_any(is_up ? up[e] : gate[e], &in, r0, r1, (int)n, (is_up ? hu : hg) + start[e] * I + r0, I, wround);
         }
         #pragma omp for schedule(static)
@@ -108,16 +106,14 @@ int qp_mlp(const qp_mat *const *gate, const qp_mat *const *up, const qp_mat *con
             else situ_mul(g, u, I, act_a, act_b);
         }
         #pragma omp single
-        prepare(down[0], P, I, hg, I, &sh, &inh);
+        prepare(down[0], P, I, hg, I, &sh, &inh, wround);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < E * per_h; t++) {
             int64_t e = t / per_h, r0 = (t % per_h) * rd, r1 = r0 + rd > H ? H : r0 + rd;
             int64_t n = start[e + 1] - start[e];
             if (n == 0) continue;
             qp_in in = inh;
-            in.x += start[e] * in.ldx;
-            if (in.u8) { in.u8 += start[e] * I; in.xs += start[e]; in.xo += start[e]; }
-            if (in.q8) { in.q8 += start[e] * I; in.d8 += start[e] * (I / QK); }
+            in_skip(&in, start[e], I);
             rows_any(down[e], &in, r0, r1, (int)n, yd + start[e] * H + r0, H, wround);
         }
         #pragma omp for schedule(static)

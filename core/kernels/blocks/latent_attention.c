@@ -81,9 +81,9 @@ int qp_latent_pre(const qp_latent_attn *m, int64_t B, const float *x, const floa
     if (!qa || rc) { rc = -2; goto done; }
     float *kva = qa + B * ql, *qb = kva + B * (kl + rp), *qn = qb + B * qrows;
     qp_in ikv, iqa, ig, iq, ik;
-    prepare(m->kv_a, B, H, x, H, &s[0], &ikv);
-    if (m->q_a) { if (same_input(m->q_a, m->kv_a)) iqa = ikv; else prepare(m->q_a, B, H, x, H, &s[1], &iqa); }
-    if (m->g) prepare(m->g, B, H, x, H, &s[2], &ig);
+    prepare(m->kv_a, B, H, x, H, &s[0], &ikv, wround);
+    if (m->q_a) { if (same_input(m->q_a, m->kv_a)) iqa = ikv; else prepare(m->q_a, B, H, x, H, &s[1], &iqa, wround); }
+    if (m->g) prepare(m->g, B, H, x, H, &s[2], &ig, wround);
     #pragma omp parallel
     {
         if (m->q_a) par_rows(m->q_a, &iqa, B, qa, ql, wround);
@@ -98,7 +98,7 @@ int qp_latent_pre(const qp_latent_attn *m, int64_t B, const float *x, const floa
                 rms_norm_row(m, kv, kl, m->kv_a_norm, m->eps_kv);
                 rope_row(kva + b * (kl + rp) + kl, rot + b * rp * rp, rp, kv + kl);
             }
-            prepare(m->q_b, B, qin, m->q_a ? qa : x, m->q_a ? ql : H, &s[3], &iq);
+            prepare(m->q_b, B, qin, m->q_a ? qa : x, m->q_a ? ql : H, &s[3], &iq, wround);
         }
         par_rows(m->q_b, &iq, B, qb, qrows, wround);
         if (!m->kv_dense) {
@@ -107,7 +107,7 @@ int qp_latent_pre(const qp_latent_attn *m, int64_t B, const float *x, const floa
             {
                 for (int64_t t = 0; t < B * nh; t++)
                     memcpy(qn + t * np_, qb + (t / nh) * qrows + (t % nh) * qh, sizeof(float) * (size_t)np_);
-                prepare(m->k_b[0], B * nh, np_, qn, np_, &s[4], &ik);
+                prepare(m->k_b[0], B * nh, np_, qn, np_, &s[4], &ik, wround);
             }
         }
         #pragma omp for schedule(static)
@@ -118,9 +118,7 @@ int qp_latent_pre(const qp_latent_attn *m, int64_t B, const float *x, const floa
             if (m->kv_dense) rows_t(m->kv_b, h * (np_ + m->v), np_, qp, dst, wround);
             else {
                 qp_in in = ik;
-                in.x += t * in.ldx;
-                if (in.q8) { in.q8 += t * np_; in.d8 += t * (np_ / QK); }
-                if (in.u8) { in.u8 += t * np_; in.xs += t; in.xo += t; }
+                in_skip(&in, t, np_);
                 rows_any(m->k_b[h], &in, 0, kl, 1, dst, 0, wround);
             }
             rope_row(qp + np_, rot + b * rp * rp, rp, dst + kl);
@@ -182,7 +180,7 @@ int qp_latent_post(const qp_latent_attn *m, int64_t B, const float *qcat, const 
             qp_mat kq = *m->kv_b;
             kq.act.epi = QE_FLOAT;  /* the float rows (q - o) * s, also for an integer-product form */
             kq.mode = 0;
-            prepare(&kq, nb, kl, lf + b * n * (kl + rp), kl + rp, &sl, &in);
+            prepare(&kq, nb, kl, lf + b * n * (kl + rp), kl + rp, &sl, &in, QR_NONE);
             for (int64_t j = 0; j < nb; j++)
                 memcpy(lf + (b * n + j) * (kl + rp), in.x + j * in.ldx, sizeof(float) * (size_t)kl);
         }
@@ -213,7 +211,7 @@ int qp_latent_post(const qp_latent_attn *m, int64_t B, const float *qcat, const 
         }
         if (!m->kv_dense) {
             #pragma omp single
-            prepare(m->v_b[0], B * nh, kl, ol, kl, &sv, &iv);
+            prepare(m->v_b[0], B * nh, kl, ol, kl, &sv, &iv, wround);
         }
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < B * nh; t++) {
@@ -227,9 +225,7 @@ int qp_latent_post(const qp_latent_attn *m, int64_t B, const float *qcat, const 
                 rows_any(&vb, &in, r0, r0 + vd, 1, dst, 0, wround);
             } else {
                 qp_in in = iv;
-                in.x += t * in.ldx;
-                if (in.q8) { in.q8 += t * kl; in.d8 += t * (kl / QK); }
-                if (in.u8) { in.u8 += t * kl; in.xs += t; in.xo += t; }
+                in_skip(&in, t, kl);
                 rows_any(m->v_b[h], &in, 0, vd, 1, dst, 0, wround);
             }
             if (gate) {
@@ -238,7 +234,7 @@ int qp_latent_post(const qp_latent_attn *m, int64_t B, const float *qcat, const 
             }
         }
         #pragma omp single
-        prepare(m->o, B, nh * vd, ov, nh * vd, &so, &io);
+        prepare(m->o, B, nh * vd, ov, nh * vd, &so, &io, wround);
         par_rows(m->o, &io, B, out, H, wround);
     }
 done:

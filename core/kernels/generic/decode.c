@@ -132,7 +132,18 @@ typedef struct {
     const float *x; int64_t ldx;        /* float rows */
     const uint8_t *u8; const float *xs, *xo;   /* integer path: codes + 128, scale, offset per row */
     const int8_t *q8; const float *d8;  /* fast mode: int8 blocks of 32 and their scales */
+    const uint16_t *xb; int64_t ldxb;   /* bfloat16 pairs (AVX512-BF16, a bfloat16 model): the float
+                                           rows again when every value is a normal bfloat16 or zero,
+                                           in pair order (xb_rows); NULL otherwise */
 } qp_in;
+
+/* the prepared rows from row i on (K inputs each): every representation moved alike */
+static inline void in_skip(qp_in *in, int64_t i, int64_t K) {
+    in->x += i * in->ldx;
+    if (in->u8) { in->u8 += i * K; in->xs += i; in->xo += i; }
+    if (in->q8) { in->q8 += i * K; in->d8 += i * (K / QK); }
+    if (in->xb) in->xb += i * in->ldxb;
+}
 
 /* Block-wise fp8 activation quantization (block-FP8 checkpoints, compressed-tensors) of one row in groups (group 0: the
  * whole row): s = max(amax, floor) / 448 (floor 0: s = amax / 448, 0 -> 1), x' = e4m3(x / s) * s */
@@ -293,7 +304,7 @@ static int is_int_path(const qp_mat *m) { return m->type == QP_INT8 && m->act.ep
 static int is_fast(const qp_mat *m) { return m->mode == 1 && (m->type == QP_Q4_0 || m->type == QP_Q8_0); }
 
 /* Scratch for the inputs of one weight: everything qp_prepare may need for M rows of K. */
-typedef struct { float *f; uint8_t *u8; float *xs, *xo; int8_t *q8; float *d8; } qp_scratch;
+typedef struct { float *f; uint8_t *u8; float *xs, *xo; int8_t *q8; float *d8; uint16_t *xb; float *r; } qp_scratch;
 
 static int scratch_alloc(qp_scratch *sc, int64_t M, int64_t K) {
     sc->f = (float *)malloc(sizeof(float) * (size_t)(M * K));
@@ -301,20 +312,41 @@ static int scratch_alloc(qp_scratch *sc, int64_t M, int64_t K) {
     sc->xs = (float *)malloc(sizeof(float) * (size_t)(2 * M));
     sc->q8 = (int8_t *)malloc((size_t)(M * K + 64));
     sc->d8 = (float *)malloc(sizeof(float) * (size_t)(M * (K / QK + 1)));
+    sc->xb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(M * K + 32));
+    sc->r = (float *)malloc(sizeof(float) * (size_t)(M * K));
     sc->xo = sc->xs ? sc->xs + M : NULL;
-    if (!sc->f || !sc->u8 || !sc->xs || !sc->q8 || !sc->d8) {
-        free(sc->f); free(sc->u8); free(sc->xs); free(sc->q8); free(sc->d8);
+    if (!sc->f || !sc->u8 || !sc->xs || !sc->q8 || !sc->d8 || !sc->xb || !sc->r) {
+        free(sc->f); free(sc->u8); free(sc->xs); free(sc->q8); free(sc->d8); free(sc->xb); free(sc->r);
         return 0;
     }
     return 1;
 }
 
-static void scratch_free(qp_scratch *sc) { free(sc->f); free(sc->u8); free(sc->xs); free(sc->q8); free(sc->d8); }
+static void scratch_free(qp_scratch *sc) {
+    free(sc->f); free(sc->u8); free(sc->xs); free(sc->q8); free(sc->d8); free(sc->xb); free(sc->r);
+}
 
-/* M rows of x (K values, ldx apart) as weight m's product wants them */
-static void prepare(const qp_mat *m, int64_t M, int64_t K, const float *x, int64_t ldx, qp_scratch *sc, qp_in *in) {
+/* bfloat16 pair products (qp_pair_products): on unless switched off (tests compare both ways);
+ * qp_pair_count counts the row tasks that took them */
+static int qp_pairs_on = 1;
+static int64_t qp_pair_count = 0;
+
+/* M rows of x (K values, ldx apart) as weight m's product wants them, in a model whose weights
+ * round by wround. A bfloat16 model's rows are first rounded to bfloat16 (QR_BF16): a product's
+ * input is the value the model's torch module holds (the step's own intermediates, e.g. silu(g) *
+ * u or an attention output, are float32 sums until here), then the layer's activation scheme
+ * quantizes it. */
+static void prepare(const qp_mat *m, int64_t M, int64_t K, const float *x, int64_t ldx, qp_scratch *sc, qp_in *in,
+                    int wround) {
     memset(in, 0, sizeof *in);
     const qp_act *a = &m->act;
+    if (wround == QR_BF16) {
+        for (int64_t i = 0; i < M; i++) {
+            memcpy(sc->r + i * K, x + i * ldx, sizeof(float) * (size_t)K);
+            round_buf(sc->r + i * K, K, QR_BF16);
+        }
+        x = sc->r; ldx = K;
+    }
     in->x = x; in->ldx = ldx;
     if (a->kind == QA_FP8 || a->kind == QA_FP8_STATIC) {
         for (int64_t i = 0; i < M; i++) act_fp8_row(a, x + i * ldx, K, sc->f + i * K);
@@ -340,6 +372,18 @@ static void prepare(const qp_mat *m, int64_t M, int64_t K, const float *x, int64
         for (int64_t i = 0; i < M; i++) quantize_row(in->x + i * in->ldx, K, sc->q8 + i * K, sc->d8 + i * (K / QK));
         in->q8 = sc->q8; in->d8 = sc->d8;
     }
+#if defined(QP_AVX512) && defined(__AVX512BF16__)
+    /* a bfloat16 model's float rows as bfloat16 pairs, when the conversion is exact (every value a
+     * bfloat16, as rounded above unless the activation scheme changed it; none subnormal: the pair
+     * instruction would flush it) */
+    if (qp_pairs_on && wround == QR_BF16 && K % QK == 0 && !is_fast(m) && !is_int_path(m)) {
+        int exact = 1;
+        for (int64_t i = 0; i < M && exact; i++) exact = xb_row512(in->x + i * in->ldx, K, sc->xb + i * K);
+        if (exact) { in->xb = sc->xb; in->ldxb = K; }
+    }
+#else
+    (void)wround;
+#endif
 }
 
 static int same_input(const qp_mat *a, const qp_mat *b) {

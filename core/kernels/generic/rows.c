@@ -221,7 +221,7 @@ int qp_act_rows(const qp_mat *m, int64_t M, const float *x, int64_t ldx, float *
     qp_scratch sc;
     if (!scratch_alloc(&sc, M, m->k)) return -2;
     qp_in in;
-    prepare(&f, M, m->k, x, ldx, &sc, &in);
+    prepare(&f, M, m->k, x, ldx, &sc, &in, QR_NONE);
     for (int64_t i = 0; i < M; i++) memcpy(out + i * m->k, in.x + i * in.ldx, sizeof(float) * (size_t)m->k);
     scratch_free(&sc);
     return 0;
@@ -264,7 +264,7 @@ int qp_gemm(const qp_mat *const *mats, int G, int64_t M, int64_t K, const float 
         while (j < nin && !same_input(mats[rep[j]], mats[g])) j++;
         if (j == nin) {
             if (!scratch_alloc(&sc[nin], M, K)) { rc = -2; goto done; }
-            prepare(mats[g], M, K, x, ldx, &sc[nin], &ins[nin]);
+            prepare(mats[g], M, K, x, ldx, &sc[nin], &ins[nin], wround);
             rep[nin++] = g;
         }
         which[g] = j;
@@ -289,9 +289,7 @@ int qp_gemm(const qp_mat *const *mats, int G, int64_t M, int64_t K, const float 
         int64_t r0 = (t - first[g]) * rows_per[g], r1 = r0 + rows_per[g];
         if (r1 > mats[g]->n) r1 = mats[g]->n;
         qp_in in = ins[which[g]];
-        in.x += xr[g] * in.ldx;
-        if (in.u8) { in.u8 += xr[g] * K; in.xs += xr[g]; in.xo += xr[g]; }
-        if (in.q8) { in.q8 += xr[g] * K; in.d8 += xr[g] * (K / QK); }
+        in_skip(&in, xr[g], K);
         rows_any(mats[g], &in, r0, r1, (int)xm[g], y + yr[g] * ldy + yc[g] + r0, ldy, wround);
     }
 done:
@@ -312,6 +310,36 @@ int qp_isa(void) {
 #else
     return 0;
 #endif
+}
+
+/* bfloat16 pair products (vdpbf16ps, AVX512-BF16 builds, a bfloat16 model): on (1) or off (0) for
+ * the products that follow, -1 leaves it; returns the setting before the call, -1 where this
+ * build has no pair products */
+int qp_pair_products(int on) {
+#if defined(QP_AVX512) && defined(__AVX512BF16__)
+    const int was = qp_pairs_on;
+    if (on >= 0) qp_pairs_on = on != 0;
+    return was;
+#else
+    (void)on;
+    return -1;
+#endif
+}
+
+/* how many row tasks took the bfloat16 pair products since the library was loaded */
+int64_t qp_pair_tasks(void) { return __atomic_load_n(&qp_pair_count, __ATOMIC_RELAXED); }
+
+/* Whether any of the n bfloat16 values at p is subnormal (exponent 0, mantissa not 0): 1 yes, 0 no,
+ * -1 bad arguments. Such a weight keeps its rows off the pair products, which read it as zero. */
+int qp_bf16_has_subnormal(const uint16_t *p, int64_t n) {
+    if (n < 0 || (n > 0 && !p)) return -1;
+    int found = 0;
+    for (int64_t i = 0; i < n; i += 4096) {
+        const int64_t end = i + 4096 < n ? i + 4096 : n;
+        for (int64_t j = i; j < end; j++) found |= (p[j] & 0x7F80) == 0 && (p[j] & 0x7F) != 0;
+        if (found) return 1;
+    }
+    return 0;
 }
 
 /* Whether any of the n bytes at p is an e4m3 NaN code (S.1111.111), at memory speed (binding an
