@@ -257,7 +257,12 @@ def test_scaled_forms_multiply_within_float32_rounding(case, m, dtype):
         dense = reference_dequantize(b.weights, n, k)
     dense = dense.to(dtype).float()
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    t0 = native.pair_tasks()
     y = native.gemm(x, [b.ptr()], wround=b.wround)
+    # a bfloat16 model multiplies bfloat16 pairs where the build has them and the groups allow
+    gk = b.mats[0].gk
+    pairs = dtype == torch.bfloat16 and native.pair_products() and not b.mats[0].tiny and (gk % 32 == 0 or gk == 16)
+    assert (native.pair_tasks() > t0) == pairs
     x = model_input(x, dtype)
     assert ((y.double() - x.double() @ dense.double().t()).abs() <= f64_bound(x, dense)).all()
 

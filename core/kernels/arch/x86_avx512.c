@@ -163,8 +163,11 @@ static inline __attribute__((always_inline)) void exact_tile_32_dp(const qp_mat 
     const int64_t nb = m->k / QK, ldw = m->ldw, ldxb = in->ldxb;
     const uint16_t *xb = in->xb + (int64_t)i0 * ldxb;
     const __m512 base = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
-    __m512 acc[RT][MT];
-    for (int a = 0; a < rt; a++) for (int i = 0; i < mt; i++) acc[a][i] = _mm512_setzero_ps();
+    /* one or two x rows: two sums per row and x row (alternate blocks), so that the pair
+     * instructions' latency overlaps */
+    const int two = mt <= 2;
+    __m512 acc0[RT][MT], acc1[RT][MT];
+    for (int a = 0; a < rt; a++) for (int i = 0; i < mt; i++) acc0[a][i] = acc1[a][i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         __m512i w[RT];
         for (int a = 0; a < rt; a++) {
@@ -188,13 +191,21 @@ static inline __attribute__((always_inline)) void exact_tile_32_dp(const qp_mat 
                 }
             }
         }
-        for (int i = 0; i < mt; i++) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + i * ldxb + b * QK));
-            for (int a = 0; a < rt; a++) acc[a][i] = _mm512_dpbf16_ps(acc[a][i], (__m512bh)w[a], xv);
+        if (two && (b & 1)) {
+            for (int i = 0; i < mt; i++) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + i * ldxb + b * QK));
+                for (int a = 0; a < rt; a++) acc1[a][i] = _mm512_dpbf16_ps(acc1[a][i], (__m512bh)w[a], xv);
+            }
+        } else {
+            for (int i = 0; i < mt; i++) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + i * ldxb + b * QK));
+                for (int a = 0; a < rt; a++) acc0[a][i] = _mm512_dpbf16_ps(acc0[a][i], (__m512bh)w[a], xv);
+            }
         }
     }
     for (int i = 0; i < mt; i++)
-        for (int a = 0; a < rt; a++) y[(int64_t)(i0 + i) * ldy + r + a] = _mm512_reduce_add_ps(acc[a][i]);
+        for (int a = 0; a < rt; a++)
+            y[(int64_t)(i0 + i) * ldy + r + a] = _mm512_reduce_add_ps(two ? _mm512_add_ps(acc0[a][i], acc1[a][i]) : acc0[a][i]);
 }
 #endif
 
@@ -480,5 +491,111 @@ QP_FUSED_SCALED(plain_int4_bf16n, RAW_INT4, 0, QR_BF16_NORMAL, 1, INT4_BASE)
 QP_FUSED_SCALED(plain_fp8_bf16n, RAW_FP8, 0, QR_BF16_NORMAL, 0, lut)
 QP_FUSED_SCALED(plain_fp4_bf16n, RAW_FP4, 0, QR_BF16_NORMAL, 1, lut)
 #undef QP_FUSED_SCALED
+#if defined(__AVX512BF16__)
+/* 32 nibbles (16 bytes at element i of a packed row, element order) as vpermw indices: the low 5
+ * bits of each word hold the nibble and a stray fifth bit, which a table duplicated to 32 words
+ * ignores */
+static inline __m512i idx32w(const uint8_t *row, int64_t i) {
+#if defined(__AVX512VBMI__)
+    /* word j's low byte = byte j / 2 (vpermb, the high bytes zeroed), shifted right by 4 for odd j */
+    const __m512i sel = _mm512_set_epi8(0, 15, 0, 15, 0, 14, 0, 14, 0, 13, 0, 13, 0, 12, 0, 12, 0, 11, 0, 11, 0, 10, 0, 10,
+                                        0, 9, 0, 9, 0, 8, 0, 8, 0, 7, 0, 7, 0, 6, 0, 6, 0, 5, 0, 5, 0, 4, 0, 4,
+                                        0, 3, 0, 3, 0, 2, 0, 2, 0, 1, 0, 1, 0, 0, 0, 0);
+    const __m512i sh = _mm512_set1_epi32(4 << 16);
+    const __m512i b = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(row + i / 2)));
+    return _mm512_srlv_epi16(_mm512_maskz_permutexvar_epi8(0x5555555555555555ull, sel, b), sh);
+#else
+    const __m128i b = _mm_loadu_si128((const __m128i *)(row + i / 2)), h = _mm_srli_epi16(b, 4);
+    return _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(b, h), _mm_unpacklo_epi8(b, h)));
+#endif
+}
+/* The scaled forms of a bfloat16 model on bfloat16 pairs (in->xb; weights known normal or zero:
+ * !m->tiny): each 32 weights decoded and scaled as QP_SCALE16 does (float32), rounded to bfloat16
+ * by one conversion (INT4 / FP4 with groups a multiple of 32: the group's 16-value table rounded,
+ * duplicated and looked up by vpermw), then one vdpbf16ps per x row into one sum per row and x
+ * row. Groups a multiple of 32, or of 16 (NVFP4: two groups a step). The same weights as the
+ * float32-sum kernels above, the sums in another order. A tile: rt rows from r, mt x rows from i0. */
+#define QP_PAIR_SCALED(NAME, RAWI, ANY, TAB, BASE)                                                  \
+static inline __attribute__((always_inline)) void NAME##_tile(const qp_mat *m, const qp_in *in, int64_t r, int i0, \
+                                                             const int rt, const int mt, float *y, int64_t ldy) { \
+    const int64_t K = m->k, gk = m->gk, ldw = m->ldw, ldxb = in->ldxb;                              \
+    const void *zp = ANY ? m->z : NULL;                                                             \
+    const float gs = m->gs;                                                                         \
+    const int has_g = ANY && m->gmode == QG_AFTER && gs != 1.f, nan = ANY && m->nan, wround = 0;    \
+    const __m512 lut = _mm512_loadu_ps(E2M1), vg = _mm512_set1_ps(gs);                            \
+    const int64_t ng = (K + gk - 1) / gk;                                                           \
+    const uint16_t *xb = in->xb + (int64_t)i0 * ldxb;                                               \
+    float svz[2 * RT][ng];  /* the rows' scales and zero points (ng <= QP_NG_MAX) */               \
+    (void)lut; (void)nan; (void)wround;                                                             \
+    for (int a = 0; a < rt; a++) row_scales(m, r + a, ng, svz[a], svz[RT + a]);                      \
+    /* one or two x rows: two sums per row and x row (alternate 32-steps), so that the pair      \
+     * instructions' latency overlaps */                                                            \
+    const int two = mt <= 2;                                                                        \
+    __m512 acc0[RT][MT], acc1[RT][MT];                                                              \
+    for (int a = 0; a < rt; a++) for (int i = 0; i < mt; i++) acc0[a][i] = acc1[a][i] = _mm512_setzero_ps(); \
+    int64_t j = 0, gnext = 0;  /* the step's group, where the next group begins */                  \
+    __m512i tb[RT];                                                                                 \
+    for (int64_t i = 0; i < K; i += 32) {                                                           \
+        if (gk == 16) j = i >> 4;                                                                   \
+        else if (i == gnext) {                                                                      \
+            j = i ? j + 1 : 0;                                                                      \
+            gnext += gk;                                                                            \
+            if (TAB) for (int a = 0; a < rt; a++) {                                                 \
+                const __m512 vs = _mm512_set1_ps(svz[a][j]), vz = _mm512_set1_ps(zp ? svz[RT + a][j] : 0.f); \
+                __m512 tab;                                                                         \
+                (void)vz;                                                                           \
+                QP_SCALE16(BASE, tab)                                                               \
+                tb[a] = (__m512i)_mm512_cvtne2ps_pbh(tab, tab);                                     \
+            }                                                                                       \
+        }                                                                                           \
+        __m512i w[RT];                                                                              \
+        for (int a = 0; a < rt; a++) {                                                              \
+            const uint8_t *restrict row = m->w + (r + a) * ldw;                                     \
+            if (i0 == 0) _mm_prefetch((const char *)(row + RT * ldw) + i, _MM_HINT_T1);              \
+            if (TAB && gk != 16) { w[a] = _mm512_permutexvar_epi16(idx32w(row, i), tb[a]); continue; } \
+            __m512 v0, v1;                                                                          \
+            { const __m512 vs = _mm512_set1_ps(svz[a][j]), vz = _mm512_set1_ps(zp ? svz[RT + a][j] : 0.f); \
+              (void)vz; QP_SCALE16(RAWI(i), v0) }                                                   \
+            { const int64_t j1 = gk == 16 ? j + 1 : j;                                              \
+              const __m512 vs = _mm512_set1_ps(svz[a][j1]), vz = _mm512_set1_ps(zp ? svz[RT + a][j1] : 0.f); \
+              (void)vz; QP_SCALE16(RAWI(i + 16), v1) }                                              \
+            w[a] = pair_words(v0, v1);                                                              \
+        }                                                                                           \
+        if (two && ((i >> 5) & 1)) {                                                                \
+            for (int ii = 0; ii < mt; ii++) {                                                       \
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + ii * ldxb + i)); \
+                for (int a = 0; a < rt; a++) acc1[a][ii] = _mm512_dpbf16_ps(acc1[a][ii], (__m512bh)w[a], xv); \
+            }                                                                                       \
+        } else {                                                                                    \
+            for (int ii = 0; ii < mt; ii++) {                                                       \
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + ii * ldxb + i)); \
+                for (int a = 0; a < rt; a++) acc0[a][ii] = _mm512_dpbf16_ps(acc0[a][ii], (__m512bh)w[a], xv); \
+            }                                                                                       \
+        }                                                                                           \
+    }                                                                                               \
+    for (int ii = 0; ii < mt; ii++)                                                                 \
+        for (int a = 0; a < rt; a++)                                                                \
+            y[(int64_t)(i0 + ii) * ldy + r + a] = _mm512_reduce_add_ps(two ? _mm512_add_ps(acc0[a][ii], acc1[a][ii]) : acc0[a][ii]); \
+}                                                                                                   \
+static void NAME(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy) { \
+    y -= r0;                                                                                        \
+    for (int64_t r = r0; r < r1; r += RT) {                                                         \
+        const int rt = r1 - r < RT ? (int)(r1 - r) : RT;                                            \
+        for (int i0 = 0; i0 < xm; i0 += MT) {                                                       \
+            const int mt = xm - i0 < MT ? xm - i0 : MT;                                             \
+            QP_TILE(NAME##_tile, m, in, r, i0, rt, mt, y, ldy);                                     \
+        }                                                                                           \
+    }                                                                                               \
+}
+QP_PAIR_SCALED(pair_int8, RAW_INT8, 1, 0, lut)
+QP_PAIR_SCALED(pair_int4, RAW_INT4, 1, 1, INT4_BASE)
+QP_PAIR_SCALED(pair_fp8, RAW_FP8, 1, 0, lut)
+QP_PAIR_SCALED(pair_fp4, RAW_FP4, 1, 1, lut)
+QP_PAIR_SCALED(pair_plain_int8, RAW_INT8, 0, 0, lut)
+QP_PAIR_SCALED(pair_plain_int4, RAW_INT4, 0, 1, INT4_BASE)
+QP_PAIR_SCALED(pair_plain_fp8, RAW_FP8, 0, 0, lut)
+QP_PAIR_SCALED(pair_plain_fp4, RAW_FP4, 0, 1, lut)
+#undef QP_PAIR_SCALED
+#endif
 #undef QP_SCALE16
 #endif

@@ -156,6 +156,20 @@ static void rows_any(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, i
             return;
         case QK_SCALED: {
             const int simple = !m->z && !(m->gmode == QG_AFTER && m->gs != 1.f) && !m->nan;
+#if defined(__AVX512BF16__)
+            /* a bfloat16 model's weights known normal or zero, on bfloat16 pairs: one vdpbf16ps per
+             * 32 weights and x row (groups of 32k, or 16 two at a time) */
+            if (in->xb && wround == QR_BF16 && !m->tiny && (m->gk % 32 == 0 || m->gk == 16)) {
+                __atomic_fetch_add(&qp_pair_count, 1, __ATOMIC_RELAXED);
+                switch (m->type) {
+                    case QP_INT8: (simple ? pair_plain_int8 : pair_int8)(m, in, r0, r1, xm, y, ldy); break;
+                    case QP_INT4: (simple ? pair_plain_int4 : pair_int4)(m, in, r0, r1, xm, y, ldy); break;
+                    case QP_FP8: (simple ? pair_plain_fp8 : pair_fp8)(m, in, r0, r1, xm, y, ldy); break;
+                    default: (simple ? pair_plain_fp4 : pair_fp4)(m, in, r0, r1, xm, y, ldy); break;
+                }
+                return;
+            }
+#endif
             const int p32 = simple && wround == QR_NONE, p16 = simple && wround == QR_BF16;
 #if defined(__AVX512BF16__)
             const int p16n = p16 && !m->tiny;
