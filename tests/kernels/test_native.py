@@ -540,6 +540,46 @@ def test_fp4_activation_quantization_equals_the_backends_torch_emulations():
 
 
 @needs_native
+@pytest.mark.parametrize("kind", ["fp8", "fp8_static", "nvfp4"])
+def test_a_bfloat16_model_quantizes_activations_as_the_backends_torch_emulations_return_them(kind):
+    """In a bfloat16 model the backends' torch emulations take x in bfloat16 and return x' in
+    bfloat16 (quantplug_fp8.kernels.act_quant, quantplug_modelopt's fp8_act / nvfp4_act): the native
+    product multiplies those values (the pair products where the build has them)."""
+    from quantplug_fp8 import kernels as dsfp8
+    from quantplug_modelopt import kernels as mo
+
+    n, k, bf = 40, 256, torch.bfloat16
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, k, generator=g) * 3
+    s_in = torch.tensor(0.02)
+    if kind == "nvfp4":
+        w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+        tensors = {"scale": (torch.rand(n, k // 16, generator=g) * 400).to(torch.float8_e4m3fn),
+                   "global_scale": torch.tensor(3e-4), "input_scale": s_in}
+        form = Form("FP4", scale="E4M3", group=16, global_scale=True, global_mode="times_scale",
+                    act=ActQuant("nvfp4", group=16))
+        xq = mo.nvfp4_act(x.to(bf), s_in, 16)
+    else:
+        w = (torch.randn(n, k, generator=g) * 50).clamp(-440, 440).to(torch.float8_e4m3fn)
+        if kind == "fp8":
+            tensors = {"scale": torch.rand(1, k // 128, generator=g) * 1e-3}
+            form = Form("FP8", group=128, rows=128, act=ActQuant("fp8", group=128, floor=1e-4))
+            xq = dsfp8.act_quant(x.to(bf), 128)
+        else:
+            tensors = {"scale": torch.tensor([1e-3]), "input_scale": s_in}
+            form = Form("FP8", rows=0, act=ActQuant("fp8_static"))
+            xq = mo.fp8_act(x.to(bf), s_in)
+    assert xq.dtype == bf
+    b = bound(form, w, n, k, dtype=bf, **tensors)
+    dense = reference_dequantize(b.weights, n, k).to(bf).float()
+    t0 = native.pair_tasks()
+    y = native.gemm(x, [b.ptr()], wround=b.wround)
+    assert (native.pair_tasks() > t0) == native.pair_products()
+    xq = xq.float()
+    assert ((y.double() - xq.double() @ dense.double().t()).abs() <= f64_bound(xq, dense)).all()
+
+
+@needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fp4_weights_decode_bit_exact_with_the_backends(dtype):
     """ModelOpt NVFP4 (scale x weight_scale_2 first), compressed-tensors NVFP4 (scale /

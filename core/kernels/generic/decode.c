@@ -335,7 +335,8 @@ static int64_t qp_pair_count = 0;
  * round by wround. A bfloat16 model's rows are first rounded to bfloat16 (QR_BF16): a product's
  * input is the value the model's torch module holds (the step's own intermediates, e.g. silu(g) *
  * u or an attention output, are float32 sums until here), then the layer's activation scheme
- * quantizes it. */
+ * quantizes it, and its result is rounded to bfloat16 again (as the backends' torch emulations
+ * return it in the model dtype). */
 static void prepare(const qp_mat *m, int64_t M, int64_t K, const float *x, int64_t ldx, qp_scratch *sc, qp_in *in,
                     int wround) {
     memset(in, 0, sizeof *in);
@@ -368,6 +369,11 @@ static void prepare(const qp_mat *m, int64_t M, int64_t K, const float *x, int64
         in->x = sc->f; in->ldx = K;
         if (is_int_path(m)) { in->u8 = sc->u8; in->xs = sc->xs; in->xo = sc->xo; }
     }
+    /* a bfloat16 model's quantized activations are bfloat16 values too: each backend's torch
+     * emulation returns x' in x's dtype (quantplug_fp8.kernels.act_quant, quantplug_modelopt's
+     * fp8_act / nvfp4_act, ...) */
+    if (wround == QR_BF16 && in->x == sc->f && !is_int_path(m))
+        for (int64_t i = 0; i < M; i++) round_buf(sc->f + i * K, K, QR_BF16);
     if (is_fast(m)) {
         for (int64_t i = 0; i < M; i++) quantize_row(in->x + i * in->ldx, K, sc->q8 + i * K, sc->d8 + i * (K / QK));
         in->q8 = sc->q8; in->d8 = sc->d8;
