@@ -72,18 +72,30 @@ static int moe_rows(const qp_layer *l, int64_t B, int64_t H, const float *h, flo
     }
     /* the shared experts as one more expert of the same call when they are shaped and quantized as
      * the routed ones, weight 1 for every row, after the routed pairs: each row's sum is then
-     * (routed sum) + 1 * shared, the two-call result bit for bit, in one parallel region */
-    if (l->sg && wround == QR_NONE && l->sg->n == l->gate[0]->n && l->sd->k == l->down[0]->k) {
+     * (routed sum) + 1 * shared, the two-call result bit for bit, in one parallel region. A
+     * bfloat16 model rounds the two sums before adding them: there the shared pairs write rows
+     * B..2B-1 of a second output (the input rows repeated), the sums added after the call. */
+    if (l->sg && l->sg->n == l->gate[0]->n && l->sd->k == l->down[0]->k) {
+        const int bf = wround == QR_BF16;
         mats[used] = l->sg; mats[P + 1 + used] = l->su; mats[2 * (P + 1) + used] = l->sd;
         int32_t *pe2 = (int32_t *)malloc(sizeof(int32_t) * (size_t)(2 * (p + B)));
         float *pw2 = (float *)malloc(sizeof(float) * (size_t)(p + B));
-        if (!pe2 || !pw2) { free(pe2); free(pw2); rc = -2; goto done; }
+        float *h2 = bf ? (float *)malloc(sizeof(float) * (size_t)(4 * B * H)) : NULL;
+        if (!pe2 || !pw2 || (bf && !h2)) { free(pe2); free(pw2); free(h2); rc = -2; goto done; }
         int32_t *prow2 = pe2 + p + B;
         memcpy(pe2, pe, sizeof(int32_t) * (size_t)p); memcpy(prow2, prow, sizeof(int32_t) * (size_t)p);
         memcpy(pw2, pw, sizeof(float) * (size_t)p);
-        for (int64_t b = 0; b < B; b++) { pe2[p + b] = used; prow2[p + b] = (int32_t)b; pw2[p + b] = 1.f; }
-        rc = qp_mlp(mats, mats + (P + 1), mats + 2 * (P + 1), used + 1, B, h, H, (int)(p + B), pe2, prow2, pw2, out, H, wround, QM_SILU, 0.f, 0.f);
-        free(pe2); free(pw2);
+        for (int64_t b = 0; b < B; b++) { pe2[p + b] = used; prow2[p + b] = (int32_t)(bf ? B + b : b); pw2[p + b] = 1.f; }
+        if (bf) {
+            float *o2 = h2 + 2 * B * H;
+            memcpy(h2, h, sizeof(float) * (size_t)(B * H)); memcpy(h2 + B * H, h, sizeof(float) * (size_t)(B * H));
+            rc = qp_mlp(mats, mats + (P + 1), mats + 2 * (P + 1), used + 1, 2 * B, h2, H, (int)(p + B), pe2, prow2, pw2, o2, H, wround, QM_SILU, 0.f, 0.f);
+            if (rc == 0)  /* each module's output in the model dtype, then their sum (as below) */
+                for (int64_t i = 0; i < B * H; i++) out[i] = round_bf16(round_bf16(o2[i]) + round_bf16(o2[B * H + i]));
+        } else {
+            rc = qp_mlp(mats, mats + (P + 1), mats + 2 * (P + 1), used + 1, B, h, H, (int)(p + B), pe2, prow2, pw2, out, H, wround, QM_SILU, 0.f, 0.f);
+        }
+        free(pe2); free(pw2); free(h2);
         if (rc != -3) goto done;  /* -3: the shared experts quantize their inputs otherwise: two calls */
     }
     rc = qp_mlp(mats, mats + (P + 1), mats + 2 * (P + 1), used, B, h, H, (int)p, pe, prow, pw, out, H, wround, QM_SILU, 0.f, 0.f);
