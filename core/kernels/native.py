@@ -522,17 +522,25 @@ def _effective_scales(scale: torch.Tensor, encoding: str, mode: str, gs: list[fl
 _TOP = -0x7F7F7F7F7F7F7F80
 
 
+def _native_scan(fn: str, b: torch.Tensor) -> bool | None:
+    """The native scan ``fn(pointer, count)`` (1: found, 0: not) over contiguous ``b``; None off the
+    CPU or without the kernels (the caller scans in torch)."""
+    lib = library() if b.device.type == "cpu" else None
+    if lib is None:
+        return None
+    rc = getattr(lib, fn)(b.data_ptr(), b.numel())
+    check(min(rc, 0), fn)
+    return rc == 1
+
+
 def has_nan_codes(q: torch.Tensor) -> bool:
     """Whether float8 e4m3 (or its uint8 bytes) ``q`` holds a NaN code (S.1111.111): natively at
     memory speed (``qp_fp8_has_nan``, any alignment), else eight bytes per int64 lane in torch,
     the unaligned head and the tail byte by byte."""
     b = q.contiguous().view(torch.uint8).reshape(-1)
-    if b.device.type == "cpu":
-        lib = library()
-        if lib is not None:
-            rc = lib.qp_fp8_has_nan(b.data_ptr(), b.numel())
-            check(min(rc, 0), "qp_fp8_has_nan")
-            return rc == 1
+    found = _native_scan("qp_fp8_has_nan", b)
+    if found is not None:
+        return found
     head = min(-b.storage_offset() % 8, b.numel())  # int64 views need 8-byte aligned offsets
     n8 = (b.numel() - head) // 8 * 8
     if n8:
@@ -543,17 +551,13 @@ def has_nan_codes(q: torch.Tensor) -> bool:
     return bool(((rest & 0x7F) == 0x7F).any())
 
 
-
 def has_subnormal_bf16(w: torch.Tensor) -> bool:
     """Whether bfloat16 ``w`` holds a subnormal value (exponent bits 0, mantissa not 0): natively
     at memory speed (``qp_bf16_has_subnormal``), else in torch."""
     b = w.contiguous().view(torch.int16).reshape(-1)
-    if b.device.type == "cpu":
-        lib = library()
-        if lib is not None:
-            rc = lib.qp_bf16_has_subnormal(b.data_ptr(), b.numel())
-            check(min(rc, 0), "qp_bf16_has_subnormal")
-            return rc == 1
+    found = _native_scan("qp_bf16_has_subnormal", b)
+    if found is not None:
+        return found
     return bool((((b & 0x7F80) == 0) & ((b & 0x7F) != 0)).any())
 
 
