@@ -82,7 +82,7 @@ def bind(layer: Any, slots: int | None = None) -> Bound | None:
     # the load's ``kernels`` where the scheme takes it (PlannedModule.qp_configure)
     mode = layer.qp_kernel_mode
     b = Bound(weights, out_f, in_f, slots, layer.model_dtype, mode if mode in native.MODES else "exact",
-              f"{layer.qp_ckpt} ({type(scheme).__name__})")
+              f"{layer.qp_ckpt} ({type(scheme).__name__})", lookups=hasattr(layer, "vocab"))
     if not b.device_ok or not b.native_shapes():
         return None  # shapes the C code does not take (e.g. inputs not a multiple of 32): torch path
     first = _first_param(layer)

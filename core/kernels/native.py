@@ -391,7 +391,7 @@ class Bound:
     again by the C code. Holds every tensor it points into."""
 
     def __init__(self, weights: Weights, out_features: int, in_features: int, slots: int | None,
-                 model_dtype: torch.dtype, mode: str, where: str) -> None:
+                 model_dtype: torch.dtype, mode: str, where: str, lookups: bool = False) -> None:
         weights.check(out_features, in_features, slots, where)
         f = weights.form
         if model_dtype not in WROUND:
@@ -443,8 +443,10 @@ class Bound:
         tiny = int(nz is not None and nz.numel() > 0 and float(nz.min()) * MIN_CODE.get(f.dtype, 1.0) < 2.0 ** -126)
         if f.dtype == "BF16" and self.wround == WROUND[torch.bfloat16]:
             # stored bfloat16 rows in a bfloat16 model take the pair products (which read a
-            # subnormal as zero) unless a value is subnormal
-            tiny = int(has_subnormal_bf16(weights.weight))
+            # subnormal as zero) unless a value is subnormal. An embedding table (``lookups``:
+            # rows looked up, or a tied head's products) is not scanned, which would read the
+            # whole table at load (a file-backed one then resident): marked, it keeps the FMA tile
+            tiny = 1 if lookups else int(has_subnormal_bf16(weights.weight))
         self.mats = (Mat * count)()
         base = weights.weight.data_ptr()
         for i in range(count):
