@@ -315,7 +315,10 @@ def test_each_rank_reads_only_its_byte_ranges(runs, world):
     fault in without counting, so ``rchar`` can be below the plan.)"""
     for rank, rec in enumerate(_results(runs, world, "dense-hub-bf16")):
         planned = rec["report"]["bytes_read"]
-        assert 0 < rec["rchar"] <= planned + 128 * 1024, (world, rank, rec["rchar"], planned)
+        # beyond the plan: the headers, the config and what the process itself reads while loading
+        # (121-133 KiB on the AVX-512 machine, depending on the environment: a fresh clone's
+        # virtual environment read 12 KiB more at an unchanged commit)
+        assert 0 < rec["rchar"] <= planned + 256 * 1024, (world, rank, rec["rchar"], planned)
         whole = rec["parallel"]["replicated_bytes"] + rec["parallel"]["sharded_bytes"]
         assert rec["rchar"] < (0.62 if world == 2 else 0.4) * whole
 
