@@ -566,7 +566,7 @@ def has_subnormal_bf16(w: torch.Tensor) -> bool:
 def pair_products(on: bool | None = None) -> bool:
     """bfloat16 pair products (AVX512-BF16 builds): a bfloat16 model's exact products on bfloat16
     inputs multiply pairs of bfloat16 values in one instruction (``vdpbf16ps``) instead of two
-    float32 FMAs; the same sums (docs/kernels.md). ``on`` switches them for later products (tests
+    float32 FMAs; the same products, summed in another order (docs/kernels.md). ``on`` switches them for later products (tests
     compare both ways); returns whether they were on before (False where the build has none)."""
     lib = library()
     if lib is None:

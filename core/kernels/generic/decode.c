@@ -133,8 +133,8 @@ typedef struct {
     const uint8_t *u8; const float *xs, *xo;   /* integer path: codes + 128, scale, offset per row */
     const int8_t *q8; const float *d8;  /* fast mode: int8 blocks of 32 and their scales */
     const uint16_t *xb; int64_t ldxb;   /* bfloat16 pairs (AVX512-BF16, a bfloat16 model): the float
-                                           rows again when every value is a normal bfloat16 or zero,
-                                           in pair order (xb_rows); NULL otherwise */
+                                           rows as bfloat16 when every value is a normal bfloat16 or
+                                           zero (xb_row512); NULL otherwise */
 } qp_in;
 
 /* the prepared rows from row i on (K inputs each): every representation moved alike */
@@ -369,9 +369,8 @@ static void prepare(const qp_mat *m, int64_t M, int64_t K, const float *x, int64
         in->x = sc->f; in->ldx = K;
         if (is_int_path(m)) { in->u8 = sc->u8; in->xs = sc->xs; in->xo = sc->xo; }
     }
-    /* a bfloat16 model's quantized activations are bfloat16 values too: each backend's torch
-     * emulation returns x' in x's dtype (quantplug_fp8.kernels.act_quant, quantplug_modelopt's
-     * fp8_act / nvfp4_act, ...) */
+    /* a bfloat16 model's quantized activations are bfloat16 values too: a layer's torch path
+     * returns x' in x's dtype */
     if (wround == QR_BF16 && in->x == sc->f && !is_int_path(m))
         for (int64_t i = 0; i < M; i++) round_buf(sc->f + i * K, K, QR_BF16);
     if (is_fast(m)) {
