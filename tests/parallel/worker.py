@@ -37,11 +37,7 @@ def run_case(case: dict, rank: int) -> dict:
     rec: dict = {"name": case["name"]}
     from quantplug.kernels import native
 
-    from quantplug.plugins import PluginManager
-
     native.library()  # its one-time build check (reads the kernel source) is not the load's
-    # nor are the backends' imports (entry points; a fresh checkout also compiles their sources)
-    PluginManager()
     before = _rchar()
     kw = {}
     if case.get("group") == "new":  # an explicit group= (a new group object over every rank)
