@@ -38,7 +38,9 @@ __version__ = "1.0.0"
 #: the quantplug contract this backend is written for
 QUANTPLUG_CONTRACT = "1.4"
 PREFIX = "language_model."
-_LINEAR = re.compile(r"^(model\.layers\.\d+\..+_proj(_with_mqa)?|lm_head)\.weight$")
+#: linear weights: ``*_proj`` (not Kimi-K3's attention-residual ``*_res_proj`` [1, hidden], a float
+#: parameter), DeepSeek's ``kv_a_proj_with_mqa``, the Kimi family's experts ``w1`` / ``w2`` / ``w3``
+_LINEAR = re.compile(r"^(model\.layers\.\d+\..+((?<!_res)_proj(_with_mqa)?|\.w[123])|lm_head)\.weight$")
 
 
 @dataclass(frozen=True)
