@@ -10,6 +10,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ from quantplug_expert_pack.pack import HEADER_SIZE, PACK_NAME, ExpertPack
 from quantplug_expert_pack.testing import random_rows, reference_state
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from conftest import hf_logits, rel_err  # noqa: E402
+from conftest import VENDOR, hf_logits, rel_err  # noqa: E402
 
 # moe_intermediate_size 256 so the routed experts' down projection can be a K-quant (256-blocks)
 CFG = tiny_config(moe_intermediate_size=256, q_lora_rank=64)
@@ -228,6 +229,37 @@ def test_metadata_contradicting_config_is_a_problem(tmp_path):
     root = write_tiny_gguf(tmp_path / "meta", config=bad_cfg, k_quants=False)
     with pytest.raises(PlanError, match=r"deepseek2\.expert_used_count = 2 contradicts config\.json num_experts_per_tok = 3"):
         quantplug.plan(root)
+
+
+@pytest.mark.parametrize("name", ["gguf_iq4_nl_dsv3", "gguf_kimi_linear_q8_0"])
+def test_head_count_contradicting_config_is_a_problem(tmp_path, name):
+    # llama.cpp writes {arch}.attention.head_count (gguf-py Keys.Attention.HEAD_COUNT); a file saying
+    # 2 heads under a config.json saying 10 is named as such, not only by the shapes it breaks
+    root = tmp_path / name
+    shutil.copytree(VENDOR / name, root)
+    cfg = json.loads((root / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    text["num_attention_heads"] = 10
+    (root / "config.json").write_text(json.dumps(cfg))
+    arch = "deepseek2" if "dsv3" in name else "kimi-linear"
+    with pytest.raises(PlanError, match=rf"{arch}\.attention\.head_count = 2 contradicts config\.json "
+                                        r"num_attention_heads = 10"):
+        quantplug.plan(root)
+
+
+@pytest.mark.parametrize("value,want", [
+    ("false", "deepseek2.expert_weights_norm = 'false': expected a boolean"),
+    (1, "deepseek2.expert_weights_norm = 1: expected a boolean"),
+    (False, "deepseek2.expert_weights_norm = False contradicts config.json norm_topk_prob = True"),
+    (True, None),
+])
+def test_expert_weights_norm_must_be_a_boolean_equal_to_the_config(value, want):
+    # a string 'false' is truthy: it must not pass for the boolean key
+    from quantplug_expert_pack import _check_norm
+
+    msgs = [p.message for p in _check_norm({"deepseek2.expert_weights_norm": value}, "deepseek2",
+                                          SimpleNamespace(norm_topk_prob=True), "model.gguf")]
+    assert msgs == ([] if want is None else [f"GGUF {want}"])
 
 
 def test_missing_gguf_tensor_is_named_by_its_llama_cpp_name(gguf_dir, tmp_path):

@@ -202,6 +202,12 @@ def _with_config(tmp_path: Path, name: str, edit) -> Path:
      "kimi-linear.ssm.conv_kernel = 4 contradicts config.json linear_attn_config.short_conv_kernel_size = 3"),
     ("gguf_kimi_linear_f32", lambda t: t.update(routed_scaling_factor=2.0),
      "kimi-linear.expert_weights_scale = 2.5 contradicts config.json routed_scaling_factor = 2.0"),
+    ("gguf_kimi_linear_f32", lambda t: t.update(num_attention_heads=10),
+     "kimi-linear.attention.head_count = 2 contradicts config.json num_attention_heads = 10"),
+    ("gguf_kimi_k3_f32", lambda t: t.update(num_attention_heads=10),
+     "kimi-k3.attention.head_count = 2 contradicts config.json num_attention_heads = 10"),
+    ("gguf_kimi_k3_f32", lambda t: t.update(moe_renormalize=False),
+     "kimi-k3.expert_weights_norm = True contradicts config.json moe_renormalize = False"),
     ("gguf_kimi_linear_f32", lambda t: t["linear_attn_config"].update(kda_layers=[1, 2, 3], full_attn_layers=[4]),
      "kimi-linear.attention.head_count_kv[1] = 1 makes layer 1 MLA, but config.json linear_attn_config lists "
      "layer 2 (1-based) in kda_layers"),

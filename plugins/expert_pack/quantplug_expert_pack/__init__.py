@@ -193,8 +193,9 @@ def quantplug_linear_scheme(layer_name: str, layer_kind: str, shard_names: Seque
                       kernels="exact" if layer_kind == "embedding" or (kv_heads and not kv_fast) else kernels)
 
 
+#: integer metadata keys (after ``{arch}.``, as gguf-py's ``Keys`` name them) -> config.json field
 _META_CHECKS = (
-    ("head_count", "num_attention_heads"),
+    ("attention.head_count", "num_attention_heads"),
     ("expert_count", "n_routed_experts"),
     ("expert_used_count", "num_experts_per_tok"),
     ("leading_dense_block_count", "first_k_dense_replace"),
@@ -255,6 +256,7 @@ def quantplug_validate_plan(plan: Any, quant_config: GGUFConfig) -> list[Problem
         elif value is not None and value != int(getattr(cfg, attr)):
             problems.append(Problem(f"GGUF {arch}.{key} = {value} contradicts config.json {attr} = "
                                     f"{getattr(cfg, attr)}", file=first, kind="metadata"))
+    problems += _check_norm(meta, arch, cfg, first)
     if arch == "deepseek32" and cfg.has_indexer:
         problems += _check_indexer(ckpt, cfg, first)
     pack = quant_config.pack
@@ -324,11 +326,25 @@ def _check_kimi(meta: Mapping[str, Any], arch: str, cfg: Any, first: str) -> lis
         elif want is None or not _same(value, want):
             problems.append(Problem(f"GGUF {arch}.{k} = {value} contradicts config.json {field_name} = {want}",
                                     file=first, kind="metadata"))
-    norm = meta.get(f"{arch}.expert_weights_norm")
-    if norm is not None and bool(norm) != bool(cfg.norm_topk_prob):
-        problems.append(Problem(f"GGUF {arch}.expert_weights_norm = {norm} contradicts config.json moe_renormalize = "
-                                f"{cfg.norm_topk_prob}", file=first, kind="metadata"))
     return problems
+
+
+def _check_norm(meta: Mapping[str, Any], arch: str, cfg: Any, first: str) -> list[Problem]:
+    """``{arch}.expert_weights_norm`` (a GGUF bool; llama.cpp renormalizes the top-k weights when it
+    is true) against config.json's ``norm_topk_prob`` (``moe_renormalize`` in the Kimi family's
+    config), for every architecture this plugin reads. Any other type (a string 'false', an
+    integer) is a problem of its own: ``bool('false')`` is true."""
+    key = f"{arch}.expert_weights_norm"
+    norm = meta.get(key)
+    field_name = "moe_renormalize" if arch in KIMI_ARCHS else "norm_topk_prob"
+    if norm is None:
+        return []
+    if type(norm) is not bool:
+        return [Problem(f"GGUF {key} = {norm!r}: expected a boolean", file=first, kind="metadata")]
+    if norm != bool(cfg.norm_topk_prob):
+        return [Problem(f"GGUF {key} = {norm} contradicts config.json {field_name} = {cfg.norm_topk_prob}",
+                        file=first, kind="metadata")]
+    return []
 
 
 def _same(value: float, want: float) -> bool:
