@@ -380,3 +380,14 @@ def test_payload_sha256_reads_through_the_checkpoint_byte_reader(tmp_path, monke
             qpack.payload_sha256(fd, 9_000, 2_000, where="blk.1 expert 3")
     finally:
         os.close(fd)
+
+
+def test_gguf_keeping_its_fp8_source_config_is_claimed_by_the_gguf_backend_alone(tmp_path):
+    # llama.cpp's converter output next to the FP8 release's config.json (quantization_config fp8,
+    # weight_block_size): the fp8 backend reads F8_E4M3 tensors, none of which is there, so it does
+    # not claim the directory ("claimed by 2 backends" before)
+    fp8 = dict(CFG, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": [128, 128]})
+    root = write_tiny_gguf(tmp_path / "fp8-source", config=fp8, k_quants=False)
+    plan = quantplug.plan(root)
+    assert plan.backend == "expert_pack"

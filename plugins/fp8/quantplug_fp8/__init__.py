@@ -44,6 +44,10 @@ def quantplug_detect(checkpoint: Any) -> Claim | None:
     if qc is None or qc.opt_str("quant_method") != "fp8" or not qc.has("weight_block_size"):
         return None  # per-tensor FP8 (no weight_block_size) is another format
     parsed = FP8Config.parse(qc, where)
+    if not any(t.dtype == "F8_E4M3" for t in checkpoint.tensors.values()):
+        # the tensors this backend reads are not there: a GGUF converted from an FP8 release that
+        # kept its config.json, or a dequantized copy; that checkpoint is another backend's (or dense)
+        return None
     return Claim("fp8", parsed, f"config.json {where}.quant_method == 'fp8' with weight_block_size "
                                 f"{list(parsed.block)}")
 
