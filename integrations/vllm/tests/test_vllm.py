@@ -307,6 +307,21 @@ def test_registration_is_reentrant_and_found_by_entry_point() -> None:
     assert type(get_model_loader(LoadConfig(load_format="quantplug"))).__name__ == "QuantplugModelLoader"
 
 
+def test_mla_width_the_cpu_backend_cannot_run_is_refused_at_load(tmp_path: Path) -> None:
+    """The 136M bench model's MLA (kv_lora_rank 128 + rope 32 = 160): vLLM's CPU MLA backend runs only
+    576-wide latent rows, and would fail the first request ("Head dimension 160 is not supported by
+    MLA"); the loader refuses at load, naming the backend, the widths it runs and the model's."""
+    from quantplug.testing import random_state, write_checkpoint
+    from quantplug.testing.engines import mla_config
+
+    cfg = mla_config(kv_lora_rank=128, qk_rope_head_dim=32)
+    path = write_checkpoint(tmp_path / "mla160", cfg, random_state(cfg, seed=1))
+    with pytest.raises(ValueError, match=r"attention backend runs MLA latent rows of width 576 \(kv_lora_rank "
+                                         r"\+ qk_rope_head_dim\); this model's is 128 \+ 32 = 160") as info:
+        _llm(path, "float32", quantization="quantplug", enable_prefix_caching=False)
+    assert str(path) in str(info.value) and "quantplug's own generate runs it" in str(info.value)
+
+
 def test_quantization_without_the_loader_is_refused(exports: dict[str, Path]) -> None:
     """quantization="quantplug" with vLLM's default loader: refused with a message naming the loader."""
     with pytest.raises(Exception, match="load_format='quantplug'"):
