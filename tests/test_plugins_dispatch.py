@@ -309,3 +309,25 @@ def test_the_contract_checker_asks_1_11_of_a_wrapper():
 
     assert any("hook wrapper quantplug_linear_scheme needs contract 1.11" in s for s in shortfall(Unversioned()))
     assert not any("wrapper" in s for s in shortfall(Counter()))
+
+
+def test_the_guides_wrapper_example_runs(pm, ckpt, caplog):
+    """The example wrapper plugin of docs/writing-a-backend.md, as written: it logs every scheme
+    decision and overrides lm_head's, and the plan names it for that one."""
+    import re
+    import types
+    from pathlib import Path
+
+    guide = (Path(__file__).parents[1] / "docs" / "writing-a-backend.md").read_text()
+    section = guide[guide.index("## Hook wrappers"):]
+    source = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    module = types.ModuleType("acme_policy")
+    exec(compile(source, "writing-a-backend.md", "exec"), module.__dict__)
+    pm.register(module, "acme-policy", distribution="acme-policy", version="1.0")
+    with caplog.at_level(logging.INFO, logger="acme_policy"):
+        plan = quantplug.plan(ckpt, plugin_manager=pm)
+    decisions = _scheme_decisions(plan)
+    assert len([r for r in caplog.records if r.name == "acme_policy"]) >= len({d.target for d in decisions}) > 1
+    assert {d.target for d in decisions if d.plugin.name == "acme-policy"} == {"lm_head"}
+    [head] = [d for d in decisions if d.target == "lm_head"]
+    assert str(head.plugin) == "acme-policy (acme-policy 1.0), overriding core (quantplug " + quantplug.__version__ + ")"
