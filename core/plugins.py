@@ -576,8 +576,11 @@ class PluginManager:
         if first:
             if after is before:
                 return after
-            if after is not None:
-                self._check(hook, after, info, rec, "'s wrapper")
+            if after is None:  # the core's defaults answer last: None would leave the plan without one
+                target = f" for {rec.target()}" if rec is not None and rec.target() else ""
+                raise QuantplugError(f"plugin {info}'s wrapper of {hook} returned None in place of an "
+                                     f"answer{target}; a wrapper returns the answer it received, or its own")
+            self._check(hook, after, info, rec, "'s wrapper")
         else:
             if not isinstance(after, list):
                 raise QuantplugError(f"plugin {info}'s wrapper returned {type(after).__name__} from {hook}; "

@@ -236,6 +236,24 @@ def test_a_wrappers_wrong_answer_is_an_error_naming_the_wrapper(pm, ckpt):
         quantplug.plan(ckpt, plugin_manager=pm)
 
 
+def test_a_wrapper_may_not_withdraw_an_answer(pm, ckpt):
+    """None in place of the core's answer would leave the plan without a scheme (a raw
+    AttributeError in the plan): it is an error naming the wrapper and the layer."""
+    class Withdraw:
+        QUANTPLUG_CONTRACT = "1.11"
+
+        @hookimpl(wrapper=True)
+        def quantplug_linear_scheme(self, layer_name):
+            scheme = yield
+            return None if layer_name == FORCED else scheme
+
+    pm.register(Withdraw(), "withdraw", distribution="withdraw-dist", version="1")
+    with pytest.raises(QuantplugError, match=rf"plugin withdraw \(withdraw-dist 1\)'s wrapper of "
+                                             rf"quantplug_linear_scheme returned None in place of an answer "
+                                             rf"for {FORCED}"):
+        quantplug.plan(ckpt, plugin_manager=pm)
+
+
 def test_a_wrapper_that_raises_is_named(pm, ckpt):
     class Crash:
         QUANTPLUG_CONTRACT = "1.11"
