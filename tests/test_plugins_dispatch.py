@@ -220,6 +220,36 @@ def test_a_wrapper_adding_to_a_collected_hook_is_named_on_what_it_added(pm, ckpt
     assert str(by["site policy"]) == "policy (policy-dist 3), by its wrapper"
 
 
+def test_a_wrapper_of_a_hook_whose_answers_nobody_reads_may_just_yield(pm, ckpt):
+    """A timing wrapper of quantplug_process_after_loading that only yields (returns None) is
+    fine; the same on validate_plan, whose answers are read, is an error naming it."""
+    timed = []
+
+    class Timer:
+        QUANTPLUG_CONTRACT = "1.11"
+
+        @hookimpl(wrapper=True)
+        def quantplug_process_after_loading(self, model):
+            yield
+            timed.append(type(model).__name__)
+
+    pm.register(Timer(), "timer")
+    quantplug.load(ckpt, plugin_manager=pm, progress=False)
+    assert timed == ["DeepseekV3ForCausalLM"]
+
+    class Forgetful:
+        QUANTPLUG_CONTRACT = "1.11"
+
+        @hookimpl(wrapper=True)
+        def quantplug_validate_plan(self):
+            yield
+
+    pm.register(Forgetful(), "forgetful")
+    with pytest.raises(QuantplugError, match=r"plugin forgetful's wrapper returned NoneType from "
+                                             r"quantplug_validate_plan; expected the list of answers"):
+        quantplug.plan(ckpt, plugin_manager=pm)
+
+
 def test_a_wrappers_wrong_answer_is_an_error_naming_the_wrapper(pm, ckpt):
     class Bad:
         QUANTPLUG_CONTRACT = "1.11"
