@@ -33,6 +33,10 @@ included, run only on the loads it claimed. Every answer is still recorded as on
 decision: a wrapper that returns something other than what it received has overridden it, and
 the decision names the wrapper's plugin and whose answer it replaced
 (``quantplug.plugins.Overridden``); its answer is checked like any other.
+
+.. versionadded:: 1.11 hook wrappers (refused before; plugins declaring an older contract load
+   and answer as they did).
+.. versionchanged:: 1.11 pluggy calls the hooks: order, ``firstresult`` and None-skipping are its.
 """
 
 from __future__ import annotations
