@@ -20,16 +20,23 @@ the plan records it as a :class:`~quantplug.types.Decision`.
 
 Each spec below is the one source of its hook's contract: whether the first answer wins
 (``firstresult``) and what an answer must be (``answers``); the plugin manager reads both
-from here. Hooks are called through pluggy's own callers (one subset caller per plugin, so that
-every answer is known to be that plugin's), so pluggy's tracing and ``add_hookcall_monitoring``
-(on ``quantplug.plugins.PluginManager.pluggy``) see every call.
+from here. pluggy calls the hooks (global hooks through ``pm.hook.<name>``, backend hooks through
+one subset caller per hook and selected backend), so order, ``firstresult`` and None-skipping are
+pluggy's, and its tracing and ``add_hookcall_monitoring`` (on
+``quantplug.plugins.PluginManager.pluggy``) see every call.
 
-**Hook wrappers are refused by design** (a plugin with a ``wrapper`` / ``hookwrapper``
-implementation fails to register, naming the hook): every answer is recorded as one plugin's
-decision and checked against the checkpoint, and a wrapper that changed another plugin's answer
-would make that record name the wrong plugin. A backend changes its own answers in its own
-implementation; cross-cutting observation (logging, timing) uses pluggy's monitoring, which
-observes without answering.
+**Hook wrappers** (``@hookimpl(wrapper=True)``, old-style ``hookwrapper=True``; contract 1.11)
+observe or adjust answers as pytest plugins do. A plugin that answers no hook, only wraps, is a
+*wrapper plugin*: its wrappers run in every call of the hooks they wrap, whichever backend is
+selected. A plugin that answers any hook is a backend: all its implementations, wrappers
+included, run only on the loads it claimed. Every answer is still recorded as one plugin's
+decision: a wrapper that returns something other than what it received has overridden it, and
+the decision names the wrapper's plugin and whose answer it replaced
+(``quantplug.plugins.Overridden``); its answer is checked like any other.
+
+.. versionadded:: 1.11 hook wrappers (refused before; plugins declaring an older contract load
+   and answer as they did).
+.. versionchanged:: 1.11 pluggy calls the hooks: order, ``firstresult`` and None-skipping are its.
 """
 
 from __future__ import annotations
@@ -162,11 +169,18 @@ def answers(expected: str, kinds: Any, items: Any = None) -> Any:
 #:   each rank's part of every projection; the engine runs the collectives. Design note: an engine
 #:   integration owns its process group; quantplug plans, reads and splits, never communicates in
 #:   the engine's forward.
+#: * 1.11: pluggy calls the hooks (one dispatcher: order, ``firstresult`` and None-skipping are
+#:   its own), and hook wrappers are allowed (``@hookimpl(wrapper=True)``, old-style
+#:   ``hookwrapper=True``; refused before 1.11): a plugin that only wraps wraps every load's hooks,
+#:   a backend's wrappers run on its own loads only; an answer a wrapper replaces is recorded as
+#:   the wrapper plugin's decision, naming whose answer it replaced
+#:   (``quantplug.plugins.Overridden``, ``PluginManager.overrides()``). Plugins written for 1.10 or
+#:   older load and answer as before.
 #:
 #: A plugin declares at least the version of every feature it uses (:data:`API_SINCE`,
 #: :data:`SCHEME_SINCE`, each hook's ``versionadded``); ``quantplug.testing.contract`` checks it
 #: and the conformance kit runs that check.
-CONTRACT_VERSION = "1.10"
+CONTRACT_VERSION = "1.11"
 #: When each name of ``quantplug.api`` entered the contract; names not listed date from 1.1, when
 #: ``quantplug.api`` itself was added.
 API_SINCE: dict[str, str] = {

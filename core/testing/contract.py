@@ -5,7 +5,8 @@ it uses: an import error at best, a feature silently not used at worst.
 Features and their versions come from the contract itself: each hook's ``.. versionadded::``
 (:mod:`quantplug.hookspecs`), :data:`~quantplug.hookspecs.API_SINCE` for the names of
 ``quantplug.api`` a plugin's package imports, :data:`~quantplug.hookspecs.SCHEME_SINCE` for the
-optional ``LinearScheme`` members its schemes define. The conformance kit runs
+optional ``LinearScheme`` members its schemes define, and 1.11 for a hook wrapper
+(``wrapper=True`` / ``hookwrapper=True``). The conformance kit runs
 :func:`shortfall` on every backend it tests.
 """
 
@@ -93,6 +94,9 @@ def features(plugin: object) -> list[tuple[str, str]]:
         fn = getattr(plugin, name, None)
         if name.startswith("quantplug_") and callable(fn) and hasattr(fn, f"{hookspecs.PROJECT}_impl"):
             out.append((hook_since(name), f"hook {name}"))
+            opts = getattr(fn, f"{hookspecs.PROJECT}_impl") or {}
+            if opts.get("wrapper") or opts.get("hookwrapper"):
+                out.append(("1.11", f"hook wrapper {name}"))
             if name == "quantplug_export" and "plan" in inspect.signature(fn).parameters:
                 out.append(("1.1", "quantplug_export(plan=...)"))
     root, files = _package_files(plugin)
