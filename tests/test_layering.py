@@ -109,14 +109,7 @@ def _importable(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
-# circles still being taken apart (issue 43); each entry goes when its package has none
-_KNOWN = {"quantplug", "quantplug_expert_pack"}
-
-
-@pytest.mark.parametrize(
-    "package",
-    [pytest.param(p, marks=pytest.mark.xfail(reason="issue 43", strict=True)) if p in _KNOWN else p for p in PACKAGES],
-)
+@pytest.mark.parametrize("package", PACKAGES)
 def test_no_import_circle(package: str) -> None:
     if not _importable(package):
         pytest.skip(f"{package} is not installed")

@@ -41,7 +41,7 @@ from quantplug.api import (
     safetensors_header,
 )
 
-from .build import staged
+from ._staging import staged
 
 INDEX_NAME = "model.safetensors.index.json"
 #: a routed-expert tensor stored for all experts at once (transformers 5 fused / stacked layouts)
@@ -123,7 +123,7 @@ def build_safetensors(root: Path, out_dir: Path, alignment: int, progress: bool 
     """Write the pack, the shards without their experts and the index into ``out_dir``; returns a
     :class:`.build.BuildResult` (its ``shards``: the rewritten shards and the index; ``dropped``:
     shards that held only experts)."""
-    from .build import BuildResult, _copy
+    from ._staging import BuildResult, _copy
     from .pack import PACK_NAME
 
     if alignment <= 0 or alignment & (alignment - 1):
