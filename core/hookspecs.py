@@ -45,8 +45,8 @@ from .types import AttentionLayout, Claim, ExportResult, OptionSpec, Problem
 if TYPE_CHECKING:
     import torch
 
-    from .checkpoint import Checkpoint
     from .contract.arch import ArchSpec
+    from .contract.checkpoint import CheckpointView as Checkpoint
     from .contract.config import ModelConfig
     from .contract.plan import LoadPlanView as LoadPlan
     from .contract.scheme import LinearScheme

@@ -9,9 +9,11 @@
   ``parse_model_config``);
 * :mod:`~quantplug.contract.arch`: :class:`ArchSpec`, the plan oracle (``PlanOracle``) and the
   ``quantplug.architectures`` entry-point group;
-* :mod:`~quantplug.contract.plan`, :mod:`~quantplug.contract.plugins`,
-  :mod:`~quantplug.contract.experts`: protocols of the load plan, the plugin manager and routed
-  experts, for code below the modules that define them.
+* :mod:`~quantplug.contract.plan`, :mod:`~quantplug.contract.checkpoint`,
+  :mod:`~quantplug.contract.plugins`, :mod:`~quantplug.contract.experts`: protocols of the load
+  plan, the checkpoint index, the plugin manager and routed experts, for code below the modules
+  that define them (the hook specifications, the tensor-parallel split, option resolution, the
+  expert store).
 
 It imports only ``quantplug.types``, ``quantplug.errors`` and ``quantplug.validation`` (torch and
 the standard library beside). Plugins import these names from :mod:`quantplug.api`.
