@@ -5,7 +5,8 @@ stacked linears (:class:`StackLayout` and its kinds).
 
 Below the layers that implement it (``quantplug.layers.linear`` builds :class:`QuantLinear`
 and :class:`StackedLinear` on it, and re-exports every name here); it imports only
-``quantplug.types`` / ``quantplug.errors`` (the kernels' ``Weights`` for type checking only).
+``quantplug.types`` / ``quantplug.errors`` (the kernels' ``Weights`` for type checking only: the
+return type of :meth:`LinearScheme.form`).
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from torch import nn
 
 from ..errors import QuantplugError
 from ..types import FLOAT_DTYPES, TORCH_DTYPE_NAMES, Problem, TensorInfo, TensorSpec
+from .options import LoadOptions
 
 if TYPE_CHECKING:
     from ..kernels.forms import Weights
-    from .options import LoadOptions
 
 #: the one dtype table: safetensors dtype name -> torch dtype (``types.SAFETENSORS_DTYPES`` names
 #: the keys, for code that must not import torch; GGUF's float / int types reuse these names);
