@@ -224,7 +224,8 @@ def _build_any(root: Path, out_dir: Path, alignment: int, progress: bool | None,
         return _build(root, out_dir, alignment, progress)
     from .build_st import build_safetensors
 
-    result: BuildResult = build_safetensors(root, out_dir, alignment, progress, out_of_place)
+    # this module's ``_copy`` (looked up now): the one both builders copy with
+    result: BuildResult = build_safetensors(root, out_dir, alignment, progress, out_of_place, copy=_copy)
     return result
 
 
