@@ -11,8 +11,10 @@ Run as a script to print every circle: ``python tests/test_layering.py [package 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,9 +23,9 @@ grimp = pytest.importorskip("grimp") if __name__ != "__main__" else __import__("
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# every first-party import package: the core, each backend plugin, the transformers bridge and the
-# example third-party packages (acme_quant is not installed in the main environment: its source
-# folder is put on sys.path for grimp to find it)
+# every first-party import package: the core, each backend plugin, the transformers and vLLM
+# bridges and the example third-party packages (acme_quant and the vLLM bridge are not installed in
+# the main environment: their source folders are put on sys.path for grimp, which only parses them)
 PACKAGES = [
     "quantplug",
     "quantplug_compressed_tensors",
@@ -34,10 +36,11 @@ PACKAGES = [
     "quantplug_modelslim",
     "quantplug_quark",
     "quantplug_transformers",
+    "quantplug_vllm",
     "quantplug_deepseek_v2",
     "acme_quant",
 ]
-_EXTRA_PATHS = [ROOT / "examples" / "acme_quant"]
+_EXTRA_PATHS = [ROOT / "examples" / "acme_quant", ROOT / "integrations" / "vllm"]
 
 
 def _sccs(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -89,11 +92,22 @@ def _sccs(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(out, key=lambda c: (-len(c), c))
 
 
+@contextlib.contextmanager
+def _findable() -> Iterator[None]:
+    """The uninstalled source folders on sys.path for the duration (other tests in this process
+    must not find acme_quant or the vLLM bridge importable)."""
+    added = [str(p) for p in _EXTRA_PATHS if str(p) not in sys.path]
+    sys.path.extend(added)
+    try:
+        yield
+    finally:
+        for p in added:
+            sys.path.remove(p)
+
+
 def import_graph(package: str) -> dict[str, set[str]]:
-    for p in _EXTRA_PATHS:
-        if str(p) not in sys.path:
-            sys.path.append(str(p))
-    g = grimp.build_graph(package, include_external_packages=False, cache_dir=None)
+    with _findable():
+        g = grimp.build_graph(package, include_external_packages=False, cache_dir=None)
     return {m: set(g.find_modules_directly_imported_by(m)) for m in g.modules}
 
 
@@ -103,10 +117,8 @@ def cycles(package: str) -> list[list[str]]:
 
 
 def _importable(package: str) -> bool:
-    for p in _EXTRA_PATHS:
-        if str(p) not in sys.path:
-            sys.path.append(str(p))
-    return importlib.util.find_spec(package) is not None
+    with _findable():
+        return importlib.util.find_spec(package) is not None
 
 
 @pytest.mark.parametrize("package", PACKAGES)
