@@ -54,6 +54,18 @@ from torch import nn
 from .checkpoint import TORCH_DTYPES, Checkpoint, qpack, storage_shape
 from .checkpoint.gguf_index import GGUF_FLOATS, GGUFHeader, SkippedArray, ggml_types, read_gguf_header
 from .checkpoint.safetensors_index import write_header as safetensors_header
+from .contract.arch import ArchSpec, PlanOracle
+from .contract.config import ModelConfig, RopeConfig, parse_model_config
+from .contract.options import KERNELS, LoadOptions, TakesOptions
+from .contract.scheme import (
+    FLOATS,
+    FusedLayout,
+    LinearScheme,
+    PerIndexLayout,
+    SplitRule,
+    StackedLayout,
+    StackLayout,
+)
 from .errors import (
     AmbiguousBackendError,
     CheckpointError,
@@ -71,18 +83,11 @@ from .kernels import ggml, native
 from .kernels.forms import ActQuant, Form, Weights
 from .layers.embedding import Embedding
 from .layers.linear import (
-    FLOATS,
     DenseScheme,
     FloatParams,
-    FusedLayout,
-    LinearScheme,
-    PerIndexLayout,
     QuantLinear,
     RefusedScheme,
-    SplitRule,
-    StackedLayout,
     StackedLinear,
-    StackLayout,
     fuse_attention,
     fuse_int4_packs,
     fuse_mlp,
@@ -91,7 +96,6 @@ from .layers.linear import (
 from .layers.norm import RMSNorm
 from .layers.rope import Rotary
 from .memory import read_into
-from .models.config import ModelConfig, RopeConfig, parse_model_config
 from .models.declarations import (
     ColumnParallel,
     DeclarationError,
@@ -117,9 +121,7 @@ from .models.declarations import (
     ckpt_name,
     declared,
 )
-from .models.deepseek import MLA, MLP, DecoderLayer, DeepseekV3ForCausalLM, Experts, MoE, PlanOracle, Router
-from .models.registry import ArchSpec
-from .options import KERNELS, LoadOptions, TakesOptions
+from .models.deepseek import MLA, MLP, DecoderLayer, DeepseekV3ForCausalLM, Experts, MoE, Router
 from .plan import LoadPlan
 from .stats import StatsSource, expose_stats, stats_sources
 from .types import (

@@ -7,11 +7,13 @@ Exit codes: 0 ok; 1 a QuantplugError (one line on stderr, traceback only with --
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, PlanError, QuantplugError
@@ -203,15 +205,232 @@ def cmd_forward(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from .generate import cli_generate
+# -- quantplug generate (the generation loop is quantplug.generate) ----------------------------------
 
+
+def cli_generate(args: Any, model: Any) -> int:
+    """``quantplug generate``: stream the new text (or token ids) to stdout, or one JSON object.
+
+    Statistics a backend exposes (``quantplug.api.expose_stats``): ``stats`` holds, per source,
+    each counter's growth over the decode steps. A source counting ``expert_reads`` (the core's
+    expert cache, ``expert_cache_mb``) also gives ``expert_cache_hit_rate`` = 1 - expert reads /
+    routed experts used (distinct experts per MoE layer and step: the core cache's ``requests``,
+    another source's counted at the routers' forward), ``pack_reads_per_expert_use`` (above 1
+    when an expert is read more than once per use) and ``ssd_bytes_per_token`` (``bytes_read`` per
+    decode step)."""
+    import torch
+
+    from .experts import ExpertCache
+    from .generate import GenerationError
+    from .stats import BYTES_READ, EXPERT_READS, stats_sources
+    from .tokenizer import load_tokenizer
+
+    try:
+        tok = load_tokenizer(args.path)
+    except QuantplugError as exc:
+        if args.tokens is None:
+            raise
+        tok = None  # ids given: the text is only for display, so generate and print ids instead
+        print(f"quantplug: tokenizer not usable, printing token ids ({exc})", file=sys.stderr)
+    if args.tokens is not None:
+        try:
+            ids = [int(t) for t in args.tokens.split(",") if t.strip()]
+        except ValueError:
+            raise GenerationError(f"--tokens {args.tokens!r}: expected comma-separated integers") from None
+    else:
+        if tok is None:
+            raise GenerationError(f"{args.path}: no tokenizer (tokenizer.json, tiktoken.model or a GGUF vocabulary); "
+                                  "pass --tokens")
+        if args.chat:
+            ids = tok.encode(tok.render_chat([{"role": "user", "content": args.prompt}]), add_special_tokens=False)
+        else:
+            ids = tok.encode(args.prompt)
+    if not ids:
+        raise GenerationError("the prompt has no tokens")
+    sample = args.top_p is not None or args.top_k is not None or bool(args.temperature)
+    gen = model.stream(torch.tensor([ids]), args.max_new_tokens, do_sample=sample,
+                       temperature=args.temperature or 1.0, top_p=args.top_p, top_k=args.top_k,
+                       generator=torch.Generator().manual_seed(args.seed) if sample else None,
+                       speculative=getattr(args, "speculative", None))
+    sources = stats_sources(model)
+    packs = next((s for s in sources.values() if EXPERT_READS in s.stats()), None)
+    before: dict[str, Mapping[str, float]] = {}
+    uses = [0]  # distinct routed experts per MoE layer and step, summed over decode steps
+    hooks = []
+    if packs is not None:
+        from .models.deepseek import Router
+
+        def count(_mod: Any, _inp: Any, out: Any) -> None:
+            if before:
+                uses[0] += int(torch.unique(out[0]).numel())
+
+        hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, Router)]
+    new: list[int] = []
+    shown = ""
+    for step, t in enumerate(gen):
+        new.append(int(t[0]))
+        if step == 0:
+            before = {name: dict(s.stats()) for name, s in sources.items()}
+        if args.json:
+            continue
+        if tok is None:
+            print(new[-1], end=" ", flush=True)
+            continue
+        text = tok.decode(new, skip_special_tokens=True)
+        if text.startswith(shown) and not text.endswith("\ufffd"):
+            print(text[len(shown):], end="", flush=True)
+            shown = text
+    result: dict[str, Any] = {"tokens": new}
+    if tok is not None:
+        result["text"] = tok.decode(new, skip_special_tokens=True)
+    result.update({"tokens_per_second": round(gen.tokens_per_second(), 3),
+                   "prefill_seconds": round(gen.prefill_seconds, 6),
+                   "kv_cache_bytes_per_token": gen.cache.bytes_per_token()})
+    if gen.speculative is not None:
+        rate = gen.acceptance_rate()
+        result.update({"speculative": gen.speculative, "drafts": gen.drafts, "accepted_drafts": gen.accepted,
+                       "acceptance_rate": None if rate is None else round(rate, 4),
+                       "mtp_kv_cache_bytes_per_token": gen.mtp_cache.bytes_per_token() if gen.mtp_cache else 0})
+    for h in hooks:
+        h.remove()
+    if sources:
+        result["stats"] = {name: {k: v - before.get(name, {}).get(k, 0) for k, v in s.stats().items()}
+                           for name, s in sources.items()}
+    if packs is not None:
+        # expert-level: each routed expert a decode step uses is a hit unless the pack was read for it
+        # (the cache's own hits/misses count one lookup per projection)
+        name = next(n for n, s in sources.items() if s is packs)
+        grown, steps = result["stats"][name], max(len(new) - 1, 1)
+        misses = grown[EXPERT_READS]
+        # the core's cache is asked once per distinct expert of a layer and step (a decode step routes
+        # on Python numbers, past the routers' forward hooks): its requests are the uses
+        used = grown["requests"] if isinstance(packs, ExpertCache) else uses[0]
+        result["expert_cache_hit_rate"] = round(max(0.0, 1 - misses / used), 4) if used else None
+        # > 1 when experts are read more than once per use (prefetches that were not used, thrashing)
+        result["pack_reads_per_expert_use"] = round(misses / used, 4) if used else None
+        result["ssd_bytes_per_token"] = round(grown.get(BYTES_READ, 0) / steps, 1)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    if tok is not None and result["text"] != shown:
+        print(result["text"][len(shown):] if result["text"].startswith(shown) else "", end="")
+    print(flush=True)
+    extra = ""
+    if gen.speculative is not None:
+        rate = result["acceptance_rate"]
+        extra += (f", {gen.speculative} drafts {gen.drafts}, accepted {gen.accepted}"
+                  f" ({'n/a' if rate is None else f'{rate:.1%}'})")
+    if packs is not None:
+        extra += (f", expert cache hit rate {result['expert_cache_hit_rate']}, "
+                 f"{result['ssd_bytes_per_token']:,.0f} SSD bytes/token")
+    print(f"[{len(new)} tokens, {result['tokens_per_second']:.2f} tok/s decode, prefill "
+          f"{gen.prefill_seconds:.3f} s, KV cache {result['kv_cache_bytes_per_token']:,} bytes/token{extra}]",
+          file=sys.stderr)
+    return 0
+
+
+# -- quantplug eval (the scoring is quantplug.eval) ---------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _reference_from_model(args: Any, load: Callable[[str], Any], text: str) -> Iterator[tuple[Path | None, list[int]]]:
+    import gc
+    import os
+    import tempfile
+
+    from .eval import evaluate, text_tokens
+    """``--reference-model``: load it, save its distributions over the text to a temporary logits
+    file (next to --save-logits, else the system's temporary directory), release it; yields the
+    file (None on ranks other than 0) and its tokens; the file is removed afterwards."""
+    ref = load(args.reference_model)
+    tokens, bos = text_tokens(args.reference_model, text)
+    rank = int(getattr(ref, "load_report", {}).get("rank", 0))
+    where = Path(args.save_logits).resolve().parent if args.save_logits else None
+    path: Path | None = None
+    if rank == 0:
+        fd, name = tempfile.mkstemp(prefix="quantplug-reference-", suffix=".logits", dir=where)
+        os.close(fd)
+        path = Path(name)
+    try:
+        res = evaluate(ref, tokens, n_ctx=args.ctx, bos=bos, batch=args.batch, max_chunks=args.max_chunks,
+                       save_logits=path, progress=None)
+        del ref
+        gc.collect()
+        if res is not None:
+            print(f"reference {args.reference_model}: PPL = {res.ppl:.4f} +/- {res.ppl_err:.5f} "
+                  f"({res.logits_bytes:,} bytes of logits, temporary)", file=sys.stderr)
+        yield path, tokens[:len(tokens) // args.ctx * args.ctx]
+    finally:
+        if path is not None:
+            path.unlink(missing_ok=True)
+
+
+def cli_eval(args: Any, load: Callable[[str], Any]) -> int:
+    """``quantplug eval``: checks the arguments before loading anything, then scores (module
+    docstring); text (llama.cpp's lines) or ``--json``. ``load(path)`` loads a checkpoint with the
+    command's options."""
+    from .eval import EvalError, LogitsReader, check_ctx, checkpoint_bos, evaluate, read_text, text_tokens
+
+    if args.text is None and args.reference is None:
+        raise EvalError("--text FILE is needed (or --reference OUT, whose tokens are evaluated)")
+    if args.reference_model is not None and args.text is None:
+        raise EvalError("--reference-model needs --text FILE")
+    text = read_text(args.text) if args.text is not None else None
+    if args.ctx is not None:
+        check_ctx(args.ctx)
+    if args.batch < 1:
+        raise EvalError(f"--batch {args.batch}: expected >= 1")
+    if args.max_chunks is not None and args.max_chunks < 1:
+        raise EvalError(f"--max-chunks {args.max_chunks}: expected >= 1")
+    header: LogitsReader | None = None
+    if args.reference is not None:  # checked (header, size, tokens) before the model loads
+        header = LogitsReader(args.reference)
+        header.close()
+        if args.ctx is not None and args.ctx != header.n_ctx:
+            raise EvalError(f"reference {header.path} was computed with --ctx {header.n_ctx}, not {args.ctx}")
+        args.ctx = header.n_ctx
+    if args.ctx is None:
+        args.ctx = 512
+    with contextlib.ExitStack() as stack:
+        reference: Path | None = Path(args.reference) if args.reference is not None else None
+        ref_tokens: list[int] | None = None
+        if args.reference_model is not None:
+            assert text is not None
+            reference, ref_tokens = stack.enter_context(_reference_from_model(args, load, text))
+        model = load(args.path)
+        from .generate import max_seq_len
+
+        check_ctx(args.ctx, max_seq_len(model.text_lm().config))
+        tokens: Sequence[int] | None
+        if text is not None:
+            tokens, bos = text_tokens(args.path, text)
+        else:
+            assert header is not None
+            tokens, bos = None, checkpoint_bos(model, args.path, int(header.tokens[0]))
+        if ref_tokens is not None and tokens is not None and reference is None:
+            tokens = ref_tokens  # ranks other than 0: the reference's tokens, checked on rank 0
+        result = evaluate(model, tokens, n_ctx=args.ctx, bos=bos, batch=args.batch, max_chunks=args.max_chunks,
+                          save_logits=args.save_logits, reference=reference, progress=None)
+    if result is None:
+        return 0
+    if args.json:
+        d = result.to_dict()
+        d["path"] = str(args.path)
+        d["reference"] = str(args.reference_model or args.reference) if (args.reference_model or args.reference) else None
+        print(json.dumps(d))
+    else:
+        print("\n".join(result.lines()))
+    return 0
+
+
+# -- commands -------------------------------------------------------------------------------------
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
     return cli_generate(args, _load(args))
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .eval import cli_eval
-
     def load(path: str) -> Any:
         from .loader import load as load_checkpoint
 

@@ -8,10 +8,35 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .types import Problem
+
+class _Problem(Protocol):
+    """What the errors read of a :class:`quantplug.types.Problem` (a protocol: ``types`` imports
+    this module, not the other way round)."""
+
+    @property
+    def message(self) -> str: ...
+
+    @property
+    def tensor(self) -> str | None: ...
+
+    @property
+    def file(self) -> str | None: ...
+
+    @property
+    def layer(self) -> str | None: ...
+
+    @property
+    def plugin(self) -> Any: ...
+
+    @property
+    def severity(self) -> str: ...
+
+    @property
+    def kind(self) -> str: ...
+
+    def describe(self) -> str: ...
 
 
 class QuantplugError(Exception):
@@ -48,7 +73,7 @@ class PlanError(QuantplugError):
     Problems sharing one cause are said once (:func:`group_problems`); ``problems`` keeps every one.
     """
 
-    def __init__(self, problems: Sequence[Problem], path: str = "") -> None:
+    def __init__(self, problems: Sequence[_Problem], path: str = "") -> None:
         self.problems = tuple(problems)
         self.path = path
         self.lines = group_problems(self.problems)
@@ -71,7 +96,7 @@ def _module_of(tensor: str) -> str:
     return _EXPERT_INDEX.sub(".experts.", name).rsplit(".", 1)[0]
 
 
-def group_problems(problems: Sequence[Problem], severity: bool = False) -> list[str]:
+def group_problems(problems: Sequence[_Problem], severity: bool = False) -> list[str]:
     """One line per cause: problems with the same message, kind, severity and plugin are merged
     into one line listing their layers / tensors; missing / unexpected / shape / dtype problems
     about the tensors of a layer the backend refused (``refuse``) are dropped, the refusal says it."""
@@ -79,7 +104,7 @@ def group_problems(problems: Sequence[Problem], severity: bool = False) -> list[
     kept = [p for p in problems
             if not (refused and p.kind in _FOLLOW_ON and p.tensor and _module_of(p.tensor) in refused)]
     dropped = len(problems) - len(kept)
-    groups: dict[tuple[str, str, str, str], list[Problem]] = {}
+    groups: dict[tuple[str, str, str, str], list[_Problem]] = {}
     for p in kept:
         groups.setdefault((p.severity, p.kind, p.message, str(p.plugin or "")), []).append(p)
     lines = []

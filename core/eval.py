@@ -28,15 +28,12 @@ difference with their uncertainties.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
 import os
 import shutil
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -671,92 +668,3 @@ def checkpoint_bos(model: Any, checkpoint: str | Path, first_token: int | None) 
     raw = getattr(model.text_lm().config, "raw", None)
     bos = raw.get("bos_token_id") if isinstance(raw, dict) else None
     return bos if type(bos) is int and bos == first_token else None
-
-
-# -- the command ---------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _reference_from_model(args: Any, load: Callable[[str], Any], text: str) -> Iterator[tuple[Path | None, list[int]]]:
-    """``--reference-model``: load it, save its distributions over the text to a temporary logits
-    file (next to --save-logits, else the system's temporary directory), release it; yields the
-    file (None on ranks other than 0) and its tokens; the file is removed afterwards."""
-    ref = load(args.reference_model)
-    tokens, bos = text_tokens(args.reference_model, text)
-    rank = int(getattr(ref, "load_report", {}).get("rank", 0))
-    where = Path(args.save_logits).resolve().parent if args.save_logits else None
-    path: Path | None = None
-    if rank == 0:
-        fd, name = tempfile.mkstemp(prefix="quantplug-reference-", suffix=".logits", dir=where)
-        os.close(fd)
-        path = Path(name)
-    try:
-        res = evaluate(ref, tokens, n_ctx=args.ctx, bos=bos, batch=args.batch, max_chunks=args.max_chunks,
-                       save_logits=path, progress=None)
-        del ref
-        gc.collect()
-        if res is not None:
-            print(f"reference {args.reference_model}: PPL = {res.ppl:.4f} +/- {res.ppl_err:.5f} "
-                  f"({res.logits_bytes:,} bytes of logits, temporary)", file=sys.stderr)
-        yield path, tokens[:len(tokens) // args.ctx * args.ctx]
-    finally:
-        if path is not None:
-            path.unlink(missing_ok=True)
-
-
-def cli_eval(args: Any, load: Callable[[str], Any]) -> int:
-    """``quantplug eval``: checks the arguments before loading anything, then scores (module
-    docstring); text (llama.cpp's lines) or ``--json``. ``load(path)`` loads a checkpoint with the
-    command's options."""
-    import json
-
-    if args.text is None and args.reference is None:
-        raise EvalError("--text FILE is needed (or --reference OUT, whose tokens are evaluated)")
-    if args.reference_model is not None and args.text is None:
-        raise EvalError("--reference-model needs --text FILE")
-    text = read_text(args.text) if args.text is not None else None
-    if args.ctx is not None:
-        check_ctx(args.ctx)
-    if args.batch < 1:
-        raise EvalError(f"--batch {args.batch}: expected >= 1")
-    if args.max_chunks is not None and args.max_chunks < 1:
-        raise EvalError(f"--max-chunks {args.max_chunks}: expected >= 1")
-    header: LogitsReader | None = None
-    if args.reference is not None:  # checked (header, size, tokens) before the model loads
-        header = LogitsReader(args.reference)
-        header.close()
-        if args.ctx is not None and args.ctx != header.n_ctx:
-            raise EvalError(f"reference {header.path} was computed with --ctx {header.n_ctx}, not {args.ctx}")
-        args.ctx = header.n_ctx
-    if args.ctx is None:
-        args.ctx = 512
-    with contextlib.ExitStack() as stack:
-        reference: Path | None = Path(args.reference) if args.reference is not None else None
-        ref_tokens: list[int] | None = None
-        if args.reference_model is not None:
-            assert text is not None
-            reference, ref_tokens = stack.enter_context(_reference_from_model(args, load, text))
-        model = load(args.path)
-        from .generate import max_seq_len
-
-        check_ctx(args.ctx, max_seq_len(model.text_lm().config))
-        tokens: Sequence[int] | None
-        if text is not None:
-            tokens, bos = text_tokens(args.path, text)
-        else:
-            assert header is not None
-            tokens, bos = None, checkpoint_bos(model, args.path, int(header.tokens[0]))
-        if ref_tokens is not None and tokens is not None and reference is None:
-            tokens = ref_tokens  # ranks other than 0: the reference's tokens, checked on rank 0
-        result = evaluate(model, tokens, n_ctx=args.ctx, bos=bos, batch=args.batch, max_chunks=args.max_chunks,
-                          save_logits=args.save_logits, reference=reference, progress=None)
-    if result is None:
-        return 0
-    if args.json:
-        d = result.to_dict()
-        d["path"] = str(args.path)
-        d["reference"] = str(args.reference_model or args.reference) if (args.reference_model or args.reference) else None
-        print(json.dumps(d))
-    else:
-        print("\n".join(result.lines()))
-    return 0

@@ -38,6 +38,7 @@ from torch import nn
 
 from .checkpoint import qpack, storage_shape
 from .checkpoint.gguf_index import GGUF_FLOATS
+from .contract.experts import RoutedExpertStacks
 from .errors import LoadError
 from .kernels import compute
 from .layers.activation import SILU
@@ -426,8 +427,6 @@ def attach(plan: Any, model: nn.Module, budget_bytes: int,
     MoE layer whose experts the plan reads per expert (``module.store``), sharing one cache of
     ``budget_bytes``. Returns the ids of the parameter plans the loader must not load, the cache,
     and the layers left in memory with the reason."""
-    from .models.deepseek import Experts
-
     by_module: dict[int, dict[str, Any]] = {}
     for pp in plan.params:
         by_module.setdefault(id(pp.module), {})[pp.local] = pp
@@ -437,7 +436,7 @@ def attach(plan: Any, model: nn.Module, budget_bytes: int,
     stores = 0
     smallest = 1 << 62
     for mod in model.modules():
-        if not isinstance(mod, Experts):
+        if not isinstance(mod, RoutedExpertStacks):
             continue
         layers = {proj: getattr(mod, proj) for proj in PROJS}
         pieces: dict[str, dict[str, list[_Piece]]] = {}

@@ -19,7 +19,7 @@ tokens, up to two per main-model forward; a rejected draft is rolled back with
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,7 +28,7 @@ from .errors import QuantplugError
 from .memory import gc_paused
 
 if TYPE_CHECKING:
-    from .models.config import ModelConfig
+    from .contract.config import ModelConfig
 
 #: tokens a cache grows by when a forward needs more room than it was preallocated for
 CHUNK = 256
@@ -234,7 +234,7 @@ def checkpoint_eos(model: Any) -> tuple[int, ...]:
     """End-of-sequence ids of the loaded checkpoint: ``generation_config.json``'s ``eos_token_id``,
     else config.json's (text config, then the wrapper's); an int or a list; () if none. A value of
     another type is a ConfigError naming the file and key (never skipped)."""
-    from .models.config import MAX_VOCAB
+    from .contract.config import MAX_VOCAB
     from .validation import Fields
 
     def read(f: Fields) -> tuple[int, ...] | None:
@@ -611,124 +611,3 @@ class GenerationMixin:
         for _ in g:
             pass
         return g.sequences()
-
-
-def cli_generate(args: Any, model: Any) -> int:
-    """``quantplug generate``: stream the new text (or token ids) to stdout, or one JSON object.
-
-    Statistics a backend exposes (``quantplug.api.expose_stats``): ``stats`` holds, per source,
-    each counter's growth over the decode steps. A source counting ``expert_reads`` (the core's
-    expert cache, ``expert_cache_mb``) also gives ``expert_cache_hit_rate`` = 1 - expert reads /
-    routed experts used (distinct experts per MoE layer and step: the core cache's ``requests``,
-    another source's counted at the routers' forward), ``pack_reads_per_expert_use`` (above 1
-    when an expert is read more than once per use) and ``ssd_bytes_per_token`` (``bytes_read`` per
-    decode step)."""
-    import json
-    import sys
-
-    from .experts import ExpertCache
-    from .stats import BYTES_READ, EXPERT_READS, stats_sources
-    from .tokenizer import load_tokenizer
-
-    try:
-        tok = load_tokenizer(args.path)
-    except QuantplugError as exc:
-        if args.tokens is None:
-            raise
-        tok = None  # ids given: the text is only for display, so generate and print ids instead
-        print(f"quantplug: tokenizer not usable, printing token ids ({exc})", file=sys.stderr)
-    if args.tokens is not None:
-        try:
-            ids = [int(t) for t in args.tokens.split(",") if t.strip()]
-        except ValueError:
-            raise GenerationError(f"--tokens {args.tokens!r}: expected comma-separated integers") from None
-    else:
-        if tok is None:
-            raise GenerationError(f"{args.path}: no tokenizer (tokenizer.json, tiktoken.model or a GGUF vocabulary); "
-                                  "pass --tokens")
-        if args.chat:
-            ids = tok.encode(tok.render_chat([{"role": "user", "content": args.prompt}]), add_special_tokens=False)
-        else:
-            ids = tok.encode(args.prompt)
-    if not ids:
-        raise GenerationError("the prompt has no tokens")
-    sample = args.top_p is not None or args.top_k is not None or bool(args.temperature)
-    gen = model.stream(torch.tensor([ids]), args.max_new_tokens, do_sample=sample,
-                       temperature=args.temperature or 1.0, top_p=args.top_p, top_k=args.top_k,
-                       generator=torch.Generator().manual_seed(args.seed) if sample else None,
-                       speculative=getattr(args, "speculative", None))
-    sources = stats_sources(model)
-    packs = next((s for s in sources.values() if EXPERT_READS in s.stats()), None)
-    before: dict[str, Mapping[str, float]] = {}
-    uses = [0]  # distinct routed experts per MoE layer and step, summed over decode steps
-    hooks = []
-    if packs is not None:
-        from .models.deepseek import Router
-
-        def count(_mod: Any, _inp: Any, out: Any) -> None:
-            if before:
-                uses[0] += int(torch.unique(out[0]).numel())
-
-        hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, Router)]
-    new: list[int] = []
-    shown = ""
-    for step, t in enumerate(gen):
-        new.append(int(t[0]))
-        if step == 0:
-            before = {name: dict(s.stats()) for name, s in sources.items()}
-        if args.json:
-            continue
-        if tok is None:
-            print(new[-1], end=" ", flush=True)
-            continue
-        text = tok.decode(new, skip_special_tokens=True)
-        if text.startswith(shown) and not text.endswith("\ufffd"):
-            print(text[len(shown):], end="", flush=True)
-            shown = text
-    result: dict[str, Any] = {"tokens": new}
-    if tok is not None:
-        result["text"] = tok.decode(new, skip_special_tokens=True)
-    result.update({"tokens_per_second": round(gen.tokens_per_second(), 3),
-                   "prefill_seconds": round(gen.prefill_seconds, 6),
-                   "kv_cache_bytes_per_token": gen.cache.bytes_per_token()})
-    if gen.speculative is not None:
-        rate = gen.acceptance_rate()
-        result.update({"speculative": gen.speculative, "drafts": gen.drafts, "accepted_drafts": gen.accepted,
-                       "acceptance_rate": None if rate is None else round(rate, 4),
-                       "mtp_kv_cache_bytes_per_token": gen.mtp_cache.bytes_per_token() if gen.mtp_cache else 0})
-    for h in hooks:
-        h.remove()
-    if sources:
-        result["stats"] = {name: {k: v - before.get(name, {}).get(k, 0) for k, v in s.stats().items()}
-                           for name, s in sources.items()}
-    if packs is not None:
-        # expert-level: each routed expert a decode step uses is a hit unless the pack was read for it
-        # (the cache's own hits/misses count one lookup per projection)
-        name = next(n for n, s in sources.items() if s is packs)
-        grown, steps = result["stats"][name], max(len(new) - 1, 1)
-        misses = grown[EXPERT_READS]
-        # the core's cache is asked once per distinct expert of a layer and step (a decode step routes
-        # on Python numbers, past the routers' forward hooks): its requests are the uses
-        used = grown["requests"] if isinstance(packs, ExpertCache) else uses[0]
-        result["expert_cache_hit_rate"] = round(max(0.0, 1 - misses / used), 4) if used else None
-        # > 1 when experts are read more than once per use (prefetches that were not used, thrashing)
-        result["pack_reads_per_expert_use"] = round(misses / used, 4) if used else None
-        result["ssd_bytes_per_token"] = round(grown.get(BYTES_READ, 0) / steps, 1)
-    if args.json:
-        print(json.dumps(result))
-        return 0
-    if tok is not None and result["text"] != shown:
-        print(result["text"][len(shown):] if result["text"].startswith(shown) else "", end="")
-    print(flush=True)
-    extra = ""
-    if gen.speculative is not None:
-        rate = result["acceptance_rate"]
-        extra += (f", {gen.speculative} drafts {gen.drafts}, accepted {gen.accepted}"
-                  f" ({'n/a' if rate is None else f'{rate:.1%}'})")
-    if packs is not None:
-        extra += (f", expert cache hit rate {result['expert_cache_hit_rate']}, "
-                 f"{result['ssd_bytes_per_token']:,.0f} SSD bytes/token")
-    print(f"[{len(new)} tokens, {result['tokens_per_second']:.2f} tok/s decode, prefill "
-          f"{gen.prefill_seconds:.3f} s, KV cache {result['kv_cache_bytes_per_token']:,} bytes/token{extra}]",
-          file=sys.stderr)
-    return 0

@@ -52,11 +52,11 @@ from .types import AttentionLayout, Claim, ExportResult, OptionSpec, Problem
 if TYPE_CHECKING:
     import torch
 
-    from .checkpoint import Checkpoint
-    from .layers.linear import LinearScheme
-    from .models.config import ModelConfig
-    from .models.registry import ArchSpec
-    from .plan import LoadPlan
+    from .contract.arch import ArchSpec
+    from .contract.checkpoint import CheckpointView as Checkpoint
+    from .contract.config import ModelConfig
+    from .contract.plan import LoadPlanView as LoadPlan
+    from .contract.scheme import LinearScheme
 
 PROJECT = "quantplug"
 
@@ -227,13 +227,13 @@ BACKEND_HOOKS = frozenset({
 
 
 def _arch_spec() -> tuple[type, ...]:
-    from .models.registry import ArchSpec
+    from .contract.arch import ArchSpec
 
     return (ArchSpec,)
 
 
 def _linear_scheme() -> tuple[type, ...]:
-    from .layers.linear import LinearScheme
+    from .contract.scheme import LinearScheme
 
     return (LinearScheme,)
 

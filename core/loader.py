@@ -25,10 +25,10 @@ from torch import nn
 from . import experts, parallel
 from .checkpoint import TORCH_DTYPES, qpack
 from .checkpoint.gguf_index import GGUF_FLOATS
+from .contract.options import TakesOptions
 from .errors import CheckpointError, LoadError
 from .layers.linear import PlannedModule
 from .memory import read_into
-from .options import TakesOptions
 from .plan import LoadPlan, ParamPlan, build_plan
 from .plugins import PluginManager, get_plugin_manager
 from .stats import expose_stats
@@ -226,7 +226,7 @@ def load(path: str | Path, *, backend: str | None = None, dtype: torch.dtype = t
 
 def _timeout(options: Mapping[str, Any] | None) -> float:
     """``tp_timeout_s`` as given (checked again, with every option, by the plan), else its default."""
-    from .options import CORE_OPTIONS
+    from .contract.options import CORE_OPTIONS
 
     spec = next(o for o in CORE_OPTIONS if o.name == "tp_timeout_s")
     try:

@@ -81,7 +81,8 @@ from .models.declarations import (
 from .types import CORE, Decision, Problem, TensorInfo
 
 if TYPE_CHECKING:
-    from .plan import LoadPlan, ParamPlan
+    from .contract.plan import LoadPlanView as LoadPlan
+    from .contract.plan import ParamPlanView as ParamPlan
 
 HOOK = "tensor_parallel"
 TP_STYLES = (ColumnParallel, RowParallel, FeatureParallel, HeadParallel, ExpertParallel, VocabParallel)

@@ -28,12 +28,12 @@ from torch import nn
 
 from .checkpoint import TORCH_DTYPES, Checkpoint, storage_shape
 from .checkpoint.gguf_index import GGUF_FLOATS
+from .contract.config import ModelConfig, check_against_tensors
+from .contract.options import LoadOptions
 from .errors import PlanError, group_problems
 from .layers.linear import LinearScheme, PlannedModule, QuantLinear, SlotSources, Source, StackedLinear
 from .memory import gc_paused
-from .models.config import ModelConfig, check_against_tensors
 from .models.registry import ArchSpec, get_arch
-from .options import LoadOptions
 from .options import resolve as resolve_options
 from .plugins import PluginManager, get_plugin_manager
 from .types import CORE, AttentionLayout, Claim, Decision, PluginInfo, Problem, SkipRule, TensorInfo

@@ -714,7 +714,7 @@ class PluginManager:
     def architectures(self) -> dict[str, Any]:
         """Architectures added by plugins (``quantplug_architectures``), checked for clashes with
         each other and with those registered through the ``quantplug.architectures`` entry points."""
-        from .models.registry import check_plugin_architectures
+        from .contract.arch import check_plugin_architectures
 
         return check_plugin_architectures(self.call("quantplug_architectures", None))
 

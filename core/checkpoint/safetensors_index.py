@@ -15,17 +15,14 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
 from safetensors import SafetensorError, safe_open
 
+from ..contract.scheme import TORCH_DTYPES
 from ..errors import CheckpointError
-from ..types import TORCH_DTYPE_NAMES, TensorInfo
+from ..types import TensorInfo
 from ..validation import check_inside, contained, read_json
 from . import qpack
 
-#: the one dtype table: safetensors dtype name -> torch dtype (``types.SAFETENSORS_DTYPES`` names
-#: the keys, for code that must not import torch; GGUF's float / int types reuse these names)
-TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, attr) for name, attr in TORCH_DTYPE_NAMES.items()}
 INDEX_NAME = "model.safetensors.index.json"
 
 

@@ -11,7 +11,7 @@ from ..kernels import compute
 from .linear import LinearScheme, PlannedModule, Source, kernels_mode
 
 if TYPE_CHECKING:
-    from ..options import LoadOptions
+    from ..contract.options import LoadOptions
 
 
 class Embedding(PlannedModule):

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from ..models.config import RopeConfig
+from ..contract.config import RopeConfig
 
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:

@@ -18,12 +18,13 @@ layout): each MLA layer has ``self_attn.g_proj``
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..contract.arch import PlanOracle
 from ..generate import GenerationMixin, LatentCache, MLACache
 from ..kernels import compute
 from ..kernels.compute import NATIVE_ROWS, DraftStep, MLAStep, MLPStep, StackLayer, StackStep
@@ -44,12 +45,11 @@ from ..layers.linear import (
 )
 from ..layers.norm import RMSNorm
 from ..layers.rope import Rotary, rotate_pairs, softmax_scale
-from ..types import AttentionLayout
 from .config import ModelConfig
 
 if TYPE_CHECKING:
+    from ..contract.options import LoadOptions
     from ..experts import ExpertStore
-    from ..options import LoadOptions
 from .declarations import (
     ColumnParallel,
     DenseRule,
@@ -66,39 +66,6 @@ from .declarations import (
     Unstack,
     VocabParallel,
 )
-
-
-class PlanOracle(Protocol):
-    """What the model asks the plan while it builds itself: the prefix, and every decision
-    (scheme, attention layout, expert layout), each answered through the backend's hooks and
-    recorded by the plan as a :class:`~quantplug.types.Decision`. An architecture added through
-    ``quantplug_architectures`` builds itself with this, as :class:`DeepseekV3ForCausalLM` does."""
-
-    prefix: str
-    model_dtype: torch.dtype
-
-    def ck(self, rel: str) -> str:
-        """Checkpoint name of a text-model-relative name (prefix applied)."""
-        ...
-
-    def scheme(self, ckpt_name: str, kind: str = "linear", shards: Sequence[str] | None = None) -> LinearScheme:
-        """Scheme for one linear (``kind`` "linear"), expert projection ("experts"), MLA K/V
-        stack ("attn_k_b" / "attn_v_b") or the token embedding ("embedding"); ``shards``:
-        checkpoint modules feeding it."""
-        ...
-
-    def layout(self, attn_ckpt_name: str) -> AttentionLayout: ...
-
-    #: how many multi-token-prediction layers to build (``num_nextn_predict_layers``, or 0 when the
-    #: load option ``mtp`` is false or the checkpoint stores none); an oracle without it builds none
-    mtp_layers: int
-
-    def expert_layout(self, experts_ckpt_name: str) -> str:
-        """``"hub"`` (per-expert tensors), ``"fused"`` (transformers 5 gate_up_proj / down_proj),
-        ``"stacked"`` (one [E, out, in] tensor per projection, GGUF ``ffn_*_exps``) or ``"none"``
-        (no expert tensors: the scheme serves them, e.g. from an expert pack)."""
-        ...
-
 
 #: the name before contract 1.1 (it read like the :class:`Decision` record it produces)
 Decisions = PlanOracle

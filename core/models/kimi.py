@@ -80,7 +80,7 @@ from .declarations import (
 from .deepseek import MLA, MLP, Decisions, MoE, _lin
 
 if TYPE_CHECKING:
-    from ..options import LoadOptions
+    from ..contract.options import LoadOptions
 
 #: tokens per chunk of the chunked KDA form (transformers' and FLA's default)
 CHUNK = 64

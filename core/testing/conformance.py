@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from ..api import LAYER_KINDS, ExportResult, LinearScheme, QuantplugError, TensorSpec, dense_state, plan_of
 from ..checkpoint import Checkpoint
 from ..kernels import compute, native
-from ..kernels.forms import reference_act, reference_dequantize
+from ..kernels.forms import reference_act
+from ..kernels.reference import reference_dequantize
 from ..layers.linear import DenseScheme, FusedProjections, PlannedModule, QuantLinear, StackedLinear
 from ..loader import load
 from ..models.deepseek import Embedding

@@ -39,7 +39,7 @@ def test_the_lenient_oracle_flags_a_skipped_value(tmp_path, monkeypatch):
     ``isinstance(params, dict)`` else the hub keys) leaves a key the base read unread: flagged."""
     import json
 
-    import quantplug.models.config as mc
+    import quantplug.contract.config as mc
     from quantplug.plan import build_plan
     from quantplug.validation import recording_reads
 

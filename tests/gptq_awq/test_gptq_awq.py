@@ -63,7 +63,7 @@ def test_words_are_repacked_once_into_the_int4_form_without_a_second_copy(name):
     scales [out, G] as stored (F16), integer zero points as int8 (none when symmetric); the stored
     tensors are released (the model holds no more than its file), and every weight the form
     describes is the one the stored words dequantize to (auto-round's arithmetic), bit for bit."""
-    from quantplug.kernels.forms import reference_dequantize
+    from quantplug.kernels.reference import reference_dequantize
     from quantplug_gptq_awq import kernels as ik
 
     model = quantplug.load(VENDOR / name, dtype=torch.bfloat16, progress=False)

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from quantplug.errors import QuantplugError
 from quantplug.kernels import compute, native
 from quantplug.kernels.compute import MLPStep, StackLayer, StackStep
-from quantplug.kernels.forms import Form, Weights, reference_dequantize
+from quantplug.kernels.forms import Form, Weights
 from quantplug.kernels.native import Bound
+from quantplug.kernels.reference import reference_dequantize
 from quantplug.layers.activation import situ_mul
 from quantplug_expert_pack.testing import random_rows
 

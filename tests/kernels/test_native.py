@@ -45,9 +45,9 @@ from quantplug.kernels.forms import (
     Form,
     Weights,
     reference_act,
-    reference_dequantize,
 )
 from quantplug.kernels.native import Bound
+from quantplug.kernels.reference import reference_dequantize
 from quantplug_expert_pack.testing import random_blocks, random_rows
 
 needs_native = pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.status()}")

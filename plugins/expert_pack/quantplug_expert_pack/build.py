@@ -29,8 +29,6 @@ import shutil
 import struct
 import sys
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +44,7 @@ from quantplug.api import (
     read_json,
 )
 
+from ._staging import COPY_CHUNK, BuildResult, _copy, staged
 from .pack import (
     _HEADER,
     ENTRY_DTYPE,
@@ -62,54 +61,8 @@ from .pack import (
 
 MAGIC_GGUF = b"GGUF"
 EXPS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
-COPY_CHUNK = 64 << 20
 #: Linux ``FICLONE`` ioctl (``_IOW(0x94, 9, int)``): share extents copy-on-write (btrfs, XFS, bcachefs)
 FICLONE = 0x40049409
-
-
-@contextlib.contextmanager
-def staged(temporaries: Callable[[], Iterable[Path]], total: int, progress: bool | None) -> Iterator[Any]:
-    """A build writing temporary files renamed into place at its end: yields its progress bar
-    (None when not shown; ``progress`` None shows it on a terminal) and, on any failure,
-    interruption included, removes every file ``temporaries()`` names that exists."""
-    bar: Any = None
-    if sys.stderr.isatty() if progress is None else progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc="expert pack", file=sys.stderr)
-    try:
-        yield bar
-    except BaseException:
-        for p in temporaries():
-            if p.exists():
-                p.unlink()
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
-
-
-@dataclass(frozen=True)
-class BuildResult:
-    pack: Path
-    layers: int
-    experts: int
-    entries: int
-    moved_bytes: int
-    gguf_files: tuple[Path, ...]
-    #: ``-o``: how SRC's other files reached DST ({"reflink": n, "copy_file_range": n, "copy": n})
-    mirrored: dict[str, int] = field(default_factory=dict, compare=False)
-    #: safetensors builds: the rewritten shards and ``model.safetensors.index.json``
-    shards: tuple[Path, ...] = ()
-    #: safetensors builds: shards that held only routed experts (not written; removed in place)
-    dropped: tuple[str, ...] = ()
-    #: "gguf" (pack version 1) or "safetensors" (version 2)
-    format: str = "gguf"
-
-    @property
-    def written(self) -> set[str]:
-        """Top-level names the build wrote or dropped (not copied from SRC by ``-o``)."""
-        return {p.name for p in (self.pack, *self.gguf_files, *self.shards)} | set(self.dropped)
 
 
 def _align(n: int, a: int) -> int:
@@ -119,19 +72,6 @@ def _align(n: int, a: int) -> int:
 def _gguf_string(s: str) -> bytes:
     b = s.encode()
     return struct.pack("<Q", len(b)) + b
-
-
-def _copy(src: Any, dst: Any, offset: int, size: int, sha: Any = None) -> None:
-    src.seek(offset)
-    left = size
-    while left:
-        chunk = src.read(min(COPY_CHUNK, left))
-        if not chunk:
-            raise CheckpointError(f"{src.name}: unexpected end of file at {offset + size - left}")
-        if sha is not None:
-            sha.update(chunk)
-        dst.write(chunk)
-        left -= len(chunk)
 
 
 def _rewrite_gguf(header: GGUFHeader, keep: list[TensorInfo], extra_kv: dict[str, str], out: Path) -> None:
@@ -284,7 +224,8 @@ def _build_any(root: Path, out_dir: Path, alignment: int, progress: bool | None,
         return _build(root, out_dir, alignment, progress)
     from .build_st import build_safetensors
 
-    result: BuildResult = build_safetensors(root, out_dir, alignment, progress, out_of_place)
+    # this module's ``_copy`` (looked up now): the one both builders copy with
+    result: BuildResult = build_safetensors(root, out_dir, alignment, progress, out_of_place, copy=_copy)
     return result
 
 

@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ from quantplug.api import (
     safetensors_header,
 )
 
-from .build import staged
+from ._staging import BuildResult, _copy, staged
 
 INDEX_NAME = "model.safetensors.index.json"
 #: a routed-expert tensor stored for all experts at once (transformers 5 fused / stacked layouts)
@@ -119,11 +120,11 @@ def _mirror_bytes(root: Path, skip: set[str]) -> int:
 
 
 def build_safetensors(root: Path, out_dir: Path, alignment: int, progress: bool | None,
-                      out_of_place: bool) -> Any:
+                      out_of_place: bool, copy: Callable[..., None] = _copy) -> Any:
     """Write the pack, the shards without their experts and the index into ``out_dir``; returns a
     :class:`.build.BuildResult` (its ``shards``: the rewritten shards and the index; ``dropped``:
-    shards that held only experts)."""
-    from .build import BuildResult, _copy
+    shards that held only experts). ``copy``: the chunked copy (``build._copy``, passed by
+    :func:`.build.build_pack`)."""
     from .pack import PACK_NAME
 
     if alignment <= 0 or alignment & (alignment - 1):
@@ -141,7 +142,7 @@ def build_safetensors(root: Path, out_dir: Path, alignment: int, progress: bool 
         for info in ckpt.tensors.values():
             by_file.setdefault(info.file, []).append(info)
         return _write(root, out_dir, ckpt, items, moving, by_file, alignment, progress, out_of_place, BuildResult,
-                      _copy, pack_path)
+                      copy, pack_path)
     finally:
         ckpt.close()
 
