@@ -367,7 +367,7 @@ def test_native_decode_steps_run_and_equal_the_torch_paths(k3, monkeypatch):
         calls["kda"] += out is not None
         return out
 
-    monkeypatch.setattr("quantplug.models.kimi.kda_step", counted)
+    monkeypatch.setattr("quantplug.blocks.kda.kda_step", counted)
     for native_on in (True, False):
         m = quantplug.load(path)
         lm = m.text_lm()

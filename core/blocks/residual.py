@@ -1,0 +1,65 @@
+"""Attention residuals (Kimi-K3, ``attn_res_block_size``): the residual stream mixed across depth,
+per token, by a softmax over block sums; :class:`ResScore` is one aggregation point."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ..layers.linear import FloatParams
+from ..types import Problem, TensorInfo
+
+
+class ResScore(FloatParams):
+    """One attention-residual aggregation point (K3), used only through the product of
+    ``<name>_res_norm.weight`` [hidden] and ``<name>_res_proj.weight`` [1, hidden], stored either
+    as those two (the release: parameters ``norm`` and ``proj``) or already multiplied as one
+    ``<name>_res_score.weight`` [hidden] (llama.cpp's converter fuses them into
+    ``attn_res_score`` / ``ffn_res_score`` / ``output_res_score``: parameter ``score``). Exactly
+    one form must be complete (a plan error otherwise)."""
+
+    qp_fp32 = frozenset({"norm", "proj", "score"})
+    # registered by the loader from the plan (the stored form's); declared for type checkers
+    norm: torch.Tensor
+    proj: torch.Tensor
+    score: torch.Tensor
+
+    def __init__(self, hidden: int, base: str, eps: float) -> None:
+        super().__init__()
+        self.qp_init(base)
+        self.add_float("norm", (hidden,), f"{base}_res_norm.weight", optional=True)
+        self.add_float("proj", (1, hidden), f"{base}_res_proj.weight", optional=True)
+        self.add_float("score", (hidden,), f"{base}_res_score.weight", optional=True)
+        self.eps = eps
+
+    def qp_check(self, found: Mapping[str, TensorInfo]) -> list[Problem]:
+        have = sorted(found)
+        if have in (["norm", "proj"], ["score"]):
+            return []
+        b = self.qp_ckpt
+        if not have:
+            what = "missing"
+        elif "score" in have and len(have) > 1:
+            what = f"both forms stored ({', '.join(found[k].label for k in have)})"
+        else:
+            what = f"only {found[have[0]].label} stored"
+        some = next(iter(found.values()), None)
+        return [Problem(f"{what}: the attention residual {b} needs {b}_res_norm.weight and {b}_res_proj.weight, "
+                        f"or their product {b}_res_score.weight (llama.cpp's fused form)",
+                        tensor=f"{b}_res_norm.weight", file=some.file.name if some is not None else None,
+                        kind="missing")]
+
+    def score_vector(self) -> torch.Tensor:
+        """``norm.weight * proj.weight`` as one [hidden] float32 vector."""
+        if "score" in self._parameters:
+            return self.score.float()
+        return self.norm.float() * self.proj.float().reshape(-1)
+
+    def forward(self, rows: Sequence[torch.Tensor], last: torch.Tensor) -> torch.Tensor:
+        """The per-token mix of ``rows`` and ``last`` (each [B, T, hidden]): weights softmax over the
+        rows of ``sum_d rmsnormed(row)[d] * norm_w[d] * proj_w[d]`` (float32), applied to the raw rows."""
+        v = torch.stack([*rows, last], dim=-2).float()                      # [B, T, n + 1, hidden]
+        score = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.eps) * self.score_vector()).sum(-1)
+        p = torch.softmax(score, dim=-1)
+        return (p.unsqueeze(-1) * v).sum(dim=-2).to(last.dtype)
