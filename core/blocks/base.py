@@ -4,10 +4,9 @@ per-module decision answered by the backend's hooks) and a planned linear made f
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
-from torch import nn
 
 from ..layers.linear import LinearScheme, QuantLinear
 from ..types import AttentionLayout
@@ -54,25 +53,3 @@ def lin(d: Decisions, rel: str, i: int, o: int) -> QuantLinear:
     from the plan."""
     name = d.ck(rel)
     return QuantLinear(i, o, d.scheme(name), name, d.model_dtype)
-
-
-def step_reduce(columns: Sequence[nn.Module], rows: Sequence[nn.Module]) -> tuple[bool, Any]:
-    """Whether a fused step may run on these layers as this rank holds them, and the all-reduce of
-    its partial output: every layer unsplit (no reduce), or the ``columns`` split by output rows
-    and the ``rows`` by input features, each holding only its slice (``quantplug.parallel``), with
-    no scheme reducing its own integer accumulators (``apply_row_parallel``)."""
-    # getattr: any module an architecture passes (a third party's need not be a PlannedModule)
-    par = [getattr(m, "qp_parallel", None) for m in (*columns, *rows)]
-    if all(p is None for p in par):
-        return True, None
-    if any(p is None or not getattr(p, "sharded", False) for p in par):
-        return False, None
-    if any(getattr(p, "kind", "") != "column" or getattr(p, "gather", False) for p in par[:len(columns)]):
-        return False, None
-    if any(getattr(p, "kind", "") != "row" for p in par[len(columns):]):
-        return False, None
-    if any(getattr(type(getattr(m, "scheme", None)), "apply_row_parallel", None) is not LinearScheme.apply_row_parallel
-           for m in rows):
-        return False, None
-    last: Any = par[-1]
-    return True, last.comm.all_reduce

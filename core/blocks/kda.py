@@ -10,7 +10,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..kernels.kda import kda_step
 from ..layers.linear import FloatParams
 from ..layers.norm import RMSNorm
 from ..types import Problem, TensorInfo
@@ -19,6 +18,39 @@ from .cache import KDAState
 
 #: tokens per chunk of the chunked KDA form (transformers' and FLA's default)
 CHUNK = 64
+
+
+def kda_step_torch(u: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, gpre: torch.Tensor,
+                   dt_bias: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None, beta_logits: torch.Tensor,
+                   gate: torch.Tensor, o_norm_w: torch.Tensor, eps: float, state: torch.Tensor) -> torch.Tensor:
+    """One KDA decode token of B sequences in plain torch, the math :meth:`KDA.token` runs and the
+    native twin :func:`quantplug.kernels.kda.kda_step` equals (its arguments and the math in
+    ``quantplug.kernels.kda``'s docstring): ``conv_state`` and ``state`` are updated in place;
+    returns o [B, D] float32."""
+    b = u.shape[0]
+    h, k = state.shape[1], state.shape[2]
+    d = h * k
+    f32 = torch.float32
+    # the short convolution over [history | this token], then the history shifted by one
+    x = torch.cat([conv_state.to(f32), u.to(f32).unsqueeze(-1)], dim=-1)           # [B, 3D, W]
+    c = F.silu((x * conv_w.to(f32)).sum(-1))
+    conv_state.copy_(x[..., 1:])
+    q, kk, v = (c[:, i * d:(i + 1) * d].reshape(b, h, k) for i in range(3))
+    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+    q = q * (1.0 / k ** 0.5)
+    kk = kk / torch.sqrt((kk * kk).sum(-1, keepdim=True) + 1e-6)
+    beta = torch.sigmoid(beta_logits.to(f32))                                        # [B, H]
+    p = (gpre.to(f32) + dt_bias.to(f32)).reshape(b, h, k)
+    a = torch.exp(a_log.to(f32).reshape(h, 1))
+    g = lower_bound * torch.sigmoid(a * p) if lower_bound is not None else -a * F.softplus(p)
+    s = state.to(f32) * torch.exp(g).unsqueeze(-1)                                   # [B, H, K, V]
+    ks = (kk.unsqueeze(-1) * s).sum(-2)                                              # [B, H, V]
+    s = s + (beta[..., None] * kk).unsqueeze(-1) * (v - ks).unsqueeze(-2)
+    o = (q.unsqueeze(-1) * s).sum(-2)                                                # [B, H, V]
+    state.copy_(s)  # rounded to nearest even for a bfloat16 state
+    o = o * (1.0 / torch.sqrt((o * o).sum(-1, keepdim=True) / k + eps)) * o_norm_w.to(f32)
+    o = o * torch.sigmoid(gate.to(f32).reshape(b, h, k))
+    return o.reshape(b, d)
 
 
 class ShortConv(FloatParams):
@@ -119,6 +151,9 @@ class KDA(FloatParams):
     Exactly one of the two must be present; any other shape is a plan error."""
 
     qp_fp32 = frozenset({"dt_bias", "A_log", "A"})
+    #: the native one-token kernel the lowering bound (:func:`quantplug.kernels.kda.kda_step`, run by
+    #: :meth:`token`), None: none
+    step: Any = None
     # registered by the loader from the plan (A_log, or llama.cpp's folded A); declared for type checkers
     A: torch.Tensor
     A_log: torch.Tensor
@@ -156,8 +191,6 @@ class KDA(FloatParams):
         self.o_norm = RMSNorm(hd, cfg.rms_norm_eps, d.ck(f"{base}.o_norm"))
         self.o_proj = lin(d, f"{base}.o_proj", dim, h)
         self._conv: torch.Tensor | None = None
-        #: decode steps through the native KDA step (false: the torch recurrence, e.g. to compare)
-        self.native = True
 
     def qp_heads(self) -> int:
         """All KDA heads of the layer (``HeadParallel``: the tensor-parallel plan splits them)."""
@@ -243,10 +276,10 @@ class KDA(FloatParams):
         in place: convolution inputs, recurrent state, length). ``cos`` / ``sin`` are ignored
         (no position input), accepted for the decoder layer's common call."""
         b, t, _ = x.shape
-        if t == 1 and cache is not None and self.native and cache.length < cache.limit:
-            out = self._step(x, cache)
-            if out is not None:
-                return out
+        if t == 1 and cache is not None:
+            out = self.token(x, cache, kda_step_torch)
+            assert out is not None  # the torch kernel always runs
+            return out
         heads, hd, dim = self.heads, self.head_dim, self.dim
         u = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1).float().transpose(1, 2)  # [B, 3D, T]
         w = self.conv_weight()
@@ -276,17 +309,21 @@ class KDA(FloatParams):
         return self.o_proj(o.flatten(-2).to(x.dtype))
 
 
-    def _step(self, x: torch.Tensor, cache: KDAState) -> torch.Tensor | None:
-        """One decode token of B sequences with the native step (:func:`quantplug.kernels.kda.kda_step`:
-        convolution, gates, the state update and the gated norm in one call; the projections are
-        the layers' own products), or None (nothing changed) where it cannot run."""
+    def token(self, x: torch.Tensor, cache: KDAState, kernel: Any) -> torch.Tensor | None:
+        """One decode token x [B, 1, hidden] of B sequences continuing ``cache``: the projections are
+        the layer's own products, then ``kernel`` (:func:`kda_step_torch`, or its native twin
+        :func:`quantplug.kernels.kda.kda_step` as the lowering binds it) runs the convolution, the
+        gates, the state update and the gated norm, updating ``cache`` in place. None (nothing
+        changed) where ``kernel`` declines."""
+        if cache.length >= cache.limit:
+            cache.advance(1)  # raises: the sequence would exceed the model's context
         b = x.shape[0]
         xf = x.reshape(b, -1)
         u = torch.cat([self.q_proj(xf), self.k_proj(xf), self.v_proj(xf)], dim=-1).float().contiguous()
-        o = kda_step(u, self.conv_weight(), cache.conv, self.f_b_proj(self.f_a_proj(xf)).float().contiguous(),
-                     self.dt_bias.float().contiguous(), self.a_log().contiguous(), self.lower_bound,
-                     self.b_proj(xf).float().contiguous(), self.output_gate(xf).float().contiguous(),
-                     self.o_norm.weight.float().contiguous(), self.o_norm.eps, cache.state)
+        o = kernel(u, self.conv_weight(), cache.conv, self.f_b_proj(self.f_a_proj(xf)).float().contiguous(),
+                   self.dt_bias.float().contiguous(), self.a_log().contiguous(), self.lower_bound,
+                   self.b_proj(xf).float().contiguous(), self.output_gate(xf).float().contiguous(),
+                   self.o_norm.weight.float().contiguous(), self.o_norm.eps, cache.state)
         if o is None:
             return None
         cache.advance(1)

@@ -15,13 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import compute
-from ..kernels.compute import NATIVE_ROWS, MLAStep
-from ..layers.linear import StackedLayout, StackedLinear, fuse_attention, fuse_projections
+from ..layers.linear import StackedLayout, StackedLinear, fuse_projections
 from ..layers.norm import RMSNorm
 from ..layers.rope import Rotary, softmax_scale
 from ..models.config import RopeConfig
-from .base import Decisions, lin, step_reduce
+from .base import Decisions, lin
 from .cache import LatentCache
 from .indexer import Indexer
 
@@ -35,6 +33,12 @@ class MLA(nn.Module):
 
     #: its checkpoint name
     qp_ckpt: str
+    #: the native decode step the lowering bound (:class:`quantplug.kernels.compute.MLAStep`,
+    #: :mod:`quantplug.lower`), None: none
+    step: Any = None
+    #: a decode step in one call from o_proj's scheme (deprecated :meth:`LinearScheme.fuse_attention`,
+    #: bound by the lowering)
+    one: Any = None
 
     def __init__(self, cfg: ModelConfig, i: int, d: Decisions, rotary: Rotary) -> None:
         super().__init__()
@@ -77,10 +81,6 @@ class MLA(nn.Module):
         self._kv_b_heads: tuple[torch.Tensor, torch.Tensor] | None = None
         #: q_a_proj and kv_a_proj_with_mqa (same input) in one call when their scheme fuses them
         self.qkv_a: Any = None
-        #: a decode step natively on the layers' forms (:class:`quantplug.kernels.compute.MLAStep`)
-        self.step: MLAStep | None = None
-        #: a decode step in one call from o_proj's scheme (deprecated :meth:`LinearScheme.fuse_attention`)
-        self.one: Any = None
 
     def qp_heads(self) -> int:
         """All heads of the layer (``HeadParallel``: the tensor-parallel plan splits them)."""
@@ -91,31 +91,9 @@ class MLA(nn.Module):
         self.num_heads = count
 
     def qp_fuse(self) -> None:
+        """Sibling projections a scheme runs as one (:meth:`LinearScheme.fuse`): q_a and kv_a."""
         if self.q_lora is not None:
             self.qkv_a = fuse_projections([self.q_a_proj, self.kv_a_proj_with_mqa])
-        cfg = self.cfg
-        cols = [self.q_proj if self.q_lora is None else self.q_b_proj]
-        if self.layout.kind == "dense":
-            cols.append(self.kv_b_proj)
-        if cfg.mla_use_output_gate:
-            cols.append(self.g_proj)
-        ok, reduce = step_reduce(cols, [self.o_proj])
-        split = self.layout.kind != "dense"
-        if ok and all(m.qp_parallel is None for m in
-                      ([self.kv_a_proj_with_mqa] + ([self.q_a_proj] if self.q_lora is not None else []))):
-            self.step = MLAStep.build(
-                q_a=self.q_a_proj if self.q_lora is not None else None, kv_a=self.kv_a_proj_with_mqa, q_b=cols[0],
-                kv_b=None if split else self.kv_b_proj, k_b=self.k_b if split else None,
-                v_b=self.v_b if split else None, o=self.o_proj, g=self.g_proj if cfg.mla_use_output_gate else None,
-                q_a_norm=self.q_a_layernorm if self.q_lora is not None else None, kv_a_norm=self.kv_a_layernorm,
-                nh=self.num_heads, q_lora=self.q_lora, kv_lora=self.kv_lora_rank, rope=self.qk_rope_head_dim,
-                nope=cfg.qk_nope_head_dim, v=cfg.v_head_dim, hidden=cfg.hidden_size,
-                eps_q=self.q_a_layernorm.eps if self.q_lora is not None else 0.0, eps_kv=self.kv_a_layernorm.eps,
-                scale=self.scale, reduce=reduce)
-        if self.step is None:
-            self.one = fuse_attention(self)
-            if self.one is not None:
-                compute.deprecated_fuse("fuse_attention", self.o_proj.scheme)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LatentCache | None = None) -> torch.Tensor:
@@ -124,11 +102,11 @@ class MLA(nn.Module):
 
         DSA (an :class:`Indexer`): while every query has at most ``index_topk`` causal keys
         (``cache.length + t <= index_topk``) the indexer keeps all of them and DSA is dense MLA, so
-        every path below runs unchanged, the native decode step included; the indexer only caches
-        its keys (written after the step, at the rows it appended). Past that, :meth:`_attend`
-        runs with ``sparse``: a prompt masks each query's unselected keys; a decode step gathers
-        its selected latent rows and attends on those only (cost follows ``index_topk``, not the
-        context), in torch (no native step).
+        every path below runs unchanged, a lowered decode step included (:mod:`quantplug.lower`);
+        the indexer only caches its keys (written after the step, at the rows it appended). Past
+        that, :meth:`_attend` runs with ``sparse``: a prompt masks each query's unselected keys; a
+        decode step gathers its selected latent rows and attends on those only (cost follows
+        ``index_topk``, not the context), in torch (no native step).
         """
         ix = self.indexer
         if ix is None:
@@ -157,13 +135,6 @@ class MLA(nn.Module):
         """
         cfg = self.cfg
         b, t, _ = x.shape
-        if t == 1 and cache is not None and self.step is not None and b <= NATIVE_ROWS and not sparse:
-            out = self.step(x, self.rotary[0]._rotation(cos, sin), cache)
-            if out is not None:
-                return out
-        if b == 1 and t == 1 and cache is not None and cos.shape[0] == 1 and not sparse and (
-                self.layout.kind != "dense" or (cache.length > 0 and self.kv_b_proj.scheme.weight_only)):
-            return self._decode_one(x, cos, sin, cache)
         nh, nope, rope, v = self.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         qr, q, ckv = self._qr_q_latent(x)
         q = q.view(b, t, nh, nope + rope).transpose(1, 2)
@@ -244,39 +215,6 @@ class MLA(nn.Module):
             return None, self.q_proj(x), self.kv_a_proj_with_mqa(x)
         qr = self.q_a_layernorm(self.q_a_proj(x))
         return qr, self.q_b_proj(qr), self.kv_a_proj_with_mqa(x)
-
-    def _decode_one(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LatentCache) -> torch.Tensor:
-        """:meth:`forward` for one token of one sequence with a cache (a decode step) in the
-        absorbed form, on 2-D tensors: every head reads the same latent, so the scores of all
-        heads are one [heads, latent + rope] x [latent + rope, tokens] product and the output
-        one [heads, tokens] x [tokens, latent] product (half the tensor ops of the general form;
-        float rounding differs from it in the last bits: the scale is applied to both score terms
-        separately)."""
-        r = self.rotary[0]._rotation(cos, sin)                             # [rope, rope]
-        if self.one is not None:
-            fused = self.one(x, r, cache)
-            if fused is not None:
-                return fused
-        cfg = self.cfg
-        nh, nope, rope = self.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-        q, ckv = self._q_and_latent(x.view(1, -1))
-        q_pass, q_rot = q.view(nh, nope + rope).split([nope, rope], dim=-1)
-        kv_nope, k_rot = ckv.split([self.kv_lora_rank, rope], dim=-1)
-        latent, k_all = cache.append(self.kv_a_layernorm(kv_nope).view(1, 1, 1, -1), (k_rot @ r).view(1, 1, 1, -1))
-        lat, kr = latent[0, 0], k_all[0, 0]                                # [n, kv_lora], [n, rope]
-        if self.layout.kind != "dense":
-            q_lat = self.k_b.forward_all(q_pass.unsqueeze(1))[:, 0]        # [nh, kv_lora]
-        else:
-            w_uk, w_uv_t = self._kv_b_per_head()
-            q_lat = torch.bmm(q_pass.unsqueeze(1), w_uk)[:, 0]
-        scores = torch.addmm(torch.mm(q_rot @ r, kr.t()), q_lat, lat.t(), beta=self.scale, alpha=self.scale)
-        p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_lat.dtype)
-        o_lat = torch.mm(p, lat).unsqueeze(1)                               # [nh, 1, kv_lora]
-        out = self.v_b.forward_all(o_lat) if self.layout.kind != "dense" else torch.bmm(o_lat, w_uv_t)
-        out = out.reshape(1, 1, -1)
-        if cfg.mla_use_output_gate:
-            out = out * torch.sigmoid(self.g_proj(x))
-        return self.o_proj(out)
 
     def _latent_attention(self, q_lat: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor,
                           k_rot: torch.Tensor, past: int, keep: torch.Tensor | None = None) -> torch.Tensor:

@@ -3,14 +3,12 @@ routed experts, optional shared experts, and Kimi-K3's latent MoE (experts in a 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from ..kernels import compute
-from ..kernels.compute import NATIVE_ROWS, MLPStep
 from ..layers.activation import SILU, GatedAct
 from ..layers.linear import (
     FusedLayout,
@@ -18,7 +16,6 @@ from ..layers.linear import (
     StackedLayout,
     StackedLinear,
     StackLayout,
-    fuse_mlp,
     fuse_projections,
 )
 from ..layers.norm import RMSNorm
@@ -50,6 +47,17 @@ class Experts(nn.Module):
     #: the experts served from the checkpoint's files (``quantplug.experts``, load option
     #: ``expert_cache_mb``), None: held in memory
     qp_store: ExpertStore | None = None
+    #: a step's experts (few tokens) natively in one call, bound by the lowering
+    #: (:class:`quantplug.kernels.compute.MLPStep`, :mod:`quantplug.lower`), None: none
+    step: Any = None
+    #: a token's experts in one call from the scheme (deprecated :meth:`LinearScheme.fuse_mlp`,
+    #: bound by the lowering)
+    one: Any = None
+    #: few tokens x [M, hidden] through their experts ``(x, ids, weights)`` in one native call, and
+    #: one token through the scheme's fused MLP ``(x, ids, weights)``: entry points the lowering
+    #: binds (:func:`quantplug.lower.experts_step`, :func:`quantplug.lower.experts_one`)
+    forward_step: Callable[..., torch.Tensor]
+    forward_one: Callable[..., torch.Tensor]
 
     def __init__(self, cfg: ModelConfig, d: Decisions, base: str, *, hidden: int | None = None,
                  names: tuple[str, str, str] = HUB_NAMES, act: GatedAct = SILU) -> None:
@@ -81,10 +89,6 @@ class Experts(nn.Module):
             setattr(self, proj, StackedLinear(e, i, o, d.scheme(name, "experts", shards), name, src, d.model_dtype))
         #: gate and up in one grouped call when their scheme fuses them (:meth:`LinearScheme.fuse`)
         self.gate_up: Any = None
-        #: a step's experts (few tokens) natively in one call (:class:`quantplug.kernels.compute.MLPStep`)
-        self.step: MLPStep | None = None
-        #: a token's experts in one call from the scheme (deprecated :meth:`LinearScheme.fuse_mlp`)
-        self.one: Any = None
 
     def qp_hold_experts(self, start: int, count: int, slot_base: int,
                         reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -95,29 +99,8 @@ class Experts(nn.Module):
         self.qp_parallel = reduce
 
     def qp_fuse(self) -> None:
+        """Sibling projections a scheme runs as one (:meth:`LinearScheme.fuse`): gate and up."""
         self.gate_up = fuse_projections([self.gate_proj, self.up_proj])
-        self.step = MLPStep.build(self.gate_proj, self.up_proj, self.down_proj, stacked=True, reduce=self.qp_parallel,
-                                  act=self.act.native)
-        if self.step is None and self.act.is_silu:  # a scheme's fused MLP computes SiLU
-            self.one = fuse_mlp(self.gate_proj, self.up_proj, self.down_proj)
-            if self.one is not None:
-                compute.deprecated_fuse("fuse_mlp", self.gate_proj.scheme)
-
-    def forward_step(self, x: torch.Tensor, ids: Sequence[Sequence[int]], weights: Sequence[Sequence[float]]) -> torch.Tensor:
-        """Few tokens x [M, hidden] through their experts ``ids[r]`` (weights ``weights[r]``) in one
-        native call (``self.step``), this rank's experts only, each token's experts summed in
-        ascending id order as the other paths sum them."""
-        pairs = sorted((e - self.slot_base, r, w) for r, (es, ws) in enumerate(zip(ids, weights))
-                       for e, w in zip(es, ws) if self.first <= e < self.first + self.count)
-        if self.qp_store is not None:  # served from the checkpoint's files
-            out = self.qp_store.forward_step(x, [(r, s, w) for s, r, w in pairs])
-            return self.qp_parallel(out) if self.qp_parallel is not None else out
-        y = self.step(x, [(r, s, w) for s, r, w in pairs]) if self.step is not None else None
-        if y is None:  # the step cannot run now (library off, tensors moved): the grouped path
-            idx = torch.tensor([list(es) for es in ids], dtype=torch.long, device=x.device)
-            w = torch.tensor([list(ws) for ws in weights], dtype=torch.float32, device=x.device)
-            return self.forward(x, idx, w)
-        return y
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [T, H], idx / w [T, top_k]. Token-expert pairs are sorted by expert once (one
@@ -127,8 +110,6 @@ class Experts(nn.Module):
         if self.qp_store is not None:  # served from the checkpoint's files
             out = self.qp_store.forward(x, idx, w, self.first, self.count, self.slot_base)
             return self.qp_parallel(out) if self.qp_parallel is not None else out
-        if x.shape[0] == 1:
-            return self._one_token(x, idx, w)
         out = torch.zeros_like(x)
         k = idx.shape[-1]
         flat = idx.reshape(-1)
@@ -152,50 +133,11 @@ class Experts(nn.Module):
             out = self.qp_parallel(out)  # sum of every rank's experts: one all-reduce
         return out
 
-    def _one_token(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` for one token (a decode step): its top-k experts read back once, in
-        ascending order as the grouped path takes them; the same projections, one group per
-        expert, with no sort, count or gather ops; rows summed in that order."""
-        ids = idx[0].tolist()
-        hit = sorted((e, j) for j, e in enumerate(ids) if self.first <= e < self.first + self.count)
-        if not hit:
-            out = torch.zeros_like(x)
-            return self.qp_parallel(out) if self.qp_parallel is not None else out
-        if self.one is not None:
-            ws = w[0].tolist()
-            return self.forward_one(x, ids, ws)
-        groups = [(e - self.slot_base, 1) for e, _ in hit]
-        xs = x.expand(len(hit), -1)
-        if self.gate_up is not None:
-            gate, up = self.gate_up(xs, groups).split(self.gate_proj.out_features, dim=-1)
-            hs = self.act(gate, up)
-        else:
-            hs = self.act(self.gate_proj.forward_grouped(xs, groups), self.up_proj.forward_grouped(xs, groups))
-        hs = (self.down_proj.forward_grouped(hs, groups) * w[0, [j for _, j in hit]].unsqueeze(-1)).to(x.dtype)
-        out = hs[:1]
-        for r in range(1, len(hit)):
-            out = out + hs[r:r + 1]
-        if self.qp_parallel is not None:
-            out = self.qp_parallel(out)
-        return out
-
-
-    def forward_one(self, x: torch.Tensor, ids: Sequence[int], weights: Sequence[float]) -> torch.Tensor:
-        """One token [1, hidden] through its experts ``ids`` (weights as floats) in one call of the
-        scheme's fused MLP (``self.one``, :meth:`LinearScheme.fuse_mlp`), this rank's experts only,
-        in ascending id order as the other paths sum them."""
-        hit = sorted((e, w) for e, w in zip(ids, weights) if self.first <= e < self.first + self.count)
-        if not hit:
-            out = torch.zeros_like(x)
-        else:
-            out = self.one(x, [e - self.slot_base for e, _ in hit], [w for _, w in hit])
-        return self.qp_parallel(out) if self.qp_parallel is not None else out
-
 
 class MoE(nn.Module):
     """Mixture of experts: ``gate`` (the router: ``gate(x)`` -> expert ids and weights per row,
-    ``gate.route_one`` for one token), the routed :class:`Experts` and optional shared experts
-    (an :class:`MLP`). An architecture may put its own router in ``gate``.
+    ``gate.route_one`` for one token, which a lowered decode step asks), the routed :class:`Experts`
+    and optional shared experts (an :class:`MLP`). An architecture may put its own router in ``gate``.
 
     ``latent`` (Kimi-K3's latent MoE, ``routed_expert_hidden_size``): the routed experts work in a
     narrower space: ``z = routed_expert_down_proj(x)``, the weighted sum of the chosen experts of
@@ -205,7 +147,7 @@ class MoE(nn.Module):
     projection names and the activation of every MLP here (see :class:`Experts`)."""
 
     #: the next MoE layer, whose likely experts a decode step prefetches when experts are served
-    #: from the checkpoint's files (set by the text model after loading)
+    #: from the checkpoint's files (set by the lowering after loading, :func:`quantplug.lower.accelerate`)
     qp_next: MoE | None = None
     #: load option ``expert_prefetch``
     qp_prefetch: bool = True
@@ -230,17 +172,6 @@ class MoE(nn.Module):
                                    cfg.moe_intermediate_size * cfg.n_shared_experts, act)
                                if cfg.n_shared_experts else None)
 
-    def _prefetch_next(self, flat: torch.Tensor) -> None:
-        """Experts served from files: start reading the next MoE layer's likely experts (its router
-        on this layer's input, one row) while this layer computes."""
-        nxt = self.qp_next
-        store = None if nxt is None else nxt.experts.qp_store
-        if nxt is None or store is None or not self.qp_prefetch or flat.shape[0] != 1:
-            return
-        ex = nxt.experts
-        ids, _ = nxt.gate.route_one(flat)
-        store.prefetch([e - ex.slot_base for e in ids if ex.first <= e < ex.first + ex.count])
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.latent is None:
             out = self._routed(x, x.reshape(-1, x.shape[-1]), x.shape)
@@ -257,21 +188,5 @@ class MoE(nn.Module):
     def _routed(self, route: torch.Tensor, flat: torch.Tensor, shape: Any) -> torch.Tensor:
         """The routed experts' weighted sum for the rows of ``flat`` [N, width] (the hidden states,
         or their latent), chosen by the router on ``route`` [N, hidden]; shaped ``shape``."""
-        route = route.reshape(-1, route.shape[-1])
-        if (self.experts.step is not None or self.experts.qp_store is not None) and flat.shape[0] <= NATIVE_ROWS:
-            # few tokens (a decode step, a small batch): routed on Python numbers, every token's
-            # experts in one native call
-            if flat.shape[0] == 1:
-                ids, ws = self.gate.route_one(route)
-                rows_ids, rows_w = [ids], [ws]
-            else:
-                idx, w = self.gate(route)
-                rows_ids, rows_w = idx.tolist(), w.tolist()
-            self._prefetch_next(route)
-            return self.experts.forward_step(flat, rows_ids, rows_w).view(shape)
-        if flat.shape[0] == 1 and self.experts.one is not None:
-            # a decode step through the scheme's fused MLP: no routing tensors, and (as for every
-            # fused call) no forward hooks of the router or the expert linears
-            return self.experts.forward_one(flat, *self.gate.route_one(route)).view(shape)
-        idx, w = self.gate(route)
+        idx, w = self.gate(route.reshape(-1, route.shape[-1]))
         return self.experts(flat, idx, w).view(shape)

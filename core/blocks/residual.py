@@ -1,11 +1,14 @@
-"""Attention residuals (Kimi-K3, ``attn_res_block_size``): the residual stream mixed across depth,
-per token, by a softmax over block sums; :class:`ResScore` is one aggregation point."""
+"""Residual schemes: the plain pre-norm layer (:class:`PreNormLayer`, DeepSeek-V3's) and attention
+residuals (Kimi-K3, ``attn_res_block_size``: the residual stream mixed across depth, per token, by
+a softmax over block sums; :class:`ResScore` is one aggregation point)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
+from torch import nn
 
 from ..layers.linear import FloatParams
 from ..types import Problem, TensorInfo
@@ -63,3 +66,22 @@ class ResScore(FloatParams):
         score = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.eps) * self.score_vector()).sum(-1)
         p = torch.softmax(score, dim=-1)
         return (p.unsqueeze(-1) * v).sum(dim=-2).to(last.dtype)
+
+
+class PreNormLayer(nn.Module):
+    """The plain pre-norm residual layer: ``x + attn(input_layernorm(x))``, then
+    ``x + mlp(post_attention_layernorm(x))``. The whole-stack native step
+    (:func:`quantplug.lower.stack_step`) reads a stack of these (with an MLA ``self_attn`` and an
+    MLP or MoE ``mlp``) as its declared layers."""
+
+    def __init__(self, input_layernorm: nn.Module, self_attn: nn.Module, post_attention_layernorm: nn.Module,
+                 mlp: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = input_layernorm
+        self.self_attn = self_attn
+        self.post_attention_layernorm = post_attention_layernorm
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))

@@ -296,12 +296,6 @@ class KimiTextModel(nn.Module):
         if self.block is not None:
             self.output_res = ResScore(cfg.hidden_size, d.ck("model.output_attn"), cfg.rms_norm_eps)
 
-    def qp_fuse(self) -> None:
-        """After loading: each MoE layer learns the next one (for expert prefetch)."""
-        moes = [layer.ffn for layer in self.layers if isinstance(layer.ffn, MoE)]
-        for a, b in zip(moes, moes[1:]):
-            object.__setattr__(a, "qp_next", b)
-
     def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None, cache: MLACache | None = None) -> torch.Tensor:
         """Normed hidden states [B, T, hidden] of ``ids`` [B, T] (no position input: ``positions``
         is accepted and unused); with ``cache`` the tokens continue it."""
