@@ -2,7 +2,7 @@
 
 Both are hybrids of two attention kinds over the core's blocks (docs/architectures/kimi.md):
 
-* **KDA** (Kimi Delta Attention, :class:`KDA`): a linear-attention recurrence with a fixed-size
+* **KDA** (Kimi Delta Attention, :class:`~quantplug.blocks.kda.KDA`): a linear-attention recurrence with a fixed-size
   float32 state per head. q / k / v projections, a causal depthwise convolution of width
   ``short_conv_kernel_size`` with SiLU, L2-normed q and k, a per-channel forget gate from a
   low-rank projection (``f_a_proj`` / ``f_b_proj``, ``dt_bias``, ``A_log``: Kimi-Linear's
@@ -11,7 +11,7 @@ Both are hybrids of two attention kinds over the core's blocks (docs/architectur
   or full-rank (``g_proj``, K3) output gate, and ``o_proj``. Prompts run the chunked form (chunks of
   :data:`CHUNK` tokens, the WY representation of transformers' / FLA's torch reference), decode
   steps the recurrent one.
-* **MLA without RoPE** (the core's :class:`~quantplug.models.deepseek.MLA` with :class:`NoRope`):
+* **MLA without RoPE** (the core's :class:`~quantplug.blocks.mla.MLA` with :class:`~quantplug.blocks.mla.NoRope`):
   Kimi-Linear's has a plain ``q_proj``, K3's a q-LoRA and a sigmoid output gate ``g_proj``.
 
 MLPs: a dense gated MLP at layer 0, then MoE under ``block_sparse_moe`` with per-expert ``w1``
@@ -345,7 +345,7 @@ class KimiLinearForCausalLM(GenerationMixin, nn.Module):
     }
     #: how the model splits over tensor-parallel ranks (``quantplug.parallel`` reads it): attention by
     #: head (:data:`_ATTENTION_TP`), routed experts expert-parallel (their latent partial sums
-    #: all-reduced inside :class:`~quantplug.models.deepseek.Experts`, before ``routed_expert_norm``:
+    #: all-reduced inside :class:`~quantplug.blocks.moe.Experts`, before ``routed_expert_norm``:
     #: the norm of the sum, not the sum of norms), the dense MLP and shared experts by feature; the
     #: latent ``routed_expert_down_proj`` / ``routed_expert_up_proj``, the router and the attention
     #: residuals' float parameters replicated
