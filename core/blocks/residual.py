@@ -4,7 +4,7 @@ a softmax over block sums; :class:`ResScore` is one aggregation point)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -66,6 +66,28 @@ class ResScore(FloatParams):
         score = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.eps) * self.score_vector()).sum(-1)
         p = torch.softmax(score, dim=-1)
         return (p.unsqueeze(-1) * v).sum(dim=-2).to(last.dtype)
+
+
+def attention_residuals(layers: Iterable[Any], h: torch.Tensor, caches: Sequence[Any], block: int,
+                        output_res: ResScore, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The residual stream of ``layers`` under attention residuals (block size ``block``; sglang
+    ``AttnResidual``, llama.cpp ``kimi-k3.cpp``) from the embedding ``h``: a per-forward bank of
+    block sums, row 0 the embedding. Layer L's attention reads the mix of the bank and the current
+    partial sum (none at L = 0); where L % block == 0 the partial sum so far becomes a bank row and
+    restarts at 0; the MLP reads the mix of the bank and the partial sum after attention. Returns
+    the mix of the bank and the last partial sum (``output_res``), the final norm's input. Each
+    layer gives ``attn_res`` / ``mlp_res`` (:class:`ResScore`), ``attend(x, cos, sin, cache)``
+    (its normed attention) and ``feed(x)`` (its normed MLP); no state crosses forwards."""
+    bank: list[torch.Tensor] = []
+    for i, (layer, c) in enumerate(zip(layers, caches)):
+        x = layer.attn_res(bank, h) if bank else h
+        if i % block == 0:
+            bank.append(h)
+            part = layer.attend(x, cos, sin, c)
+        else:
+            part = h + layer.attend(x, cos, sin, c)
+        h = part + layer.feed(layer.mlp_res(bank, part))
+    return output_res(bank, h)
 
 
 class PreNormLayer(nn.Module):

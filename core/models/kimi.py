@@ -53,6 +53,7 @@ from ..blocks.mla import MLA, NoRope
 from ..blocks.mlp import MLP
 from ..blocks.moe import MoE
 from ..blocks.residual import ResScore as ResScore
+from ..blocks.residual import attention_residuals
 from ..errors import ConfigError
 from ..generate import GenerationMixin
 from ..layers.activation import SILU, GatedAct
@@ -307,17 +308,7 @@ class KimiTextModel(nn.Module):
                 h = layer(h, cos, sin, c)
             return self.norm(h)
         assert self.output_res is not None
-        bank: list[torch.Tensor] = []
-        for i, (layer, c) in enumerate(zip(self.layers, caches)):
-            assert isinstance(layer, KimiDecoderLayer) and layer.attn_res is not None and layer.mlp_res is not None
-            x = layer.attn_res(bank, h) if bank else h
-            if i % self.block == 0:
-                bank.append(h)
-                part = layer.attend(x, cos, sin, c)
-            else:
-                part = h + layer.attend(x, cos, sin, c)
-            h = part + layer.feed(layer.mlp_res(bank, part))
-        return self.norm(self.output_res(bank, h))
+        return self.norm(attention_residuals(self.layers, h, caches, self.block, self.output_res, cos, sin))
 
 
 #: how a Kimi layer's attention splits over tensor-parallel ranks: one entry for both kinds (members
