@@ -33,8 +33,9 @@ CONTENDERS = ("native", "torch")
 
 def child(h: int, state_dtype: str, contender: str, steps: int, threads: int, mib: int) -> dict:
     import torch
+    from quantplug.blocks.kda import kda_step_torch
     from quantplug.kernels import native
-    from quantplug.kernels.kda import kda_step, kda_step_torch
+    from quantplug.kernels.kda import kda_step
 
     torch.set_num_threads(threads)
     dt = getattr(torch, state_dtype)

@@ -51,6 +51,7 @@ from typing import Any, TypeAlias
 import torch
 from torch import nn
 
+from .blocks import MLA, MLP, Experts, MoE, Router
 from .checkpoint import TORCH_DTYPES, Checkpoint, qpack, storage_shape
 from .checkpoint.gguf_index import GGUF_FLOATS, GGUFHeader, SkippedArray, ggml_types, read_gguf_header
 from .checkpoint.safetensors_index import write_header as safetensors_header
@@ -121,7 +122,7 @@ from .models.declarations import (
     ckpt_name,
     declared,
 )
-from .models.deepseek import MLA, MLP, DecoderLayer, DeepseekV3ForCausalLM, Experts, MoE, Router
+from .models.deepseek import DecoderLayer, DeepseekV3ForCausalLM
 from .plan import LoadPlan
 from .stats import StatsSource, expose_stats, stats_sources
 from .types import (

@@ -258,7 +258,7 @@ def cli_generate(args: Any, model: Any) -> int:
     uses = [0]  # distinct routed experts per MoE layer and step, summed over decode steps
     hooks = []
     if packs is not None:
-        from .models.deepseek import Router
+        from .blocks.router import Router
 
         def count(_mod: Any, _inp: Any, out: Any) -> None:
             if before:

@@ -28,6 +28,7 @@ from .checkpoint.gguf_index import GGUF_FLOATS
 from .contract.options import TakesOptions
 from .errors import CheckpointError, LoadError
 from .layers.linear import PlannedModule
+from .lower import accelerate
 from .memory import read_into
 from .plan import LoadPlan, ParamPlan, build_plan
 from .plugins import PluginManager, get_plugin_manager
@@ -160,6 +161,7 @@ def _execute(plan: LoadPlan, device: str | torch.device, plugin_manager: PluginM
         fuse = getattr(mod, "qp_fuse", None)
         if fuse is not None:
             fuse()
+    accelerate(model)  # the blocks' native steps (quantplug.lower)
     model.to(dev)
     pm.backend_all(plan.backend, "quantplug_process_after_loading", model=model, quant_config=plan.quant_config,
                    options=plan.options)

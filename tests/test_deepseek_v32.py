@@ -385,11 +385,11 @@ def test_transformers_bridge_builds_deepseek_v32(ckpt, reference):
 
 @pytest.mark.parametrize("per_block", [1, 3])
 def test_a_long_prompt_is_scored_a_block_of_queries_at_a_time(model, monkeypatch, per_block):
-    from quantplug.models import deepseek
+    from quantplug.blocks import indexer
 
     with torch.no_grad():
         whole = model(IDS)
         # per_block queries at once: [2 rows, 8 heads, 16 keys] float32 = 1 KiB per query
-        monkeypatch.setattr(deepseek, "INDEX_SCORE_BYTES", per_block * 2 * 8 * 16 * 4)
+        monkeypatch.setattr(indexer, "INDEX_SCORE_BYTES", per_block * 2 * 8 * 16 * 4)
         blocks = model(IDS)
     assert rel_err(blocks, whole) <= 1e-6

@@ -367,17 +367,15 @@ def test_native_decode_steps_run_and_equal_the_torch_paths(k3, monkeypatch):
         calls["kda"] += out is not None
         return out
 
-    monkeypatch.setattr("quantplug.models.kimi.kda_step", counted)
+    monkeypatch.setattr("quantplug.lower.kda_step", counted)  # the kernel the lowering binds
     for native_on in (True, False):
         m = quantplug.load(path)
         lm = m.text_lm()
         mlps = [mod for mod in m.modules() if isinstance(mod, MLP | Experts)]
         assert mlps and all(mod.step is not None for mod in mlps)  # SiTU steps built
         for mod in m.modules():
-            if isinstance(mod, KDA):
-                mod.native = native_on
-            if not native_on and isinstance(mod, MLP | Experts):
-                mod.step = None
+            if not native_on and isinstance(mod, MLP | Experts | KDA):
+                mod.step = None  # the block's own forward (KDA: its torch kernel)
         cache = new_cache(lm, 1, 32)
         with torch.no_grad():
             out = [lm.next_logits(ids[:, :8], cache)] + [lm.next_logits(ids[:, t:t + 1], cache) for t in range(8, 20)]

@@ -1,13 +1,10 @@
 """One decode token of Kimi Delta Attention (KDA), the linear attention of Kimi-Linear and Kimi-K3.
 
 :func:`kda_step` runs it natively (``qp_kda_step`` in ``blocks/kda.c``) for B sequences in one
-call, threads over the (sequence, head) pairs; :func:`kda_step_torch` is its torch twin, the
-reference and the fallback: ``kda_step`` returns None (never raises) where the library is
-unavailable or the inputs are not as it takes them, and the caller runs the twin::
-
-    o = kda_step(*args)
-    if o is None:
-        o = kda_step_torch(*args)
+call, threads over the (sequence, head) pairs; :func:`quantplug.blocks.kda.kda_step_torch` is its
+torch twin, the block's own definition of the math: ``kda_step`` returns None (never raises) where
+the library is unavailable or the inputs are not as it takes them, and the block runs the twin
+(:meth:`quantplug.blocks.kda.KDA.token` takes either; :mod:`quantplug.lower` binds this one).
 
 Both take the projections of one token, before the short convolution, and the layer's per-sequence
 state, which they update in place: ``conv_state`` (the last W - 1 pre-conv inputs) and ``state``
@@ -29,7 +26,6 @@ from the float update). The native step equals the twin up to the order of float
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from . import native
 
@@ -39,37 +35,6 @@ MAX_HEAD_DIM = 512
 MAX_CONV = 64
 
 
-def kda_step_torch(u: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, gpre: torch.Tensor,
-                   dt_bias: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None, beta_logits: torch.Tensor,
-                   gate: torch.Tensor, o_norm_w: torch.Tensor, eps: float, state: torch.Tensor) -> torch.Tensor:
-    """One KDA token in plain torch (see the module docstring; :func:`kda_step`'s arguments):
-    ``conv_state`` and ``state`` are updated in place; returns o [B, D] float32."""
-    b = u.shape[0]
-    h, k = state.shape[1], state.shape[2]
-    d = h * k
-    f32 = torch.float32
-    # the short convolution over [history | this token], then the history shifted by one
-    x = torch.cat([conv_state.to(f32), u.to(f32).unsqueeze(-1)], dim=-1)           # [B, 3D, W]
-    c = F.silu((x * conv_w.to(f32)).sum(-1))
-    conv_state.copy_(x[..., 1:])
-    q, kk, v = (c[:, i * d:(i + 1) * d].reshape(b, h, k) for i in range(3))
-    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
-    q = q * (1.0 / k ** 0.5)
-    kk = kk / torch.sqrt((kk * kk).sum(-1, keepdim=True) + 1e-6)
-    beta = torch.sigmoid(beta_logits.to(f32))                                        # [B, H]
-    p = (gpre.to(f32) + dt_bias.to(f32)).reshape(b, h, k)
-    a = torch.exp(a_log.to(f32).reshape(h, 1))
-    g = lower_bound * torch.sigmoid(a * p) if lower_bound is not None else -a * F.softplus(p)
-    s = state.to(f32) * torch.exp(g).unsqueeze(-1)                                   # [B, H, K, V]
-    ks = (kk.unsqueeze(-1) * s).sum(-2)                                              # [B, H, V]
-    s = s + (beta[..., None] * kk).unsqueeze(-1) * (v - ks).unsqueeze(-2)
-    o = (q.unsqueeze(-1) * s).sum(-2)                                                # [B, H, V]
-    state.copy_(s)  # rounded to nearest even for a bfloat16 state
-    o = o * (1.0 / torch.sqrt((o * o).sum(-1, keepdim=True) / k + eps)) * o_norm_w.to(f32)
-    o = o * torch.sigmoid(gate.to(f32).reshape(b, h, k))
-    return o.reshape(b, d)
-
-
 def _ok(t: torch.Tensor, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
     return t.device.type == "cpu" and t.dtype in dtypes and tuple(t.shape) == shape and t.is_contiguous()
 
@@ -77,7 +42,7 @@ def _ok(t: torch.Tensor, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]
 def kda_step(u: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, gpre: torch.Tensor,
              dt_bias: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None, beta_logits: torch.Tensor,
              gate: torch.Tensor, o_norm_w: torch.Tensor, eps: float, state: torch.Tensor) -> torch.Tensor | None:
-    """One KDA token for B sequences natively (``qp_kda_step``), or None (run :func:`kda_step_torch`).
+    """One KDA token for B sequences natively (``qp_kda_step``), or None (the torch twin runs).
 
     ``u`` [B, 3D] float32: the pre-conv projections q | k | v of this token (D = H * K);
     ``conv_w`` [3D, W] float32: the depthwise conv weights (q_conv1d | k_conv1d | v_conv1d);

@@ -2,7 +2,7 @@
 
 Both are hybrids of two attention kinds over the core's blocks (docs/architectures/kimi.md):
 
-* **KDA** (Kimi Delta Attention, :class:`KDA`): a linear-attention recurrence with a fixed-size
+* **KDA** (Kimi Delta Attention, :class:`~quantplug.blocks.kda.KDA`): a linear-attention recurrence with a fixed-size
   float32 state per head. q / k / v projections, a causal depthwise convolution of width
   ``short_conv_kernel_size`` with SiLU, L2-normed q and k, a per-channel forget gate from a
   low-rank projection (``f_a_proj`` / ``f_b_proj``, ``dt_bias``, ``A_log``: Kimi-Linear's
@@ -11,7 +11,7 @@ Both are hybrids of two attention kinds over the core's blocks (docs/architectur
   or full-rank (``g_proj``, K3) output gate, and ``o_proj``. Prompts run the chunked form (chunks of
   :data:`CHUNK` tokens, the WY representation of transformers' / FLA's torch reference), decode
   steps the recurrent one.
-* **MLA without RoPE** (the core's :class:`~quantplug.models.deepseek.MLA` with :class:`NoRope`):
+* **MLA without RoPE** (the core's :class:`~quantplug.blocks.mla.MLA` with :class:`~quantplug.blocks.mla.NoRope`):
   Kimi-Linear's has a plain ``q_proj``, K3's a q-LoRA and a sigmoid output gate ``g_proj``.
 
 MLPs: a dense gated MLP at layer 0, then MoE under ``block_sparse_moe`` with per-expert ``w1``
@@ -31,25 +31,30 @@ convolution's last inputs) per KDA layer beside one latent cache per MLA layer.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ConfigError
-from ..generate import GenerationError, GenerationMixin, LatentCache, MLACache, layer_cache
-from ..kernels.kda import kda_step
-from ..layers.activation import SILU, GatedAct
-from ..layers.embedding import Embedding, TiedHead
-from ..layers.linear import FloatParams
-from ..layers.norm import RMSNorm
-from ..layers.rope import Rotary
-from ..types import Problem, TensorInfo
-from ..validation import Fields
-from .config import (
+from ..blocks.base import Decisions
+from ..blocks.base import lin as _lin
+from ..blocks.cache import HybridCache as HybridCache
+from ..blocks.cache import KDAState as KDAState
+from ..blocks.cache import MLACache, layer_cache
+from ..blocks.kda import CHUNK as CHUNK
+from ..blocks.kda import KDA as KDA
+from ..blocks.kda import ShortConv as ShortConv
+from ..blocks.kda import chunk_kda as chunk_kda
+from ..blocks.kda import l2norm as l2norm
+from ..blocks.kda import recurrent_kda as recurrent_kda
+from ..blocks.mla import MLA, NoRope
+from ..blocks.mlp import MLP
+from ..blocks.moe import MoE
+from ..blocks.residual import ResScore as ResScore
+from ..blocks.residual import attention_residuals
+from ..contract.config import (
     MAX_EXPERTS,
     MAX_HEAD_DIM,
     MAX_HEADS,
@@ -59,6 +64,13 @@ from .config import (
     RopeConfig,
     parse_model_config,
 )
+from ..errors import ConfigError
+from ..generate import GenerationMixin
+from ..layers.activation import SILU, GatedAct
+from ..layers.embedding import Embedding, TiedHead
+from ..layers.norm import RMSNorm
+from ..layers.rope import Rotary
+from ..validation import Fields
 from .declarations import (
     ColumnParallel,
     DenseRule,
@@ -77,13 +89,9 @@ from .declarations import (
     Unstack,
     VocabParallel,
 )
-from .deepseek import MLA, MLP, Decisions, MoE, _lin
 
 if TYPE_CHECKING:
     from ..contract.options import LoadOptions
-
-#: tokens per chunk of the chunked KDA form (transformers' and FLA's default)
-CHUNK = 64
 
 #: Kimi-Linear's config keys and the DeepSeek-V3 names the core's parser reads them under
 #: (transformers' ``KimiLinearConfig.attribute_map``)
@@ -222,416 +230,6 @@ def parse_kimi_config(config: dict[str, Any], architecture: str, wrapped: bool, 
     return dataclasses.replace(cfg, rope=RopeConfig(10000.0, "default"), raw=f.data)
 
 
-# ---------------------------------------------------------------------------------------------
-# blocks
-# ---------------------------------------------------------------------------------------------
-
-class NoRope(Rotary):
-    """MLA without RoPE (``mla_use_nope``): rotations by angle 0 (cos 1, sin 0), exactly the
-    identity, so every MLA path of the core (the native step included) runs unchanged."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__(RopeConfig(10000.0, "default"), dim, True)
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (*positions.shape, self.inv_freq.numel() * 2)
-        return (torch.ones(shape, dtype=dtype, device=positions.device),
-                torch.zeros(shape, dtype=dtype, device=positions.device))
-
-
-class ShortConv(FloatParams):
-    """A depthwise causal convolution's weight ``<ckpt>.weight``, stored [channels, 1, width] (the
-    release), [channels, width] (vLLM's and llama.cpp's converters accept both) or [1, channels,
-    1, width] (llama.cpp's GGUF: ggml ne [width, 1, channels, 1], the same values in the same
-    order), kept in float32 (the release stores it so)."""
-
-    qp_fp32 = frozenset({"weight"})
-
-    def __init__(self, channels: int, width: int, ckpt: str) -> None:
-        super().__init__()
-        self.qp_init(ckpt)
-        self.channels, self.width = channels, width
-        self.add_float("weight", (), f"{ckpt}.weight")
-
-    def qp_check(self, found: Mapping[str, TensorInfo]) -> list[Problem]:
-        info = found.get("weight")
-        c, w = self.channels, self.width
-        if info is None or info.shape in ((c, 1, w), (c, w), (1, c, 1, w)):
-            return []
-        return [Problem(f"shape {list(info.shape)}, expected [{c}, 1, {w}] or [{c}, {w}] (or llama.cpp's "
-                        f"[1, {c}, 1, {w}]; depthwise convolution of {self.qp_ckpt})",
-                        tensor=info.label, file=info.file.name, kind="shape")]
-
-    def kernel(self) -> torch.Tensor:
-        """The weight as [channels, width] float32."""
-        return self.weight.reshape(self.channels, self.width).float()
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``x / sqrt(sum(x^2) + eps)`` over the last dim (FLA's and transformers' form, not F.normalize's)."""
-    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The delta rule token by token (FLA ``naive_recurrent_kda``), float32:
-    q, k [B, H, T, K] (L2-normed, q scaled), v [B, H, T, V], g [B, H, T, K] log-decays, beta
-    [B, H, T], state [B, H, K, V]. Returns (o [B, H, T, V], the final state)."""
-    out = torch.empty(*v.shape, dtype=torch.float32, device=v.device)
-    s = state
-    for t in range(q.shape[2]):
-        s = s * g[:, :, t].exp().unsqueeze(-1)                               # decay along the key axis
-        kv = (s * k[:, :, t].unsqueeze(-1)).sum(dim=-2)                      # k . S  [B, H, V]
-        s = s + k[:, :, t].unsqueeze(-1) * ((v[:, :, t] - kv) * beta[:, :, t, None]).unsqueeze(-2)
-        out[:, :, t] = (s * q[:, :, t].unsqueeze(-1)).sum(dim=-2)
-    return out, s
-
-
-def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`recurrent_kda` in chunks of ``chunk`` tokens (the same result up to rounding): within
-    a chunk the delta rule's triangular system is solved by forward substitution (the WY form of
-    transformers' ``chunk_kimi_delta_attention`` torch fallback and FLA's ``naive_chunk_kda``),
-    across chunks the state carries. One chunk's pairwise decays [B, H, C, C, K] are the largest
-    temporary; the last chunk is just shorter (no padding)."""
-    b, h, t, kd = k.shape
-    out = torch.empty(b, h, t, v.shape[-1], dtype=torch.float32, device=v.device)
-    s = state
-    for lo in range(0, t, chunk):
-        hi = min(t, lo + chunk)
-        c = hi - lo
-        qc, kc, vc, bc = q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], beta[:, :, lo:hi]
-        gc = g[:, :, lo:hi].cumsum(dim=-2)                                   # [B, H, C, K]
-        upper = torch.triu(torch.ones(c, c, dtype=torch.bool, device=q.device), diagonal=1)
-        decay = (gc.unsqueeze(-2) - gc.unsqueeze(-3)).masked_fill(upper[..., None], float("-inf")).exp()
-        k_beta, v_beta = kc * bc.unsqueeze(-1), vc * bc.unsqueeze(-1)
-        a = -(k_beta.unsqueeze(-2) * kc.unsqueeze(-3) * decay).sum(dim=-1)
-        a = a.masked_fill(torch.triu(torch.ones(c, c, dtype=torch.bool, device=q.device)), 0.0)
-        for i in range(1, c):
-            row = a[..., i, :i].clone()
-            a[..., i, :i] = row + (row.unsqueeze(-1) * a[..., :i, :i]).sum(dim=-2)
-        a = a + torch.eye(c, dtype=a.dtype, device=a.device)
-        u = a @ v_beta
-        w = a @ (k_beta * gc.exp())
-        inter = (qc * gc.exp()) @ s
-        intra = (qc.unsqueeze(-2) * kc.unsqueeze(-3) * decay).sum(dim=-1).masked_fill(upper, 0.0)
-        v_new = u - w @ s
-        out[:, :, lo:hi] = inter + intra @ v_new
-        last = gc[:, :, -1:]                                                 # [B, H, 1, K]
-        s = s * last.transpose(-1, -2).exp() + (kc * (last - gc).exp()).transpose(-1, -2) @ v_new
-    return out, s
-
-
-class KDAState:
-    """One KDA layer's generation state: the recurrent state ``state`` [B, H, K, V] (float32, or
-    bfloat16 to halve it) and the convolution's last ``width - 1`` inputs ``conv`` [B, 3 * H * K,
-    width - 1] (float32), after ``length`` tokens.
-
-    A state cannot be cut back by moving a length as a latent cache can: :meth:`snapshot` keeps a
-    copy at the current length (what a speculative decoder takes before a draft), and
-    :meth:`truncate` restores the snapshot of the requested length."""
-
-    def __init__(self, batch: int, channels: int, width: int, heads: int, head_dim: int, *,
-                 device: torch.device, limit: int, state_dtype: torch.dtype = torch.float32) -> None:
-        self.conv = torch.zeros(batch, channels, max(width - 1, 0), dtype=torch.float32, device=device)
-        self.state = torch.zeros(batch, heads, head_dim, head_dim, dtype=state_dtype, device=device)
-        self.length = 0
-        self.limit = limit
-        self._snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def advance(self, t: int) -> None:
-        """Count ``t`` more tokens (the caller updated the state in place)."""
-        if self.length + t > self.limit:
-            raise GenerationError(f"sequence of {self.length + t} tokens exceeds the model's context of {self.limit}")
-        self.length += t
-
-    def snapshot(self) -> None:
-        """Keep a copy of the state at the current length (a later :meth:`truncate` to it restores it)."""
-        self._snapshots[self.length] = (self.conv.clone(), self.state.clone())
-
-    def truncate(self, length: int) -> None:
-        """Back to ``length`` tokens: the current state, or a :meth:`snapshot` taken at that length."""
-        if length == self.length:
-            return
-        snap = self._snapshots.get(length)
-        if snap is None:
-            raise GenerationError(f"cannot roll a KDA layer's state back from {self.length} to {length} tokens: "
-                                  f"no snapshot at {length} (held: {sorted(self._snapshots) or 'none'})")
-        self.conv.copy_(snap[0])
-        self.state.copy_(snap[1])
-        self.length = length
-        self._snapshots = {n: s for n, s in self._snapshots.items() if n <= length}
-
-    def nbytes(self) -> int:
-        return self.conv.nbytes + self.state.nbytes
-
-
-class HybridCache(MLACache):
-    """The cache of a KDA + MLA model: per layer a :class:`KDAState` or a
-    :class:`~quantplug.generate.LatentCache`, all of the same length."""
-
-    def snapshot(self) -> None:
-        for c in self.layers:
-            if isinstance(c, KDAState):
-                c.snapshot()
-
-    def bytes_per_token(self) -> int:
-        """Bytes the MLA layers' caches hold per token (the KDA states do not grow)."""
-        return sum(sum(b.shape[3] * b.element_size() for b in (c.latent, c.k_rope)) for c in self.layers
-                   if isinstance(c, LatentCache))
-
-    def state_bytes(self) -> int:
-        """Bytes of the KDA layers' fixed-size states (recurrent and convolution)."""
-        return sum(c.nbytes() for c in self.layers if isinstance(c, KDAState))
-
-    def nbytes(self) -> int:
-        return self.state_bytes() + sum(c.latent.nbytes + c.k_rope.nbytes for c in self.layers
-                                        if isinstance(c, LatentCache))
-
-
-class KDA(FloatParams):
-    """Kimi Delta Attention, ``model.layers.{i}.self_attn`` of a KDA layer (see the module
-    docstring). Parameters of its own: ``dt_bias`` [H * K] and the heads' decay rate (float32), as
-    one of two checkpoint tensors:
-
-    * ``A_log`` (the release): stored [1, 1, H, 1] (Kimi-Linear), [H] (llama.cpp's reading of K3),
-      [H, 1] (a llama-quantize rewrite of llama.cpp's [1, 1, H, 1]) or as a longer 1-D tensor of which the first H entries are the heads' (sglang's and
-      llama.cpp's converter's rule for K3's [head_dim] tensor);
-    * ``A`` = ``-exp(A_log)``, folded (llama.cpp's converter stores it so, ``blk.N.ssm_a``): the
-      same shapes. The gate needs only ``exp(A_log)`` = ``-A`` (:meth:`a_exp`), so the folded form
-      is used as stored, with no logarithm taken.
-
-    Exactly one of the two must be present; any other shape is a plan error."""
-
-    qp_fp32 = frozenset({"dt_bias", "A_log", "A"})
-    # registered by the loader from the plan (A_log, or llama.cpp's folded A); declared for type checkers
-    A: torch.Tensor
-    A_log: torch.Tensor
-    dt_bias: torch.Tensor
-
-    def __init__(self, cfg: KimiConfig, i: int, d: Decisions) -> None:
-        super().__init__()
-        base = f"model.layers.{i}.self_attn"
-        self.qp_init(d.ck(base))
-        h, heads, hd = cfg.hidden_size, cfg.kda_heads, cfg.kda_head_dim
-        dim = heads * hd
-        #: heads (and H * K) computed here: all of them, or this rank's share under tensor
-        #: parallelism (:meth:`qp_hold_heads`); ``all_heads`` never changes
-        self.heads, self.head_dim, self.dim, self.width = heads, hd, dim, cfg.conv_kernel
-        self.all_heads = heads
-        self.lower_bound = cfg.gate_lower_bound
-        self.q_proj = _lin(d, f"{base}.q_proj", h, dim)
-        self.k_proj = _lin(d, f"{base}.k_proj", h, dim)
-        self.v_proj = _lin(d, f"{base}.v_proj", h, dim)
-        self.q_conv1d = ShortConv(dim, cfg.conv_kernel, d.ck(f"{base}.q_conv1d"))
-        self.k_conv1d = ShortConv(dim, cfg.conv_kernel, d.ck(f"{base}.k_conv1d"))
-        self.v_conv1d = ShortConv(dim, cfg.conv_kernel, d.ck(f"{base}.v_conv1d"))
-        self.f_a_proj = _lin(d, f"{base}.f_a_proj", h, hd)
-        self.f_b_proj = _lin(d, f"{base}.f_b_proj", hd, dim)
-        self.add_float("dt_bias", (dim,), f"{self.qp_ckpt}.dt_bias")
-        self.add_float("A_log", (), f"{self.qp_ckpt}.A_log", optional=True)
-        self.add_float("A", (), f"{self.qp_ckpt}.A", optional=True)
-        self.b_proj = _lin(d, f"{base}.b_proj", h, heads)
-        self.full_rank_gate = cfg.full_rank_gate
-        if cfg.full_rank_gate:
-            self.g_proj = _lin(d, f"{base}.g_proj", h, dim)
-        else:
-            self.g_a_proj = _lin(d, f"{base}.g_a_proj", h, hd)
-            self.g_b_proj = _lin(d, f"{base}.g_b_proj", hd, dim)
-        self.o_norm = RMSNorm(hd, cfg.rms_norm_eps, d.ck(f"{base}.o_norm"))
-        self.o_proj = _lin(d, f"{base}.o_proj", dim, h)
-        self._conv: torch.Tensor | None = None
-        #: decode steps through the native KDA step (false: the torch recurrence, e.g. to compare)
-        self.native = True
-
-    def qp_heads(self) -> int:
-        """All KDA heads of the layer (``HeadParallel``: the tensor-parallel plan splits them)."""
-        return self.all_heads
-
-    def qp_hold_heads(self, start: int, count: int) -> None:
-        """This rank computes KDA heads ``[start, start + count)``: its q / k / v, ``f_b_proj``, the
-        output gate and ``b_proj`` hold their features, the convolutions / ``dt_bias`` / ``A_log``
-        their entries (:class:`~quantplug.models.declarations.HeadSlice`), ``o_proj`` its input
-        columns (all-reduced); the forward and a new cache's state follow these counts."""
-        self.heads, self.dim = count, count * self.head_dim
-        for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
-            conv.channels = self.dim
-        self._conv = None
-
-    def qp_check(self, found: Mapping[str, TensorInfo]) -> list[Problem]:
-        log, folded = found.get("A_log"), found.get("A")
-        if log is None and folded is None:
-            dt = found.get("dt_bias")
-            return [Problem(f"missing: the model needs {self.qp_ckpt}.A_log (or its folded form {self.qp_ckpt}.A "
-                            "= -exp(A_log), as llama.cpp's converter stores it)",
-                            tensor=f"{self.qp_ckpt}.A_log", file=dt.file.name if dt is not None else None,
-                            kind="missing")]
-        if log is not None and folded is not None:
-            return [Problem(f"both {log.label} and {folded.label} are stored: one KDA decay rate, in one form",
-                            tensor=folded.label, file=folded.file.name, kind="shape")]
-        info = log or folded
-        assert info is not None
-        shape, n = info.shape, self.all_heads
-        # [1, 1, H, 1] (Kimi-Linear; llama.cpp's ssm_a ne [1, H, 1, 1]), [H], or [H, 1]: llama-quantize
-        # writes that ne without its trailing ones ([1, H])
-        if shape in ((1, 1, n, 1), (n,), (n, 1)) or (len(shape) == 1 and shape[0] > n):
-            return []
-        return [Problem(f"shape {list(shape)}, expected [1, 1, {n}, 1] (Kimi-Linear; [{n}, 1] after llama-quantize), "
-                        f"[{n}] (one per KDA head) or a "
-                        f"1-D tensor of more than {n} entries whose first {n} are the heads' (Kimi-K3's "
-                        f"[head_dim] as sglang and llama.cpp read it)", tensor=info.label, file=info.file.name,
-                        kind="shape")]
-
-    def a_exp(self) -> torch.Tensor:
-        """The heads' ``exp(A_log)``, [H] float32: from ``A_log``, or exactly ``-A`` where the
-        folded form was loaded."""
-        if "A" in self._parameters:
-            return -self.A.reshape(-1)[:self.heads].float()
-        return self.A_log.reshape(-1)[:self.heads].float().exp()
-
-    def a_log(self) -> torch.Tensor:
-        """The heads' A_log, [H] float32 (``log(-A)`` where the folded form was loaded)."""
-        if "A" in self._parameters:
-            return torch.log(-self.A.reshape(-1)[:self.heads].float())
-        return self.A_log.reshape(-1)[:self.heads].float()
-
-    def conv_weight(self) -> torch.Tensor:
-        """q | k | v convolution weights as one [3 * H * K, width] float32 tensor (made once)."""
-        if self._conv is None or self._conv.device != self.q_conv1d.weight.device:
-            self._conv = torch.cat([c.kernel() for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
-        return self._conv
-
-    def gate(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-channel log-decay g [..., H, K] (float32, <= 0) of the layer input ``x``."""
-        pre = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).unflatten(-1, (self.heads, self.head_dim))
-        a = self.a_exp()[:, None]
-        if self.lower_bound is not None:
-            return self.lower_bound * torch.sigmoid(a * pre)
-        # softplus with transformers' threshold: x above 20 stays x
-        return -a * torch.where(pre > 20.0, pre, torch.log(1.0 + torch.exp(pre)))
-
-    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
-        return self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
-
-    def qp_engine_floats(self) -> dict[str, torch.Tensor]:
-        """The float tensors as engines hold a KDA layer
-        (:class:`~quantplug.models.declarations.EngineFloats`; transformers' conversion of the
-        release): ``conv1d.weight`` [3 * H * K, 1, W] float32 (the q, k, v convolutions in order,
-        whichever shape they were stored in), ``dt_bias``, ``A_log`` [H] float32 (computed as
-        ``log(-A)`` where llama.cpp's folded ``A`` was loaded) and ``o_norm.weight`` as loaded."""
-        return {"conv1d.weight": self.conv_weight().unsqueeze(1), "dt_bias": self.dt_bias, "A_log": self.a_log(),
-                "o_norm.weight": self.o_norm.weight}
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-                cache: KDAState | None = None) -> torch.Tensor:
-        """x [B, T, hidden] -> [B, T, hidden]; with ``cache`` the tokens continue its state (updated
-        in place: convolution inputs, recurrent state, length). ``cos`` / ``sin`` are ignored
-        (no position input), accepted for the decoder layer's common call."""
-        b, t, _ = x.shape
-        if t == 1 and cache is not None and self.native and cache.length < cache.limit:
-            out = self._step(x, cache)
-            if out is not None:
-                return out
-        heads, hd, dim = self.heads, self.head_dim, self.dim
-        u = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1).float().transpose(1, 2)  # [B, 3D, T]
-        w = self.conv_weight()
-        hist = (cache.conv if cache is not None else
-                torch.zeros(b, 3 * dim, self.width - 1, dtype=torch.float32, device=x.device))
-        full = torch.cat([hist, u], dim=-1)                                  # [B, 3D, W - 1 + T]
-        conv = F.silu(F.conv1d(full, w.unsqueeze(1), groups=3 * dim))        # [B, 3D, T]
-        q, k, v = conv.transpose(1, 2).split(dim, dim=-1)                    # [B, T, D] each
-        q = l2norm(q.unflatten(-1, (heads, hd))).transpose(1, 2) * hd ** -0.5  # [B, H, T, K]
-        k = l2norm(k.unflatten(-1, (heads, hd))).transpose(1, 2)
-        v = v.unflatten(-1, (heads, hd)).transpose(1, 2)
-        g = self.gate(x).transpose(1, 2)                                     # [B, H, T, K]
-        beta = torch.sigmoid(self.b_proj(x).float()).transpose(1, 2)         # [B, H, T]
-        s0 = (cache.state.float() if cache is not None else
-              torch.zeros(b, heads, hd, hd, dtype=torch.float32, device=x.device))
-        if t == 1:
-            o, s = recurrent_kda(q, k, v, g, beta, s0)
-        else:
-            o, s = chunk_kda(q, k, v, g, beta, s0)
-        if cache is not None:
-            cache.advance(t)
-            cache.conv.copy_(full[..., full.shape[-1] - cache.conv.shape[-1]:])
-            cache.state.copy_(s.to(cache.state.dtype))
-        o = o.transpose(1, 2)                                                # [B, T, H, V]
-        gate = self.output_gate(x).float().unflatten(-1, (heads, hd))
-        o = self.o_norm(o) * torch.sigmoid(gate)
-        return self.o_proj(o.flatten(-2).to(x.dtype))
-
-
-    def _step(self, x: torch.Tensor, cache: KDAState) -> torch.Tensor | None:
-        """One decode token of B sequences with the native step (:func:`quantplug.kernels.kda.kda_step`:
-        convolution, gates, the state update and the gated norm in one call; the projections are
-        the layers' own products), or None (nothing changed) where it cannot run."""
-        b = x.shape[0]
-        xf = x.reshape(b, -1)
-        u = torch.cat([self.q_proj(xf), self.k_proj(xf), self.v_proj(xf)], dim=-1).float().contiguous()
-        o = kda_step(u, self.conv_weight(), cache.conv, self.f_b_proj(self.f_a_proj(xf)).float().contiguous(),
-                     self.dt_bias.float().contiguous(), self.a_log().contiguous(), self.lower_bound,
-                     self.b_proj(xf).float().contiguous(), self.output_gate(xf).float().contiguous(),
-                     self.o_norm.weight.float().contiguous(), self.o_norm.eps, cache.state)
-        if o is None:
-            return None
-        cache.advance(1)
-        return self.o_proj(o.view(b, 1, -1).to(x.dtype))
-
-
-class ResScore(FloatParams):
-    """One attention-residual aggregation point (K3), used only through the product of
-    ``<name>_res_norm.weight`` [hidden] and ``<name>_res_proj.weight`` [1, hidden], stored either
-    as those two (the release: parameters ``norm`` and ``proj``) or already multiplied as one
-    ``<name>_res_score.weight`` [hidden] (llama.cpp's converter fuses them into
-    ``attn_res_score`` / ``ffn_res_score`` / ``output_res_score``: parameter ``score``). Exactly
-    one form must be complete (a plan error otherwise)."""
-
-    qp_fp32 = frozenset({"norm", "proj", "score"})
-    # registered by the loader from the plan (the stored form's); declared for type checkers
-    norm: torch.Tensor
-    proj: torch.Tensor
-    score: torch.Tensor
-
-    def __init__(self, hidden: int, base: str, eps: float) -> None:
-        super().__init__()
-        self.qp_init(base)
-        self.add_float("norm", (hidden,), f"{base}_res_norm.weight", optional=True)
-        self.add_float("proj", (1, hidden), f"{base}_res_proj.weight", optional=True)
-        self.add_float("score", (hidden,), f"{base}_res_score.weight", optional=True)
-        self.eps = eps
-
-    def qp_check(self, found: Mapping[str, TensorInfo]) -> list[Problem]:
-        have = sorted(found)
-        if have in (["norm", "proj"], ["score"]):
-            return []
-        b = self.qp_ckpt
-        if not have:
-            what = "missing"
-        elif "score" in have and len(have) > 1:
-            what = f"both forms stored ({', '.join(found[k].label for k in have)})"
-        else:
-            what = f"only {found[have[0]].label} stored"
-        some = next(iter(found.values()), None)
-        return [Problem(f"{what}: the attention residual {b} needs {b}_res_norm.weight and {b}_res_proj.weight, "
-                        f"or their product {b}_res_score.weight (llama.cpp's fused form)",
-                        tensor=f"{b}_res_norm.weight", file=some.file.name if some is not None else None,
-                        kind="missing")]
-
-    def score_vector(self) -> torch.Tensor:
-        """``norm.weight * proj.weight`` as one [hidden] float32 vector."""
-        if "score" in self._parameters:
-            return self.score.float()
-        return self.norm.float() * self.proj.float().reshape(-1)
-
-    def forward(self, rows: Sequence[torch.Tensor], last: torch.Tensor) -> torch.Tensor:
-        """The per-token mix of ``rows`` and ``last`` (each [B, T, hidden]): weights softmax over the
-        rows of ``sum_d rmsnormed(row)[d] * norm_w[d] * proj_w[d]`` (float32), applied to the raw rows."""
-        v = torch.stack([*rows, last], dim=-2).float()                      # [B, T, n + 1, hidden]
-        score = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.eps) * self.score_vector()).sum(-1)
-        p = torch.softmax(score, dim=-1)
-        return (p.unsqueeze(-1) * v).sum(dim=-2).to(last.dtype)
-
-
 class KimiDecoderLayer(nn.Module):
     """``model.layers.{i}``: input / post-attention norms, ``self_attn`` (:class:`KDA` or MLA
     without RoPE), ``mlp`` (dense, layer < ``first_k_dense_replace``) or ``block_sparse_moe``, and
@@ -699,12 +297,6 @@ class KimiTextModel(nn.Module):
         if self.block is not None:
             self.output_res = ResScore(cfg.hidden_size, d.ck("model.output_attn"), cfg.rms_norm_eps)
 
-    def qp_fuse(self) -> None:
-        """After loading: each MoE layer learns the next one (for expert prefetch)."""
-        moes = [layer.ffn for layer in self.layers if isinstance(layer.ffn, MoE)]
-        for a, b in zip(moes, moes[1:]):
-            object.__setattr__(a, "qp_next", b)
-
     def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None, cache: MLACache | None = None) -> torch.Tensor:
         """Normed hidden states [B, T, hidden] of ``ids`` [B, T] (no position input: ``positions``
         is accepted and unused); with ``cache`` the tokens continue it."""
@@ -716,17 +308,7 @@ class KimiTextModel(nn.Module):
                 h = layer(h, cos, sin, c)
             return self.norm(h)
         assert self.output_res is not None
-        bank: list[torch.Tensor] = []
-        for i, (layer, c) in enumerate(zip(self.layers, caches)):
-            assert isinstance(layer, KimiDecoderLayer) and layer.attn_res is not None and layer.mlp_res is not None
-            x = layer.attn_res(bank, h) if bank else h
-            if i % self.block == 0:
-                bank.append(h)
-                part = layer.attend(x, cos, sin, c)
-            else:
-                part = h + layer.attend(x, cos, sin, c)
-            h = part + layer.feed(layer.mlp_res(bank, part))
-        return self.norm(self.output_res(bank, h))
+        return self.norm(attention_residuals(self.layers, h, caches, self.block, self.output_res, cos, sin))
 
 
 #: how a Kimi layer's attention splits over tensor-parallel ranks: one entry for both kinds (members
@@ -754,7 +336,7 @@ class KimiLinearForCausalLM(GenerationMixin, nn.Module):
     }
     #: how the model splits over tensor-parallel ranks (``quantplug.parallel`` reads it): attention by
     #: head (:data:`_ATTENTION_TP`), routed experts expert-parallel (their latent partial sums
-    #: all-reduced inside :class:`~quantplug.models.deepseek.Experts`, before ``routed_expert_norm``:
+    #: all-reduced inside :class:`~quantplug.blocks.moe.Experts`, before ``routed_expert_norm``:
     #: the norm of the sum, not the sum of norms), the dense MLP and shared experts by feature; the
     #: latent ``routed_expert_down_proj`` / ``routed_expert_up_proj``, the router and the attention
     #: residuals' float parameters replicated

@@ -11,8 +11,9 @@ import platform
 import pytest
 import torch
 import torch.nn.functional as F
+from quantplug.blocks.kda import kda_step_torch
 from quantplug.kernels import native
-from quantplug.kernels.kda import kda_step, kda_step_torch
+from quantplug.kernels.kda import kda_step
 
 needs_native = pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.status()}")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -214,7 +214,7 @@ def test_vendor_fixtures_natively_equal_the_torch_path(name):
 def _per_layer(model: torch.nn.Module) -> None:
     """Decode through the per-layer steps (one native call per MLA / MLP / MoE) from now on."""
     tm = model.text_lm().model
-    tm._stack, tm._stack_tried = None, True
+    tm._stack = None  # the lowering's record: no whole-stack step (quantplug.lower.text_stack)
 
 
 def _count_stack_calls(monkeypatch) -> list[int]:
