@@ -38,11 +38,16 @@ static const qp_layout_entry QP_LAYOUT[] = {
     QP_FIELD(qp_latent_attn, k_b), QP_FIELD(qp_latent_attn, v_b), QP_FIELD(qp_latent_attn, o),
     QP_FIELD(qp_latent_attn, g),
 
+    QP_STRUCT(qp_router),
+    QP_FIELD(qp_router, score), QP_FIELD(qp_router, select), QP_FIELD(qp_router, top_k), QP_FIELD(qp_router, n_group),
+    QP_FIELD(qp_router, topk_group), QP_FIELD(qp_router, norm_topk), QP_FIELD(qp_router, scaling),
+    QP_FIELD(qp_router, pad), QP_FIELD(qp_router, weight), QP_FIELD(qp_router, bias), QP_FIELD(qp_router, tid2eid),
+    QP_FIELD(qp_router, vocab),
+
     QP_STRUCT(qp_layer),
     QP_FIELD(qp_layer, attn), QP_FIELD(qp_layer, attn_norm), QP_FIELD(qp_layer, ffn_norm),
-    QP_FIELD(qp_layer, norm_bf16), QP_FIELD(qp_layer, eps), QP_FIELD(qp_layer, E), QP_FIELD(qp_layer, top_k),
-    QP_FIELD(qp_layer, n_group), QP_FIELD(qp_layer, topk_group), QP_FIELD(qp_layer, norm_topk),
-    QP_FIELD(qp_layer, scaling), QP_FIELD(qp_layer, router), QP_FIELD(qp_layer, bias), QP_FIELD(qp_layer, gate),
+    QP_FIELD(qp_layer, norm_bf16), QP_FIELD(qp_layer, eps), QP_FIELD(qp_layer, E), QP_FIELD(qp_layer, pad),
+    QP_FIELD(qp_layer, route), QP_FIELD(qp_layer, gate),
     QP_FIELD(qp_layer, up), QP_FIELD(qp_layer, down), QP_FIELD(qp_layer, sg), QP_FIELD(qp_layer, su),
     QP_FIELD(qp_layer, sd),
 

@@ -79,7 +79,7 @@ MIN_CODE = {"FP8": 2.0 ** -9, "FP4": 0.5, "INT4": 1.0, "INT8": 1.0}
 SYMBOLS = ("qp_form_info", "qp_isa", "qp_check", "qp_dequant", "qp_act_rows", "qp_gemm", "qp_mlp",
            "qp_latent_pre", "qp_latent_post", "qp_latent_step", "qp_decode_step", "qp_spec_step", "qp_fp8_has_nan", "qp_row_kernel",
            "qp_pair_products", "qp_pair_tasks", "qp_bf16_has_subnormal",
-           "qp_layout_table", "qp_kda_step")
+           "qp_layout_table", "qp_kda_step", "qp_route")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -223,14 +223,23 @@ class LatentAttn(ctypes.Structure):
 MLA = LatentAttn  # the name before the kernel sources named block kinds, not models
 
 
+class Router(ctypes.Structure):
+    """``qp_router``: a routed MoE's router as data (``quantplug.routing.RouterSpec`` and its tensors)."""
+
+    _fields_ = [  # noqa: RUF012
+        ("score", ctypes.c_int32), ("select", ctypes.c_int32), ("top_k", ctypes.c_int32), ("n_group", ctypes.c_int32),
+        ("topk_group", ctypes.c_int32), ("norm_topk", ctypes.c_int32), ("scaling", ctypes.c_float),
+        ("pad", ctypes.c_int32), ("weight", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("tid2eid", ctypes.c_void_p),
+        ("vocab", ctypes.c_int64)]
+
+
 class Layer(ctypes.Structure):
     """``qp_layer``: one decoder layer of the whole-stack decode step (``qp_stack_step``)."""
 
     _fields_ = [  # noqa: RUF012
         ("attn", ctypes.POINTER(LatentAttn)), ("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
-        ("norm_bf16", ctypes.c_int32), ("eps", ctypes.c_float), ("E", ctypes.c_int32), ("top_k", ctypes.c_int32),
-        ("n_group", ctypes.c_int32), ("topk_group", ctypes.c_int32), ("norm_topk", ctypes.c_int32),
-        ("scaling", ctypes.c_float), ("router", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+        ("norm_bf16", ctypes.c_int32), ("eps", ctypes.c_float), ("E", ctypes.c_int32), ("pad", ctypes.c_int32),
+        ("route", Router),
         ("gate", ctypes.POINTER(ctypes.POINTER(Mat))), ("up", ctypes.POINTER(ctypes.POINTER(Mat))),
         ("down", ctypes.POINTER(ctypes.POINTER(Mat))),
         ("sg", ctypes.POINTER(Mat)), ("su", ctypes.POINTER(Mat)), ("sd", ctypes.POINTER(Mat))]
@@ -246,8 +255,8 @@ class Draft(ctypes.Structure):
 
 
 #: the C struct (``qp_types.h``) each ctypes Structure mirrors
-STRUCTS: dict[str, type[ctypes.Structure]] = {"qp_act": Act, "qp_mat": Mat, "qp_latent_attn": LatentAttn, "qp_layer": Layer,
-                                              "qp_draft": Draft}
+STRUCTS: dict[str, type[ctypes.Structure]] = {"qp_act": Act, "qp_mat": Mat, "qp_latent_attn": LatentAttn,
+                                              "qp_router": Router, "qp_layer": Layer, "qp_draft": Draft}
 
 
 class LayoutEntry(ctypes.Structure):
@@ -317,6 +326,7 @@ def _declare(lib: ctypes.CDLL) -> None:
                             i32, p, i32, ctypes.c_float, p, mp, p, p, i32], i32),
         "qp_spec_step": ([ctypes.POINTER(Layer), i32, i64, p, mp, p, p, p, i64, i64, i64, i32, p, i32, ctypes.c_float,
                           mp, ctypes.POINTER(Draft), p, p, i64, p, p, p, p, p, i32], i32),
+        "qp_route": ([ctypes.POINTER(Router), i32, i64, i64, p, i32, p, p, p], i32),
         "qp_fp8_has_nan": ([p, i64], i32),
         "qp_row_kernel": ([mp, i32], i32),
         "qp_pair_products": ([i32], i32),

@@ -73,7 +73,7 @@
 #include "generic/rows.c"           /* the portable row kernels, the dispatch, the product entry points */
 #include "blocks/gated_mlp.c"       /* block steps: gated MLP / routed experts */
 #include "blocks/latent_attention.c" /* latent-attention decode step */
-#include "blocks/router.c"          /* sigmoid group-limited top-k router */
+#include "blocks/router.c"          /* the MoE router as data (qp_router) */
 #include "blocks/stack_step.c"      /* the whole-stack decode step, from token ids to logits */
 #include "blocks/kda.c"             /* one decode token of KDA (gated delta rule) */
 #include "layout.c"                 /* qp_layout_table: the structs' offsets and sizes (tests, native.py) */

@@ -74,18 +74,38 @@ typedef struct {
     const qp_mat *g;                   /* output gate [nh * v, H] or NULL */
 } qp_latent_attn;
 
+/* the router of a routed MoE (qp_router; quantplug.routing: SCORES, SELECTS): the scores of the
+ * logits (router weight [E, H] times the normed row) */
+enum { QRS_SIGMOID = 0, QRS_SOFTMAX = 1, QRS_SQRTSOFTPLUS = 2 };
+/* how the top_k experts are chosen: greedily over all experts, or within the topk_group best of
+ * n_group groups, a group scored by the sum of its two best (biased) scores or by its best */
+enum { QRT_GREEDY = 0, QRT_GROUP_TOP2 = 1, QRT_GROUP_MAX = 2 };
+
+/* a routed MoE's router as data: scores (QRS_*) of the logits, the choice (QRT_*) on the scores
+ * plus bias (when given; for choosing only), or the experts of the token id (tid2eid: routing by
+ * token, weights still the chosen experts' scores); the weights normalized to sum 1 (norm_topk),
+ * then times scaling */
+typedef struct {
+    int32_t score, select;             /* QRS_*, QRT_* */
+    int32_t top_k, n_group, topk_group, norm_topk;
+    float scaling;
+    int32_t pad;
+    const float *weight;               /* [E, H] float32 */
+    const float *bias;                 /* [E] float32 added for choosing only, or NULL */
+    const int32_t *tid2eid;            /* [vocab, top_k] the experts of each token id, or NULL */
+    int64_t vocab;
+} qp_router;
+
 /* one decoder layer of the stack step: its latent attention, norms, and a dense gated MLP or a
- * routed MoE (sigmoid group-limited router) */
+ * routed MoE (its router: route) */
 typedef struct {
     const qp_latent_attn *attn;       /* the layer's latent attention */
     const void *attn_norm, *ffn_norm;  /* [H], f32 or bf16 (norm_bf16) */
     int32_t norm_bf16;
     float eps;
     int32_t E;                         /* routed experts; 0: a dense MLP (gate / up / down [0]) */
-    int32_t top_k, n_group, topk_group, norm_topk;
-    float scaling;
-    const float *router;               /* [E, H] float32 */
-    const float *bias;                 /* [E] float32, or NULL */
+    int32_t pad;
+    qp_router route;                   /* the router of a MoE (E > 0) */
     const qp_mat *const *gate;
     const qp_mat *const *up;
     const qp_mat *const *down;

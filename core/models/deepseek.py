@@ -44,6 +44,7 @@ from ..layers.linear import (
 )
 from ..layers.norm import RMSNorm
 from ..layers.rope import Rotary, rotate_pairs, softmax_scale
+from ..routing import RouterSpec
 from ..types import AttentionLayout
 from .config import ModelConfig
 
@@ -691,6 +692,17 @@ class Router(FloatParams):
             w = [v / total for v in w]
         return idx, [v * cfg.routed_scaling_factor for v in w]
 
+    @property
+    def spec(self) -> RouterSpec | None:
+        """How this router routes, as data (:mod:`quantplug.routing`; the native stack step routes
+        by it); None for a subclass with a routing of its own (it declares its own spec)."""
+        if type(self).forward is not Router.forward or type(self).route_one is not Router.route_one:
+            return None
+        cfg = self.cfg
+        return RouterSpec(score="sigmoid", select="group_top2", top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
+                          topk_group=cfg.topk_group, norm_topk=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor,
+                          has_bias=True)
+
 
 class Experts(nn.Module):
     """Routed experts as three stacked linears (gate, up: [E, I, H]; down: [E, H, I]).
@@ -1028,18 +1040,19 @@ def stack_step(layers: Sequence[nn.Module], norm: RMSNorm, extra: Sequence[nn.Mo
             owners.append((mlp, mlp.step))
             continue
         assert isinstance(mlp, MoE)
-        if type(mlp.gate) is not Router:  # the native step routes as Router does (an architecture's own router: not)
+        spec = getattr(mlp.gate, "spec", None)  # the native step routes by the router's declared spec
+        if not isinstance(spec, RouterSpec):
             return None
-        ex, cfg, shared = mlp.experts, mlp.gate.cfg, mlp.shared_experts
+        ex, shared = mlp.experts, mlp.shared_experts
         if (ex.step is None or ex.qp_store is not None or ex.qp_parallel is not None
                 or (ex.first, ex.count, ex.slot_base) != (0, ex.n, 0) or len(ex.step.gate.mats) != ex.n
                 or (shared is not None and shared.step is None)):
             return None
         owners += [(ex, ex.step)] + ([] if shared is None else [(shared, shared.step)])
         parts.append(StackLayer(mla=attn.step, attn_norm=n1.weight, ffn_norm=n2.weight, eps=n1.eps,
-                                experts=ex.step, router=mlp.gate.weight, bias=mlp.gate.e_score_correction_bias,
-                                top_k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
-                                norm_topk=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor,
+                                experts=ex.step, router=mlp.gate.weight, spec=spec,
+                                bias=getattr(mlp.gate, "e_score_correction_bias", None) if spec.has_bias else None,
+                                tid2eid=getattr(mlp.gate, "tid2eid", None) if spec.by_token else None,
                                 shared=None if shared is None else shared.step))
     modules = [m for layer in layers for m in layer.modules()] + list(extra)
     return StackStep.build(parts, norm.weight, norm.eps, norm.weight.numel(), modules, owners)
