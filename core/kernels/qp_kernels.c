@@ -67,6 +67,7 @@
 #include "generic/scalar.c"         /* forms, scalar conversions, ggml block decoders */
 #include "arch/x86_avx512.h"        /* vector primitives per instruction set */
 #include "arch/x86_avx2.h"
+#include "arch/dispatch.h"          /* the block steps' vector runs: the build's path or a portable fallback */
 #include "generic/decode.c"         /* segment decoding, activations, prepared inputs, scale rows */
 #include "arch/x86_avx2.c"          /* row kernels per instruction set */
 #include "arch/x86_avx512.c"
