@@ -1,12 +1,13 @@
 """DeepSeek-V2 (examples/deepseek_v2, softmax router) against DeepSeek-V3 (sigmoid router) decode
 tokens/s at the same dimensions (run by hand; figures go into docs with this command line).
 
-    python bench/bench_router_kinds.py [--reps 4] [--new 32] [--prompt 32] [--threads 2]
+    python bench/bench_router_kinds.py [--reps 4] [--new 32] [--prompt 32] [--threads 2] [--shape bench|small]
 
 One float32 DeepSeek-V3-shaped checkpoint (bench_generate.py's: hidden 1024, 16 heads, 3 layers,
 8 of 16 routed experts in 4 groups (2 taken) + 1 shared) is written twice: as DeepSeek-V3, and as
 DeepSeek-V2 (``scoring_func`` softmax, ``topk_method`` group_limited_greedy, no correction bias; the
-other weights the same). Contenders, each in a fresh process, alternating, ``--reps`` rounds:
+other weights the same). ``--shape small``: hidden 256, 8 heads, kv_lora 128, 6 layers, the same
+experts (a step where the Python around each layer's native calls weighs more). Contenders, each in a fresh process, alternating, ``--reps`` rounds:
 ``v3``, ``v2`` (the whole-stack native step, one call per token) and ``v2-layers`` (the same model
 with the stack step off: a decode step layer by layer, as DeepSeek-V2 decoded before its router was
 data). Decode tokens/s = 1 / the median wall time of one decode step (the time between two
@@ -59,8 +60,13 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--shape", default="bench", choices=("bench", "small"))
     args = ap.parse_args()
     cfg = bench_config()
+    if args.shape == "small":
+        cfg.update(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=6,
+                   num_attention_heads=8, num_key_value_heads=8, q_lora_rank=128, kv_lora_rank=128,
+                   qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32)
     state = random_state(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         v3 = write_checkpoint(Path(tmp) / "v3", cfg, state)
