@@ -71,6 +71,7 @@
 #include "generic/decode.c"         /* segment decoding, activations, prepared inputs, scale rows */
 #include "arch/x86_avx2.c"          /* row kernels per instruction set */
 #include "arch/x86_avx512.c"
+#include "arch/dispatch_rows.h"     /* which row kernel a weight takes in this build */
 #include "generic/rows.c"           /* the portable row kernels, the dispatch, the product entry points */
 #include "blocks/gated_mlp.c"       /* block steps: gated MLP / routed experts */
 #include "blocks/latent_attention.c" /* latent-attention decode step */
