@@ -150,7 +150,7 @@ def _open(path: Path) -> ctypes.CDLL:
         raise OSError(f"{path.name} lacks {', '.join(missing)}")
     _declare(lib)
     bad = layout_mismatches(layout_table(lib))
-    if bad:  # the ctypes Structures below disagree with qp_types.h: passing them would corrupt memory
+    if bad:  # the ctypes Structures below disagree with the compiled qp_abi.h: passing them would corrupt memory
         raise OSError(f"{path.name}: struct layout differs from native.py's: {'; '.join(bad[:4])}")
     return lib
 

@@ -62,7 +62,7 @@
 /* One translation unit (the parts are static functions inlined across files, as when they were
  * one file); native.py hashes every file under core/kernels/ into the cache key. The order is the
  * order of dependence: */
-#include "qp_types.h"               /* the structs and constants Python passes (ctypes mirrors them) */
+#include "qp_types.h"               /* the constants and (qp_abi.h, from abi.py) the structs Python passes */
 #include "arch/x86_f16c.h"          /* scalar half conversions */
 #include "generic/scalar.c"         /* forms, scalar conversions, ggml block decoders */
 #include "arch/x86_avx512.h"        /* vector primitives per instruction set */
