@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import quantplug
 import torch
+from quantplug.errors import QuantplugError
 from quantplug.kernels import native
 from quantplug.kernels.routers import native_route
 from quantplug.routing import SCORES, SELECTS, RouterSpec, route
@@ -69,7 +70,7 @@ def test_native_route_by_token_id(score):
     ref = route(spec, x, w, ids=ids, tid2eid=table)
     assert ref[0] == [table[t].tolist() for t in ids.tolist()]
     _same(spec, ref, native_route(spec, x, w, ids=ids, tid2eid=table))
-    with pytest.raises(quantplug.api.QuantplugError, match="code -4"):
+    with pytest.raises(QuantplugError, match="code -4"):
         native_route(spec, x[:1], w, ids=[50], tid2eid=table)
 
 
