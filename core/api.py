@@ -39,7 +39,8 @@ Groups:
   :class:`FeatureParallel`, :class:`HeadParallel` (:class:`HeadSlice`), :class:`ExpertParallel`,
   :class:`VocabParallel`, with the module interfaces :class:`HeadGroup`, :class:`ExpertGroup`,
   :class:`TiedModule`) and its dense-state mapping ``qp_dense_state`` (:class:`Unstack`,
-  :class:`FoldHeads`);
+  :class:`FoldHeads`); a router declared as data (1.11): :class:`RouterSpec` (the native
+  whole-stack step routes by a router module's ``spec``) and its reference :func:`route`;
 * errors: :class:`QuantplugError` and its subclasses.
 """
 
@@ -58,6 +59,7 @@ from .checkpoint.safetensors_index import write_header as safetensors_header
 from .contract.arch import ArchSpec, PlanOracle
 from .contract.config import ModelConfig, RopeConfig, parse_model_config
 from .contract.options import KERNELS, LoadOptions, TakesOptions
+from .contract.routing import RouterSpec, route
 from .contract.scheme import (
     FLOATS,
     FusedLayout,
@@ -383,6 +385,8 @@ __all__ = [
     "FusedLayout", "PerIndexLayout", "StackLayout", "StackedLayout",
     # ... from the core's blocks (1.6): the DeepSeek-V3 model and its parts, its config parser
     "DecoderLayer", "DeepseekV3ForCausalLM", "Experts", "MLA", "MLP", "MoE", "Router", "parse_model_config",
+    # ... a router declared as data (1.11)
+    "RouterSpec", "route",
     # ... declaring how engines take it (qp_engine_plan, 1.6)
     "EngineExperts", "EngineLatentAttention", "EngineMLP", "LatentAttention", "RoutedExperts",
     # ... renaming its modules for the engines and giving them float tensors in their form (1.10)

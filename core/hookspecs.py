@@ -175,7 +175,10 @@ def answers(expected: str, kinds: Any, items: Any = None) -> Any:
 #:   a backend's wrappers run on its own loads only; an answer a wrapper replaces is recorded as
 #:   the wrapper plugin's decision, naming whose answer it replaced
 #:   (``quantplug.plugins.Overridden``, ``PluginManager.overrides()``). Plugins written for 1.10 or
-#:   older load and answer as before.
+#:   older load and answer as before. Routers as data: ``quantplug.api.RouterSpec`` (score,
+#:   selection, bias, normalization, scaling, routing by token id) and its reference ``route``; a
+#:   router module's ``spec`` lets the native whole-stack step route for it (the core's Router
+#:   and DeepSeek-V2's softmax router both).
 #:
 #: A plugin declares at least the version of every feature it uses (:data:`API_SINCE`,
 #: :data:`SCHEME_SINCE`, each hook's ``versionadded``); ``quantplug.testing.contract`` checks it
@@ -200,6 +203,7 @@ API_SINCE: dict[str, str] = {
     "HeadSlice": "1.7",
     "LoadOptions": "1.8", "KERNELS": "1.8", "TakesOptions": "1.8",
     "EngineFloats": "1.10", "EngineRename": "1.10",
+    "RouterSpec": "1.11", "route": "1.11",
 }
 #: When each optional ``LinearScheme`` member a scheme may define entered the contract (members
 #: not listed: 1.0).

@@ -33,7 +33,7 @@ from .blocks.mla import MLA
 from .blocks.mlp import MLP
 from .blocks.moe import Experts, MoE
 from .blocks.residual import PreNormLayer
-from .blocks.router import Router
+from .contract.routing import RouterSpec
 from .kernels import compute
 from .kernels.compute import NATIVE_ROWS, DraftStep, MLAStep, MLPStep, StackLayer, StackStep
 from .kernels.kda import kda_step
@@ -346,8 +346,8 @@ def stack_step(layers: Sequence[nn.Module], norm: RMSNorm, extra: Sequence[nn.Mo
     """The native step of decoder ``layers`` then the final ``norm`` in one call
     (:class:`quantplug.kernels.compute.StackStep`; ``extra``: other modules whose hooks it would
     skip); None when any layer runs another way: not a plain pre-norm layer of MLA and MLP / MoE,
-    experts served from files or split over ranks, a piece without a native form, an
-    architecture's own router, a DSA indexer, a float16 model."""
+    experts served from files or split over ranks, a piece without a native form, a router
+    that declares no :class:`~quantplug.contract.routing.RouterSpec`, a DSA indexer, a float16 model."""
     parts: list[StackLayer] = []
     owners: list[tuple[nn.Module, Any]] = []
     for layer in layers:
@@ -364,18 +364,21 @@ def stack_step(layers: Sequence[nn.Module], norm: RMSNorm, extra: Sequence[nn.Mo
             parts.append(StackLayer(mla=attn.step, attn_norm=n1.weight, ffn_norm=n2.weight, eps=n1.eps, mlp=mlp.step))
             owners.append((mlp, mlp.step))
             continue
-        if not isinstance(mlp, MoE) or type(mlp.gate) is not Router:  # the native step routes as Router does
+        if not isinstance(mlp, MoE):
             return None
-        ex, cfg, shared = mlp.experts, mlp.gate.cfg, mlp.shared_experts
+        spec = getattr(mlp.gate, "spec", None)  # the native step routes by the router's declared spec
+        if not isinstance(spec, RouterSpec):
+            return None
+        ex, shared = mlp.experts, mlp.shared_experts
         if (ex.step is None or ex.qp_store is not None or ex.qp_parallel is not None
                 or (ex.first, ex.count, ex.slot_base) != (0, ex.n, 0) or len(ex.step.gate.mats) != ex.n
                 or (shared is not None and shared.step is None)):
             return None
         owners += [(ex, ex.step)] + ([] if shared is None else [(shared, shared.step)])
         parts.append(StackLayer(mla=attn.step, attn_norm=n1.weight, ffn_norm=n2.weight, eps=n1.eps,
-                                experts=ex.step, router=mlp.gate.weight, bias=mlp.gate.e_score_correction_bias,
-                                top_k=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
-                                norm_topk=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor,
+                                experts=ex.step, router=mlp.gate.weight, spec=spec,
+                                bias=getattr(mlp.gate, "e_score_correction_bias", None) if spec.has_bias else None,
+                                tid2eid=getattr(mlp.gate, "tid2eid", None) if spec.by_token else None,
                                 shared=None if shared is None else shared.step))
     modules = [m for layer in layers for m in layer.modules()] + list(extra)
     return StackStep.build(parts, norm.weight, norm.eps, norm.weight.numel(), modules, owners)

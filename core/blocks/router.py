@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from ..contract.routing import RouterSpec
 from ..layers.linear import FloatParams
 
 if TYPE_CHECKING:
@@ -69,3 +70,14 @@ class Router(FloatParams):
             total = sum(w) + 1e-20
             w = [v / total for v in w]
         return idx, [v * cfg.routed_scaling_factor for v in w]
+
+    @property
+    def spec(self) -> RouterSpec | None:
+        """How this router routes, as data (:mod:`quantplug.contract.routing`; the native stack step routes
+        by it); None for a subclass with a routing of its own (it declares its own spec)."""
+        if type(self).forward is not Router.forward or type(self).route_one is not Router.route_one:
+            return None
+        cfg = self.cfg
+        return RouterSpec(score="sigmoid", select="group_top2", top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
+                          topk_group=cfg.topk_group, norm_topk=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor,
+                          has_bias=True)

@@ -31,8 +31,9 @@ from typing import Any, cast
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from ..contract.routing import RouterSpec
 from ..errors import QuantplugError
-from . import native
+from . import native, routers
 from .native import Bound
 
 #: input rows per weight up to which the native row kernels run (one-call steps, batched decode)
@@ -559,16 +560,17 @@ class MLAStep:
 
 class StackLayer:
     """One decoder layer as :class:`StackStep` runs it: its MLA step, its two norms, and either a
-    dense MLP step or a MoE (the stacked experts' step, the sigmoid router's float32 weight and
-    correction bias with its group-limited top-k, the shared experts' step or None)."""
+    dense MLP step or a MoE (the stacked experts' step, the router: its
+    :class:`~quantplug.contract.routing.RouterSpec` ``spec``, float32 weight, bias (``spec.has_bias``) and
+    int32 ``tid2eid`` table (``spec.by_token``); the shared experts' step or None)."""
 
     def __init__(self, *, mla: MLAStep, attn_norm: torch.Tensor, ffn_norm: torch.Tensor, eps: float,
                  mlp: MLPStep | None = None, experts: MLPStep | None = None, router: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None, top_k: int = 0, n_group: int = 1, topk_group: int = 1,
-                 norm_topk: bool = False, scaling: float = 1.0, shared: MLPStep | None = None) -> None:
+                 bias: torch.Tensor | None = None, spec: RouterSpec | None = None, tid2eid: torch.Tensor | None = None,
+                 shared: MLPStep | None = None) -> None:
         self.mla, self.attn_norm, self.ffn_norm, self.eps = mla, attn_norm, ffn_norm, eps
         self.mlp, self.experts, self.router, self.bias, self.shared = mlp, experts, router, bias, shared
-        self.top_k, self.n_group, self.topk_group, self.norm_topk, self.scaling = top_k, n_group, topk_group, norm_topk, scaling
+        self.spec, self.tid2eid = spec, tid2eid
 
 
 class StackStep:
@@ -596,6 +598,8 @@ class StackStep:
         self.owners = [(m.__dict__, st) for m, st in owners]
         self.keep: list[Any] = []
         arr = (native.Layer * len(layers))()
+        #: a layer routes by token id: the step needs the ids (a call on embeddings declines)
+        self.by_token = False
         checks: list[tuple[Any, ...]] = []
         tensors: list[torch.Tensor] = [final_norm]
         for i, sl in enumerate(layers):
@@ -609,14 +613,11 @@ class StackStep:
                 ex = sl.experts
                 n = len(ex.gate.mats)
                 L.gate, L.up, L.down = (_mat_array([b.ptr(s) for s in range(n)], self.keep) for b in (ex.gate, ex.up, ex.down))
-                L.E, L.top_k, L.n_group, L.topk_group = n, sl.top_k, sl.n_group, sl.topk_group
-                L.norm_topk, L.scaling = int(sl.norm_topk), sl.scaling
-                assert sl.router is not None
-                L.router = sl.router.data_ptr()
-                tensors.append(sl.router)
-                if sl.bias is not None:
-                    L.bias = sl.bias.data_ptr()
-                    tensors.append(sl.bias)
+                assert sl.router is not None and sl.spec is not None
+                L.E = n
+                routers.route(L.route, sl.spec, sl.router, sl.bias, sl.tid2eid)
+                tensors += [t for t in (sl.router, sl.bias, sl.tid2eid) if t is not None]
+                self.by_token = self.by_token or sl.spec.by_token
                 if sl.shared is not None:
                     L.sg, L.su, L.sd = sl.shared.gate.ptr(), sl.shared.up.ptr(), sl.shared.down.ptr()
                     steps.append(sl.shared)
@@ -675,9 +676,10 @@ class StackStep:
             if any(p.act != SILU for p in parts):  # qp_stack_step's MLPs are SiLU-gated
                 return None
             if sl.experts is not None:
-                if sl.router is None or not ok(sl.router, (torch.float32,)) or not ok(sl.bias, (torch.float32,)):
+                if (sl.router is None or sl.spec is None or not ok(sl.router, (torch.float32,))
+                        or not ok(sl.bias, (torch.float32,)) or not ok(sl.tid2eid, (torch.int32,))):
                     return None
-                if len(sl.experts.gate.mats) > 1024 or sl.n_group > 1024:
+                if not routers.fits(sl.spec, len(sl.experts.gate.mats), sl.router, sl.bias, sl.tid2eid):
                     return None
             elif sl.mlp is None:
                 return None
@@ -848,7 +850,7 @@ class StackStep:
         lib = native._lib
         b = x.shape[0]
         if (lib is None or b > NATIVE_ROWS or len(kv) != self.n or x.dtype != self.dtype or x.device.type != "cpu"
-                or x.numel() != b * self.h or not self.live()):
+                or x.numel() != b * self.h or self.by_token or not self.live()):
             return None
         c0, kl = kv[0], self.mla_steps[0].kv_lora
         if (c0.dtype not in (torch.float32, torch.bfloat16) or c0.dim() != 2 or c0.shape[1] != kl + self.rope
@@ -886,7 +888,7 @@ class StackStep:
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
         """``b`` rows: b sequences at one position, or (``one_sequence``) b tokens of one sequence."""
         lib = native._lib
-        if lib is None or b > NATIVE_ROWS or len(caches) != self.n or not self.live():
+        if lib is None or b > NATIVE_ROWS or len(caches) != self.n or not self.live() or self.by_token and ids is None:
             return None
         c0 = caches[0]
         t = b if one_sequence else 1  # positions each cache gains

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from ..errors import QuantplugError
+from . import abi
 from .forms import ACT_KINDS, FORMS, GLOBAL_MODES, INTEGER, SCALE_ENCODINGS, Weights, scale_values
 
 SOURCE = Path(__file__).with_name("qp_kernels.c")
@@ -79,7 +80,7 @@ MIN_CODE = {"FP8": 2.0 ** -9, "FP4": 0.5, "INT4": 1.0, "INT8": 1.0}
 SYMBOLS = ("qp_form_info", "qp_isa", "qp_check", "qp_dequant", "qp_act_rows", "qp_gemm", "qp_mlp",
            "qp_latent_pre", "qp_latent_post", "qp_latent_step", "qp_decode_step", "qp_spec_step", "qp_fp8_has_nan", "qp_row_kernel",
            "qp_pair_products", "qp_pair_tasks", "qp_bf16_has_subnormal",
-           "qp_layout_table", "qp_kda_step")
+           "qp_layout_table", "qp_kda_step", "qp_route")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -149,13 +150,15 @@ def _open(path: Path) -> ctypes.CDLL:
         raise OSError(f"{path.name} lacks {', '.join(missing)}")
     _declare(lib)
     bad = layout_mismatches(layout_table(lib))
-    if bad:  # the ctypes Structures below disagree with qp_types.h: passing them would corrupt memory
+    if bad:  # the ctypes Structures below disagree with the compiled qp_abi.h: passing them would corrupt memory
         raise OSError(f"{path.name}: struct layout differs from native.py's: {'; '.join(bad[:4])}")
     return lib
 
 
 def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC", "cc")
+    if abi.stale():  # the structs' C side would disagree with the ctypes classes made from abi.py
+        raise OSError(f"{abi.HEADER.name} is not abi.py's declaration: run `python -m quantplug.kernels.abi`")
     if shutil.which(cc) is None:
         raise OSError(f"no C compiler ({cc!r} not on PATH)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -189,65 +192,48 @@ def _build() -> ctypes.CDLL:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+#: the ctypes Structure of each C struct (``abi.STRUCTS``), filled as the classes below are made
+STRUCTS: dict[str, type[ctypes.Structure]] = {}
+
+
+def _struct(name: str, cls: type[ctypes.Structure]) -> type[ctypes.Structure]:
+    """``cls`` with the fields of C struct ``name`` from its one declaration (:mod:`.abi`)."""
+    cls._fields_ = abi.ctypes_fields(name, STRUCTS)
+    STRUCTS[name] = cls
+    return cls
+
+
 class Act(ctypes.Structure):
-    _fields_ = [  # noqa: RUF012 (ctypes reads the class attribute)
-        ("kind", ctypes.c_int32), ("group", ctypes.c_int32), ("ue8m0", ctypes.c_int32), ("epi", ctypes.c_int32),
-        ("scale", ctypes.c_float), ("offset", ctypes.c_float), ("floor", ctypes.c_float), ("pad", ctypes.c_int32)]
+    """``qp_act``: how a layer's activations are quantized before its product."""
 
 
 class Mat(ctypes.Structure):
-    """``qp_mat`` in ``qp_kernels.c``: one weight matrix of one form."""
-
-    _fields_ = [  # noqa: RUF012
-        ("type", ctypes.c_int32), ("sdt", ctypes.c_int32), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
-        ("w", ctypes.c_void_p), ("ldw", ctypes.c_int64), ("s", ctypes.c_void_p), ("lds", ctypes.c_int64),
-        ("gk", ctypes.c_int64), ("gn", ctypes.c_int64), ("z", ctypes.c_void_p), ("gs", ctypes.c_float),
-        ("mode", ctypes.c_int32), ("nan", ctypes.c_int32), ("big", ctypes.c_int32), ("gmode", ctypes.c_int32),
-        ("zi8", ctypes.c_int32), ("tiny", ctypes.c_int32), ("rowsum", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("os", ctypes.c_void_p), ("act", Act)]
+    """``qp_mat``: one weight matrix of one form."""
 
 
 class LatentAttn(ctypes.Structure):
     """``qp_latent_attn``: one latent-attention layer's dimensions and matrices (DeepSeek's MLA)."""
 
-    _fields_ = [  # noqa: RUF012
-        ("H", ctypes.c_int64), ("q_lora", ctypes.c_int64), ("kv_lora", ctypes.c_int64), ("rope", ctypes.c_int64),
-        ("nope", ctypes.c_int64), ("v", ctypes.c_int64), ("nh", ctypes.c_int64),
-        ("eps_q", ctypes.c_float), ("eps_kv", ctypes.c_float), ("scale", ctypes.c_float),
-        ("q_a", ctypes.POINTER(Mat)), ("kv_a", ctypes.POINTER(Mat)), ("q_b", ctypes.POINTER(Mat)),
-        ("q_a_norm", ctypes.c_void_p), ("kv_a_norm", ctypes.c_void_p), ("norm_bf16", ctypes.c_int32),
-        ("kv_dense", ctypes.c_int32), ("kv_b", ctypes.POINTER(Mat)),
-        ("k_b", ctypes.POINTER(ctypes.POINTER(Mat))), ("v_b", ctypes.POINTER(ctypes.POINTER(Mat))),
-        ("o", ctypes.POINTER(Mat)), ("g", ctypes.POINTER(Mat))]
 
-
-MLA = LatentAttn  # the name before the kernel sources named block kinds, not models
+class Router(ctypes.Structure):
+    """``qp_router``: a routed MoE's router as data (``quantplug.contract.routing.RouterSpec`` and its tensors)."""
 
 
 class Layer(ctypes.Structure):
     """``qp_layer``: one decoder layer of the whole-stack decode step (``qp_stack_step``)."""
-
-    _fields_ = [  # noqa: RUF012
-        ("attn", ctypes.POINTER(LatentAttn)), ("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
-        ("norm_bf16", ctypes.c_int32), ("eps", ctypes.c_float), ("E", ctypes.c_int32), ("top_k", ctypes.c_int32),
-        ("n_group", ctypes.c_int32), ("topk_group", ctypes.c_int32), ("norm_topk", ctypes.c_int32),
-        ("scaling", ctypes.c_float), ("router", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-        ("gate", ctypes.POINTER(ctypes.POINTER(Mat))), ("up", ctypes.POINTER(ctypes.POINTER(Mat))),
-        ("down", ctypes.POINTER(ctypes.POINTER(Mat))),
-        ("sg", ctypes.POINTER(Mat)), ("su", ctypes.POINTER(Mat)), ("sd", ctypes.POINTER(Mat))]
 
 
 class Draft(ctypes.Structure):
     """``qp_draft``: the drafter of a speculative step (``qp_spec_step``): two norms, a projection of
     their concatenation, one decoder layer, a final norm."""
 
-    _fields_ = [  # noqa: RUF012
-        ("layer", ctypes.POINTER(Layer)), ("enorm", ctypes.c_void_p), ("hnorm", ctypes.c_void_p),
-        ("fnorm", ctypes.c_void_p), ("norm_bf16", ctypes.c_int32), ("eps", ctypes.c_float), ("proj", ctypes.POINTER(Mat))]
 
+for _name, _cls in (("qp_act", Act), ("qp_mat", Mat), ("qp_latent_attn", LatentAttn), ("qp_router", Router),
+                    ("qp_layer", Layer), ("qp_draft", Draft)):
+    _struct(_name, _cls)
+assert list(STRUCTS) == list(abi.STRUCTS), "every declared struct has its ctypes class, in order"
 
-#: the C struct (``qp_types.h``) each ctypes Structure mirrors
-STRUCTS: dict[str, type[ctypes.Structure]] = {"qp_act": Act, "qp_mat": Mat, "qp_latent_attn": LatentAttn, "qp_layer": Layer,
-                                              "qp_draft": Draft}
+MLA = LatentAttn  # the name before the kernel sources named block kinds, not models
 
 
 class LayoutEntry(ctypes.Structure):
@@ -317,6 +303,7 @@ def _declare(lib: ctypes.CDLL) -> None:
                             i32, p, i32, ctypes.c_float, p, mp, p, p, i32], i32),
         "qp_spec_step": ([ctypes.POINTER(Layer), i32, i64, p, mp, p, p, p, i64, i64, i64, i32, p, i32, ctypes.c_float,
                           mp, ctypes.POINTER(Draft), p, p, i64, p, p, p, p, p, i32], i32),
+        "qp_route": ([ctypes.POINTER(Router), i32, i64, i64, p, i32, p, p, p], i32),
         "qp_fp8_has_nan": ([p, i64], i32),
         "qp_row_kernel": ([mp, i32], i32),
         "qp_pair_products": ([i32], i32),

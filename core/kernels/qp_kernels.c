@@ -62,18 +62,20 @@
 /* One translation unit (the parts are static functions inlined across files, as when they were
  * one file); native.py hashes every file under core/kernels/ into the cache key. The order is the
  * order of dependence: */
-#include "qp_types.h"               /* the structs and constants Python passes (ctypes mirrors them) */
+#include "qp_types.h"               /* the constants and (qp_abi.h, from abi.py) the structs Python passes */
 #include "arch/x86_f16c.h"          /* scalar half conversions */
 #include "generic/scalar.c"         /* forms, scalar conversions, ggml block decoders */
 #include "arch/x86_avx512.h"        /* vector primitives per instruction set */
 #include "arch/x86_avx2.h"
+#include "arch/dispatch.h"          /* the block steps' vector runs: the build's path or a portable fallback */
 #include "generic/decode.c"         /* segment decoding, activations, prepared inputs, scale rows */
 #include "arch/x86_avx2.c"          /* row kernels per instruction set */
 #include "arch/x86_avx512.c"
+#include "arch/dispatch_rows.h"     /* which row kernel a weight takes in this build */
 #include "generic/rows.c"           /* the portable row kernels, the dispatch, the product entry points */
 #include "blocks/gated_mlp.c"       /* block steps: gated MLP / routed experts */
 #include "blocks/latent_attention.c" /* latent-attention decode step */
-#include "blocks/router.c"          /* sigmoid group-limited top-k router */
+#include "blocks/router.c"          /* the MoE router as data (qp_router) */
 #include "blocks/stack_step.c"      /* the whole-stack decode step, from token ids to logits */
 #include "blocks/kda.c"             /* one decode token of KDA (gated delta rule) */
 #include "layout.c"                 /* qp_layout_table: the structs' offsets and sizes (tests, native.py) */

@@ -1,6 +1,7 @@
-/* The structs and constants the Python side (native.py) passes to the kernels, in one place: its
- * ctypes Structures mirror these field by field, and tests/kernels/test_layout.py checks every
- * field's offset and size against this compiler's (qp_layout_table, layout.c). */
+/* The constants the Python side (native.py) passes to the kernels, and the structs (qp_abi.h,
+ * generated from abi.py, whence native.py's ctypes Structures come too); native.py and
+ * tests/kernels/test_layout.py check every field's offset and size against this compiler's
+ * (qp_layout_table, layout.c). */
 #ifndef QP_TYPES_H
 #define QP_TYPES_H
 
@@ -25,82 +26,8 @@ enum { QM_SILU = 0, QM_SITU = 1 };
 #define QR_BF16_NORMAL 3
 
 
-typedef struct {
-    int32_t kind;      /* QA_* */
-    int32_t group;     /* QA_FP8 / QA_*FP4: inputs per group (0: the whole row) */
-    int32_t ue8m0;     /* QA_FP8: scales rounded up to powers of two */
-    int32_t epi;       /* QE_*: INT8 weights with int8 activations computed on integers */
-    float scale, offset;   /* static activation scale / offset (NVFP4: the global input scale) */
-    float floor;       /* QA_FP8: least group amax (e.g. 1e-4); 0: a zero scale becomes 1 */
-    int32_t pad;
-} qp_act;
-
-typedef struct {
-    int32_t type, sdt;             /* form id, scale encoding */
-    int64_t n, k;                  /* rows (outputs), inputs */
-    const uint8_t *w;              /* row r at w + r * ldw */
-    int64_t ldw;
-    const void *s;                 /* scale of (r, c): s[(r / gn) * lds + c / gk] */
-    int64_t lds, gk, gn;
-    const void *z;                 /* zero points (float32, or int8 when zi8), indexed as s; NULL: none */
-    float gs;                      /* global scale, entering as gmode says (QG_AFTER with 1: none) */
-    int32_t mode;                  /* 0 exact, 1 fast (Q4_0 / Q8_0) */
-    int32_t nan;                   /* FP8: may hold NaN codes */
-    int32_t big;                   /* FP8: some effective scale >= 2^119 (its fold by 256 would overflow) */
-    int32_t gmode;                 /* QG_*: how gs combines with the scale */
-    int32_t zi8;                   /* zero points are int8 */
-    int32_t tiny;                  /* scaled forms: some weight may be subnormal (a scale below 2^-117);
-                                      bfloat16 rows (a bfloat16 model): some value is subnormal */
-    const int32_t *rowsum;         /* INT8 integer path: sum of each row's codes */
-    const int32_t *bias;           /* QE_STATIC: integer bias per row */
-    const float *os;               /* QE_STATIC: output scale per row */
-    qp_act act;
-} qp_mat;
-
-/* one latent-attention layer (low-rank query, shared compressed key / value latent): dimensions and matrices */
-typedef struct {
-    int64_t H, q_lora, kv_lora, rope, nope, v, nh;  /* nh: the heads computed here */
-    float eps_q, eps_kv, scale;
-    const qp_mat *q_a;                 /* [q_lora, H]; NULL: no q_lora, q_b is q_proj [nh*(nope+rope), H] */
-    const qp_mat *kv_a;                /* [kv_lora + rope, H] */
-    const qp_mat *q_b;
-    const void *q_a_norm, *kv_a_norm;  /* norm weights, f32 or bf16 (norm_bf16) */
-    int32_t norm_bf16;
-    int32_t kv_dense;                  /* 1: kv_b [nh*(nope+v), kv_lora] (kv_b); 0: per-head k_b / v_b */
-    const qp_mat *kv_b;
-    const qp_mat *const *k_b;          /* per head [kv_lora, nope] */
-    const qp_mat *const *v_b;          /* per head [v, kv_lora] */
-    const qp_mat *o;                   /* [H, nh * v] */
-    const qp_mat *g;                   /* output gate [nh * v, H] or NULL */
-} qp_latent_attn;
-
-/* one decoder layer of the stack step: its latent attention, norms, and a dense gated MLP or a
- * routed MoE (sigmoid group-limited router) */
-typedef struct {
-    const qp_latent_attn *attn;       /* the layer's latent attention */
-    const void *attn_norm, *ffn_norm;  /* [H], f32 or bf16 (norm_bf16) */
-    int32_t norm_bf16;
-    float eps;
-    int32_t E;                         /* routed experts; 0: a dense MLP (gate / up / down [0]) */
-    int32_t top_k, n_group, topk_group, norm_topk;
-    float scaling;
-    const float *router;               /* [E, H] float32 */
-    const float *bias;                 /* [E] float32, or NULL */
-    const qp_mat *const *gate;
-    const qp_mat *const *up;
-    const qp_mat *const *down;
-    const qp_mat *sg, *su, *sd;        /* shared experts, or NULL */
-} qp_layer;
-
-/* a drafter of greedy speculative decoding (a next-token-prediction block): for a token t and a
- * hidden state h of the stack, x = proj(cat(norm_e(embedding of t), norm_h(h))) through one decoder
- * layer, then its final norm; the stack's head picks the draft from it */
-typedef struct {
-    const qp_layer *layer;             /* the block (its own latent cache) */
-    const void *enorm, *hnorm, *fnorm; /* [H], f32 or bf16 (norm_bf16) */
-    int32_t norm_bf16;
-    float eps;
-    const qp_mat *proj;                /* [H, 2H] */
-} qp_draft;
+/* the structs (qp_act, qp_mat, qp_latent_attn, qp_router, qp_layer, qp_draft) and the router's
+ * enums (QRS_*, QRT_*): generated from their one declaration, core/kernels/abi.py */
+#include "qp_abi.h"
 
 #endif

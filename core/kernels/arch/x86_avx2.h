@@ -99,11 +99,11 @@ static inline int64_t exp_run_avx2(float *x, int64_t n) {
 }
 #endif
 
-/* blocks/kda.c's state-row update on a bfloat16 row, 8 lanes a step: v = r[j] * d + bk * delta[j]
+/* a decayed bfloat16 row plus a rank-one term, 8 lanes a step: v = r[j] * d + bk * delta[j]
  * (separate roundings, as the scalar loop), o[j] += q * v, r[j] = v rounded to bfloat16 (round8_bf16);
- * returns where it stopped */
-static inline int64_t kda_row_bf16_run_avx2(uint16_t *r, float d, float bk, const float *delta, float q, float *o,
-                                            int64_t n) {
+ * returns where it stopped (arch/dispatch.h: bf16_row_decay_run) */
+static inline int64_t bf16_row_decay_run_avx2(uint16_t *r, float d, float bk, const float *delta, float q, float *o,
+                                              int64_t n) {
     const __m256 vd = _mm256_set1_ps(d), vbk = _mm256_set1_ps(bk), vq = _mm256_set1_ps(q);
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {

@@ -6,34 +6,20 @@ static inline float silu(float v) { return v / (1.f + expf(-v)); }
  * the thread that computes them) */
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
     int64_t i = 0;
-    float s = 0.f;
-#ifdef QP_AVX512
-    s = dot_run512(a, b, n, &i);
-#else
-    float acc[8] = {0.f};
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
-    for (int j = 0; j < 8; j++) s += acc[j];
-#endif
+    float s = dot_lanes(a, b, n, &i);
     for (; i < n; i++) s += a[i] * b[i];
     return s;
 }
 
 /* y[i] += a * x[i] */
 static inline void axpy_f32(float a, const float *x, float *y, int64_t n) {
-    int64_t i = 0;
-#ifdef QP_AVX512
-    i = axpy_run512(a, x, y, n);
-#endif
+    int64_t i = axpy_run(a, x, y, n);
     for (; i < n; i++) y[i] += a * x[i];
 }
 
 /* g[i] = silu(g[i]) * u[i] = g / (1 + e^-g) * u over n values (NaN propagates) */
 static void silu_mul(float *g, const float *u, int64_t n) {
-    int64_t i = 0;
-#ifdef QP_AVX512
-    i = silu_mul_run512(g, u, n);
-#endif
+    int64_t i = silu_mul_run(g, u, n);
     for (; i < n; i++) g[i] = silu(g[i]) * u[i];
 }
 

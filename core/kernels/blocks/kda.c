@@ -75,10 +75,7 @@ static void kda_update_bf16(uint16_t *restrict s, const float *restrict q, const
     for (int64_t i = 0; i < K; i++) {
         const float di = d[i], bk = beta * k[i], qi = q[i];
         uint16_t *restrict r = s + i * K;
-        int64_t j = 0;
-#if defined(__AVX2__) && !defined(QP_AVX512)
-        j = kda_row_bf16_run_avx2(r, di, bk, delta, qi, o, K);  /* the rounding the compiler leaves scalar */
-#endif
+        int64_t j = bf16_row_decay_run(r, di, bk, delta, qi, o, K);  /* AVX2: the rounding the compiler leaves scalar */
         for (; j < K; j++) {
             const float v = kda_bf16_f32(r[j]) * di + bk * delta[j];
             r[j] = kda_f32_bf16(v);
@@ -90,12 +87,7 @@ static void kda_update_bf16(uint16_t *restrict s, const float *restrict q, const
 /* x[i] = e^x[i] over n values: 16 / 8 lanes at a time where the build has them (a few ulp from
  * expf, as the twin's vectorised torch.exp may be), the rest by expf */
 static void kda_exp(float *x, int64_t n) {
-    int64_t i = 0;
-#if defined(QP_AVX512)
-    i = exp_run512(x, n);
-#elif defined(__AVX2__) && defined(__FMA__)
-    i = exp_run_avx2(x, n);
-#endif
+    int64_t i = exp_run(x, n);
     for (; i < n; i++) x[i] = expf(x[i]);
 }
 

@@ -1,11 +1,11 @@
 /* ---- one decode step of the whole decoder stack ------------------------------------------------
  * Every layer of a stack of latent-attention layers for B sequences at one position in one call: input
  * norm, the absorbed latent-attention step (qp_latent_step, appending to the layer's cache), residual, post-
- * attention norm, the dense gated MLP or the MoE (sigmoid router with the correction bias and
- * group-limited top-k, the routed experts and the shared experts through qp_mlp, SiLU-gated), residual; then
- * the final norm. The arithmetic is the per-layer steps' own, in their order (a float32 model): the
- * choice of experts is route_one's (scores float32 sigmoids, the biased choice and the weights in
- * double, ties to the lower id), each token's experts summed in ascending id order. */
+ * attention norm, the dense gated MLP or the MoE (the layer's router, qp_router: router.c; the
+ * routed experts and the shared experts through qp_mlp, SiLU-gated), residual; then the final norm.
+ * The arithmetic is the per-layer steps' own, in their order (a float32 model): the choice of
+ * experts is the router's route_one (float32 scores, the choice and the weights in double, ties to
+ * the lower id), each token's experts summed in ascending id order. */
 
 
 /* RMSNorm of one row as RMSNorm.forward computes it: float32 statistics; in a bfloat16 model
@@ -33,27 +33,26 @@ static int layer_ok(const qp_layer *l, int64_t H) {
         if (!l->gate[e] || !l->up[e] || !l->down[e] || !mat_ok(l->gate[e]) || l->gate[e]->k != H || l->down[e]->n != H)
             return 0;
     if (l->E > 0) {
-        if (!l->router || l->top_k < 1 || l->top_k > l->E || l->n_group < 1 || l->E % l->n_group
-            || l->topk_group < 1 || l->topk_group > l->n_group
-            || l->top_k > l->topk_group * (l->E / l->n_group)) return 0;
+        if (!l->route.weight || !router_ok(&l->route, l->E)) return 0;
         if (l->sg && (!l->su || !l->sd || !mat_ok(l->sg) || l->sg->k != H || l->sd->n != H)) return 0;
     }
     return 1;
 }
 
 /* the MoE of one layer for B normed rows h [B, H]: out [B, H] = routed (+ shared) */
-static int moe_rows(const qp_layer *l, int64_t B, int64_t H, const float *h, float *out, float *tmp, int wround) {
-    const int E = l->E, K = l->top_k;
+static int moe_rows(const qp_layer *l, int64_t B, int64_t H, const float *h, const int64_t *tok, float *out, float *tmp,
+                    int wround) {
+    const int E = l->E, K = l->route.top_k;
     const int64_t P = B * K;
-    double *sc = (double *)malloc(sizeof(double) * (size_t)(2 * E));
     int32_t *ids = (int32_t *)malloc(sizeof(int32_t) * (size_t)(P * 3 + E + 1));
     float *ws = (float *)malloc(sizeof(float) * (size_t)(P * 2));
     const qp_mat **mats = (const qp_mat **)malloc(sizeof(qp_mat *) * (size_t)(3 * (P + 1)));
     int rc = 0;
-    if (!sc || !ids || !ws || !mats) { rc = -2; goto done; }
+    if (!ids || !ws || !mats) { rc = -2; goto done; }
     int32_t *pe = ids + P, *prow = pe + P, *slot = prow + P;
     float *pw = ws + P;
-    for (int64_t b = 0; b < B; b++) route_row(l, h + b * H, H, sc, sc + E, ids + b * K, ws + b * K);
+    for (int64_t b = 0; b < B && rc == 0; b++) rc = route_row(&l->route, E, h + b * H, H, tok ? tok[b] : -1, ids + b * K, ws + b * K);
+    if (rc) goto done;
     /* pairs grouped by expert (ascending id), rows ascending within one expert */
     for (int e = 0; e < E; e++) slot[e] = -1;
     int used = 0;
@@ -109,15 +108,16 @@ static int moe_rows(const qp_layer *l, int64_t B, int64_t H, const float *h, flo
             for (int64_t i = 0; i < B * H; i++) out[i] = out[i] + tmp[i];
     }
 done:
-    free(sc); free(ids); free(ws); free(mats);
+    free(ids); free(ws); free(mats);
     return rc;
 }
 
 /* the whole stack for B rows x [B, H] (the embeddings; overwritten by the residual stream) at
- * position pos of every sequence: layer i's latent / key rows at lat[i] / kr[i] (strides as in
+ * position pos of every sequence (tok [B]: their token ids, which a router by token needs; else
+ * NULL): layer i's latent / key rows at lat[i] / kr[i] (strides as in
  * qp_latent_step, the same for every layer; rmap / rm_ld / bpos as there: a paged cache, each sequence's
  * own position); rot [B, rope, rope]; out [B, H] = the final norm of the last residual. */
-static int qp_stack_step(const qp_layer *layers, int L, int64_t H, int64_t B, float *x, const float *rot,
+static int qp_stack_step(const qp_layer *layers, int L, int64_t H, int64_t B, float *x, const int64_t *tok, const float *rot,
                   void *const *lat, void *const *kr, int64_t ld_lat, int64_t lds_b, int64_t ld_kr, int64_t krs_b,
                   int64_t pos, const int64_t *rmap, int64_t rm_ld, const int64_t *bpos, int lat_bf16,
                   const void *fnorm, int fnorm_bf16, float feps, float *out, int wround) {
@@ -125,7 +125,11 @@ static int qp_stack_step(const qp_layer *layers, int L, int64_t H, int64_t B, fl
     const int rnd = wround == QR_BF16;  /* a bfloat16 model: x holds bfloat16 values */
     for (int i = 0; i < L; i++) {
         if (!layer_ok(&layers[i], H) || !lat[i] || !kr[i]) return -1;
-        if (layers[i].E > 1024 || layers[i].n_group > 1024) return -1;
+        if (layers[i].E > 0 && layers[i].route.tid2eid) {  /* routing by token: every id in its table */
+            if (!tok) return -1;
+            for (int64_t b = 0; b < B; b++)
+                if (tok[b] < 0 || tok[b] >= layers[i].route.vocab) return -4;
+        }
     }
     float *h = (float *)malloc(sizeof(float) * (size_t)(3 * B * H));
     if (!h) return -2;
@@ -139,7 +143,7 @@ static int qp_stack_step(const qp_layer *layers, int L, int64_t H, int64_t B, fl
         if (rc) break;
         add_rows(x, a, B * H, rnd);
         for (int64_t b = 0; b < B; b++) norm_into(x + b * H, h + b * H, H, l->ffn_norm, l->norm_bf16, l->eps, rnd);
-        if (l->E > 0) rc = moe_rows(l, B, H, h, a, t, wround);
+        if (l->E > 0) rc = moe_rows(l, B, H, h, tok, a, t, wround);
         else {
             int32_t *pe = (int32_t *)malloc(sizeof(int32_t) * (size_t)(2 * B));
             float *pw = (float *)malloc(sizeof(float) * (size_t)B);
@@ -172,7 +176,8 @@ static int64_t argmax_row(const float *v, int64_t n) {
 /* ---- one decode step from token ids to logits ---------------------------------------------------
  * qp_stack_step with the embedding lookup before it and the LM head after it, so that a decode
  * step crosses from Python into C once: x [B, H] = rows ids of emb exactly decoded (rounded to the
- * model dtype, as the embedding's own lookup; emb NULL: x holds the embeddings already), the stack
+ * model dtype, as the embedding's own lookup; emb NULL: x holds the embeddings already, and ids,
+ * when given, the token ids for a router by token only), the stack
  * into hid [B, H], then logits [B, head->n] = hid through head (a bfloat16 model: rounded to
  * bfloat16, as the head's output in the model dtype; head NULL: no logits) and, when best is given,
  * each row's greedy pick best[b] as torch.argmax takes it (the first NaN, else the first largest).
@@ -194,7 +199,7 @@ int qp_decode_step(const qp_layer *layers, int L, int64_t H, int64_t B, const in
         for (int64_t b = 0; b < B; b++)
             for (int64_t c0 = 0; c0 < H; c0 += seg) deq_seg(emb, ids[b], c0, seg, x + b * H + c0, wround);
     }
-    int rc = qp_stack_step(layers, L, H, B, x, rot, lat, kr, ld_lat, lds_b, ld_kr, krs_b, pos, rmap, rm_ld, bpos,
+    int rc = qp_stack_step(layers, L, H, B, x, ids, rot, lat, kr, ld_lat, lds_b, ld_kr, krs_b, pos, rmap, rm_ld, bpos,
                            lat_bf16, fnorm, fnorm_bf16, feps, hid, wround);
     if (rc || !head) return rc;
     const int64_t zero = 0;
@@ -222,7 +227,8 @@ int qp_spec_step(const qp_layer *layers, int L, int64_t H, const int64_t *ids, c
                  int64_t *res, int wround) {
     if (!ids || !emb || !head || !dr || !dr->layer || !dr->enorm || !dr->hnorm || !dr->fnorm || !dr->proj
         || !dlat || !dkr || dpos < 0 || pos < 0 || !drot || !res || !dlogits || !mat_ok(dr->proj) || dr->proj->k != 2 * H
-        || dr->proj->n != H || !layer_ok(dr->layer, H) || dr->layer->E > 1024 || dr->layer->n_group > 1024
+        || dr->proj->n != H || !layer_ok(dr->layer, H)
+        || (dr->layer->E > 0 && dr->layer->route.tid2eid && dr->layer->route.vocab < emb->n)
         || !mat_ok(emb) || emb->k != H || (wround != QR_NONE && wround != QR_BF16))
         return -1;
     const int rnd = wround == QR_BF16;
@@ -246,7 +252,7 @@ int qp_spec_step(const qp_layer *layers, int L, int64_t H, const int64_t *ids, c
     rc = qp_gemm(&dr->proj, 1, n, 2 * H, cat, 2 * H, &zero, &n, &zero, &zero, u, H, wround);
     if (rc) goto done;
     if (rnd) for (int64_t i = 0; i < n * H; i++) u[i] = round_bf16(u[i]);
-    rc = qp_stack_step(dr->layer, 1, H, n, u, drot, &dlat, &dkr, ld_lat, 0, ld_kr, 0, dpos, NULL, 0, dbpos, lat_bf16,
+    rc = qp_stack_step(dr->layer, 1, H, n, u, tok, drot, &dlat, &dkr, ld_lat, 0, ld_kr, 0, dpos, NULL, 0, dbpos, lat_bf16,
                        dr->fnorm, dr->norm_bf16, dr->eps, dh, wround);
     if (rc) goto done;
     rc = qp_gemm(&head, 1, 1, H, dh + (n - 1) * H, H, &zero, &one, &zero, &zero, dlogits, V, wround);

@@ -19,13 +19,9 @@ static void deq_block(int type, const uint8_t *b, float *o) {
         case QP_MXFP4: deq_mxfp4_block(b, o); break;
         case QP_Q2_K: deq_q2_k_sb(b, o); break;
         case QP_Q3_K: deq_q3_k_sb(b, o); break;
-#ifdef QP_AVX512
-        case QP_Q4_K: case QP_Q5_K: case QP_Q6_K: deq_k_sb512(type, b, o); break;
-#else
-        case QP_Q4_K: deq_q4_k_sb(b, o); break;
-        case QP_Q5_K: deq_q5_k_sb(b, o); break;
-        case QP_Q6_K: deq_q6_k_sb(b, o); break;
-#endif
+        case QP_Q4_K: if (!deq_k_sb_vec(type, b, o)) deq_q4_k_sb(b, o); break;
+        case QP_Q5_K: if (!deq_k_sb_vec(type, b, o)) deq_q5_k_sb(b, o); break;
+        case QP_Q6_K: if (!deq_k_sb_vec(type, b, o)) deq_q6_k_sb(b, o); break;
         default: qp_iq_deq_block(type, b, o); break;
     }
 }
@@ -34,12 +30,7 @@ static void deq_block(int type, const uint8_t *b, float *o) {
 
 static inline void round_buf(float *o, int64_t len, int wround) {
     if (wround == QR_NONE) return;
-    int64_t i = 0;
-#ifdef QP_AVX512
-    i = round_run512(o, len, wround);
-#elif defined(__AVX2__)
-    if (wround == QR_BF16) i = round_run_avx2(o, len);
-#endif
+    int64_t i = round_run(o, len, wround);
     for (; i < len; i++) o[i] = wround == QR_BF16 ? round_bf16(o[i]) : round_f16(o[i]);
 }
 
@@ -56,12 +47,7 @@ static void deq_seg_scaled(const qp_mat *m, int64_t r, int64_t c0, int64_t len, 
     while (c < c0 + len) {
         const int64_t j = c / gk, end0 = (j + 1) * gk, end = end0 < c0 + len ? end0 : c0 + len;
         const float s = eff_scale_at(m, srow + j), z = zp ? zero_at(m, srow + j) : 0.f;
-        int64_t i = c;
-#ifdef QP_AVX512
-        i = scaled_run512(t, row, nan, zp, s, z, gs, has_g, i, end, c0, o);
-#elif defined(__AVX2__)
-        i = scaled_run_avx2(t, row, zp, s, z, gs, has_g, i, end, c0, o);
-#endif
+        int64_t i = scaled_run(t, row, nan, zp, s, z, gs, has_g, c, end, c0, o);
         for (; i < end; i++) {
             float q;
             if (t == QP_INT8) q = (float)(int8_t)row[i];
@@ -94,11 +80,10 @@ static void deq_seg(const qp_mat *m, int64_t r, int64_t c0, int64_t len, float *
         case QP_INT4: case QP_INT8: case QP_FP8: case QP_FP4:
             deq_seg_scaled(m, r, c0, len, o);
             break;
-#if defined(__AVX2__) && !defined(QP_AVX512)
         case QP_Q4_0: case QP_Q8_0:
-            if (wround == QR_NONE || wround == QR_BF16) { deq_seg_q_avx2(m->type, row, c0, len, o, wround == QR_BF16); return; }
-            __attribute__((fallthrough));  /* float16 models: block by block, then rounded */
-#endif
+            if ((wround == QR_NONE || wround == QR_BF16) && deq_seg_q_vec(m->type, row, c0, len, o, wround == QR_BF16))
+                return;
+            __attribute__((fallthrough));  /* float16 models, builds without it: block by block, then rounded */
         default: {
             int64_t e, b;
             qp_form_info(m->type, &e, &b);
@@ -281,9 +266,7 @@ static void act_int8_row(const qp_act *a, const float *x, int64_t k, float *q, f
  * past float16's range). A block holding a NaN or an infinity gets scale NaN, so every output it
  * touches is NaN, as a float matmul would give. */
 static void quantize_row(const float *x, int64_t K, int8_t *q, float *d) {
-#ifdef QP_AVX512
-    quantize_row512(x, K, q, d);
-#else
+    if (quantize_row_vec(x, K, q, d)) return;
     for (int64_t b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
         float amax = 0.f;
@@ -297,7 +280,6 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d) {
         for (int j = 0; j < QK; j++) q[b * QK + j] = (int8_t)lrintf(xb[j] * id);
         d[b] = finite ? round_f16(amax / 127.f) : NAN;
     }
-#endif
 }
 
 static int is_int_path(const qp_mat *m) { return m->type == QP_INT8 && m->act.epi != QE_FLOAT; }
@@ -377,18 +359,14 @@ static void prepare(const qp_mat *m, int64_t M, int64_t K, const float *x, int64
         for (int64_t i = 0; i < M; i++) quantize_row(in->x + i * in->ldx, K, sc->q8 + i * K, sc->d8 + i * (K / QK));
         in->q8 = sc->q8; in->d8 = sc->d8;
     }
-#if defined(QP_AVX512) && defined(__AVX512BF16__)
     /* a bfloat16 model's float rows as bfloat16 pairs, when the conversion is exact (every value a
      * bfloat16, as rounded above unless the activation scheme changed it; none subnormal: the pair
      * instruction would flush it) */
-    if (qp_pairs_on && wround == QR_BF16 && K % QK == 0 && !is_fast(m) && !is_int_path(m)) {
+    if (QP_PAIRS && qp_pairs_on && wround == QR_BF16 && K % QK == 0 && !is_fast(m) && !is_int_path(m)) {
         int exact = 1;
-        for (int64_t i = 0; i < M && exact; i++) exact = xb_row512(in->x + i * in->ldx, K, sc->xb + i * K);
+        for (int64_t i = 0; i < M && exact; i++) exact = xb_row(in->x + i * in->ldx, K, sc->xb + i * K);
         if (exact) { in->xb = sc->xb; in->ldxb = K; }
     }
-#else
-    (void)wround;
-#endif
 }
 
 static int same_input(const qp_mat *a, const qp_mat *b) {
@@ -444,19 +422,14 @@ static QP_IQ_UNUSED void row_scales(const qp_mat *m, int64_t r, int64_t ng, floa
         case QS_F16: for (int64_t j = 0; j < ng; j++) sv[j] = f16_to_f32((const uint8_t *)m->s + 2 * (srow + j)); break;
         case QS_E8M0: for (int64_t j = 0; j < ng; j++) sv[j] = e8m0_to_f32(s8[j]); break;
         default: {
-            int64_t j = 0;
-#ifdef QP_AVX512
-            j = e4m3_run512(s8, ng, sv);  /* exact, NaN codes NaN */
-#endif
+            int64_t j = e4m3_run(s8, ng, sv);  /* exact, NaN codes NaN */
             for (; j < ng; j++) sv[j] = e4m3_to_f32(s8[j]);
         }
     }
     const float gs = m->gs;
     if (m->gmode == QG_TIMES) for (int64_t j = 0; j < ng; j++) sv[j] = sv[j] * gs;
     else if (m->gmode == QG_OVER) for (int64_t j = 0; j < ng; j++) sv[j] = sv[j] / gs;
-#ifdef QP_AVX512
-    if (m->type == QP_FP8) for (int64_t j = 0; j < ng; j++) sv[j] = fp8_fold(sv[j]);
-#endif
+    if (m->type == QP_FP8) fold_fp8_scales(sv, ng);
     if (m->z) {
         if (m->zi8) { const int8_t *z = (const int8_t *)m->z + srow; for (int64_t j = 0; j < ng; j++) zv[j] = (float)z[j]; }
         else memcpy(zv, (const float *)m->z + srow, sizeof(float) * (size_t)ng);

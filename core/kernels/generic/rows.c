@@ -9,11 +9,7 @@ static void fast_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, 
         int rt = r1 - r < RT ? (int)(r1 - r) : RT;
         for (int i0 = 0; i0 < xm; i0 += MT) {
             int mt = xm - i0 < MT ? xm - i0 : MT;
-#ifdef QP_VNNI512
-            QP_TILE(fast_tile512, m, in, r, i0, rt, mt, y, ldy);
-#elif defined(__AVX2__)
-            QP_TILE(fast_tile, m, in, r, i0, rt, mt, y, ldy);
-#else
+            if (fast_tile_vec(m, in, r, i0, rt, mt, y, ldy)) continue;
             const int type = m->type, size = type == QP_Q4_0 ? 18 : 34;
             const int64_t nb = m->k / QK;
             const int8_t *xq = in->q8;
@@ -38,19 +34,16 @@ static void fast_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, 
                     y[xi * ldy + r + a] = acc;
                 }
             }
-#endif
         }
     }
 }
 
-#ifndef QP_AVX512  /* AVX512: generic_rows512 (arch/x86_avx512.c) */
-/* exact, any form: each row's segments decoded into a buffer, multiplied into float32 sums */
+/* exact, any form: each row's segments decoded into a buffer, multiplied into float32 sums (the
+ * portable kernel; AVX512 builds take generic_rows512, arch/x86_avx512.c) */
 static void generic_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy, int wround) {
-#if defined(__AVX2__)
     /* bfloat16 weights already hold the values of a float32 / bfloat16 model (a float16 model
      * rounds them: the loop below) */
-    if (m->type == QP_BF16 && wround != QR_F16 && m->k % 8 == 0) { bf16_rows_avx2(m, in, r0, r1, xm, y, ldy); return; }
-#endif
+    if (m->type == QP_BF16 && wround != QR_F16 && m->k % 8 == 0 && bf16_rows_vec(m, in, r0, r1, xm, y, ldy)) return;
     y -= r0;
     const int64_t K = m->k, seg = seg_len(m);
     float buf[QKK] __attribute__((aligned(64)));
@@ -63,9 +56,7 @@ static void generic_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r
                 deq_seg(m, r, c0, seg, buf, wround);
                 for (int i = 0; i < mt; i++) {
                     const float *xr = in->x + (int64_t)(i0 + i) * in->ldx + c0;
-#if defined(__AVX2__)
-                    if (seg % 8 == 0) { acc8_run_avx2(acc[i], buf, xr, seg); continue; }
-#endif
+                    if (seg % 8 == 0 && acc8_vec(acc[i], buf, xr, seg)) continue;
                     for (int64_t j = 0; j < seg; j++) acc[i][j & 7] += buf[j] * xr[j];
                 }
             }
@@ -77,7 +68,6 @@ static void generic_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r
         }
     }
 }
-#endif
 
 /* INT8 weights x int8 activations on integers (ModelSlim W8A8 / W8A8_DYNAMIC per channel):
  * dot = sum (q + 128) * w - 128 * rowsum (exact int32); QE_STATIC: (dot + bias) * os[r];
@@ -92,10 +82,7 @@ static void int_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, i
         for (int i = 0; i < xm; i++) {
             const uint8_t *u = in->u8 + (int64_t)i * K;
             int64_t c = 0;
-            int32_t dot = 0;
-#ifdef QP_VNNI512
-            dot = dot_u8s8_run512(u, wr, K, &c);
-#endif
+            int32_t dot = dot_u8s8_run(u, wr, K, &c);
             for (; c < K; c++) dot += (int32_t)u[c] * (int32_t)wr[c];
             dot -= 128 * rs;
             float v;
@@ -109,87 +96,21 @@ static void int_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, i
 /* The row kernel rows_any runs for m in a model whose weights round by wround (QR_*): one rule for
  * the dispatch and for qp_row_kernel, which tests read (a bfloat16 model must take the kernels of
  * a float32 one). */
-enum { QK_GENERIC = 0, QK_FAST = 1, QK_INT = 2, QK_EXACT32 = 3, QK_KQUANT = 4, QK_SCALED = 5 };
 static int row_kernel(const qp_mat *m, int wround) {
     if (is_fast(m)) return QK_FAST;
     if (is_int_path(m)) return QK_INT;
-#ifdef QP_AVX512
-    /* Q4_0 / Q8_0 / K-quant weights round to bfloat16 in registers (QR_F16 keeps the generic path);
-     * bfloat16 rows are already the model dtype's values */
-    if ((m->type == QP_Q4_0 || m->type == QP_Q8_0) && wround != QR_F16) return QK_EXACT32;
-    if (m->type == QP_BF16 && wround != QR_F16 && m->k % 32 == 0) return QK_EXACT32;
-    if ((m->type == QP_Q4_K || m->type == QP_Q5_K || m->type == QP_Q6_K) && wround != QR_F16) return QK_KQUANT;
-    if (m->type >= QP_INT4 && (m->gk % 16 == 0) && m->k % 16 == 0 && !m->big && (m->k + m->gk - 1) / m->gk <= QP_NG_MAX)
-        return QK_SCALED;
-#endif
-    (void)wround;
-    return QK_GENERIC;
+    return row_kernel_vec(m, wround);  /* the build's own kernels (arch/dispatch_rows.h) */
 }
 
 int qp_row_kernel(const qp_mat *m, int wround) { return row_kernel(m, wround); }
 
 static void rows_any(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy, int wround) {
-    switch (row_kernel(m, wround)) {
+    const int kernel = row_kernel(m, wround);
+    switch (kernel) {
         case QK_FAST: fast_rows(m, in, r0, r1, xm, y, ldy); return;
         case QK_INT: int_rows(m, in, r0, r1, xm, y, ldy); return;
-#ifdef QP_AVX512
-        case QK_EXACT32: {
-            /* Q4_0 / Q8_0 weights are never subnormal (an f16 scale times a small integer): the
-             * AVX512-BF16 conversion rounds them as round_bf16 does */
-#if defined(__AVX512BF16__)
-            const int bf = QR_BF16_NORMAL;
-#else
-            const int bf = QR_BF16;
-#endif
-            exact_rows_32(m, in, r0, r1, xm, y, ldy, m->type != QP_BF16 && wround == QR_BF16 ? bf : QR_NONE);
-            return;
-        }
-        case QK_KQUANT:
-            /* K-quant weights are f16 scales times small integers, less f16 minimums times small
-             * integers: zero or at least 2^-24 in magnitude, never subnormal */
-            if (wround != QR_BF16) kq_rows(m, in, r0, r1, xm, y, ldy);
-#if defined(__AVX512BF16__)
-            else kq_rows_bf16n(m, in, r0, r1, xm, y, ldy);
-#else
-            else kq_rows_bf16(m, in, r0, r1, xm, y, ldy);
-#endif
-            return;
-        case QK_SCALED: {
-            const int simple = !m->z && !(m->gmode == QG_AFTER && m->gs != 1.f) && !m->nan;
-#if defined(__AVX512BF16__)
-            /* a bfloat16 model's weights known normal or zero, on bfloat16 pairs: one vdpbf16ps per
-             * 32 weights and x row (groups of 32k, or 16 two at a time) */
-            if (in->xb && wround == QR_BF16 && !m->tiny && (m->gk % 32 == 0 || m->gk == 16)) {
-                __atomic_fetch_add(&qp_pair_count, 1, __ATOMIC_RELAXED);
-                switch (m->type) {
-                    case QP_INT8: (simple ? pair_plain_int8 : pair_int8)(m, in, r0, r1, xm, y, ldy); break;
-                    case QP_INT4: (simple ? pair_plain_int4 : pair_int4)(m, in, r0, r1, xm, y, ldy); break;
-                    case QP_FP8: (simple ? pair_plain_fp8 : pair_fp8)(m, in, r0, r1, xm, y, ldy); break;
-                    default: (simple ? pair_plain_fp4 : pair_fp4)(m, in, r0, r1, xm, y, ldy); break;
-                }
-                return;
-            }
-#endif
-            const int p32 = simple && wround == QR_NONE, p16 = simple && wround == QR_BF16;
-#if defined(__AVX512BF16__)
-            const int p16n = p16 && !m->tiny;
-#else
-            const int p16n = 0;
-#endif
-            switch (m->type) {
-                case QP_INT8: (p32 ? plain_int8 : p16n ? plain_int8_bf16n : p16 ? plain_int8_bf16 : fused_int8)(m, in, r0, r1, xm, y, ldy, wround); break;
-                case QP_INT4: (p32 ? plain_int4 : p16n ? plain_int4_bf16n : p16 ? plain_int4_bf16 : fused_int4)(m, in, r0, r1, xm, y, ldy, wround); break;
-                case QP_FP8: (p32 ? plain_fp8 : p16n ? plain_fp8_bf16n : p16 ? plain_fp8_bf16 : fused_fp8)(m, in, r0, r1, xm, y, ldy, wround); break;
-                default: (p32 ? plain_fp4 : p16n ? plain_fp4_bf16n : p16 ? plain_fp4_bf16 : fused_fp4)(m, in, r0, r1, xm, y, ldy, wround); break;
-            }
-            return;
-        }
-#endif
-#ifdef QP_AVX512
-        default: generic_rows512(m, in, r0, r1, xm, y, ldy, wround);
-#else
-        default: generic_rows(m, in, r0, r1, xm, y, ldy, wround);
-#endif
+        default:
+            if (!rows_vec(kernel, m, in, r0, r1, xm, y, ldy, wround)) generic_rows(m, in, r0, r1, xm, y, ldy, wround);
     }
 }
 
@@ -314,30 +235,16 @@ done:
 
 
 /* Which SIMD path this build took: 3 AVX512 (with VNNI), 4 AVX512 without VNNI, 2 AVX2, 0 portable C. */
-int qp_isa(void) {
-#ifdef QP_VNNI512
-    return 3;
-#elif defined(QP_AVX512)
-    return 4;
-#elif defined(__AVX2__)
-    return 2;
-#else
-    return 0;
-#endif
-}
+int qp_isa(void) { return QP_ISA; }
 
 /* bfloat16 pair products (vdpbf16ps, AVX512-BF16 builds, a bfloat16 model): on (1) or off (0) for
  * the products that follow, -1 leaves it; returns the setting before the call, -1 where this
  * build has no pair products */
 int qp_pair_products(int on) {
-#if defined(QP_AVX512) && defined(__AVX512BF16__)
+    if (!QP_PAIRS) return -1;
     const int was = qp_pairs_on;
     if (on >= 0) qp_pairs_on = on != 0;
     return was;
-#else
-    (void)on;
-    return -1;
-#endif
 }
 
 /* how many row tasks took the bfloat16 pair products since the library was loaded */
@@ -365,9 +272,7 @@ int qp_fp8_has_nan(const uint8_t *p, int64_t n) {
     if (n < 0 || (n > 0 && !p)) return -1;
     const uint64_t low = 0x7F7F7F7F7F7F7F7Full, one = 0x0101010101010101ull, top = 0x8080808080808080ull;
     int64_t i = 0;
-#ifdef QP_AVX512
-    if (fp8_nan_scan512(p, n, &i)) return 1;
-#endif
+    if (fp8_nan_scan(p, n, &i)) return 1;
     enum { LANES = 512 };  /* 4 KiB */
     for (; i + 8 * LANES <= n; i += 8 * LANES) {
         uint64_t acc = 0;

@@ -33,9 +33,8 @@ int qp_form_info(int type, int64_t *elems, int64_t *bytes) {
 
 static inline float f16_to_f32(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-#if defined(__F16C__)
-    return f16c_to_f32(h);
-#else
+    float hw;
+    if (f16_to_f32_hw(h, &hw)) return hw;
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
     if (exp == 0) {
         if (man == 0) bits = sign;
@@ -47,7 +46,6 @@ static inline float f16_to_f32(const uint8_t *p) {
     } else if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
     else bits = sign | ((exp + 112) << 23) | (man << 13);
     float f; memcpy(&f, &bits, 4); return f;
-#endif
 }
 
 static inline float bits_f32(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
@@ -75,9 +73,8 @@ static inline float round_bf16(float f) {
 }
 
 static inline float round_f16(float f) {
-#if defined(__F16C__)
-    return f16c_round(f);
-#else
+    float hw;
+    if (round_f16_hw(f, &hw)) return hw;
     /* portable: through the nearest representable half by scaling (finite values) */
     if (!isfinite(f)) return f;
     float a = fabsf(f);
@@ -86,7 +83,6 @@ static inline float round_f16(float f) {
     uint32_t b = f32_bits(f);
     b = (b + 0xfffu + ((b >> 13) & 1u)) & 0xffffe000u;
     return bits_f32(b);
-#endif
 }
 
 static inline float scale_at(const qp_mat *m, int64_t idx) {

@@ -18,8 +18,9 @@ What this package declares:
   ones it inherits; every format backend works unchanged because every tensor is planned
   through the core's layers.
 
-The whole-stack native decode step routes as DeepSeek-V3's sigmoid router does, so with this
-router a decode step runs layer by layer (each attention and experts step still native).
+The router declares how it routes as data (its ``spec``, a :class:`quantplug.api.RouterSpec`:
+softmax scores, greedy or group-max selection, no bias), so the core's whole-stack native decode
+step routes it too: a decode step is one native call, as DeepSeek-V3's.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from quantplug import api
 
-QUANTPLUG_CONTRACT = "1.6"
+QUANTPLUG_CONTRACT = "1.11"
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 
@@ -73,10 +74,23 @@ class SoftmaxRouter(api.FloatParams):
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         return idx, w * cfg.routed_scaling_factor
 
+    @property
+    def spec(self) -> api.RouterSpec:
+        """This router as data: softmax scores, the top-k greedy or within the best groups by their
+        best score, normalised (where ``norm_topk_prob`` and top-k > 1) before the scaling."""
+        cfg = self.cfg
+        grouped = self.method == "group_limited_greedy"
+        return api.RouterSpec(score="softmax", select="group_max" if grouped else "greedy", top_k=cfg.num_experts_per_tok,
+                          n_group=cfg.n_group if grouped else 1, topk_group=cfg.topk_group if grouped else 1,
+                          norm_topk=cfg.norm_topk_prob and cfg.num_experts_per_tok > 1,
+                          scaling=cfg.routed_scaling_factor)
+
     def route_one(self, x: torch.Tensor) -> tuple[list[int], list[float]]:
-        """:meth:`forward` for one token [1, hidden], as Python lists (the MoE block's decode step)."""
-        idx, w = self.forward(x)
-        return idx[0].tolist(), w[0].tolist()
+        """:meth:`forward` for one token [1, hidden], as Python lists (the MoE block's decode step):
+        :func:`quantplug.contract.routing.route` of :attr:`spec`, as the native stack step routes (ties to
+        the lower id, the weights' sums in double)."""
+        ids, ws = api.route(self.spec, x.reshape(1, -1), self.weight)
+        return ids[0], ws[0]
 
 
 class DeepseekV2ForCausalLM(api.DeepseekV3ForCausalLM):

@@ -1,0 +1,227 @@
+/* GENERATED from core/kernels/abi.py by `python -m quantplug.kernels.abi`: do not edit.
+ * The structs the Python side passes to the kernels (native.py builds its ctypes Structures
+ * from the same declaration; layout.c expands QP_ABI_LAYOUT into qp_layout_table). */
+#ifndef QP_ABI_H
+#define QP_ABI_H
+
+#include <stdint.h>
+
+/* a router's scores of its logits (qp_router.score; quantplug.contract.routing.SCORES) */
+enum { QRS_SIGMOID = 0, QRS_SOFTMAX = 1, QRS_SQRTSOFTPLUS = 2 };
+
+/* a router's choice of experts (qp_router.select; quantplug.contract.routing.SELECTS): greedily over all, or
+ * within the topk_group best of n_group groups, a group scored by the sum of its two best (biased) scores or
+ * by its best */
+enum { QRT_GREEDY = 0, QRT_GROUP_TOP2 = 1, QRT_GROUP_MAX = 2 };
+
+/* how a layer's activations are quantized before its product (qp_mat.act) */
+typedef struct {
+    int32_t kind;                           /* QA_* */
+    int32_t group;                          /* QA_FP8 / QA_*FP4: inputs per group (0: the whole row) */
+    int32_t ue8m0;                          /* QA_FP8: scales rounded up to powers of two */
+    int32_t epi;                            /* QE_*: INT8 weights with int8 activations computed on integers */
+    float scale;                            /* static activation scale (NVFP4: the global input scale) */
+    float offset;                           /* static activation offset */
+    float floor;                            /* QA_FP8: least group amax (e.g. 1e-4); 0: a zero scale becomes 1 */
+    int32_t pad;
+} qp_act;
+
+/* one weight matrix of one form */
+typedef struct {
+    int32_t type;                           /* form id */
+    int32_t sdt;                            /* scale encoding (QS_*) */
+    int64_t n;                              /* rows (outputs) */
+    int64_t k;                              /* inputs */
+    const uint8_t *w;                       /* row r at w + r * ldw */
+    int64_t ldw;
+    const void *s;                          /* scale of (r, c): s[(r / gn) * lds + c / gk] */
+    int64_t lds;
+    int64_t gk;
+    int64_t gn;
+    const void *z;                          /* zero points (float32, or int8 when zi8), indexed as s; NULL: none */
+    float gs;                               /* global scale, entering as gmode says (QG_AFTER with 1: none) */
+    int32_t mode;                           /* 0 exact, 1 fast (Q4_0 / Q8_0) */
+    int32_t nan;                            /* FP8: may hold NaN codes */
+    int32_t big;                            /* FP8: some effective scale >= 2^119 (its fold by 256 would
+                                               overflow) */
+    int32_t gmode;                          /* QG_*: how gs combines with the scale */
+    int32_t zi8;                            /* zero points are int8 */
+    int32_t tiny;                           /* scaled forms: some weight may be subnormal (a scale below 2^-117);
+                                               bfloat16 rows (a bfloat16 model): some value is subnormal */
+    const int32_t *rowsum;                  /* INT8 integer path: sum of each row's codes */
+    const int32_t *bias;                    /* QE_STATIC: integer bias per row */
+    const float *os;                        /* QE_STATIC: output scale per row */
+    qp_act act;                             /* the activations' quantization */
+} qp_mat;
+
+/* one latent-attention layer (low-rank query, shared compressed key / value latent): dimensions and matrices */
+typedef struct {
+    int64_t H;                              /* hidden width */
+    int64_t q_lora;
+    int64_t kv_lora;
+    int64_t rope;
+    int64_t nope;
+    int64_t v;
+    int64_t nh;                             /* the heads computed here */
+    float eps_q;
+    float eps_kv;
+    float scale;
+    const qp_mat *q_a;                      /* [q_lora, H]; NULL: no q_lora, q_b is q_proj [nh*(nope+rope), H] */
+    const qp_mat *kv_a;                     /* [kv_lora + rope, H] */
+    const qp_mat *q_b;
+    const void *q_a_norm;                   /* norm weights, f32 or bf16 (norm_bf16) */
+    const void *kv_a_norm;
+    int32_t norm_bf16;
+    int32_t kv_dense;                       /* 1: kv_b [nh*(nope+v), kv_lora] (kv_b); 0: per-head k_b / v_b */
+    const qp_mat *kv_b;
+    const qp_mat *const *k_b;               /* per head [kv_lora, nope] */
+    const qp_mat *const *v_b;               /* per head [v, kv_lora] */
+    const qp_mat *o;                        /* [H, nh * v] */
+    const qp_mat *g;                        /* output gate [nh * v, H] or NULL */
+} qp_latent_attn;
+
+/* a routed MoE's router as data: scores (QRS_*) of the logits, the choice (QRT_*) on the scores plus bias
+ * (when given; for choosing only), or the experts of the token id (tid2eid: routing by token, weights still
+ * the chosen experts' scores); the weights normalized to sum 1 (norm_topk), then times scaling */
+typedef struct {
+    int32_t score;                          /* QRS_* */
+    int32_t select;                         /* QRT_* */
+    int32_t top_k;
+    int32_t n_group;                        /* QRT_GROUP_*: groups of experts */
+    int32_t topk_group;                     /* QRT_GROUP_*: the groups chosen */
+    int32_t norm_topk;
+    float scaling;
+    int32_t pad;
+    const float *weight;                    /* [E, H] float32 */
+    const float *bias;                      /* [E] float32 added for choosing only, or NULL */
+    const int32_t *tid2eid;                 /* [vocab, top_k] the experts of each token id, or NULL */
+    int64_t vocab;                          /* rows of tid2eid */
+} qp_router;
+
+/* one decoder layer of the stack step: its latent attention, norms, and a dense gated MLP or a routed MoE
+ * (its router: route) */
+typedef struct {
+    const qp_latent_attn *attn;             /* the layer's latent attention */
+    const void *attn_norm;                  /* [H], f32 or bf16 (norm_bf16) */
+    const void *ffn_norm;                   /* [H], f32 or bf16 (norm_bf16) */
+    int32_t norm_bf16;
+    float eps;
+    int32_t E;                              /* routed experts; 0: a dense MLP (gate / up / down [0]) */
+    int32_t pad;
+    qp_router route;                        /* the router of a MoE (E > 0) */
+    const qp_mat *const *gate;
+    const qp_mat *const *up;
+    const qp_mat *const *down;
+    const qp_mat *sg;                       /* shared experts, or NULL */
+    const qp_mat *su;
+    const qp_mat *sd;
+} qp_layer;
+
+/* a drafter of greedy speculative decoding (a next-token-prediction block): for a token t and a hidden state
+ * h of the stack, x = proj(cat(norm_e(embedding of t), norm_h(h))) through one decoder layer, then its final
+ * norm; the stack's head picks the draft from it */
+typedef struct {
+    const qp_layer *layer;                  /* the block (its own latent cache) */
+    const void *enorm;                      /* [H], f32 or bf16 (norm_bf16) */
+    const void *hnorm;
+    const void *fnorm;
+    int32_t norm_bf16;
+    float eps;
+    const qp_mat *proj;                     /* [H, 2H] */
+} qp_draft;
+
+/* every struct S(name) and field F(name, field), in declaration order */
+#define QP_ABI_LAYOUT(S, F) \
+    S(qp_act) \
+    F(qp_act, kind) \
+    F(qp_act, group) \
+    F(qp_act, ue8m0) \
+    F(qp_act, epi) \
+    F(qp_act, scale) \
+    F(qp_act, offset) \
+    F(qp_act, floor) \
+    F(qp_act, pad) \
+    S(qp_mat) \
+    F(qp_mat, type) \
+    F(qp_mat, sdt) \
+    F(qp_mat, n) \
+    F(qp_mat, k) \
+    F(qp_mat, w) \
+    F(qp_mat, ldw) \
+    F(qp_mat, s) \
+    F(qp_mat, lds) \
+    F(qp_mat, gk) \
+    F(qp_mat, gn) \
+    F(qp_mat, z) \
+    F(qp_mat, gs) \
+    F(qp_mat, mode) \
+    F(qp_mat, nan) \
+    F(qp_mat, big) \
+    F(qp_mat, gmode) \
+    F(qp_mat, zi8) \
+    F(qp_mat, tiny) \
+    F(qp_mat, rowsum) \
+    F(qp_mat, bias) \
+    F(qp_mat, os) \
+    F(qp_mat, act) \
+    S(qp_latent_attn) \
+    F(qp_latent_attn, H) \
+    F(qp_latent_attn, q_lora) \
+    F(qp_latent_attn, kv_lora) \
+    F(qp_latent_attn, rope) \
+    F(qp_latent_attn, nope) \
+    F(qp_latent_attn, v) \
+    F(qp_latent_attn, nh) \
+    F(qp_latent_attn, eps_q) \
+    F(qp_latent_attn, eps_kv) \
+    F(qp_latent_attn, scale) \
+    F(qp_latent_attn, q_a) \
+    F(qp_latent_attn, kv_a) \
+    F(qp_latent_attn, q_b) \
+    F(qp_latent_attn, q_a_norm) \
+    F(qp_latent_attn, kv_a_norm) \
+    F(qp_latent_attn, norm_bf16) \
+    F(qp_latent_attn, kv_dense) \
+    F(qp_latent_attn, kv_b) \
+    F(qp_latent_attn, k_b) \
+    F(qp_latent_attn, v_b) \
+    F(qp_latent_attn, o) \
+    F(qp_latent_attn, g) \
+    S(qp_router) \
+    F(qp_router, score) \
+    F(qp_router, select) \
+    F(qp_router, top_k) \
+    F(qp_router, n_group) \
+    F(qp_router, topk_group) \
+    F(qp_router, norm_topk) \
+    F(qp_router, scaling) \
+    F(qp_router, pad) \
+    F(qp_router, weight) \
+    F(qp_router, bias) \
+    F(qp_router, tid2eid) \
+    F(qp_router, vocab) \
+    S(qp_layer) \
+    F(qp_layer, attn) \
+    F(qp_layer, attn_norm) \
+    F(qp_layer, ffn_norm) \
+    F(qp_layer, norm_bf16) \
+    F(qp_layer, eps) \
+    F(qp_layer, E) \
+    F(qp_layer, pad) \
+    F(qp_layer, route) \
+    F(qp_layer, gate) \
+    F(qp_layer, up) \
+    F(qp_layer, down) \
+    F(qp_layer, sg) \
+    F(qp_layer, su) \
+    F(qp_layer, sd) \
+    S(qp_draft) \
+    F(qp_draft, layer) \
+    F(qp_draft, enorm) \
+    F(qp_draft, hnorm) \
+    F(qp_draft, fnorm) \
+    F(qp_draft, norm_bf16) \
+    F(qp_draft, eps) \
+    F(qp_draft, proj)
+
+#endif
