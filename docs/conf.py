@@ -89,6 +89,20 @@ nitpick_ignore = [
     ("py:class", "quantplug.layers.activation.GatedAct"),
     # the type of Experts.qp_store (quantplug.experts, internal; docs/experts.md describes it)
     ("py:class", "ExpertStore"),
+    # the block library's modules (quantplug.blocks) named in the blocks' signatures: the blocks are
+    # documented through quantplug.api, their caches on the Generation page, the residual scheme and
+    # the lowering's step functions on the Architectures page
+    ("py:class", "quantplug.blocks.cache.MLACache"),
+    ("py:class", "quantplug.blocks.cache.LatentCache"),
+    ("py:class", "quantplug.blocks.residual.PreNormLayer"),
+    ("py:class", "quantplug.blocks.indexer.Indexer"),
+    ("py:class", "Decisions"),
+    ("py:class", "GatedAct"),
+    ("py:func", "quantplug.lower.accelerate"),
+    ("py:func", "quantplug.lower.experts_step"),
+    ("py:func", "quantplug.lower.experts_one"),
+    # the router declaration's home module; it is documented as quantplug.api.RouterSpec
+    ("py:class", "quantplug.contract.routing.RouterSpec"),
 ]
 
 

@@ -71,7 +71,7 @@ def route(spec: RouterSpec, x: torch.Tensor, weight: torch.Tensor | None = None,
     without it ``x`` holds the logits [rows, experts]): per row the chosen expert ids, in the order
     chosen (best first; by token: the table's order), and their weights as Python floats.
 
-    The scores are float32 (:func:`scores`); the choice runs on Python floats (double) of the
+    The scores are float32 (``scores``); the choice runs on Python floats (double) of the
     scores plus ``bias``, every tie broken toward the lower group / expert id; the weights'
     normalization (sum + 1e-20) and scaling in double (the native kernels round them to float32
     once). ``ids``: each row's token id (``by_token``, with ``tid2eid``)."""
