@@ -1,0 +1,153 @@
+"""DeepSeek-V4 attention block (core/blocks/v4_attention.py) against transformers' DeepseekV4Attention:
+random float32 weights in both, one tiny config whose 48-token prompt crosses several sliding
+windows and compression windows, and whose indexer keeps fewer entries than most queries see."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from quantplug.blocks.v4_attention import V4Attention, V4AttentionConfig
+from quantplug.contract.scheme import PlannedModule
+from quantplug.layers.linear import DenseScheme
+
+tfv4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config  # noqa: E402
+
+HCA_RATIO = 8
+RAW = {
+    "hidden_size": 64, "num_attention_heads": 4, "head_dim": 32, "qk_rope_head_dim": 16, "q_lora_rank": 24,
+    "o_groups": 2, "o_lora_rank": 16, "sliding_window": 8, "index_n_heads": 4, "index_head_dim": 16,
+    "index_topk": 3, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+    "rope_scaling": {"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+                     "beta_fast": 32, "beta_slow": 1},
+    # the release's ratios (0 SWA, 4 CSA, other HCA), HCA scaled down to 8
+    "compress_ratios": [0, 4, HCA_RATIO],
+}
+T = 48
+#: release name (under layers.L.attn) -> transformers name (under the DeepseekV4Attention)
+NAMES = {
+    "wq_a.weight": "q_a_proj.weight", "q_norm.weight": "q_a_norm.weight", "wq_b.weight": "q_b_proj.weight",
+    "wkv.weight": "kv_proj.weight", "kv_norm.weight": "kv_norm.weight", "wo_a.weight": "o_a_proj.weight",
+    "wo_b.weight": "o_b_proj.weight", "attn_sink": "sinks",
+}
+COMP = {"wkv.weight": "kv_proj.weight", "wgate.weight": "gate_proj.weight", "ape": "position_bias",
+        "norm.weight": "kv_norm.weight"}
+for _k, _v in COMP.items():
+    NAMES[f"compressor.{_k}"] = f"compressor.{_v}"
+    NAMES[f"indexer.compressor.{_k}"] = f"compressor.indexer.{_v}"
+NAMES["indexer.wq_b.weight"] = "compressor.indexer.q_b_proj.weight"
+NAMES["indexer.weights_proj.weight"] = "compressor.indexer.scorer.weights_proj.weight"
+
+
+class Oracle:
+    """The plan's answers for a float32 model of dense linears, names as given."""
+
+    prefix = ""
+    model_dtype = torch.float32
+    mtp_layers = 0
+
+    def ck(self, rel: str) -> str:
+        return rel
+
+    def scheme(self, ckpt_name: str, kind: str = "linear", shards: object = None) -> DenseScheme:
+        return DenseScheme()
+
+
+def hf_config() -> DeepseekV4Config:
+    raw = dict(RAW)
+    cfg = DeepseekV4Config(
+        vocab_size=32, num_hidden_layers=3, hidden_size=raw["hidden_size"],
+        num_attention_heads=raw["num_attention_heads"], num_key_value_heads=1, head_dim=raw["head_dim"],
+        qk_rope_head_dim=raw["qk_rope_head_dim"], q_lora_rank=raw["q_lora_rank"], o_groups=raw["o_groups"],
+        o_lora_rank=raw["o_lora_rank"], sliding_window=raw["sliding_window"], index_n_heads=raw["index_n_heads"],
+        index_head_dim=raw["index_head_dim"], index_topk=raw["index_topk"], rms_norm_eps=raw["rms_norm_eps"],
+        rope_theta=raw["rope_theta"], compress_rope_theta=raw["compress_rope_theta"],
+        rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+                         "beta_fast": 32, "beta_slow": 1},
+        compress_ratios=[0, 4, 128],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": HCA_RATIO},
+    )
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def build(layer: int, seed: int = 0) -> tuple[torch.nn.Module, V4Attention, DeepseekV4Config]:
+    """transformers' attention of ``layer`` with random weights, and ours with the same weights."""
+    cfg = hf_config()
+    ref = tfv4.DeepseekV4Attention(cfg, layer).float().eval()
+    g = torch.Generator().manual_seed(seed + layer)
+    params = dict(ref.named_parameters())
+    with torch.no_grad():
+        for name, p in params.items():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith(("sinks", "position_bias")):
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    base = f"layers.{layer}.attn"
+    ours = V4Attention(V4AttentionConfig.from_hf(RAW, layer), base, Oracle())
+    tensors = {f"{base}.{rel}": params[tf] for rel, tf in NAMES.items() if tf in params}
+    used = set()
+    for mod in ours.modules():
+        if isinstance(mod, PlannedModule):
+            for local, sources in mod.qp_sources.items():
+                name = sources[0].tensor
+                assert tuple(sources[0].shape) == tuple(tensors[name].shape), name
+                mod.register_parameter(local, torch.nn.Parameter(tensors[name].detach().clone(),
+                                                                 requires_grad=False))
+                used.add(name)
+    assert used == set(tensors), set(tensors) ^ used
+    assert len(used) == len(params), "a transformers parameter has no release name here"
+    return ref, ours.eval(), cfg
+
+
+def reference(ref: torch.nn.Module, cfg: DeepseekV4Config, x: torch.Tensor) -> torch.Tensor:
+    """transformers' output as DeepseekV4Model.forward feeds the layer: position embeddings of both
+    rope types, the sliding-window causal mask."""
+    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    pos = torch.arange(x.shape[1]).unsqueeze(0)
+    rot = tfv4.DeepseekV4RotaryEmbedding(cfg)
+    pe = {"main": rot(x, position_ids=pos, layer_type="main"), "compress": rot(x, position_ids=pos, layer_type="compress")}
+    mask = create_sliding_window_causal_mask(config=cfg, inputs_embeds=x, attention_mask=None, cache=None,
+                                             position_ids=pos)
+    return ref(x, position_embeddings=pe, position_ids=pos, attention_mask=mask)[0]
+
+
+def prompt(seed: int = 7) -> torch.Tensor:
+    return torch.randn(2, T, RAW["hidden_size"], generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("layer,kind", [(0, "swa"), (1, "csa"), (2, "hca")])
+def test_prompt_matches_transformers(layer: int, kind: str) -> None:
+    ref, ours, cfg = build(layer)
+    assert ours.cfg.kind == kind
+    x = prompt()
+    with torch.no_grad():
+        want, got = reference(ref, cfg, x), ours(x)
+    assert got.shape == want.shape
+    err = (got - want).abs().max().item()
+    assert err <= 1e-5 * max(1.0, want.abs().max().item()), err
+
+
+def test_csa_indexer_drops_entries() -> None:
+    """The CSA case is a real selection: later queries see more entries than index_topk, keep
+    exactly index_topk of them, and never a future entry."""
+    _, ours, _ = build(1)
+    x = prompt()
+    ix = ours.indexer
+    assert ix is not None
+    seen = {}
+
+    def hook(_m: torch.nn.Module, _a: object, out: torch.Tensor) -> None:
+        seen["keep"] = out
+
+    ix.register_forward_hook(hook)
+    with torch.no_grad():
+        ours(x)
+    keep = seen["keep"]                       # [b, t, n]
+    visible = (torch.arange(keep.shape[-1]) < ((torch.arange(T) + 1) // 4)[:, None])
+    assert int(visible[-1].sum()) > RAW["index_topk"]
+    assert bool((keep.sum(-1)[:, -1] == RAW["index_topk"]).all())
+    assert bool((keep & ~visible).sum() == 0)
