@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quantplug.blocks.v4_attention import V4Attention, V4AttentionConfig
+from quantplug.blocks.v4_attention import V4Attention, V4AttentionCache, V4AttentionConfig
 from quantplug.contract.scheme import PlannedModule
 from quantplug.layers.linear import DenseScheme
 
@@ -151,3 +151,33 @@ def test_csa_indexer_drops_entries() -> None:
     assert int(visible[-1].sum()) > RAW["index_topk"]
     assert bool((keep.sum(-1)[:, -1] == RAW["index_topk"]).all())
     assert bool((keep & ~visible).sum() == 0)
+
+
+#: chunk sizes of a cached run over the T-token prompt: a prefill that ends inside a sliding
+#: window and a compression window, single decode steps across window / compression boundaries
+#: (new CSA and HCA entries appear during decode), a multi-token chunk, then steps to the end
+CHUNKS = [13, 1, 1, 1, 5, 1, 1, 1, 1, 1, 1, 1, 1, 1, 9] + [1] * (T - 39)
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2])
+def test_cached_decode_equals_recompute(layer: int) -> None:
+    assert sum(CHUNKS) == T
+    _, ours, _ = build(layer)
+    x = prompt()
+    cache = V4AttentionCache()
+    outs = []
+    with torch.no_grad():
+        full = ours(x)
+        at = 0
+        for n in CHUNKS:
+            outs.append(ours(x[:, at:at + n], cache))
+            at += n
+    got = torch.cat(outs, dim=1)
+    assert cache.length == T
+    assert cache.window is not None and cache.window.shape[1] == RAW["sliding_window"] - 1
+    if ours.compressor is not None:
+        assert cache.compressor.count == T // ours.cfg.compress_ratio
+    if ours.indexer is not None:
+        assert cache.indexer.count == T // 4
+    err = (got - full).abs().max().item()
+    assert err <= 1e-5 * max(1.0, full.abs().max().item()), err
