@@ -181,3 +181,40 @@ def test_cached_decode_equals_recompute(layer: int) -> None:
         assert cache.indexer.count == T // 4
     err = (got - full).abs().max().item()
     assert err <= 1e-5 * max(1.0, full.abs().max().item()), err
+
+
+def window_mask(past: int, n: int, b: int) -> torch.Tensor:
+    """The additive sliding-window mask of n queries after ``past`` tokens over transformers'
+    cached keys (its last W - 1 rows, then the n new ones). Built here: the model's own mask
+    sizes itself from layer 0's cache, which a lone layer > 0 does not advance."""
+    w = RAW["sliding_window"]
+    kv_len = min(past, w - 1) + n
+    kpos = torch.arange(past + n - kv_len, past + n)
+    p = torch.arange(past, past + n)[:, None]
+    ok = (kpos <= p) & (kpos > p - w)
+    return torch.zeros(b, 1, n, kv_len).masked_fill(~ok, float("-inf"))
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2])
+def test_cached_decode_matches_transformers_cache(layer: int) -> None:
+    """The same chunked run through transformers' DynamicCache (DeepseekV4CSACache /
+    DeepseekV4HCACache: buffered windows, overlap state, indexer keys) and through ours."""
+    from transformers.cache_utils import DynamicCache
+
+    ref, ours, cfg = build(layer)
+    x = prompt()
+    tf_cache, cache = DynamicCache(config=cfg), V4AttentionCache()
+    rot = tfv4.DeepseekV4RotaryEmbedding(cfg)
+    want, got = [], []
+    with torch.no_grad():
+        at = 0
+        for n in CHUNKS:
+            xs, pos = x[:, at:at + n], torch.arange(at, at + n).unsqueeze(0)
+            pe = {k: rot(xs, position_ids=pos, layer_type=k) for k in ("main", "compress")}
+            want.append(ref(xs, position_embeddings=pe, position_ids=pos, attention_mask=window_mask(at, n, x.shape[0]),
+                            cache=tf_cache)[0])
+            got.append(ours(xs, cache))
+            at += n
+    w, g = torch.cat(want, dim=1), torch.cat(got, dim=1)
+    err = (g - w).abs().max().item()
+    assert err <= 1e-5 * max(1.0, w.abs().max().item()), err
