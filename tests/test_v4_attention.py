@@ -71,8 +71,10 @@ def hf_config() -> DeepseekV4Config:
     return cfg
 
 
-def build(layer: int, seed: int = 0) -> tuple[torch.nn.Module, V4Attention, DeepseekV4Config]:
-    """transformers' attention of ``layer`` with random weights, and ours with the same weights."""
+def build(layer: int, seed: int = 0, dtype: torch.dtype = torch.float32,
+          ) -> tuple[torch.nn.Module, V4Attention, DeepseekV4Config]:
+    """transformers' attention of ``layer`` with random weights, and ours with the same weights
+    (held as a model of ``dtype`` holds them: float32 where the block keeps float32)."""
     cfg = hf_config()
     ref = tfv4.DeepseekV4Attention(cfg, layer).float().eval()
     g = torch.Generator().manual_seed(seed + layer)
@@ -86,7 +88,9 @@ def build(layer: int, seed: int = 0) -> tuple[torch.nn.Module, V4Attention, Deep
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
     base = f"layers.{layer}.attn"
-    ours = V4Attention(V4AttentionConfig.from_hf(RAW, layer), base, Oracle())
+    oracle = Oracle()
+    oracle.model_dtype = dtype
+    ours = V4Attention(V4AttentionConfig.from_hf(RAW, layer), base, oracle)
     tensors = {f"{base}.{rel}": params[tf] for rel, tf in NAMES.items() if tf in params}
     used = set()
     for mod in ours.modules():
@@ -94,8 +98,8 @@ def build(layer: int, seed: int = 0) -> tuple[torch.nn.Module, V4Attention, Deep
             for local, sources in mod.qp_sources.items():
                 name = sources[0].tensor
                 assert tuple(sources[0].shape) == tuple(tensors[name].shape), name
-                mod.register_parameter(local, torch.nn.Parameter(tensors[name].detach().clone(),
-                                                                 requires_grad=False))
+                held = tensors[name].detach().to(mod.qp_target_dtype(local, "F32", dtype))
+                mod.register_parameter(local, torch.nn.Parameter(held, requires_grad=False))
                 used.add(name)
     assert used == set(tensors), set(tensors) ^ used
     assert len(used) == len(params), "a transformers parameter has no release name here"
@@ -218,3 +222,63 @@ def test_cached_decode_matches_transformers_cache(layer: int) -> None:
     w, g = torch.cat(want, dim=1), torch.cat(got, dim=1)
     err = (g - w).abs().max().item()
     assert err <= 1e-5 * max(1.0, w.abs().max().item()), err
+
+
+class ActivationScheme(DenseScheme):
+    """Dense storage, but said not to be weight-only (as a scheme quantizing activations): the
+    grouped ``wo_a`` then runs the whole linear per group and keeps each group's block."""
+
+    weight_only = False
+
+
+def test_grouped_wo_a_without_dequantize() -> None:
+    ref, ours, cfg = build(2)
+    ours.wo_a.scheme = ActivationScheme()
+    x = prompt()
+    with torch.no_grad():
+        want, got = reference(ref, cfg, x), ours(x)
+    err = (got - want).abs().max().item()
+    assert err <= 1e-5 * max(1.0, want.abs().max().item()), err
+
+
+def test_release_rope_frequencies() -> None:
+    """Flash's compressed-layer rope (E3): base 160000, YaRN over the 64 rope dims with ramp
+    lo = 15, hi = 25, factor 16; sliding layers plain base 10000."""
+    raw = {**RAW, "hidden_size": 4096, "num_attention_heads": 64, "head_dim": 512, "qk_rope_head_dim": 64,
+           "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024, "sliding_window": 128,
+           "compress_ratios": [0, 0, 4, 128], "rope_scaling": {"type": "yarn", "factor": 16,
+                                                             "original_max_position_embeddings": 65536,
+                                                             "beta_fast": 32, "beta_slow": 1}}
+    from quantplug.blocks.v4_compressor import V4Rope
+
+    kinds = [V4AttentionConfig.from_hf(raw, i).kind for i in range(4)]
+    assert kinds == ["swa", "swa", "csa", "hca"]
+    cfg = V4AttentionConfig.from_hf(raw, 3)
+    i = torch.arange(32, dtype=torch.float64)
+    theta = 160000.0 ** (-2 * i / 64)
+    rho = ((i - 15) / (25 - 15)).clamp(0, 1)
+    want = theta * (1 - rho) + theta / 16 * rho
+    got = V4Rope(cfg.compress_rope, 64).inv_freq.double()
+    assert torch.allclose(got, want, rtol=1e-6)
+    plain = V4Rope(cfg.rope, 64).inv_freq.double()
+    assert torch.allclose(plain, 10000.0 ** (-2 * i / 64), rtol=1e-6)
+
+
+def test_bfloat16_close_to_float32() -> None:
+    """A bf16 model (float32 sink, ape, indexer weights) runs every layer kind, prompt and cached,
+    and stays near the float32 result."""
+    for layer in (0, 1, 2):
+        _, ours, _ = build(layer)
+        _, half, _ = build(layer, dtype=torch.bfloat16)
+        assert half.attn_sink.weight.dtype == torch.float32 and half.wq_a.weight.dtype == torch.bfloat16
+        x = prompt()
+        with torch.no_grad():
+            want = ours(x)
+            ours = half
+            got = ours(x.bfloat16())
+            cache = V4AttentionCache()
+            stepped = torch.cat([ours(x[:, i:i + 1].bfloat16(), cache) for i in range(T)], dim=1)
+        assert got.dtype == torch.bfloat16
+        scale = want.abs().max().item()
+        assert (got.float() - want).abs().max().item() <= 0.05 * scale
+        assert (stepped.float() - want).abs().max().item() <= 0.05 * scale
