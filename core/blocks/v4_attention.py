@@ -24,6 +24,13 @@ What it implements (spec: /work/shared/ARCHITECTURES.md E3-E4; matched against t
 - A per-sequence cache (:class:`V4AttentionCache`): the last W - 1 window rows, each compressor's
   unfinished window, overlap halves and entries; a forward of t tokens after it attends exactly as
   one forward of the whole sequence would.
+- A long prompt is attended a block of queries at a time (:data:`ATTN_SCORE_BYTES` of scores; the
+  indexer likewise, :data:`~quantplug.blocks.indexer.INDEX_SCORE_BYTES`), each block over its own
+  window slice and the compressed entries: memory O(block * (W + t / r)), not O(t^2).
+
+Matched (tests/test_v4_attention.py, tiny float32 config, 48 tokens, W 8, CSA r 4 with top-3 of
+up to 12 entries, HCA r 8): prompt output vs transformers max error 0 (bitwise) for SWA, CSA and
+HCA; chunked / single-step cached runs vs the prompt and vs transformers' own cached run <= 1.1e-6.
 
 Not here (yet): DeepSeek's QAT numerics (FP8 round trips of the window / compressed KV, the
 indexer's Hadamard + FP4 rounding, E4), native lowering, tensor parallelism, a ring buffer for the
@@ -44,7 +51,11 @@ from ..layers.norm import RMSNorm
 from .base import Decisions, lin
 from .v4_compressor import CompressorState, F32Param, V4AttentionConfig, V4Compressor, V4Indexer, V4Rope
 
-__all__ = ["V4Attention", "V4AttentionCache", "V4AttentionConfig"]
+__all__ = ["ATTN_SCORE_BYTES", "V4Attention", "V4AttentionCache", "V4AttentionConfig"]
+
+#: bytes of float32 scores ([heads, queries, keys]) the attention makes at once: a long prompt is
+#: attended a block of queries at a time (each over its own window and the compressed entries)
+ATTN_SCORE_BYTES = 1 << 28
 
 
 @dataclass
@@ -108,12 +119,11 @@ class V4Attention(nn.Module):
         keys = kv
         if cache is not None and cache.window is not None:
             keys = torch.cat([cache.window, kv], dim=1)
-        kpos = torch.arange(past + t - keys.shape[1], past + t, device=x.device)
-        allowed = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - w)   # [t, k]
-        allowed = allowed.expand(b, t, -1)
+        first = past + t - keys.shape[1]                                    # position of keys[:, 0]
         if cache is not None:
             cache.window = keys[:, max(keys.shape[1] - (w - 1), 0):] if w > 1 else keys[:, :0]
 
+        entries = seen = None
         if self.compressor is not None:
             entries = self.compressor(x, cache.compressor if cache is not None else None)   # [b, n, hd]
             n = entries.shape[1]
@@ -122,19 +132,40 @@ class V4Attention(nn.Module):
             else:
                 seen = (torch.arange(n, device=x.device) < ((pos + 1) // cfg.compress_ratio)[:, None])
                 seen = seen.expand(b, t, n)
-            keys = torch.cat([keys, entries], dim=1)
-            allowed = torch.cat([allowed, seen], dim=-1)
 
-        scores = (q @ keys.unsqueeze(1).transpose(-1, -2)).float() * self.scale          # [b, nh, t, k]
-        scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-        sink = self.attn_sink.weight.float().view(1, nh, 1, 1).expand(b, nh, t, 1)
-        logits = torch.cat([scores, sink], dim=-1)
-        probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
-        out = probs.to(keys.dtype) @ keys.unsqueeze(1)                                  # [b, nh, t, hd]
+        # a block of queries at a time: its window's keys (at most rows + W - 1) and the entries
+        n = 0 if entries is None else entries.shape[1]
+        rows = max(1, ATTN_SCORE_BYTES // (4 * b * nh * (w + n)))
+        out = torch.cat([self._attend(q[:, :, i:i + rows], pos[i:i + rows], keys, first, entries,
+                                      None if seen is None else seen[:, i:i + rows])
+                         for i in range(0, t, rows)], dim=2)                # [b, nh, t, hd]
         out = self.rope.rotate(out, cos, -sin)
         if cache is not None:
             cache.length = past + t
         return self.wo_b(self._grouped_wo_a(out.transpose(1, 2)))
+
+    def _attend(self, q: torch.Tensor, pos: torch.Tensor, window: torch.Tensor, first: int,
+                entries: torch.Tensor | None, seen: torch.Tensor | None) -> torch.Tensor:
+        """Queries q [b, nh, r, hd] at positions ``pos`` [r] (consecutive) over the window keys
+        ``window`` [b, k, hd] (keys[:, 0] at position ``first``) they can see (p - W < s <= p) and
+        the compressed ``entries`` [b, n, hd] where ``seen`` [b, r, n]; one softmax with the sink
+        logit. Returns [b, nh, r, hd] (before the inverse rotation)."""
+        b, nh, r, _ = q.shape
+        w = self.cfg.sliding_window
+        lo = max(int(pos[0]) - w + 1 - first, 0)
+        hi = int(pos[-1]) + 1 - first
+        keys = window[:, lo:hi]
+        kpos = torch.arange(first + lo, first + hi, device=q.device)
+        allowed = ((kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - w)).expand(b, r, -1)
+        if entries is not None and seen is not None:
+            keys = torch.cat([keys, entries], dim=1)
+            allowed = torch.cat([allowed, seen], dim=-1)
+        scores = (q @ keys.unsqueeze(1).transpose(-1, -2)).float() * self.scale          # [b, nh, r, k]
+        scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+        sink = self.attn_sink.weight.float().view(1, nh, 1, 1).expand(b, nh, r, 1)
+        logits = torch.cat([scores, sink], dim=-1)
+        probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+        return probs.to(keys.dtype) @ keys.unsqueeze(1)
 
     def _grouped_wo_a(self, o: torch.Tensor) -> torch.Tensor:
         """o [b, t, nh, hd] -> [b, t, G * R]: group g (heads g * nh / G ..) through rows

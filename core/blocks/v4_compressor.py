@@ -22,7 +22,7 @@ from ..layers.linear import FloatParams
 from ..layers.norm import RMSNorm
 from ..layers.rope import rope_inv_freq
 from .base import Decisions, lin
-from .indexer import IndexerWeights
+from .indexer import INDEX_SCORE_BYTES, IndexerWeights
 
 
 @dataclass(frozen=True)
@@ -222,12 +222,19 @@ class V4Indexer(nn.Module):
         rope = self.rope[0]
         cos, sin = rope.cos_sin(positions)
         q = self.wq_b(qr).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        q = rope.rotate(q, cos, sin)                                        # [b, h, t, d]
-        scores = torch.relu(q.float() @ keys.float().transpose(-1, -2).unsqueeze(1)) * self.head_dim ** -0.5
+        q = rope.rotate(q, cos, sin).float()                                # [b, h, t, d]
         w = self.weights_proj(x) * self.n_heads ** -0.5                     # [b, t, h] float32
-        index = (scores * w.transpose(1, 2).unsqueeze(-1)).sum(dim=1)       # [b, t, n]
-        visible = torch.arange(n, device=x.device) < ((positions + 1) // self.ratio)[:, None]
-        index = index.masked_fill(~visible, float("-inf"))
-        top = index.topk(min(self.topk, n), dim=-1).indices
-        keep = torch.zeros(b, t, n, dtype=torch.bool, device=x.device).scatter_(-1, top, True)
-        return keep & visible
+        kf = keys.float().transpose(-1, -2).unsqueeze(1)                    # [b, 1, d, n]
+        entry = torch.arange(n, device=x.device)
+        keep = torch.zeros(b, t, n, dtype=torch.bool, device=x.device)
+        rows = max(1, INDEX_SCORE_BYTES // (4 * b * self.n_heads * n))
+        for i in range(0, t, rows):
+            e = min(t, i + rows)
+            scores = torch.relu(q[:, :, i:e] @ kf) * self.head_dim ** -0.5  # [b, h, rows, n]
+            index = (scores * w[:, i:e].transpose(1, 2).unsqueeze(-1)).sum(dim=1)   # [b, rows, n]
+            visible = entry < ((positions[i:e] + 1) // self.ratio)[:, None]
+            index = index.masked_fill(~visible, float("-inf"))
+            top = index.topk(min(self.topk, n), dim=-1).indices
+            keep[:, i:e].scatter_(-1, top, True)
+            keep[:, i:e] &= visible
+        return keep
