@@ -119,15 +119,17 @@ def reference(ref: torch.nn.Module, cfg: DeepseekV4Config, x: torch.Tensor) -> t
     return ref(x, position_embeddings=pe, position_ids=pos, attention_mask=mask)[0]
 
 
-def prompt(seed: int = 7) -> torch.Tensor:
-    return torch.randn(2, T, RAW["hidden_size"], generator=torch.Generator().manual_seed(seed))
+def prompt(seed: int = 7, t: int = T) -> torch.Tensor:
+    return torch.randn(2, t, RAW["hidden_size"], generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.parametrize("t", [T, T - 2, 5])
 @pytest.mark.parametrize("layer,kind", [(0, "swa"), (1, "csa"), (2, "hca")])
-def test_prompt_matches_transformers(layer: int, kind: str) -> None:
+def test_prompt_matches_transformers(layer: int, kind: str, t: int) -> None:
+    """Prompts ending on a window boundary, inside one (its tokens pend), and shorter than any."""
     ref, ours, cfg = build(layer)
     assert ours.cfg.kind == kind
-    x = prompt()
+    x = prompt(t=t)
     with torch.no_grad():
         want, got = reference(ref, cfg, x), ours(x)
     assert got.shape == want.shape
