@@ -306,3 +306,25 @@ def test_query_blocks(layer: int, monkeypatch: pytest.MonkeyPatch) -> None:
     scale = max(1.0, want.abs().max().item())
     assert (got - want).abs().max().item() <= 1e-5 * scale
     assert (chunked - want).abs().max().item() <= 1e-5 * scale
+
+
+def test_csa_topk_boundary_untied() -> None:
+    """The test config's indexer scores leave a margin between each query's index_topk-th and next
+    visible entry (ReLU makes exact ties possible; E4), so the matches above do not hang on rounding."""
+    _, ours, _ = build(1)
+    ix = ours.indexer
+    assert ix is not None
+    x, k = prompt(), RAW["index_topk"]
+    with torch.no_grad():
+        qr = ours.q_norm(ours.wq_a(x))
+        keys = ix.compressor(x)
+        pos = torch.arange(T)
+        cos, sin = ix.rope[0].cos_sin(pos)
+        q = ix.rope[0].rotate(ix.wq_b(qr).view(2, T, ix.n_heads, ix.head_dim).transpose(1, 2), cos, sin).float()
+        w = ix.weights_proj(x) * ix.n_heads ** -0.5
+        scores = (torch.relu(q @ keys.float().transpose(-1, -2).unsqueeze(1)) * ix.head_dim ** -0.5
+                  * w.transpose(1, 2).unsqueeze(-1)).sum(1)                 # [b, t, n]
+    visible = torch.arange(keys.shape[1]) < ((pos + 1) // 4)[:, None]
+    gaps = [(v[k - 1] - v[k]).item() for bi in range(2) for p in range(T)
+            if (v := scores[bi, p][visible[p]].sort(descending=True).values).numel() > k]
+    assert len(gaps) > 40 and min(gaps) > 1e-4, min(gaps)

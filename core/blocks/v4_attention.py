@@ -30,12 +30,17 @@ What it implements (spec: /work/shared/ARCHITECTURES.md E3-E4; matched against t
 
 Matched (tests/test_v4_attention.py, tiny float32 config, 48 tokens, W 8, CSA r 4 with top-3 of
 up to 12 entries, HCA r 8): prompt output vs transformers max error 0 (bitwise) for SWA, CSA and
-HCA; chunked / single-step cached runs vs the prompt and vs transformers' own cached run <= 1.1e-6.
+HCA; chunked / single-step cached runs vs the prompt and vs transformers' own cached run <= 1.1e-6;
+a bf16 model within ~1% of the float32 output.
 
 Not here (yet): DeepSeek's QAT numerics (FP8 round trips of the window / compressed KV, the
 indexer's Hadamard + FP4 rounding, E4), native lowering, tensor parallelism, a ring buffer for the
 window (the cache concatenates and trims), the model around the block (mHC, MoE: another
-engineer's blocks), the ``deepseek_v4`` architecture registration and its docs page.
+engineer's blocks), the ``deepseek_v4`` architecture registration and its docs page, a load of
+a real (FP8 / E8M0) checkpoint through the plan (the linears take the plan's schemes, but only
+dense ones are tested here), per-sequence lengths in one batch (the cache holds one length).
+The layer config is :class:`V4AttentionConfig` (from the raw ``config.json``): ``ModelConfig``
+has no V4 fields yet.
 Sources disagree on ratios other than 0 / 4 / 128 (E10): like DeepSeek's reference, any ratio
 other than 4 is taken as an HCA compressor of that ratio (transformers only knows 4 and 128).
 """
