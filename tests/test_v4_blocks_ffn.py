@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from quantplug.api import DenseScheme
+from quantplug.blocks.hyper import HyperConnection, HyperHead
 from quantplug.blocks.mlp import MLP
 from quantplug.blocks.moe import MoE
 from quantplug.blocks.router import Router
@@ -244,3 +245,89 @@ def test_sparse_moe_block_matches_transformers(layer):
 def test_moe_keeps_the_v3_router_by_default():
     moe = MoE(qp_config(), Oracle(), "model.layers.1.mlp")
     assert type(moe.gate) is Router and moe.gate.qp_ckpt == "model.layers.1.mlp.gate"
+
+
+# -- mHC hyper-connections -------------------------------------------------------------------------------
+
+def hc_pair(n: int, seed: int) -> tuple[Any, HyperConnection]:
+    ref = tf.DeepseekV4HyperConnection(tf_config(hc_mult=n))
+    randomize(ref, seed)
+    ours = HyperConnection("layers.2.hc_attn", H, hc_mult=n, sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)
+    for mine, theirs in (("fn", ref.fn), ("base", ref.base), ("scale", ref.scale)):
+        put(ours, mine, theirs)
+    return ref, ours
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_hyper_connection_weights_and_collapse_match_transformers(n):
+    ref, ours = hc_pair(n, 20 + n)
+    x = torch.randn(2, 9, n, H, generator=torch.Generator().manual_seed(n))
+    post, comb, collapsed = ref(x)
+    pre, mpost, mcomb = ours.weights(x)
+    torch.testing.assert_close(mpost, post, rtol=0, atol=1e-6)
+    torch.testing.assert_close(mcomb, comb, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours.collapse(x, pre), collapsed, rtol=0, atol=1e-5)
+    assert (mcomb - mcomb.transpose(-1, -2)).abs().max() > 1e-3          # not symmetric: direction matters
+    # doubly stochastic: columns last normalized (exact), rows after 20 normalizations near 1
+    torch.testing.assert_close(mcomb.sum(-2), torch.ones_like(mcomb.sum(-2)), rtol=0, atol=1e-4)
+    torch.testing.assert_close(mcomb.sum(-1), torch.ones_like(mcomb.sum(-1)), rtol=0, atol=5e-2)
+    assert {s.tensor for p in ours.qp_sources.values() for s in p} == {
+        "layers.2.hc_attn_fn", "layers.2.hc_attn_base", "layers.2.hc_attn_scale"}
+    assert ours.qp_sources["fn"][0].shape == ((2 + n) * n, n * H)
+
+
+class _Attn(torch.nn.Module):
+    """A stand-in sub-layer as transformers' decoder layer calls its attention: ``(out, weights)``."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(H, H, bias=False)
+        randomize(self, seed)
+
+    def forward(self, x: torch.Tensor, **kw: Any) -> tuple[torch.Tensor, None]:
+        return torch.tanh(self.proj(x)) * 3, None
+
+
+class _Mlp(_Attn):
+    def forward(self, x: torch.Tensor, input_ids: Any = None, **kw: Any) -> torch.Tensor:  # type: ignore[override]
+        return self.proj(x) ** 2
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_hyper_connections_around_sublayers_match_the_transformers_decoder_layer(n):
+    """Both mHC sites of a whole decoder layer (attention and MLP swapped for stand-ins, the norms
+    random): transformers' pre / post mixing, comb consumed transposed."""
+    cfg = tf_config(hc_mult=n)
+    layer = tf.DeepseekV4DecoderLayer(cfg, 1)
+    layer.self_attn, layer.mlp = _Attn(1), _Mlp(2)
+    randomize(layer.attn_hc, 30 + n)
+    randomize(layer.ffn_hc, 40 + n)
+    with torch.no_grad():
+        layer.input_layernorm.weight.uniform_(0.5, 1.5)
+        layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
+    sites = []
+    for name, ref in (("hc_attn", layer.attn_hc), ("hc_ffn", layer.ffn_hc)):
+        hc = HyperConnection(f"layers.1.{name}", H, hc_mult=n, sinkhorn_iters=cfg.hc_sinkhorn_iters,
+                             hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+        for p in ("fn", "base", "scale"):
+            put(hc, p, getattr(ref, p))
+        sites.append(hc)
+    x = torch.randn(2, 7, n, H, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        want = layer(x)
+        h = sites[0](x, lambda u: layer.self_attn(layer.input_layernorm(u))[0])
+        got = sites[1](h, lambda u: layer.mlp(layer.post_attention_layernorm(u)))
+    assert got.shape == (2, 7, n, H)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_hyper_head_matches_transformers():
+    ref = tf.DeepseekV4HyperHead(tf_config())
+    randomize(ref, 50)
+    ours = HyperHead("hc_head", H, hc_mult=4, hc_eps=1e-6, norm_eps=1e-6)
+    put(ours, "fn", ref.hc_fn)
+    put(ours, "base", ref.hc_base)
+    put(ours, "scale", ref.hc_scale)
+    x = torch.randn(3, 5, 4, H, generator=torch.Generator().manual_seed(11))
+    torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=1e-5)
+    assert ours.qp_sources["fn"][0].tensor == "hc_head_fn" and ours.qp_sources["scale"][0].shape == (1,)
