@@ -146,7 +146,7 @@ class MoE(nn.Module):
     router and the shared experts read ``x`` at full width. ``names`` / ``act``: the experts' stored
     projection names and the activation of every MLP here (see :class:`Experts`); ``gate``: the
     router (default DeepSeek-V3's :class:`Router` at ``{base}.gate``; e.g. DeepSeek-V4's
-    :class:`~quantplug.blocks.v4_router.V4Router` / ``HashRouter``).
+    ``quantplug.blocks.v4_router.V4Router`` / ``HashRouter``).
 
     ``forward(x, ids=None)``: ``ids`` are the token ids of x's rows (x's leading shape), for a
     router that routes by token (DeepSeek-V4's hash layers); given, they reach the gate as
