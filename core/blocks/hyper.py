@@ -1,4 +1,4 @@
-"""DeepSeek-V4's manifold-constrained hyper-connections (mHC; ARCHITECTURES.md E5; DS-V4
+"""DeepSeek-V4's manifold-constrained hyper-connections (mHC; DS-V4 ``inference/model.py``
 ``Block.hc_pre`` / ``hc_post`` / ``hc_head``, transformers ``DeepseekV4HyperConnection`` /
 ``DeepseekV4HyperHead``): a residual scheme of ``hc_mult`` (N) streams per token.
 

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's routers (ARCHITECTURES.md E6; DS-V4 ``Gate``, transformers ``DeepseekV4TopKRouter`` /
+"""DeepSeek-V4's routers (DS-V4 ``inference/model.py`` ``Gate``, transformers ``DeepseekV4TopKRouter`` /
 ``DeepseekV4HashRouter``).
 
 Both score every expert ``s = sqrt(softplus(gate.weight @ x))`` in float32 and weight the chosen

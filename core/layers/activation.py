@@ -51,7 +51,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class GatedAct:
     """A gated activation: ``kind`` "silu" (the default), "situ" with its two constants, or
-    "silu_clamp" (DeepSeek-V4's clamped SwiGLU, :data:`swiglu_clamp`) with its ``limit``."""
+    "silu_clamp" (DeepSeek-V4's clamped SwiGLU, :func:`swiglu_clamp`) with its ``limit``."""
 
     kind: str = "silu"
     beta: float = 1.0
