@@ -144,7 +144,14 @@ class MoE(nn.Module):
     ``z`` (an RMSNorm ``routed_expert_norm`` of that sum when ``latent_norm``: the sum of every
     rank's experts, before the norm), then ``routed_expert_up_proj`` back to the hidden width; the
     router and the shared experts read ``x`` at full width. ``names`` / ``act``: the experts' stored
-    projection names and the activation of every MLP here (see :class:`Experts`)."""
+    projection names and the activation of every MLP here (see :class:`Experts`); ``gate``: the
+    router (default DeepSeek-V3's :class:`Router` at ``{base}.gate``; e.g. DeepSeek-V4's
+    ``quantplug.blocks.v4_router.V4Router`` / ``HashRouter``).
+
+    ``forward(x, ids=None)``: ``ids`` are the token ids of x's rows (x's leading shape), for a
+    router that routes by token (DeepSeek-V4's hash layers); given, they reach the gate as
+    ``gate(rows, ids=ids)`` and the block's own routed path runs (never a lowered one, which
+    routes without ids); None (every other caller): unchanged."""
 
     #: the next MoE layer, whose likely experts a decode step prefetches when experts are served
     #: from the checkpoint's files (set by the lowering after loading, :func:`quantplug.lower.accelerate`)
@@ -157,9 +164,11 @@ class MoE(nn.Module):
         self.qp_prefetch = options.expert_prefetch
 
     def __init__(self, cfg: ModelConfig, d: Decisions, base: str, *, names: tuple[str, str, str] = Experts.HUB_NAMES,
-                 act: GatedAct = SILU, latent: int | None = None, latent_norm: bool = False) -> None:
+                 act: GatedAct = SILU, latent: int | None = None, latent_norm: bool = False,
+                 gate: nn.Module | None = None) -> None:
         super().__init__()
-        self.gate = Router(cfg, d.ck(f"{base}.gate"))
+        #: the router (any module routing as :class:`Router` does: ``gate(rows)``, ``route_one``, ``spec``)
+        self.gate: Any = gate if gate is not None else Router(cfg, d.ck(f"{base}.gate"))
         #: the latent width of the routed experts (None: they read the hidden states themselves)
         self.latent = latent
         if latent is not None:
@@ -172,12 +181,12 @@ class MoE(nn.Module):
                                    cfg.moe_intermediate_size * cfg.n_shared_experts, act)
                                if cfg.n_shared_experts else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         if self.latent is None:
-            out = self._routed(x, x.reshape(-1, x.shape[-1]), x.shape)
+            out = self._route_rows(x, x.reshape(-1, x.shape[-1]), x.shape, ids)
         else:
             flat = x.reshape(-1, x.shape[-1])
-            z = self._routed(flat, self.routed_expert_down_proj(flat), (flat.shape[0], self.latent))
+            z = self._route_rows(flat, self.routed_expert_down_proj(flat), (flat.shape[0], self.latent), ids)
             if self.routed_expert_norm is not None:
                 z = self.routed_expert_norm(z)
             out = self.routed_expert_up_proj(z).view(x.shape)
@@ -189,4 +198,11 @@ class MoE(nn.Module):
         """The routed experts' weighted sum for the rows of ``flat`` [N, width] (the hidden states,
         or their latent), chosen by the router on ``route`` [N, hidden]; shaped ``shape``."""
         idx, w = self.gate(route.reshape(-1, route.shape[-1]))
+        return self.experts(flat, idx, w).view(shape)
+
+    def _route_rows(self, route: torch.Tensor, flat: torch.Tensor, shape: Any, ids: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`_routed` (lowered or not) without token ids; with them, the gate routes by them."""
+        if ids is None:
+            return self._routed(route, flat, shape)
+        idx, w = self.gate(route.reshape(-1, route.shape[-1]), ids=ids)
         return self.experts(flat, idx, w).view(shape)
