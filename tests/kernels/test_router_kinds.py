@@ -6,15 +6,16 @@ selection kind, with and without a bias, and routing by token id; and the DeepSe
 from __future__ import annotations
 
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
 import quantplug
 import torch
+from quantplug.contract.routing import SCORES, SELECTS, RouterSpec, route
 from quantplug.errors import QuantplugError
 from quantplug.kernels import native
 from quantplug.kernels.routers import native_route
-from quantplug.contract.routing import SCORES, SELECTS, RouterSpec, route
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -25,13 +26,15 @@ E, H = 16, 32
 
 def _same(spec, ref, got) -> None:
     """Per row: the same expert ids (the reference's in the order chosen, the kernels' ascending),
-    each weight within 1e-6."""
+    each weight within 1e-6 relative (at least 1e-6 absolute): scores of unnormalized, scaled
+    routers reach 5-8, where a float32 dot product in another summation order is a few ulps
+    (4.8e-7 each) away."""
     (rids, rws), (nids, nws) = ref, got
     assert len(rids) == len(nids)
     for r, (a, aw, b, bw) in enumerate(zip(rids, rws, nids, nws)):
         pairs = sorted(zip(a, aw))
         assert [e for e, _ in pairs] == b, f"row {r}: {spec}"
-        assert max(abs(w - v) for (_, w), v in zip(pairs, bw)) <= 1e-6, f"row {r}: {spec}"
+        assert all(abs(w - v) <= 1e-6 * max(1.0, abs(w)) for (_, w), v in zip(pairs, bw)), f"row {r}: {spec}"
 
 
 def _inputs(seed: int, bias: bool):
@@ -52,7 +55,8 @@ def _inputs(seed: int, bias: bool):
 def test_native_route_equals_the_reference(score, select, bias, norm):
     spec = RouterSpec(score=score, select=select, top_k=3, n_group=4, topk_group=2, norm_topk=norm, scaling=2.5,
                       has_bias=bias)
-    x, w, b, tied = _inputs(hash((score, select, bias, norm)) % 1000, bias)
+    # a seed per case, the same in every process (str hashes are salted per process)
+    x, w, b, tied = _inputs(zlib.crc32(repr((score, select, bias, norm)).encode()) % 1000, bias)
     _same(spec, route(spec, x, w, b), native_route(spec, x, w, b))
     _same(spec, route(spec, tied, None, b), native_route(spec, tied, None, b))  # the logits given: ties exact
 
