@@ -1,6 +1,6 @@
 """DeepSeek-V4's attention (SWA / CSA / HCA layers) as a block: its forward is the math.
 
-What it implements (spec: /work/shared/ARCHITECTURES.md E3-E4; matched against transformers 5.25
+What it implements (DeepSeek-V4's inference code ``model.py`` ``Attention``; matched against transformers 5.25
 ``DeepseekV4Attention`` and its compressors / indexer, tests/test_v4_attention.py):
 
 - q: ``q_norm(wq_a x)`` (weighted RMSNorm) -> ``wq_b`` -> [H, head_dim], then an unweighted RMSNorm
@@ -78,6 +78,9 @@ class V4AttentionCache:
 class V4Attention(nn.Module):
     """DeepSeek-V4 attention of one layer (see the module docstring); ``base``: its
     text-model-relative checkpoint name, e.g. ``layers.3.attn``."""
+
+    #: the block's checkpoint name (prefix applied)
+    qp_ckpt: str
 
     def __init__(self, cfg: V4AttentionConfig, base: str, d: Decisions) -> None:
         super().__init__()

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's KV compressor and lightning indexer (spec: ARCHITECTURES.md E4; transformers 5.25
+"""DeepSeek-V4's KV compressor and lightning indexer (DeepSeek-V4's inference code ``model.py`` ``Compressor`` / ``Indexer``; transformers 5.25
 ``DeepseekV4HCACompressor`` / ``DeepseekV4CSACompressor`` / ``DeepseekV4Indexer``), with the
 layer config and V4's interleaved partial RoPE they share with
 :class:`~quantplug.blocks.v4_attention.V4Attention`.
