@@ -22,6 +22,7 @@ tensor / expert parallelism (no ``qp_tp_plan``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -36,6 +37,7 @@ from ..generate import GenerationMixin
 from ..layers.activation import swiglu_clamp
 from ..layers.embedding import Embedding
 from ..layers.norm import RMSNorm
+from .declarations import DenseRule, Unstack
 from .deepseek_v4_config import DeepseekV4Config
 
 _W = ("w1", "w3", "w2")
@@ -88,6 +90,11 @@ class DeepseekV4ForCausalLM(GenerationMixin, nn.Module):
     from :class:`quantplug.generate.GenerationMixin` with a :class:`DeepseekV4Cache`."""
 
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = {}
+    #: stacked routed experts back to the release's layout (``quantplug.api.dense_state``): one
+    #: tensor per expert named ``w1`` / ``w3`` / ``w2``
+    qp_dense_state: ClassVar[Mapping[str, DenseRule]] = {
+        "layers.*.ffn.experts": Unstack(stacks=("gate_proj", "up_proj", "down_proj"), stored=_W),
+    }
 
     def __init__(self, cfg: DeepseekV4Config, d: Decisions) -> None:
         super().__init__()
