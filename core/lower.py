@@ -34,6 +34,7 @@ from .blocks.mlp import MLP
 from .blocks.moe import Experts, MoE
 from .blocks.residual import PreNormLayer
 from .contract.routing import RouterSpec
+from .errors import QuantplugError
 from .kernels import compute
 from .kernels.compute import NATIVE_ROWS, DraftStep, MLAStep, MLPStep, StackLayer, StackStep
 from .kernels.kda import kda_step
@@ -152,7 +153,19 @@ def _mla_decode_one(m: MLA, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 # -- per block: gated MLP, routed experts, MoE ------------------------------------------------------
 
+def _native_act(act: Any) -> bool:
+    """Whether the native MLP step computes ``act`` (SiLU, SiTU); a block with another activation
+    (DeepSeek-V4's clamped SwiGLU) is not lowered and runs its own forward."""
+    try:
+        compute.mlp_act(act.native)
+    except QuantplugError:
+        return False
+    return True
+
+
 def _lower_mlp(m: MLP) -> None:
+    if not _native_act(m.act):
+        return
     ok, reduce = step_reduce([m.gate_proj, m.up_proj], [m.down_proj])
     m.step = MLPStep.build(m.gate_proj, m.up_proj, m.down_proj, stacked=False, reduce=reduce,
                            act=m.act.native) if ok else None
@@ -178,6 +191,8 @@ def _mlp_forward(m: MLP, x: torch.Tensor) -> torch.Tensor:
 
 
 def _lower_experts(ex: Experts) -> None:
+    if not _native_act(ex.act):
+        return
     ex.step = MLPStep.build(ex.gate_proj, ex.up_proj, ex.down_proj, stacked=True, reduce=ex.qp_parallel,
                             act=ex.act.native)
     ex.one = None
@@ -249,6 +264,9 @@ def _experts_forward(ex: Experts, x: torch.Tensor, idx: torch.Tensor, w: torch.T
 
 
 def _lower_moe(m: MoE) -> None:
+    spec = getattr(m.gate, "spec", None)
+    if spec is not None and spec.by_token:  # the lowered routing has no token ids (a hash router needs them)
+        return
     if "forward_step" in m.experts.__dict__:  # its experts are lowered (an architecture's own are not)
         m._routed = MethodType(_moe_routed, m)  # type: ignore[method-assign]
 

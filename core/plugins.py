@@ -58,6 +58,9 @@ from .validation import quant_config_fields
 
 ENTRY_POINT_GROUP = "quantplug.backends"
 CORE_NAME = "core"
+#: integer tensors a dense checkpoint may hold beside its floats: index tables, not quantized weights
+#: (DeepSeek-V4's hash router table ``layers.L.ffn.gate.tid2eid``)
+INDEX_TABLES = (".tid2eid",)
 
 log = logging.getLogger("quantplug.plugins")
 trace_log = logging.getLogger("quantplug.trace")
@@ -743,7 +746,9 @@ class PluginManager:
                                         "Pass backend=NAME (CLI: --backend NAME) to choose one.")
         if claims:
             return claims[0]
-        nonfloat = [t for t in checkpoint.tensors.values() if not t.is_float]
+        # integer tables that are data, not quantized weights (DeepSeek-V4's token -> experts table)
+        nonfloat = [t for t in checkpoint.tensors.values()
+                    if not t.is_float and not (t.name.endswith(INDEX_TABLES) and t.dtype in ("I32", "I64"))]
         if nonfloat:
             t = nonfloat[0]
             fp8 = [x for x in nonfloat if x.dtype.startswith("F8_")]

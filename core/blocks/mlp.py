@@ -26,14 +26,16 @@ class MLP(nn.Module):
     #: by the lowering)
     one: Any = None
 
-    def __init__(self, d: Decisions, base: str, hidden: int, inter: int, act: GatedAct = SILU) -> None:
+    def __init__(self, d: Decisions, base: str, hidden: int, inter: int, act: GatedAct = SILU,
+                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
         super().__init__()
         self.qp_ckpt = d.ck(base)
         #: the gated activation (SiLU, or Kimi-K3's SiTU; the native step computes either)
         self.act = act
-        self.gate_proj = lin(d, f"{base}.gate_proj", hidden, inter)
-        self.up_proj = lin(d, f"{base}.up_proj", hidden, inter)
-        self.down_proj = lin(d, f"{base}.down_proj", inter, hidden)
+        #: ``names``: the stored names of gate, up and down (DeepSeek-V4's shared expert: w1, w3, w2)
+        self.gate_proj = lin(d, f"{base}.{names[0]}", hidden, inter)
+        self.up_proj = lin(d, f"{base}.{names[1]}", hidden, inter)
+        self.down_proj = lin(d, f"{base}.{names[2]}", inter, hidden)
         #: gate and up in one call when their scheme fuses them (:meth:`LinearScheme.fuse`)
         self.gate_up: Any = None
 

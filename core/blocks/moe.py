@@ -165,7 +165,8 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig, d: Decisions, base: str, *, names: tuple[str, str, str] = Experts.HUB_NAMES,
                  act: GatedAct = SILU, latent: int | None = None, latent_norm: bool = False,
-                 gate: nn.Module | None = None) -> None:
+                 gate: nn.Module | None = None,
+                 shared_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
         super().__init__()
         #: the router (any module routing as :class:`Router` does: ``gate(rows)``, ``route_one``, ``spec``)
         self.gate: Any = gate if gate is not None else Router(cfg, d.ck(f"{base}.gate"))
@@ -178,7 +179,7 @@ class MoE(nn.Module):
                                    if latent is not None and latent_norm else None)
         self.experts = Experts(cfg, d, f"{base}.experts", hidden=latent, names=names, act=act)
         self.shared_experts = (MLP(d, f"{base}.shared_experts", cfg.hidden_size,
-                                   cfg.moe_intermediate_size * cfg.n_shared_experts, act)
+                                   cfg.moe_intermediate_size * cfg.n_shared_experts, act, names=shared_names)
                                if cfg.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -252,7 +252,8 @@ def check_against_tensors(cfg: ModelConfig, names: Iterable[str], file: str = "c
     names = names if isinstance(names, Collection) else list(names)
     joined = "\n".join(names)
     has_layer = layer_key in joined or ("\n" + gguf_key in "\n" + joined
-                                         and any(n.startswith(gguf_key) for n in names))
+                                         and any(n.startswith(gguf_key) for n in names)) or (
+        f"\nlayers.{last}." in "\n" + joined)  # DeepSeek-V4's release names (no model. prefix)
     has_hub = bool(cfg.n_routed_experts) and hub0 in joined
     has_last_expert = bool(cfg.n_routed_experts) and hub_last in joined
     if has_layer and (has_last_expert or not cfg.n_routed_experts):

@@ -2,7 +2,7 @@
 
 An architecture is registered through the ``quantplug.architectures`` entry-point group: the
 entry point's name is the ``architectures[0]`` it builds, its value an :class:`ArchSpec`. The
-core's own (DeepSeek-V3, DeepSeek-V3.2, Kimi-K2.5 / K2.6, Kimi-Linear, the released Kimi-K3)
+core's own (DeepSeek-V3, DeepSeek-V3.2, DeepSeek-V4, Kimi-K2.5 / K2.6, Kimi-Linear, the released Kimi-K3)
 register there from quantplug's own ``pyproject.toml``, exactly as a third party's distribution
 does::
 
@@ -27,10 +27,10 @@ from ..contract.arch import (
 )
 from ..errors import UnknownArchitectureError
 from ..types import SkipRule
-from . import deepseek, kimi
+from . import deepseek, deepseek_v4, deepseek_v4_config, kimi
 
 __all__ = [
-    "ARCHITECTURES", "DEEPSEEK_V3", "DEEPSEEK_V32", "ENTRY_POINT_GROUP", "KIMI_K25", "KIMI_K3", "KIMI_LINEAR",
+    "ARCHITECTURES", "DEEPSEEK_V3", "DEEPSEEK_V4", "DEEPSEEK_V32", "ENTRY_POINT_GROUP", "KIMI_K25", "KIMI_K3", "KIMI_LINEAR",
     "ArchSpec", "ConfigParser", "Registered", "check_plugin_architectures", "get_arch", "registered",
 ]
 
@@ -51,8 +51,14 @@ KIMI_LINEAR = ArchSpec("KimiLinearForCausalLM", kimi.KimiLinearForCausalLM, Fals
 KIMI_K3 = ArchSpec("KimiK3ForConditionalGeneration", kimi.KimiK3ForConditionalGeneration, True,
                    _TEXT_SKIPS + _VISION, kimi.parse_kimi_config)
 
+_MTP = (SkipRule("mtp", r"^mtp\.\d+\.", "DeepSeek-V4's multi-token-prediction block: not loaded (MTP is not "
+                 "implemented for DeepSeek-V4)"),)
+DEEPSEEK_V4 = ArchSpec("DeepseekV4ForCausalLM", deepseek_v4.DeepseekV4ForCausalLM, False, _TEXT_SKIPS + _MTP,
+                       deepseek_v4_config.parse_deepseek_v4_config)
+
 #: the core's own architectures by name (what quantplug's ``pyproject.toml`` registers)
-ARCHITECTURES: dict[str, ArchSpec] = {s.name: s for s in (DEEPSEEK_V3, DEEPSEEK_V32, KIMI_K25, KIMI_LINEAR, KIMI_K3)}
+ARCHITECTURES: dict[str, ArchSpec] = {s.name: s for s in (DEEPSEEK_V3, DEEPSEEK_V32, DEEPSEEK_V4, KIMI_K25, KIMI_LINEAR,
+                                                         KIMI_K3)}
 
 
 def get_arch(config: dict, extra: Mapping[str, ArchSpec] | None = None) -> ArchSpec:
