@@ -1,4 +1,4 @@
-"""DeepSeek-V4 (``DeepseekV4ForCausalLM``, ``model_type: deepseek_v4``; ARCHITECTURES.md E) as a
+"""DeepSeek-V4 (``DeepseekV4ForCausalLM``, ``model_type: deepseek_v4``; DeepSeek-V4's inference code model.py, transformers 5.25) as a
 skeleton of the core's V4 blocks, declared in the release's tensor names (E2: no ``model.``
 prefix).
 

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's config schema (``model_type: deepseek_v4``, ARCHITECTURES.md E1): the release
+"""DeepSeek-V4's config schema (``model_type: deepseek_v4``; DeepSeek-V4's inference code ModelArgs, transformers 5.25 DeepseekV4Config): the release
 ``config.json`` checked field by field (every refusal a :class:`~quantplug.errors.ConfigError`
 naming the file and the key), read into :class:`DeepseekV4Config`.
 
