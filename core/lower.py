@@ -163,17 +163,24 @@ def _native_act(act: Any) -> bool:
     return True
 
 
+def _scheme_fused(m: MLP | Experts) -> Any:
+    """The scheme's deprecated fused MLP of a block without a native step (it computes SiLU
+    only), or None."""
+    if not m.act.is_silu:
+        return None
+    one = fuse_mlp(m.gate_proj, m.up_proj, m.down_proj)
+    if one is not None:
+        compute.deprecated_fuse("fuse_mlp", m.gate_proj.scheme)
+    return one
+
+
 def _lower_mlp(m: MLP) -> None:
     if not _native_act(m.act):
         return
     ok, reduce = step_reduce([m.gate_proj, m.up_proj], [m.down_proj])
     m.step = MLPStep.build(m.gate_proj, m.up_proj, m.down_proj, stacked=False, reduce=reduce,
                            act=m.act.native) if ok else None
-    m.one = None
-    if m.step is None and m.act.is_silu:  # a scheme's fused MLP computes SiLU
-        m.one = fuse_mlp(m.gate_proj, m.up_proj, m.down_proj)
-        if m.one is not None:
-            compute.deprecated_fuse("fuse_mlp", m.gate_proj.scheme)
+    m.one = None if m.step is not None else _scheme_fused(m)
     m.forward = MethodType(_mlp_forward, m)  # type: ignore[method-assign]
 
 
@@ -195,11 +202,7 @@ def _lower_experts(ex: Experts) -> None:
         return
     ex.step = MLPStep.build(ex.gate_proj, ex.up_proj, ex.down_proj, stacked=True, reduce=ex.qp_parallel,
                             act=ex.act.native)
-    ex.one = None
-    if ex.step is None and ex.act.is_silu:  # a scheme's fused MLP computes SiLU
-        ex.one = fuse_mlp(ex.gate_proj, ex.up_proj, ex.down_proj)
-        if ex.one is not None:
-            compute.deprecated_fuse("fuse_mlp", ex.gate_proj.scheme)
+    ex.one = None if ex.step is not None else _scheme_fused(ex)
     ex.forward = MethodType(_experts_forward, ex)  # type: ignore[method-assign]
     # the experts' step entry points engines call (``quantplug.bridge``, the conformance kit)
     ex.forward_step = MethodType(experts_step, ex)

@@ -41,7 +41,6 @@ from ..layers.embedding import Embedding as Embedding
 from ..layers.embedding import TiedHead
 from ..layers.norm import RMSNorm
 from ..layers.rope import Rotary
-from ..lower import stack_step as stack_step
 from .declarations import (
     ColumnParallel,
     DenseRule,
