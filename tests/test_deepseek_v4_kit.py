@@ -11,7 +11,7 @@ from quantplug.testing import ArchitectureConformance, write_checkpoint
 from safetensors.torch import load_file
 
 pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
-from test_deepseek_v4 import CONFIG, INTER, reference_model, release_names  # noqa: E402
+from v4_models import CONFIG, INTER, reference_model, release_names  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
