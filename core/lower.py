@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .blocks.hyper import HyperConnection, HyperHead
 from .blocks.kda import KDA
 from .blocks.mla import MLA
 from .blocks.mlp import MLP
@@ -36,7 +37,7 @@ from .blocks.residual import PreNormLayer
 from .contract.routing import RouterSpec
 from .errors import QuantplugError
 from .kernels import compute
-from .kernels.compute import NATIVE_ROWS, DraftStep, MLAStep, MLPStep, StackLayer, StackStep
+from .kernels.compute import NATIVE_ROWS, DraftStep, HyperStep, MLAStep, MLPStep, StackLayer, StackStep
 from .kernels.kda import kda_step
 from .layers.embedding import TiedHead
 from .layers.linear import LinearScheme, fuse_attention, fuse_mlp
@@ -154,8 +155,8 @@ def _mla_decode_one(m: MLA, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 # -- per block: gated MLP, routed experts, MoE ------------------------------------------------------
 
 def _native_act(act: Any) -> bool:
-    """Whether the native MLP step computes ``act`` (SiLU, SiTU); a block with another activation
-    (DeepSeek-V4's clamped SwiGLU) is not lowered and runs its own forward."""
+    """Whether the native MLP step computes ``act`` (SiLU, SiTU, the clamped SwiGLU); a block with
+    another activation is not lowered and runs its own forward."""
     try:
         compute.mlp_act(act.native)
     except QuantplugError:
@@ -267,11 +268,37 @@ def _experts_forward(ex: Experts, x: torch.Tensor, idx: torch.Tensor, w: torch.T
 
 
 def _lower_moe(m: MoE) -> None:
-    spec = getattr(m.gate, "spec", None)
-    if spec is not None and spec.by_token:  # the lowered routing has no token ids (a hash router needs them)
+    if "forward_step" not in m.experts.__dict__:  # its experts are not lowered (an architecture's own)
         return
-    if "forward_step" in m.experts.__dict__:  # its experts are lowered (an architecture's own are not)
+    spec = getattr(m.gate, "spec", None)
+    if spec is None or not spec.by_token:  # the lowered routing without ids cannot route by token
         m._routed = MethodType(_moe_routed, m)  # type: ignore[method-assign]
+    if type(m)._route_rows is MoE._route_rows:
+        m._route_rows = MethodType(_moe_route_rows, m)  # type: ignore[method-assign]
+
+
+def _moe_route_rows(m: MoE, route: torch.Tensor, flat: torch.Tensor, shape: Any, ids: torch.Tensor | None) -> torch.Tensor:
+    """:meth:`MoE._route_rows` lowered: with token ids (DeepSeek-V4 passes them to every MoE), few
+    tokens routed on Python numbers by the router's declared spec (``route_ids`` where it routes by
+    token id, ``route_one`` otherwise) and every token's experts in one native call; without ids,
+    :meth:`MoE._routed` (lowered); else the block's own."""
+    if ids is None:
+        return m._routed(route, flat, shape)
+    ex: Any = m.experts
+    spec = getattr(m.gate, "spec", None)
+    route = route.reshape(-1, route.shape[-1])
+    n = flat.shape[0]
+    if isinstance(spec, RouterSpec) and ex.step is not None and ex.qp_store is None and n <= NATIVE_ROWS:
+        if spec.by_token:
+            rows_ids, rows_w = m.gate.route_ids(route, ids)
+        elif n == 1:
+            one_ids, one_w = m.gate.route_one(route)
+            rows_ids, rows_w = [one_ids], [one_w]
+        else:
+            idx, w = m.gate(route, ids=ids)
+            rows_ids, rows_w = idx.tolist(), w.tolist()
+        return ex.forward_step(flat, rows_ids, rows_w).view(shape)
+    return MoE._route_rows(m, route, flat, shape, ids)
 
 
 def _moe_routed(m: MoE, route: torch.Tensor, flat: torch.Tensor, shape: Any) -> torch.Tensor:
@@ -325,13 +352,52 @@ def _kda_forward(m: KDA, x: torch.Tensor, cos: torch.Tensor | None = None, sin: 
     return KDA.forward(m, x, cos, sin, cache)
 
 
+# -- per block: hyper-connections (mHC) --------------------------------------------------------------
+
+def _lower_hyper(m: HyperConnection) -> None:
+    m.step = HyperStep.build(m, m.hc_mult, m.sinkhorn_iters, m.hc_eps, m.norm_eps, head=False)
+    m.forward = MethodType(_hyper_forward, m)  # type: ignore[method-assign]
+
+
+def _hyper_forward(m: HyperConnection, x: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """:meth:`HyperConnection.forward` lowered: few float32 rows mixed natively (the weights, the
+    Sinkhorn and the collapse in one call, the expansion in another) around ``sublayer``; else (or
+    where the step declines) the block's own."""
+    st = m.step
+    if st is not None and x.numel() <= NATIVE_ROWS * x.shape[-1] * x.shape[-2]:
+        got = st.pre(x)
+        if got is not None:
+            u, _, post, comb = got
+            f = sublayer(u)
+            y = st.post(f, x, post, comb) if f.dtype == torch.float32 else None
+            return y if y is not None else HyperConnection.expand(f, x, post, comb)
+    return HyperConnection.forward(m, x, sublayer)
+
+
+def _lower_hyper_head(m: HyperHead) -> None:
+    m.step = HyperStep.build(m, m.hc_mult, 1, m.hc_eps, m.norm_eps, head=True)
+    m.forward = MethodType(_hyper_head_forward, m)  # type: ignore[method-assign]
+
+
+def _hyper_head_forward(m: HyperHead, x: torch.Tensor) -> torch.Tensor:
+    """:meth:`HyperHead.forward` lowered: few float32 rows collapsed natively; else the block's own."""
+    st = m.step
+    if st is not None and x.numel() <= NATIVE_ROWS * x.shape[-1] * x.shape[-2]:
+        got = st.pre(x)
+        if got is not None:
+            return got[0]
+    return HyperHead.forward(m, x)
+
+
 #: block type -> the function binding its native step (a subclass that keeps the type's forward
 #: takes its lowering; one with its own forward is not lowered)
 LOWERINGS: dict[type[nn.Module], Callable[[Any], None]] = {
     MLA: _lower_mla, MLP: _lower_mlp, Experts: _lower_experts, MoE: _lower_moe, KDA: _lower_kda,
+    HyperConnection: _lower_hyper, HyperHead: _lower_hyper_head,
 }
 #: the method each lowering binds over (a subclass overriding it keeps its own)
-_BINDS = {MLA: "_attend", MLP: "forward", Experts: "forward", MoE: "_routed", KDA: "forward"}
+_BINDS = {MLA: "_attend", MLP: "forward", Experts: "forward", MoE: "_routed", KDA: "forward",
+          HyperConnection: "forward", HyperHead: "forward"}
 
 
 def lowering(block: nn.Module) -> Callable[[Any], None] | None:

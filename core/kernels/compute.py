@@ -319,22 +319,29 @@ def _rotations(rot: torch.Tensor, b: int, rope: int) -> torch.Tensor | None:
 
 
 #: the gated MLP activations of ``qp_mlp`` (``QM_*`` in ``qp_types.h``)
-MLP_ACTS = {"silu": 0, "situ": 1}
+MLP_ACTS = {"silu": 0, "situ": 1, "silu_clamp": 2}
 #: ``qp_mlp``'s activation arguments for SiLU (id, two unused parameters)
 SILU = (0, 0.0, 0.0)
 
 
 def mlp_act(act: tuple[str, float, float | None] | None) -> tuple[int, float, float]:
-    """``qp_mlp``'s (id, a, b) for an MLP activation: None (SiLU) or ``("situ", beta, linear_beta)``
+    """``qp_mlp``'s (id, a, b) for an MLP activation: None (SiLU), ``("situ", beta, linear_beta)``
     (Kimi-K3's SiTU, :func:`quantplug.layers.activation.situ_mul`; linear_beta None or 0: ``up``
-    as it is). A QuantplugError for any other."""
+    as it is) or ``("silu_clamp", limit, None)`` (the clamped SwiGLU ``silu(min(gate, limit)) *
+    clamp(up, -limit, limit)``, :func:`quantplug.layers.activation.silu_clamp_mul`). A
+    QuantplugError for any other."""
     if act is None:
         return SILU
     if isinstance(act, tuple) and len(act) == 3 and act[0] == "situ":
         beta, lbeta = float(act[1]), float(act[2] or 0.0)
         if beta > 0 and lbeta >= 0 and beta != float("inf") and lbeta != float("inf"):
             return MLP_ACTS["situ"], beta, lbeta
-    raise QuantplugError(f"gated MLP activation {act!r}: expected None or ('situ', beta > 0, linear_beta >= 0 or None)")
+    if isinstance(act, tuple) and len(act) == 3 and act[0] == "silu_clamp" and act[2] is None:
+        lim = float(act[1])
+        if 0 < lim < float("inf"):
+            return MLP_ACTS["silu_clamp"], lim, 0.0
+    raise QuantplugError(f"gated MLP activation {act!r}: expected None, ('situ', beta > 0, linear_beta >= 0 or None) "
+                         "or ('silu_clamp', limit > 0, None)")
 
 
 class MLPStep:
@@ -1016,3 +1023,79 @@ def _global_hooks() -> bool:
     from torch.nn.modules import module as _m
 
     return bool(_m._global_forward_hooks or _m._global_forward_pre_hooks)
+
+
+class HyperStep:
+    """A hyper-connection's mix of N residual streams (C ``qp_hyper_pre`` / ``qp_hyper_post``,
+    ``blocks/hyper_mix.c``; the math is :mod:`quantplug.blocks.hyper`'s): :meth:`pre` takes the
+    streams x [B, N, D] to the sub-layer's input ``u = sum_k pre_k x_k`` [B, D] and the row's
+    ``(pre, post, comb)``; :meth:`post` takes the sub-layer's output f [B, D] back to the new streams
+    ``post_k f + sum_j comb[j, k] x_j``. A head (``head=True``: ``fn`` [N, N * D], scale [1]) has
+    :meth:`pre` only. Float32 streams only (a bfloat16 model's mixes round where torch's do; they
+    run the block's forward); None where it cannot run (library off, tensors replaced)."""
+
+    def __init__(self, owner: Any, n: int, iters: int, hc_eps: float, norm_eps: float, head: bool) -> None:
+        self.owner = owner
+        self.fn, self.base, self.scale = owner.fn, owner.base, owner.scale
+        self.n, self.iters, self.hc_eps, self.norm_eps, self.head = n, iters, hc_eps, norm_eps, head
+        self.m = n if head else (2 + n) * n
+        self.d = self.fn.shape[1] // n
+
+    @classmethod
+    def build(cls, owner: Any, n: int, iters: int, hc_eps: float, norm_eps: float, head: bool) -> HyperStep | None:
+        """The step of ``owner`` (a module holding ``fn`` / ``base`` / ``scale``), or None when its
+        tensors are not float32 contiguous CPU tensors of the declared shapes."""
+        fn, base, scale = owner.fn, owner.base, owner.scale
+        m = n if head else (2 + n) * n
+        ok = all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type == "cpu"
+                 and t.is_contiguous() for t in (fn, base, scale))
+        if not ok or fn.dim() != 2 or fn.shape[0] != m or fn.shape[1] % n or base.shape != (m,) \
+                or scale.numel() != (1 if head else 3) or iters < 1 or n > 64:
+            return None
+        return cls(owner, n, iters, hc_eps, norm_eps, head)
+
+    def live(self) -> bool:
+        o = self.owner
+        return native._lib is not None and o.fn is self.fn and o.base is self.base and o.scale is self.scale
+
+    def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """x [..., N, D] float32 -> (u [..., D], pre [..., N], post [..., N], comb [..., N, N])
+        (a head: post and comb empty), or None."""
+        if not self.live() or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-2:] != (self.n, self.d):
+            return None
+        lead = x.shape[:-2]
+        xc = x.reshape(-1, self.n, self.d).contiguous()
+        b, n, d = xc.shape[0], self.n, self.d
+        if b == 0:
+            return None
+        u = torch.empty(b, d, dtype=torch.float32)
+        pre = torch.empty(b, n, dtype=torch.float32)
+        post = torch.empty(0 if self.head else b * n, dtype=torch.float32)
+        comb = torch.empty(0 if self.head else b * n * n, dtype=torch.float32)
+        lib = native._lib
+        assert lib is not None
+        rc = lib.qp_hyper_pre(b, n, d, xc.data_ptr(), self.fn.data_ptr(), self.m, self.base.data_ptr(),
+                              self.scale.data_ptr(), self.iters, self.hc_eps, self.norm_eps, u.data_ptr(),
+                              pre.data_ptr(), None if self.head else post.data_ptr(),
+                              None if self.head else comb.data_ptr())
+        if rc != 0:
+            return None
+        return (u.view(*lead, d), pre.view(*lead, n), post.view(*lead, n) if not self.head else post,
+                comb.view(*lead, n, n) if not self.head else comb)
+
+    def post(self, f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor | None:
+        """The new streams [..., N, D] of the sub-layer output f [..., D] (float32), or None."""
+        if self.head or not self.live() or f.dtype != torch.float32 or x.dtype != torch.float32:
+            return None
+        n, d = self.n, self.d
+        xc = x.reshape(-1, n, d).contiguous()
+        fc = f.reshape(-1, d).contiguous()
+        if fc.shape[0] != xc.shape[0]:
+            return None
+        out = torch.empty_like(xc)
+        pc, cc = post.float().contiguous(), comb.float().contiguous()  # held across the call
+        lib = native._lib
+        assert lib is not None
+        rc = lib.qp_hyper_post(xc.shape[0], n, d, fc.data_ptr(), xc.data_ptr(), pc.data_ptr(), cc.data_ptr(),
+                               out.data_ptr())
+        return out.view(x.shape) if rc == 0 else None

@@ -80,7 +80,7 @@ MIN_CODE = {"FP8": 2.0 ** -9, "FP4": 0.5, "INT4": 1.0, "INT8": 1.0}
 SYMBOLS = ("qp_form_info", "qp_isa", "qp_check", "qp_dequant", "qp_act_rows", "qp_gemm", "qp_mlp",
            "qp_latent_pre", "qp_latent_post", "qp_latent_step", "qp_decode_step", "qp_spec_step", "qp_fp8_has_nan", "qp_row_kernel",
            "qp_pair_products", "qp_pair_tasks", "qp_bf16_has_subnormal",
-           "qp_layout_table", "qp_kda_step", "qp_route")
+           "qp_layout_table", "qp_kda_step", "qp_route", "qp_hyper_pre", "qp_hyper_post")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -312,6 +312,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         "qp_kda_step": ([i64, i64, i64, i64, p, p, p, p, p, p, i32, ctypes.c_float, p, p, p, ctypes.c_float, p, i32,
                          p], i32),
     }
+    f32 = ctypes.c_float
+    sig["qp_hyper_pre"] = ([i64, i32, i64, p, p, i32, p, p, i32, f32, f32, p, p, p, p], i32)
+    sig["qp_hyper_post"] = ([i64, i32, i64, p, p, p, p, p], i32)
     for name, (args, res) in sig.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res

@@ -20,7 +20,7 @@ enum { QG_AFTER = 0, QG_TIMES = 1, QG_OVER = 2 };
 enum { QE_FLOAT = 0, QE_STATIC = 1, QE_DYNAMIC = 2 };
 enum { QR_NONE = 0, QR_BF16 = 1, QR_F16 = 2 };
 /* the gated MLP's activation act(gate, up) (qp_mlp; compute.py: MLP_ACTS) */
-enum { QM_SILU = 0, QM_SITU = 1 };
+enum { QM_SILU = 0, QM_SITU = 1, QM_SILU_CLAMP = 2 };
 /* the kernels' own: QR_BF16 for weights known normal or zero (no subnormals, no NaN), where the
  * AVX512-BF16 conversion (round to nearest even; it flushes subnormal inputs) gives the same bits */
 #define QR_BF16_NORMAL 3
