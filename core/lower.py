@@ -34,10 +34,22 @@ from .blocks.mla import MLA
 from .blocks.mlp import MLP
 from .blocks.moe import Experts, MoE
 from .blocks.residual import PreNormLayer
+from .blocks.v4_attention import V4Attention
+from .blocks.v4_compressor import CompressorState, V4Compressor
 from .contract.routing import RouterSpec
 from .errors import QuantplugError
 from .kernels import compute
-from .kernels.compute import NATIVE_ROWS, DraftStep, HyperStep, MLAStep, MLPStep, StackLayer, StackStep
+from .kernels.compute import (
+    NATIVE_ROWS,
+    DraftStep,
+    HyperStep,
+    MLAStep,
+    MLPStep,
+    PoolBuffers,
+    StackLayer,
+    StackStep,
+    WindowAttnStep,
+)
 from .kernels.kda import kda_step
 from .layers.embedding import TiedHead
 from .layers.linear import LinearScheme, fuse_attention, fuse_mlp
@@ -389,15 +401,119 @@ def _hyper_head_forward(m: HyperHead, x: torch.Tensor) -> torch.Tensor:
     return HyperHead.forward(m, x)
 
 
+# -- per block: DeepSeek-V4's attention (sliding window with sinks, compressor, indexer) --------------
+
+def _lower_v4_attention(m: V4Attention) -> None:
+    cfg = m.cfg
+    mods: dict[str, Any] = {"wq_a": m.wq_a, "wq_b": m.wq_b, "wkv": m.wkv, "wo_a": m.wo_a, "wo_b": m.wo_b}
+    floats = {"q_norm": m.q_norm.weight, "kv_norm": m.kv_norm.weight, "sink": m.attn_sink.weight}
+    if any(getattr(x, "qp_parallel", None) is not None for x in mods.values()):
+        return
+    if m.compressor is not None:
+        c = m.compressor
+        mods |= {"c_wkv": c.wkv, "c_wgate": c.wgate}
+        floats |= {"c_ape": c.ape.weight, "c_norm": c.norm.weight}
+    if m.indexer is not None:
+        i = m.indexer
+        mods |= {"i_wq": i.wq_b, "ic_wkv": i.compressor.wkv, "ic_wgate": i.compressor.wgate}
+        floats |= {"i_w": i.weights_proj.weight, "ic_ape": i.compressor.ape.weight, "ic_norm": i.compressor.norm.weight}
+    m.step = WindowAttnStep.build(
+        mods=mods, floats=floats, hidden=cfg.hidden_size, nh=cfg.num_heads, hd=cfg.head_dim, rope=cfg.rope_dim,
+        q_lora=cfg.q_lora_rank, groups=cfg.o_groups, o_rank=cfg.o_lora_rank, window=cfg.sliding_window, eps=cfg.eps,
+        ratio=cfg.compress_ratio, overlap=cfg.compress_ratio == 4,
+        idx_heads=cfg.index_n_heads if m.indexer is not None else 0,
+        idx_dim=cfg.index_head_dim if m.indexer is not None else 0,
+        idx_topk=cfg.index_topk if m.indexer is not None else 0)
+    m.forward = MethodType(_v4_attention_forward, m)  # type: ignore[method-assign]
+
+
+def _pool_buffers(c: V4Compressor, st: CompressorState, b: int, rope: Any) -> PoolBuffers | None:
+    """A compressor's state as one decode call's buffers (the cache's tensors copied in)."""
+    r, dim = c.ratio, c.dim
+    width = dim * (2 if c.overlap else 1)
+    pending = 0 if st.kv is None else st.kv.shape[1]
+    n = st.count
+    if pending >= r or (st.kv is not None and (st.kv.dtype != torch.float32 or st.kv.shape[0] != b)):
+        return None
+    kv, gate = torch.empty(b, pending + 1, width), torch.empty(b, pending + 1, width)
+    if pending:
+        assert st.kv is not None and st.gate is not None
+        kv[:, :pending], gate[:, :pending] = st.kv, st.gate
+    done = pending + 1 == r
+    ent = torch.empty(b, n + int(done), dim)
+    if n:
+        assert st.entries is not None
+        ent[:, :n] = st.entries
+    prev_kv = prev_gate = out_kv = out_gate = None
+    if c.overlap:
+        if st.prev_kv is not None and st.prev_gate is not None:
+            prev_kv, prev_gate = st.prev_kv.float().contiguous(), st.prev_gate.float().contiguous()
+        if done:
+            out_kv, out_gate = torch.empty(b, r, dim), torch.empty(b, r, dim)
+    cos, sin = rope.cos_sin(torch.tensor([r * n]))
+    return PoolBuffers(kv, gate, pending, n, ent, prev_kv, prev_gate, out_kv, out_gate,
+                       cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous())
+
+
+def _pool_commit(st: CompressorState, buf: PoolBuffers, r: int) -> None:
+    """The state after the call, as the compressor's forward leaves it."""
+    if buf.pending + 1 == r:
+        st.kv, st.gate = buf.kv[:, :0], buf.gate[:, :0]
+        if buf.prev_kv_out is not None:
+            st.prev_kv, st.prev_gate = buf.prev_kv_out, buf.prev_gate_out
+    else:
+        st.kv, st.gate = buf.kv, buf.gate
+    st.entries = buf.ent
+
+
+def _v4_attention_forward(m: V4Attention, x: torch.Tensor, cache: Any = None) -> torch.Tensor:
+    """:meth:`V4Attention.forward` lowered: one decode token (float32, a cache) in one native call
+    (the window append, the compressors' rows and any entry they complete, the indexer's choice,
+    the attention with its sinks, the grouped output projection), the cache's tensors updated as the
+    block's forward updates them (the torch path continues on them); else the block's own."""
+    st = m.step
+    if st is None or cache is None or x.dim() != 3 or x.shape[1] != 1 or x.dtype != torch.float32 or not st.live():
+        return V4Attention.forward(m, x, cache)
+    cfg = m.cfg
+    b, w = x.shape[0], cfg.sliding_window
+    win_old = cache.window
+    if win_old is not None and (win_old.dtype != torch.float32 or win_old.shape[0] != b):
+        return V4Attention.forward(m, x, cache)
+    have = 0 if win_old is None else win_old.shape[1]
+    win = torch.empty(b, have + 1, cfg.head_dim)
+    if have:
+        win[:, :have] = win_old
+    comp = idx = None
+    if m.compressor is not None:
+        comp = _pool_buffers(m.compressor, cache.compressor, b, m.rope)
+        if m.indexer is not None:
+            idx = _pool_buffers(m.indexer.compressor, cache.indexer, b, m.rope)
+        if comp is None or (m.indexer is not None and idx is None):
+            return V4Attention.forward(m, x, cache)
+    cos, sin = m.rope.cos_sin(torch.tensor([cache.length]))
+    out = st(x.reshape(b, -1), cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous(), win, comp, idx)
+    if out is None:
+        return V4Attention.forward(m, x, cache)
+    cache.window = win[:, max(win.shape[1] - (w - 1), 0):] if w > 1 else win[:, :0]
+    if comp is not None:
+        assert m.compressor is not None
+        _pool_commit(cache.compressor, comp, m.compressor.ratio)
+    if idx is not None:
+        assert m.indexer is not None
+        _pool_commit(cache.indexer, idx, m.indexer.ratio)
+    cache.length += 1
+    return out.view(b, 1, -1)
+
+
 #: block type -> the function binding its native step (a subclass that keeps the type's forward
 #: takes its lowering; one with its own forward is not lowered)
 LOWERINGS: dict[type[nn.Module], Callable[[Any], None]] = {
     MLA: _lower_mla, MLP: _lower_mlp, Experts: _lower_experts, MoE: _lower_moe, KDA: _lower_kda,
-    HyperConnection: _lower_hyper, HyperHead: _lower_hyper_head,
+    HyperConnection: _lower_hyper, HyperHead: _lower_hyper_head, V4Attention: _lower_v4_attention,
 }
 #: the method each lowering binds over (a subclass overriding it keeps its own)
 _BINDS = {MLA: "_attend", MLP: "forward", Experts: "forward", MoE: "_routed", KDA: "forward",
-          HyperConnection: "forward", HyperHead: "forward"}
+          HyperConnection: "forward", HyperHead: "forward", V4Attention: "forward"}
 
 
 def lowering(block: nn.Module) -> Callable[[Any], None] | None:

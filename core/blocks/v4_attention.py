@@ -47,6 +47,7 @@ other than 4 is taken as an HCA compressor of that ratio (transformers only know
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -80,6 +81,8 @@ class V4Attention(nn.Module):
 
     #: the block's checkpoint name (prefix applied)
     qp_ckpt: str
+    #: the native one-token step the lowering bound (``quantplug.kernels.compute.WindowAttnStep``), or None
+    step: Any = None
 
     def __init__(self, cfg: V4AttentionConfig, base: str, d: Decisions) -> None:
         super().__init__()

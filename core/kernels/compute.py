@@ -1099,3 +1099,113 @@ class HyperStep:
         rc = lib.qp_hyper_post(xc.shape[0], n, d, fc.data_ptr(), xc.data_ptr(), pc.data_ptr(), cc.data_ptr(),
                                out.data_ptr())
         return out.view(x.shape) if rc == 0 else None
+
+
+def _f32_vector(t: Any, n: int) -> bool:
+    return (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type == "cpu"
+            and t.is_contiguous() and t.numel() == n)
+
+
+class PoolBuffers:
+    """One decode call's buffers of a pooled compressor (``qp_pool_state``), the caller's to fill
+    and read back: ``kv`` / ``gate`` [B, pending + 1, width] (the pending rows copied in, this
+    token's written by the call), ``ent`` [B, n (+ 1 when this token completes a window), dim],
+    ``prev_kv`` / ``prev_gate`` (overlap: the previous window's first halves, or None),
+    ``prev_kv_out`` / ``prev_gate_out`` (overlap and completing: written by the call), ``cos`` /
+    ``sin`` the rotation at the completed window's first position."""
+
+    def __init__(self, kv: torch.Tensor, gate: torch.Tensor, pending: int, n: int, ent: torch.Tensor,
+                 prev_kv: torch.Tensor | None, prev_gate: torch.Tensor | None, prev_kv_out: torch.Tensor | None,
+                 prev_gate_out: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.kv, self.gate, self.pending, self.n, self.ent = kv, gate, pending, n, ent
+        self.prev_kv, self.prev_gate, self.prev_kv_out, self.prev_gate_out = prev_kv, prev_gate, prev_kv_out, prev_gate_out
+        self.cos, self.sin = cos, sin
+
+    def struct(self) -> Any:
+        def ptr(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+        return native.PoolState(kv=ptr(self.kv), gate=ptr(self.gate), pending=self.pending, n=self.n, ent=ptr(self.ent),
+                                prev_kv=ptr(self.prev_kv), prev_gate=ptr(self.prev_gate),
+                                prev_kv_out=ptr(self.prev_kv_out), prev_gate_out=ptr(self.prev_gate_out),
+                                cos=ptr(self.cos), sin=ptr(self.sin))
+
+
+class WindowAttnStep:
+    """One decode token of sliding-window attention with per-head sinks over one shared key / value
+    head, with an optional pooled compressor of its keys and a top-k indexer over its own
+    compressor's keys, in one native call (C ``qp_window_step``, ``blocks/window_attention.c``;
+    the math is :mod:`quantplug.blocks.v4_attention`'s). Float32 models; every projection of a
+    native form. ``__call__(x, cos, sin, win, comp, idx)``: x [B, H] float32, the rotation of the
+    position, the window's keys ``win`` [B, nwin, hd] with this token's row written at the end,
+    the compressors' :class:`PoolBuffers`; returns [B, H], or None where it declines."""
+
+    def __init__(self, st: Any, keep: list[Any], mods: dict[str, Any], bs: dict[str, Bound], hidden: int,
+                 wround: int) -> None:
+        import ctypes
+
+        self.st, self.keep, self.mods, self.bs, self.h, self.wround = st, keep, mods, bs, hidden, wround
+        self.ref = ctypes.byref(st)
+
+    @staticmethod
+    def build(*, mods: dict[str, Any], floats: dict[str, torch.Tensor], hidden: int, nh: int, hd: int, rope: int,
+              q_lora: int, groups: int, o_rank: int, window: int, eps: float, ratio: int = 0, overlap: bool = False,
+              idx_heads: int = 0, idx_dim: int = 0, idx_topk: int = 0) -> WindowAttnStep | None:
+        """``mods``: the linears ``wq_a``, ``wq_b``, ``wkv``, ``wo_a``, ``wo_b`` (and ``c_wkv``,
+        ``c_wgate`` with a compressor; ``i_wq``, ``ic_wkv``, ``ic_wgate`` with an indexer);
+        ``floats``: float32 tensors ``q_norm``, ``kv_norm``, ``sink`` (and ``c_ape``, ``c_norm``;
+        ``i_w``, ``ic_ape``, ``ic_norm``). None when any is missing, not native or not float32."""
+        bs = {k: bound(m) for k, m in mods.items()}
+        if any(b is None for b in bs.values()) or {b.wround for b in bs.values() if b is not None} != {0}:
+            return None
+        if any(b.slots is not None for b in bs.values() if b is not None):
+            return None
+        if not all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type == "cpu"
+                   and t.is_contiguous() for t in floats.values()):
+            return None
+        keep: list[Any] = [bs, dict(floats)]
+        st = native.WindowAttn(H=hidden, nh=nh, hd=hd, rope=rope, q_lora=q_lora, groups=groups, o_rank=o_rank,
+                               window=window, idx_heads=idx_heads, idx_dim=idx_dim, idx_topk=idx_topk, eps=eps,
+                               scale=hd ** -0.5)
+        for k in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
+            setattr(st, k, bs[k].ptr())  # type: ignore[union-attr]
+        st.q_norm, st.kv_norm, st.sink = (floats[k].data_ptr() for k in ("q_norm", "kv_norm", "sink"))
+        if ratio:
+            pool = native.Pool(dim=hd, ratio=ratio, overlap=int(overlap), eps=eps, wkv=bs["c_wkv"].ptr(),  # type: ignore[union-attr]
+                               wgate=bs["c_wgate"].ptr(), ape=floats["c_ape"].data_ptr(),  # type: ignore[union-attr]
+                               norm=floats["c_norm"].data_ptr())
+            keep.append(pool)
+            import ctypes
+            st.comp = ctypes.pointer(pool)
+        if idx_heads:
+            ipool = native.Pool(dim=idx_dim, ratio=ratio, overlap=1, eps=eps, wkv=bs["ic_wkv"].ptr(),  # type: ignore[union-attr]
+                                wgate=bs["ic_wgate"].ptr(), ape=floats["ic_ape"].data_ptr(),  # type: ignore[union-attr]
+                                norm=floats["ic_norm"].data_ptr())
+            keep.append(ipool)
+            import ctypes
+            st.idx_comp = ctypes.pointer(ipool)
+            st.idx_q = bs["i_wq"].ptr()  # type: ignore[union-attr]
+            st.idx_w = floats["i_w"].data_ptr()
+        if native.library() is None:
+            return None
+        return WindowAttnStep(st, keep, mods, bs, hidden, 0)  # type: ignore[arg-type]
+
+    def live(self) -> bool:
+        return native._lib is not None and all(bound(m) is self.bs[k] for k, m in self.mods.items())
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, win: torch.Tensor,
+                 comp: PoolBuffers | None, idx: PoolBuffers | None) -> torch.Tensor | None:
+        import ctypes
+
+        lib = native._lib
+        b = x.shape[0]
+        if lib is None or x.dtype != torch.float32 or x.shape != (b, self.h) or b > NATIVE_ROWS:
+            return None
+        x2 = x.contiguous()
+        out = torch.empty(b, self.h)
+        cst = comp.struct() if comp is not None else None
+        ist = idx.struct() if idx is not None else None
+        rc = lib.qp_window_step(self.ref, b, x2.data_ptr(), cos.data_ptr(), sin.data_ptr(), win.data_ptr(), win.shape[1],
+                                None if cst is None else ctypes.byref(cst), None if ist is None else ctypes.byref(ist),
+                                out.data_ptr(), self.wround)
+        native.check(rc, "window_step")
+        return out
