@@ -42,6 +42,8 @@ from .kernels import compute
 from .kernels.compute import (
     NATIVE_ROWS,
     DraftStep,
+    HyperStackLayer,
+    HyperStackStep,
     HyperStep,
     MLAStep,
     MLPStep,
@@ -466,34 +468,36 @@ def _pool_commit(st: CompressorState, buf: PoolBuffers, r: int) -> None:
     st.entries = buf.ent
 
 
-def _v4_attention_forward(m: V4Attention, x: torch.Tensor, cache: Any = None) -> torch.Tensor:
-    """:meth:`V4Attention.forward` lowered: one decode token (float32, a cache) in one native call
-    (the window append, the compressors' rows and any entry they complete, the indexer's choice,
-    the attention with its sinks, the grouped output projection), the cache's tensors updated as the
-    block's forward updates them (the torch path continues on them); else the block's own."""
-    st = m.step
-    if st is None or cache is None or x.dim() != 3 or x.shape[1] != 1 or x.dtype != torch.float32 or not st.live():
-        return V4Attention.forward(m, x, cache)
-    cfg = m.cfg
-    b, w = x.shape[0], cfg.sliding_window
+def _window_buffers(m: V4Attention, b: int, cache: Any) -> tuple[Any, ...] | None:
+    """One decode call's buffers of the attention's cache (the window with room for this token's
+    row, the rotation of the position, the compressors' :class:`PoolBuffers`), the cache's tensors
+    copied in; None where the cache holds what the native step does not take."""
     win_old = cache.window
     if win_old is not None and (win_old.dtype != torch.float32 or win_old.shape[0] != b):
-        return V4Attention.forward(m, x, cache)
+        return None
     have = 0 if win_old is None else win_old.shape[1]
-    win = torch.empty(b, have + 1, cfg.head_dim)
+    if have + 1 > m.cfg.sliding_window:
+        return None
+    win = torch.empty(b, have + 1, m.cfg.head_dim)
     if have:
         win[:, :have] = win_old
     comp = idx = None
     if m.compressor is not None:
         comp = _pool_buffers(m.compressor, cache.compressor, b, m.rope)
+        if comp is None:
+            return None
         if m.indexer is not None:
             idx = _pool_buffers(m.indexer.compressor, cache.indexer, b, m.rope)
-        if comp is None or (m.indexer is not None and idx is None):
-            return V4Attention.forward(m, x, cache)
+            if idx is None:
+                return None
     cos, sin = m.rope.cos_sin(torch.tensor([cache.length]))
-    out = st(x.reshape(b, -1), cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous(), win, comp, idx)
-    if out is None:
-        return V4Attention.forward(m, x, cache)
+    return win, cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous(), comp, idx
+
+
+def _window_commit(m: V4Attention, cache: Any, bufs: tuple[Any, ...]) -> None:
+    """The cache after one native token, as the block's forward leaves it."""
+    win, _, _, comp, idx = bufs
+    w = m.cfg.sliding_window
     cache.window = win[:, max(win.shape[1] - (w - 1), 0):] if w > 1 else win[:, :0]
     if comp is not None:
         assert m.compressor is not None
@@ -502,6 +506,22 @@ def _v4_attention_forward(m: V4Attention, x: torch.Tensor, cache: Any = None) ->
         assert m.indexer is not None
         _pool_commit(cache.indexer, idx, m.indexer.ratio)
     cache.length += 1
+
+
+def _v4_attention_forward(m: V4Attention, x: torch.Tensor, cache: Any = None) -> torch.Tensor:
+    """:meth:`V4Attention.forward` lowered: one decode token (float32, a cache) in one native call
+    (the window append, the compressors' rows and any entry they complete, the indexer's choice,
+    the attention with its sinks, the grouped output projection), the cache's tensors updated as the
+    block's forward updates them (the torch path continues on them); else the block's own."""
+    st = m.step
+    if st is None or cache is None or x.dim() != 3 or x.shape[1] != 1 or x.dtype != torch.float32 or not st.live():
+        return V4Attention.forward(m, x, cache)
+    b = x.shape[0]
+    bufs = _window_buffers(m, b, cache)
+    out = None if bufs is None else st(x.reshape(b, -1), bufs[1], bufs[2], bufs[0], bufs[3], bufs[4])
+    if out is None or bufs is None:
+        return V4Attention.forward(m, x, cache)
+    _window_commit(m, cache, bufs)
     return out.view(b, 1, -1)
 
 
@@ -741,3 +761,82 @@ def speculative_step(lm: Any, last: torch.Tensor, draft: torch.Tensor, cache: An
         return None
     _, logits, dlogits, (a, b, acc) = got
     return [a, b], acc, dlogits, logits
+
+
+# -- a stack of hyper-connection blocks (DeepSeek-V4) in one call ------------------------------------
+
+def hyper_stack(layers: Sequence[nn.Module], head_hc: HyperHead, norm: RMSNorm,
+                extra: Sequence[nn.Module]) -> HyperStackStep | None:
+    """The native step of ``layers`` (blocks holding ``hc_attn`` / ``attn_norm`` / ``attn`` (a
+    :class:`V4Attention`) / ``hc_ffn`` / ``ffn_norm`` / ``ffn`` (a :class:`MoE` whose router
+    declares a spec), run as ``x = hc_attn(x, attn(attn_norm(.)))`` then ``x = hc_ffn(x,
+    ffn(ffn_norm(.), ids))``), the head's collapse ``head_hc`` and the final ``norm`` in one call
+    (:class:`~quantplug.kernels.compute.HyperStackStep`); None when any piece runs another way (no
+    native step, experts served from files or split, a float16 / bfloat16 model...)."""
+    parts: list[HyperStackLayer] = []
+    owners: list[tuple[nn.Module, Any]] = []
+    for layer in layers:
+        hca, hcf = getattr(layer, "hc_attn", None), getattr(layer, "hc_ffn", None)
+        attn, ffn = getattr(layer, "attn", None), getattr(layer, "ffn", None)
+        n1, n2 = getattr(layer, "attn_norm", None), getattr(layer, "ffn_norm", None)
+        if (not isinstance(hca, HyperConnection) or not isinstance(hcf, HyperConnection) or hca.step is None
+                or hcf.step is None or not isinstance(attn, V4Attention) or attn.step is None
+                or not isinstance(ffn, MoE) or ffn.latent is not None or not isinstance(n1, RMSNorm)
+                or not isinstance(n2, RMSNorm) or n1.eps != n2.eps):
+            return None
+        spec = getattr(ffn.gate, "spec", None)
+        ex, shared = ffn.experts, ffn.shared_experts
+        if (not isinstance(spec, RouterSpec) or ex.step is None or ex.qp_store is not None or ex.qp_parallel is not None
+                or (ex.first, ex.count, ex.slot_base) != (0, ex.n, 0) or len(ex.step.gate.mats) != ex.n
+                or (shared is not None and shared.step is None)):
+            return None
+        owners += [(hca, hca.step), (hcf, hcf.step), (attn, attn.step), (ex, ex.step)]
+        if shared is not None:
+            owners.append((shared, shared.step))
+        parts.append(HyperStackLayer(
+            hc_attn=hca.step, hc_ffn=hcf.step, attn_norm=n1.weight, ffn_norm=n2.weight, eps=n1.eps, attn=attn.step,
+            experts=ex.step, router=ffn.gate.weight, spec=spec,
+            bias=getattr(ffn.gate, "e_score_correction_bias", None) if spec.has_bias else None,
+            tid2eid=getattr(ffn.gate, "tid2eid", None) if spec.by_token else None,
+            shared=None if shared is None else shared.step))
+    if head_hc.step is None:
+        return None
+    owners.append((head_hc, head_hc.step))
+    modules = [m for layer in layers for m in layer.modules()] + [head_hc, norm, *extra]
+    return HyperStackStep.build(parts, head_hc.step, norm.weight, norm.eps, norm.weight.numel(), modules, owners)
+
+
+def hyper_decode_logits(tm: Any, ids: torch.Tensor, cache: Any,
+                        pick: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One decode step of a hyper-connection text model (``tm.embed``, ``tm.layers``, ``tm.hc_head``,
+    ``tm.norm``, ``tm.head``; DeepSeek-V4) from token ids ``ids`` [B, 1] to float32 logits [B, vocab]
+    in one native call (:func:`hyper_stack`, built once), the cache's tensors updated as the blocks'
+    forwards update them. Returns (logits, with ``pick`` the greedy tokens [B]); None (the cache
+    untouched) when a piece runs another way: then the caller runs the modules."""
+    if ids.dim() != 2 or ids.shape[1] != 1 or ids.shape[0] > NATIVE_ROWS or ids.dtype != torch.int64:
+        return None
+    d = tm.__dict__
+    if "_stack" not in d:
+        d["_stack"] = hyper_stack(list(tm.layers), tm.hc_head, tm.norm, [tm.embed, tm.head])
+    st = d["_stack"]
+    if st is None or not st.live() or _hooked(tm) or _hooked(tm.embed) or _hooked(tm.head):
+        return None
+    if getattr(tm.embed, "qp_parallel", None) is not None or getattr(tm.head, "qp_parallel", None) is not None:
+        return None
+    emb, head = compute.bound(tm.embed), compute.bound(tm.head)
+    if emb is None or head is None:
+        return None
+    b = ids.shape[0]
+    bufs = []
+    for layer, c in zip(tm.layers, cache.layers):
+        one = _window_buffers(layer.attn, b, c)
+        if one is None:
+            return None
+        bufs.append(one)
+    got = st(ids[:, 0], emb, head, bufs, pick)
+    if got is None:
+        return None
+    for layer, c, one in zip(tm.layers, cache.layers, bufs):
+        _window_commit(layer.attn, c, one)
+    assert got[1] is not None
+    return got[1], got[2]

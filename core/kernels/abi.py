@@ -196,6 +196,38 @@ STRUCTS: dict[str, tuple[str, list[Field]]] = {
         ("sg", "const qp_mat *", "shared experts, or NULL"),
         ("su", "const qp_mat *", ""),
         ("sd", "const qp_mat *", ""),
+        ("act", "int32_t", "the gated MLPs' activation QM_* (0: SiLU)"),
+        ("act_a", "float", "its parameters (QM_SITU: beta, linear beta; QM_SILU_CLAMP: the limit)"),
+        ("act_b", "float", ""),
+        ("pad2", "int32_t", ""),
+    ]),
+    "qp_window_state": ("one decode call's view of a window-attention layer's cache (buffers the caller owns)", [
+        ("win", "float *", "[B, nwin, hd] the window's keys, this token's written at row nwin - 1"),
+        ("nwin", "int64_t", ""),
+        ("cos", "const float *", "[rope / 2] the rotation of the position"),
+        ("sin", "const float *", ""),
+        ("comp", "const qp_pool_state *", "the compressor's state, or NULL"),
+        ("idx", "const qp_pool_state *", "the indexer's compressor's state, or NULL"),
+    ]),
+    "qp_hyper_block": ("one decoder layer of N residual streams (hyper-connections): the streams mixed into the "
+                       "attention's input (its norm before), its output mixed back; the same around the "
+                       "feed-forward part", [
+        ("attn", "const qp_window_attn *", ""),
+        ("ffn", "const qp_layer *", "the feed-forward part: a routed MoE or a dense gated MLP (its attn unused)"),
+        ("attn_norm", "const float *", "[H] float32"),
+        ("ffn_norm", "const float *", "[H] float32"),
+        ("eps", "float", "the two norms'"),
+        ("hc", "int32_t", "streams N"),
+        ("iters", "int32_t", "Sinkhorn normalizations"),
+        ("hc_eps", "float", ""),
+        ("hc_norm_eps", "float", "the mixes' RMS normalization"),
+        ("pad", "int32_t", ""),
+        ("a_fn", "const float *", "around the attention: [(2 + N) N, N H] float32"),
+        ("a_base", "const float *", "[(2 + N) N]"),
+        ("a_scale", "const float *", "[3]"),
+        ("f_fn", "const float *", "around the feed-forward part"),
+        ("f_base", "const float *", ""),
+        ("f_scale", "const float *", ""),
     ]),
     "qp_draft": ("a drafter of greedy speculative decoding (a next-token-prediction block): for a token t and a "
                  "hidden state h of the stack, x = proj(cat(norm_e(embedding of t), norm_h(h))) through one "

@@ -1209,3 +1209,147 @@ class WindowAttnStep:
                                 out.data_ptr(), self.wround)
         native.check(rc, "window_step")
         return out
+
+
+class HyperStackLayer:
+    """One decoder layer of residual streams as :class:`HyperStackStep` runs it: the mixes around
+    the attention and around the MoE (``HyperStep`` each), the two norms' float32 weights, the
+    attention's :class:`WindowAttnStep`, and the MoE: its stacked experts' step, the router (its
+    ``RouterSpec``, float32 weight, bias, ``tid2eid`` table), the shared experts' step or None."""
+
+    def __init__(self, *, hc_attn: HyperStep, hc_ffn: HyperStep, attn_norm: torch.Tensor, ffn_norm: torch.Tensor,
+                 eps: float, attn: WindowAttnStep, experts: MLPStep, router: torch.Tensor, spec: RouterSpec,
+                 bias: torch.Tensor | None, tid2eid: torch.Tensor | None, shared: MLPStep | None) -> None:
+        self.hc_attn, self.hc_ffn, self.attn_norm, self.ffn_norm, self.eps = hc_attn, hc_ffn, attn_norm, ffn_norm, eps
+        self.attn, self.experts, self.router, self.spec, self.bias, self.tid2eid = attn, experts, router, spec, bias, tid2eid
+        self.shared = shared
+
+
+class HyperStackStep:
+    """A decode step of a stack of residual-stream (hyper-connection) layers with window attention
+    and MoE, from token ids to logits, in one native call (C ``qp_hyper_decode_step``,
+    ``blocks/hyper_stack.c``): the embedding rows copied into the streams; per layer the mix, the
+    norm, the attention (:class:`WindowAttnStep`'s kernel, the cache written into the buffers
+    :meth:`__call__` is given), the mix back, then the same around the MoE (the router by its
+    spec, by token id where it routes so; the experts through ``qp_mlp`` with their activation);
+    the head's collapse of the streams, the final norm, the LM head, the greedy pick. The per-block
+    native steps' arithmetic in their order; float32 models. ``live()`` declines (the per-block path
+    runs) when a step, a bound layer or a watched tensor was replaced, or a module has forward hooks."""
+
+    def __init__(self, layers: Sequence[HyperStackLayer], head_hc: HyperStep, final_norm: torch.Tensor, eps: float,
+                 hidden: int, modules: Sequence[torch.nn.Module], owners: Sequence[tuple[torch.nn.Module, Any]]) -> None:
+        import ctypes
+
+        self.h, self.eps, self.final_norm, self.head_hc = hidden, eps, final_norm, head_hc
+        self.layers = list(layers)
+        self.n = len(layers)
+        self.hook_dicts = tuple(d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks))
+        self.owners = [(m.__dict__, st) for m, st in owners]
+        self.keep: list[Any] = []
+        ffn = (native.Layer * self.n)()
+        arr = (native.HyperBlock * self.n)()
+        tensors: list[torch.Tensor] = [final_norm]
+        for i, sl in enumerate(layers):
+            f = ffn[i]
+            ex = sl.experts
+            e = len(ex.gate.mats)
+            f.gate, f.up, f.down = (_mat_array([b.ptr(s) for s in range(e)], self.keep) for b in (ex.gate, ex.up, ex.down))
+            f.E = e
+            tid = None if sl.tid2eid is None else sl.tid2eid.to(torch.int32).contiguous()
+            self.keep.append(tid)
+            routers.route(f.route, sl.spec, sl.router, sl.bias, tid)
+            if sl.shared is not None:
+                f.sg, f.su, f.sd = sl.shared.gate.ptr(), sl.shared.up.ptr(), sl.shared.down.ptr()
+            f.act, f.act_a, f.act_b = ex.act
+            a = arr[i]
+            a.attn = ctypes.pointer(sl.attn.st)
+            a.ffn = ctypes.pointer(f)
+            a.attn_norm, a.ffn_norm, a.eps = sl.attn_norm.data_ptr(), sl.ffn_norm.data_ptr(), sl.eps
+            hc = sl.hc_attn
+            a.hc, a.iters, a.hc_eps, a.hc_norm_eps = hc.n, hc.iters, hc.hc_eps, hc.norm_eps
+            a.a_fn, a.a_base, a.a_scale = hc.fn.data_ptr(), hc.base.data_ptr(), hc.scale.data_ptr()
+            g = sl.hc_ffn
+            a.f_fn, a.f_base, a.f_scale = g.fn.data_ptr(), g.base.data_ptr(), g.scale.data_ptr()
+            tensors += [sl.attn_norm, sl.ffn_norm, sl.router, *(t for t in (sl.bias, sl.tid2eid) if t is not None)]
+        self.ffn, self.arr = ffn, arr
+        self.tensors = [(t, t.data_ptr()) for t in tensors]
+
+    @staticmethod
+    def build(layers: Sequence[HyperStackLayer], head_hc: HyperStep | None, final_norm: torch.Tensor, eps: float,
+              hidden: int, modules: Sequence[torch.nn.Module],
+              owners: Sequence[tuple[torch.nn.Module, Any]]) -> HyperStackStep | None:
+        """None when the library is unavailable or a piece is not native / float32 / of these sizes."""
+        if native.library() is None or not layers or head_hc is None or not head_hc.head:
+            return None
+        vec = [final_norm] + [t for sl in layers for t in (sl.attn_norm, sl.ffn_norm, sl.router)]
+        if not all(_f32_vector(t, t.numel()) for t in vec) or final_norm.numel() != hidden:
+            return None
+        n = head_hc.n
+        for sl in layers:
+            parts = [p for p in (sl.experts, sl.shared) if p is not None]
+            if any(p.reduce is not None or p.gate.wround != 0 or p.h != hidden or p.act != parts[0].act for p in parts):
+                return None
+            if sl.hc_attn.n != n or sl.hc_ffn.n != n or sl.hc_attn.head or sl.hc_ffn.head or sl.attn.h != hidden:
+                return None
+            if sl.bias is not None and not _f32_vector(sl.bias, sl.bias.numel()):
+                return None
+            if not routers.fits(sl.spec, len(sl.experts.gate.mats), sl.router, sl.bias,
+                                None if sl.tid2eid is None else sl.tid2eid.to(torch.int32)):
+                return None
+        return HyperStackStep(layers, head_hc, final_norm, eps, hidden, modules, owners)
+
+    def live(self) -> bool:
+        for d, st in self.owners:
+            if d.get("step") is not st:
+                return False
+        for sl in self.layers:
+            if not (sl.attn.live() and sl.hc_attn.live() and sl.hc_ffn.live() and sl.experts.live()
+                    and (sl.shared is None or sl.shared.live())):
+                return False
+        if not self.head_hc.live() or any(t.data_ptr() != p for t, p in self.tensors):
+            return False
+        return not any(self.hook_dicts) and not _global_hooks()
+
+    def __call__(self, ids: torch.Tensor, embed: Bound, head: Bound | None,
+                 states: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, PoolBuffers | None, PoolBuffers | None]],
+                 pick: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+        """One decode token ``ids`` [B] (int64) of B sequences at one position; ``states``: per layer
+        (window buffer [B, nwin, hd] with room for this token's row at the end, cos, sin [rope / 2]
+        of the position, the compressor's and the indexer's :class:`PoolBuffers` or None). Returns
+        (the final norm [B, hidden], float32 logits [B, vocab] or None without ``head``, the greedy
+        picks [B] with ``pick``); None when it cannot run now (no buffer written)."""
+        import ctypes
+
+        lib = native._lib
+        b = ids.shape[0]
+        if (lib is None or ids.dtype != torch.int64 or ids.dim() != 1 or b > NATIVE_ROWS or len(states) != self.n
+                or embed.k != self.h or embed.slots is not None or embed.model_dtype != torch.float32
+                or (head is not None and (head.k != self.h or head.slots is not None))):
+            return None
+        ws = (native.WindowState * self.n)()
+        keep: list[Any] = []
+        for i, (win, cos, sin, comp, idx) in enumerate(states):
+            s = ws[i]
+            s.win, s.nwin, s.cos, s.sin = win.data_ptr(), win.shape[1], cos.data_ptr(), sin.data_ptr()
+            if comp is not None:
+                cst = comp.struct()
+                keep.append(cst)
+                s.comp = ctypes.pointer(cst)
+            if idx is not None:
+                ist = idx.struct()
+                keep.append(ist)
+                s.idx = ctypes.pointer(ist)
+        idc = ids.contiguous()
+        hid = torch.empty(b, self.h)
+        logits = torch.empty(b, head.n) if head is not None else None
+        best = torch.empty(b, dtype=torch.int64) if pick and head is not None else None
+        hc = self.head_hc
+        rc = lib.qp_hyper_decode_step(self.arr, ws, self.n, self.h, b, idc.data_ptr(), embed.ptr(), hc.fn.data_ptr(),
+                                      hc.base.data_ptr(), hc.scale.data_ptr(), self.final_norm.data_ptr(), self.eps,
+                                      hid.data_ptr(), None if head is None else head.ptr(),
+                                      None if logits is None else logits.data_ptr(),
+                                      None if best is None else best.data_ptr(), 0)
+        if rc == -4:
+            return None  # a token id outside the embedding or a routing table: the modules raise their own error
+        native.check(rc, "hyper_decode_step")
+        return hid, logits, best

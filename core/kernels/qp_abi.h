@@ -183,7 +183,45 @@ typedef struct {
     const qp_mat *sg;                       /* shared experts, or NULL */
     const qp_mat *su;
     const qp_mat *sd;
+    int32_t act;                            /* the gated MLPs' activation QM_* (0: SiLU) */
+    float act_a;                            /* its parameters (QM_SITU: beta, linear beta; QM_SILU_CLAMP: the
+                                               limit) */
+    float act_b;
+    int32_t pad2;
 } qp_layer;
+
+/* one decode call's view of a window-attention layer's cache (buffers the caller owns) */
+typedef struct {
+    float *win;                             /* [B, nwin, hd] the window's keys, this token's written at row nwin
+                                               - 1 */
+    int64_t nwin;
+    const float *cos;                       /* [rope / 2] the rotation of the position */
+    const float *sin;
+    const qp_pool_state *comp;              /* the compressor's state, or NULL */
+    const qp_pool_state *idx;               /* the indexer's compressor's state, or NULL */
+} qp_window_state;
+
+/* one decoder layer of N residual streams (hyper-connections): the streams mixed into the attention's input
+ * (its norm before), its output mixed back; the same around the feed-forward part */
+typedef struct {
+    const qp_window_attn *attn;
+    const qp_layer *ffn;                    /* the feed-forward part: a routed MoE or a dense gated MLP (its attn
+                                               unused) */
+    const float *attn_norm;                 /* [H] float32 */
+    const float *ffn_norm;                  /* [H] float32 */
+    float eps;                              /* the two norms' */
+    int32_t hc;                             /* streams N */
+    int32_t iters;                          /* Sinkhorn normalizations */
+    float hc_eps;
+    float hc_norm_eps;                      /* the mixes' RMS normalization */
+    int32_t pad;
+    const float *a_fn;                      /* around the attention: [(2 + N) N, N H] float32 */
+    const float *a_base;                    /* [(2 + N) N] */
+    const float *a_scale;                   /* [3] */
+    const float *f_fn;                      /* around the feed-forward part */
+    const float *f_base;
+    const float *f_scale;
+} qp_hyper_block;
 
 /* a drafter of greedy speculative decoding (a next-token-prediction block): for a token t and a hidden state
  * h of the stack, x = proj(cat(norm_e(embedding of t), norm_h(h))) through one decoder layer, then its final
@@ -330,6 +368,34 @@ typedef struct {
     F(qp_layer, sg) \
     F(qp_layer, su) \
     F(qp_layer, sd) \
+    F(qp_layer, act) \
+    F(qp_layer, act_a) \
+    F(qp_layer, act_b) \
+    F(qp_layer, pad2) \
+    S(qp_window_state) \
+    F(qp_window_state, win) \
+    F(qp_window_state, nwin) \
+    F(qp_window_state, cos) \
+    F(qp_window_state, sin) \
+    F(qp_window_state, comp) \
+    F(qp_window_state, idx) \
+    S(qp_hyper_block) \
+    F(qp_hyper_block, attn) \
+    F(qp_hyper_block, ffn) \
+    F(qp_hyper_block, attn_norm) \
+    F(qp_hyper_block, ffn_norm) \
+    F(qp_hyper_block, eps) \
+    F(qp_hyper_block, hc) \
+    F(qp_hyper_block, iters) \
+    F(qp_hyper_block, hc_eps) \
+    F(qp_hyper_block, hc_norm_eps) \
+    F(qp_hyper_block, pad) \
+    F(qp_hyper_block, a_fn) \
+    F(qp_hyper_block, a_base) \
+    F(qp_hyper_block, a_scale) \
+    F(qp_hyper_block, f_fn) \
+    F(qp_hyper_block, f_base) \
+    F(qp_hyper_block, f_scale) \
     S(qp_draft) \
     F(qp_draft, layer) \
     F(qp_draft, enorm) \

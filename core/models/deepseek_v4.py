@@ -37,6 +37,7 @@ from ..generate import GenerationMixin
 from ..layers.activation import swiglu_clamp
 from ..layers.embedding import Embedding
 from ..layers.norm import RMSNorm
+from ..lower import hyper_decode_logits
 from .declarations import DenseRule, Unstack
 from .deepseek_v4_config import DeepseekV4Config
 
@@ -123,10 +124,17 @@ class DeepseekV4ForCausalLM(GenerationMixin, nn.Module):
         return self.head(self.hidden(input_ids, cache))
 
     def next_logits(self, input_ids: torch.Tensor, cache: DeepseekV4Cache) -> torch.Tensor:
-        """float32 logits [b, vocab] of the last position."""
+        """float32 logits [b, vocab] of the last position (a decode token: the whole model in one
+        native call where every piece has its native step, :func:`quantplug.lower.hyper_decode_logits`)."""
+        got = hyper_decode_logits(self, input_ids, cache)
+        if got is not None:
+            return got[0]
         return self.head(self.hidden(input_ids, cache)[:, -1]).float()
 
     def next_tokens(self, input_ids: torch.Tensor, cache: DeepseekV4Cache) -> tuple[torch.Tensor, torch.Tensor]:
+        got = hyper_decode_logits(self, input_ids, cache, pick=True)
+        if got is not None:
+            return got[0], got[1] if got[1] is not None else got[0].argmax(dim=-1)
         logits = self.next_logits(input_ids, cache)
         return logits, logits.argmax(dim=-1)
 

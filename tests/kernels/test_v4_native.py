@@ -158,6 +158,7 @@ def test_v4_decode_runs_moe_and_mhc_natively_and_equals_transformers(v4, monkeyp
             return _real(*args)
         monkeypatch.setattr(lib, name, counted)
     ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(11))
+    model._stack = None  # block by block here (the whole-stack step: test_v4_decodes_in_one_native_call_per_token)
     cache = model.qp_new_cache(1, 64, 64)
     seq = ids
     with torch.no_grad():
@@ -198,6 +199,7 @@ def test_v4_native_attention_keeps_the_torch_cache_and_the_paths_switch(v4):
 
     ref, path = v4
     native_m, torch_m = quantplug.load(path), quantplug.load(path)
+    native_m._stack = torch_m._stack = None  # block by block
     for layer in torch_m.layers:
         layer.attn.step = None  # the block's own forward
     ids = torch.randint(0, 96, (1, 3), generator=torch.Generator().manual_seed(5))
@@ -224,3 +226,76 @@ def test_v4_native_attention_keeps_the_torch_cache_and_the_paths_switch(v4):
     for k in a:
         assert a[k].shape == b[k].shape, k
         assert float((a[k] - b[k]).abs().max()) <= 1e-5 * max(1.0, float(b[k].abs().max())), k
+
+
+
+@needs_native
+def test_v4_decodes_in_one_native_call_per_token(v4, monkeypatch):
+    """Greedy generation: every token after the prompt's is one ``qp_hyper_decode_step`` call (the
+    per-block kernels are not called), with the tokens of the per-block native path and of the
+    blocks' torch forwards, and each step's logits equal to transformers' (float32, 1e-5)."""
+    import quantplug
+
+    ref, path = v4
+    model = quantplug.load(path)
+    lib = native.library()
+    calls = {"qp_hyper_decode_step": 0, "qp_window_step": 0, "qp_mlp": 0, "qp_hyper_pre": 0}
+    for name in calls:
+        real = getattr(lib, name)
+
+        def counted(*args, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(*args)
+        monkeypatch.setattr(lib, name, counted)
+    ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(21))
+    new = 16  # crosses the window and the compression windows, new entries appear while decoding
+    with torch.no_grad():
+        out = model.generate(ids, new, eos_token_id=None)
+    n = len(model.layers)
+    # the prompt's rows ran block by block (one call per MLP and per mix, its attention in torch); every
+    # decode token after it is one call, nothing per block
+    assert calls == {"qp_hyper_decode_step": new - 1, "qp_window_step": 0, "qp_mlp": 2 * n, "qp_hyper_pre": 2 * n + 1}
+    want = ref.generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(out, want)
+    # the per-block native steps, and the blocks' own forwards, give the same tokens
+    model._stack = None
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, new, eos_token_id=None), out)
+        for layer in model.layers:
+            layer.attn.step = layer.hc_attn.step = layer.hc_ffn.step = None
+            layer.ffn.experts.step = layer.ffn.shared_experts.step = None
+        assert torch.equal(model.generate(ids, new, eos_token_id=None), out)
+    assert calls["qp_hyper_decode_step"] == new - 1
+
+
+@needs_native
+def test_v4_stack_logits_equal_transformers_and_the_paths_share_the_cache(v4):
+    """Each decode step's logits equal transformers' (float32, 1e-5) while the whole-stack call and
+    the blocks' torch forwards take turns on one cache, new compressed entries appearing in both."""
+    import quantplug
+
+    ref, path = v4
+    model = quantplug.load(path)
+    ids = torch.randint(0, 96, (1, 4), generator=torch.Generator().manual_seed(8))
+    cache = model.qp_new_cache(1, 64, 64)
+    seq, stack = ids, None
+    with torch.no_grad():
+        got = model.next_logits(ids, cache)
+        for i in range(17):
+            seq = torch.cat([seq, got.argmax(-1, keepdim=True)], dim=1)
+            torch_turn = 5 <= i < 10
+            if torch_turn:  # the modules' forwards: no stack, no attention step
+                model._stack = None
+                saved = [layer.attn.step for layer in model.layers]
+                for layer in model.layers:
+                    layer.attn.step = None
+            got = model.next_logits(seq[:, -1:], cache)
+            if torch_turn:
+                for layer, st in zip(model.layers, saved):
+                    layer.attn.step = st
+                model._stack = stack
+            elif stack is None:
+                stack = model._stack
+                assert stack is not None
+            want = ref(seq).logits[:, -1]
+            assert float((got - want).abs().max() / want.abs().max()) < 1e-5, i

@@ -41,7 +41,7 @@ static int pool_ok(const qp_pool *c, int64_t H, int64_t rope) {
 
 /* this token's rows of a pooled compressor (x [B, H]) into its state; when it completes a window,
  * the window's entry (and, overlapping, the window's first halves for the next) */
-static int pool_step(const qp_pool *c, qp_pool_state *st, int64_t B, const float *x, int64_t H, int64_t rope,
+static int pool_step(const qp_pool *c, const qp_pool_state *st, int64_t B, const float *x, int64_t H, int64_t rope,
                      int wround) {
     const int64_t dim = c->dim, r = c->ratio, width = dim * (c->overlap ? 2 : 1), np1 = st->pending + 1;
     if (st->pending < 0 || st->pending >= r || st->n < 0) return -1;
@@ -112,7 +112,8 @@ static int window_ok(const qp_window_attn *a) {
  * win [B, nwin, hd] the window's keys, this token's written at row nwin - 1 (nwin <= window: every
  * row visible); comp / idx: the compressors' states (NULL where the layer has none); out [B, H]. */
 int qp_window_step(const qp_window_attn *a, int64_t B, const float *x, const float *cs, const float *sn,
-                   float *win, int64_t nwin, qp_pool_state *comp, qp_pool_state *idx, float *out, int wround) {
+                   float *win, int64_t nwin, const qp_pool_state *comp, const qp_pool_state *idx, float *out,
+                   int wround) {
     if (!window_ok(a) || B <= 0 || nwin < 1 || nwin > a->window || (a->comp && !comp) || (a->idx_q && !idx))
         return -1;
     const int64_t H = a->H, nh = a->nh, hd = a->hd, ql = a->q_lora, rp = a->rope, G = a->groups, R = a->o_rank;
