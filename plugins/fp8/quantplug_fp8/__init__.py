@@ -68,6 +68,8 @@ def quantplug_options() -> list[OptionSpec]:
                    "dynamic: emulate DeepSeek's per-token, per-128 FP8 activation quantization; none: weight-only"),
         OptionSpec("weight_block_size", list, [128, 128], None, "export: FP8 scale block [rows, columns]",
                    scope="export"),
+        OptionSpec("expert_dtype", str, "fp4", ("fp4", "fp8"), "export of a DeepSeek-V4 model: its routed experts as "
+                   "FP4 E2M1 with E8M0 scales per 32 (the release) or as FP8 blocks", scope="export"),
     ]
 
 
