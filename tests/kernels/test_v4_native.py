@@ -299,3 +299,40 @@ def test_v4_stack_logits_equal_transformers_and_the_paths_share_the_cache(v4):
                 assert stack is not None
             want = ref(seq).logits[:, -1]
             assert float((got - want).abs().max() / want.abs().max()) < 1e-5, i
+
+
+@needs_native
+@pytest.mark.parametrize("act", ["none", "dynamic"])
+def test_v4_release_format_decodes_in_one_native_call_per_token(v4, tmp_path, monkeypatch, act):
+    """The release's FP8 (E8M0 blocks) dense linears and FP4 (E8M0 per 32) routed experts
+    (``write_v4_release``): one native call per decode token, the tokens of the blocks' torch
+    forwards; weight-only (``activation_quant=none``) also transformers' on the dequantized weights."""
+    import quantplug
+    import v4_models
+
+    ref, _ = v4
+    monkeypatch.setitem(v4_models.CONFIG, "q_lora_rank", 32)
+    values = v4_models.write_v4_release(tmp_path / "rel", ref)
+    opts = {"activation_quant": act}
+    model, plain = quantplug.load(tmp_path / "rel", options=opts), quantplug.load(tmp_path / "rel", options=opts)
+    plain._stack = None
+    for layer in plain.layers:
+        layer.attn.step = layer.hc_attn.step = layer.hc_ffn.step = layer.ffn.experts.step = None
+        layer.ffn.shared_experts.step = None
+    lib = native.library()
+    real, calls = lib.qp_hyper_decode_step, [0]
+
+    def counted(*args):
+        calls[0] += 1
+        return real(*args)
+    monkeypatch.setattr(lib, "qp_hyper_decode_step", counted)
+    ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(2))
+    new = 12
+    with torch.no_grad():
+        out = model.generate(ids, new, eos_token_id=None)
+        assert calls[0] == new - 1
+        assert torch.equal(plain.generate(ids, new, eos_token_id=None), out)
+        if act == "none":
+            want = v4_models.set_release_weights(ref, values).generate(
+                ids, max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+            assert torch.equal(out, want)
