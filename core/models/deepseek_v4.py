@@ -16,8 +16,9 @@ prefix).
 
 Matched against transformers 5.25's ``DeepseekV4ForCausalLM`` in float32 (tests/test_deepseek_v4.py).
 Not here: the MTP block (``mtp.N.*``: the plan lists its tensors as skipped, rule ``mtp``), the
-release's FP8 / FP4 formats, the native lowering (every block runs its torch forward) and
-tensor / expert parallelism (no ``qp_tp_plan``).
+release's FP8 / FP4 formats and tensor / expert parallelism (no ``qp_tp_plan``). A decode token of a
+float32 model is one native call where every block has its native step
+(:func:`quantplug.lower.hyper_decode_logits`); else the blocks run (each natively where it can).
 """
 
 from __future__ import annotations
