@@ -409,23 +409,26 @@ def _lower_v4_attention(m: V4Attention) -> None:
     cfg = m.cfg
     mods: dict[str, Any] = {"wq_a": m.wq_a, "wq_b": m.wq_b, "wkv": m.wkv, "wo_a": m.wo_a, "wo_b": m.wo_b}
     floats = {"q_norm": m.q_norm.weight, "kv_norm": m.kv_norm.weight, "sink": m.attn_sink.weight}
+    watch: list[tuple[Any, str]] = [(m.q_norm, "weight"), (m.kv_norm, "weight"), (m.attn_sink, "weight")]
     if any(getattr(x, "qp_parallel", None) is not None for x in mods.values()):
         return
     if m.compressor is not None:
         c = m.compressor
         mods |= {"c_wkv": c.wkv, "c_wgate": c.wgate}
         floats |= {"c_ape": c.ape.weight, "c_norm": c.norm.weight}
+        watch += [(c.ape, "weight"), (c.norm, "weight")]
     if m.indexer is not None:
         i = m.indexer
         mods |= {"i_wq": i.wq_b, "ic_wkv": i.compressor.wkv, "ic_wgate": i.compressor.wgate}
         floats |= {"i_w": i.weights_proj.weight, "ic_ape": i.compressor.ape.weight, "ic_norm": i.compressor.norm.weight}
+        watch += [(i.weights_proj, "weight"), (i.compressor.ape, "weight"), (i.compressor.norm, "weight")]
     m.step = WindowAttnStep.build(
         mods=mods, floats=floats, hidden=cfg.hidden_size, nh=cfg.num_heads, hd=cfg.head_dim, rope=cfg.rope_dim,
         q_lora=cfg.q_lora_rank, groups=cfg.o_groups, o_rank=cfg.o_lora_rank, window=cfg.sliding_window, eps=cfg.eps,
         ratio=cfg.compress_ratio, overlap=cfg.compress_ratio == 4,
         idx_heads=cfg.index_n_heads if m.indexer is not None else 0,
         idx_dim=cfg.index_head_dim if m.indexer is not None else 0,
-        idx_topk=cfg.index_topk if m.indexer is not None else 0)
+        idx_topk=cfg.index_topk if m.indexer is not None else 0, watch=watch)
     m.forward = MethodType(_v4_attention_forward, m)  # type: ignore[method-assign]
 
 
@@ -775,6 +778,7 @@ def hyper_stack(layers: Sequence[nn.Module], head_hc: HyperHead, norm: RMSNorm,
     native step, experts served from files or split, a float16 / bfloat16 model...)."""
     parts: list[HyperStackLayer] = []
     owners: list[tuple[nn.Module, Any]] = []
+    watch: list[tuple[Any, str]] = [(norm, "weight")]
     for layer in layers:
         hca, hcf = getattr(layer, "hc_attn", None), getattr(layer, "hc_ffn", None)
         attn, ffn = getattr(layer, "attn", None), getattr(layer, "ffn", None)
@@ -791,6 +795,9 @@ def hyper_stack(layers: Sequence[nn.Module], head_hc: HyperHead, norm: RMSNorm,
                 or (shared is not None and shared.step is None)):
             return None
         owners += [(hca, hca.step), (hcf, hcf.step), (attn, attn.step), (ex, ex.step)]
+        watch += [(n1, "weight"), (n2, "weight"), (ffn.gate, "weight")]
+        watch += [(ffn.gate, "e_score_correction_bias")] if spec.has_bias else []
+        watch += [(ffn.gate, "tid2eid")] if spec.by_token else []
         if shared is not None:
             owners.append((shared, shared.step))
         parts.append(HyperStackLayer(
@@ -803,7 +810,7 @@ def hyper_stack(layers: Sequence[nn.Module], head_hc: HyperHead, norm: RMSNorm,
         return None
     owners.append((head_hc, head_hc.step))
     modules = [m for layer in layers for m in layer.modules()] + [head_hc, norm, *extra]
-    return HyperStackStep.build(parts, head_hc.step, norm.weight, norm.eps, norm.weight.numel(), modules, owners)
+    return HyperStackStep.build(parts, head_hc.step, norm.weight, norm.eps, norm.weight.numel(), modules, owners, watch)
 
 
 def hyper_decode_logits(tm: Any, ids: torch.Tensor, cache: Any,

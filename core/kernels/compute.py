@@ -1106,6 +1106,20 @@ def _f32_vector(t: Any, n: int) -> bool:
             and t.is_contiguous() and t.numel() == n)
 
 
+def _watched(watch: Sequence[tuple[Any, str]]) -> list[tuple[Any, str, torch.Tensor, int]]:
+    """(module, attribute, the tensor now, its data pointer) of each watched attribute."""
+    out = []
+    for m, name in watch:
+        t = getattr(m, name)
+        out.append((m, name, t, t.data_ptr()))
+    return out
+
+
+def _unchanged(watched: Sequence[tuple[Any, str, torch.Tensor, int]]) -> bool:
+    """Every watched attribute still holds the same tensor with the same data."""
+    return all(getattr(m, name) is t and t.data_ptr() == ptr for m, name, t, ptr in watched)
+
+
 class PoolBuffers:
     """One decode call's buffers of a pooled compressor (``qp_pool_state``), the caller's to fill
     and read back: ``kv`` / ``gate`` [B, pending + 1, width] (the pending rows copied in, this
@@ -1140,20 +1154,24 @@ class WindowAttnStep:
     the compressors' :class:`PoolBuffers`; returns [B, H], or None where it declines."""
 
     def __init__(self, st: Any, keep: list[Any], mods: dict[str, Any], bs: dict[str, Bound], hidden: int,
-                 wround: int) -> None:
+                 wround: int, watch: Sequence[tuple[Any, str]] = ()) -> None:
         import ctypes
 
         self.st, self.keep, self.mods, self.bs, self.h, self.wround = st, keep, mods, bs, hidden, wround
         self.ref = ctypes.byref(st)
+        self.watch = _watched(watch)
 
     @staticmethod
     def build(*, mods: dict[str, Any], floats: dict[str, torch.Tensor], hidden: int, nh: int, hd: int, rope: int,
               q_lora: int, groups: int, o_rank: int, window: int, eps: float, ratio: int = 0, overlap: bool = False,
-              idx_heads: int = 0, idx_dim: int = 0, idx_topk: int = 0) -> WindowAttnStep | None:
+              idx_heads: int = 0, idx_dim: int = 0, idx_topk: int = 0,
+              watch: Sequence[tuple[Any, str]] = ()) -> WindowAttnStep | None:
         """``mods``: the linears ``wq_a``, ``wq_b``, ``wkv``, ``wo_a``, ``wo_b`` (and ``c_wkv``,
         ``c_wgate`` with a compressor; ``i_wq``, ``ic_wkv``, ``ic_wgate`` with an indexer);
         ``floats``: float32 tensors ``q_norm``, ``kv_norm``, ``sink`` (and ``c_ape``, ``c_norm``;
-        ``i_w``, ``ic_ape``, ``ic_norm``). None when any is missing, not native or not float32."""
+        ``i_w``, ``ic_ape``, ``ic_norm``); ``watch``: (module, attribute) of each of those tensors
+        (the step declines once one is replaced or moved). None when any is missing, not native or
+        not float32."""
         bs = {k: bound(m) for k, m in mods.items()}
         if any(b is None for b in bs.values()) or {b.wround for b in bs.values() if b is not None} != {0}:
             return None
@@ -1187,10 +1205,11 @@ class WindowAttnStep:
             st.idx_w = floats["i_w"].data_ptr()
         if native.library() is None:
             return None
-        return WindowAttnStep(st, keep, mods, bs, hidden, 0)  # type: ignore[arg-type]
+        return WindowAttnStep(st, keep, mods, bs, hidden, 0, watch)  # type: ignore[arg-type]
 
     def live(self) -> bool:
-        return native._lib is not None and all(bound(m) is self.bs[k] for k, m in self.mods.items())
+        return (native._lib is not None and all(bound(m) is self.bs[k] for k, m in self.mods.items())
+                and _unchanged(self.watch))
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, win: torch.Tensor,
                  comp: PoolBuffers | None, idx: PoolBuffers | None) -> torch.Tensor | None:
@@ -1237,9 +1256,11 @@ class HyperStackStep:
     runs) when a step, a bound layer or a watched tensor was replaced, or a module has forward hooks."""
 
     def __init__(self, layers: Sequence[HyperStackLayer], head_hc: HyperStep, final_norm: torch.Tensor, eps: float,
-                 hidden: int, modules: Sequence[torch.nn.Module], owners: Sequence[tuple[torch.nn.Module, Any]]) -> None:
+                 hidden: int, modules: Sequence[torch.nn.Module], owners: Sequence[tuple[torch.nn.Module, Any]],
+                 watch: Sequence[tuple[Any, str]] = ()) -> None:
         import ctypes
 
+        self.watch = _watched(watch)
         self.h, self.eps, self.final_norm, self.head_hc = hidden, eps, final_norm, head_hc
         self.layers = list(layers)
         self.n = len(layers)
@@ -1276,9 +1297,11 @@ class HyperStackStep:
 
     @staticmethod
     def build(layers: Sequence[HyperStackLayer], head_hc: HyperStep | None, final_norm: torch.Tensor, eps: float,
-              hidden: int, modules: Sequence[torch.nn.Module],
-              owners: Sequence[tuple[torch.nn.Module, Any]]) -> HyperStackStep | None:
-        """None when the library is unavailable or a piece is not native / float32 / of these sizes."""
+              hidden: int, modules: Sequence[torch.nn.Module], owners: Sequence[tuple[torch.nn.Module, Any]],
+              watch: Sequence[tuple[Any, str]] = ()) -> HyperStackStep | None:
+        """None when the library is unavailable or a piece is not native / float32 / of these sizes.
+        ``watch``: (module, attribute) of the tensors read outside the steps (norms, routers): the
+        step declines once one is replaced or moved."""
         if native.library() is None or not layers or head_hc is None or not head_hc.head:
             return None
         vec = [final_norm] + [t for sl in layers for t in (sl.attn_norm, sl.ffn_norm, sl.router)]
@@ -1296,7 +1319,7 @@ class HyperStackStep:
             if not routers.fits(sl.spec, len(sl.experts.gate.mats), sl.router, sl.bias,
                                 None if sl.tid2eid is None else sl.tid2eid.to(torch.int32)):
                 return None
-        return HyperStackStep(layers, head_hc, final_norm, eps, hidden, modules, owners)
+        return HyperStackStep(layers, head_hc, final_norm, eps, hidden, modules, owners, watch)
 
     def live(self) -> bool:
         for d, st in self.owners:
@@ -1306,7 +1329,7 @@ class HyperStackStep:
             if not (sl.attn.live() and sl.hc_attn.live() and sl.hc_ffn.live() and sl.experts.live()
                     and (sl.shared is None or sl.shared.live())):
                 return False
-        if not self.head_hc.live() or any(t.data_ptr() != p for t, p in self.tensors):
+        if not self.head_hc.live() or any(t.data_ptr() != p for t, p in self.tensors) or not _unchanged(self.watch):
             return False
         return not any(self.hook_dicts) and not _global_hooks()
 

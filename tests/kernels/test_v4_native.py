@@ -336,3 +336,34 @@ def test_v4_release_format_decodes_in_one_native_call_per_token(v4, tmp_path, mo
             want = v4_models.set_release_weights(ref, values).generate(
                 ids, max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
             assert torch.equal(out, want)
+
+
+@needs_native
+def test_v4_stack_declines_for_hooks_and_replaced_tensors(v4, monkeypatch):
+    """A forward hook on a block, or a replaced router weight, sends decoding block by block (the
+    hook is called; the tokens stay the one-call path's)."""
+    import quantplug
+
+    _, path = v4
+    model = quantplug.load(path)
+    ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = model.generate(ids, 6, eos_token_id=None)
+    lib = native.library()
+    real, calls = lib.qp_hyper_decode_step, [0]
+
+    def counted(*args):
+        calls[0] += 1
+        return real(*args)
+    monkeypatch.setattr(lib, "qp_hyper_decode_step", counted)
+    seen = []
+    handle = model.layers[1].ffn.register_forward_hook(lambda *a: seen.append(1))
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, 6, eos_token_id=None), want)
+    assert calls[0] == 0 and len(seen) == 6  # the prompt and five decode tokens through the block
+    handle.remove()
+    gate = model.layers[2].ffn.gate
+    gate.weight = torch.nn.Parameter(gate.weight.detach().clone(), requires_grad=False)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, 6, eos_token_id=None), want)
+    assert calls[0] == 0
