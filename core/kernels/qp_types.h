@@ -26,7 +26,8 @@ enum { QM_SILU = 0, QM_SITU = 1, QM_SILU_CLAMP = 2 };
 #define QR_BF16_NORMAL 3
 
 
-/* the structs (qp_act, qp_mat, qp_latent_attn, qp_router, qp_layer, qp_draft) and the router's
+/* the structs (qp_act, qp_mat, qp_latent_attn, qp_pool, qp_pool_state, qp_window_attn, qp_router, qp_layer,
+ * qp_window_state, qp_hyper_block, qp_draft) and the router's
  * enums (QRS_*, QRT_*): generated from their one declaration, core/kernels/abi.py */
 #include "qp_abi.h"
 
