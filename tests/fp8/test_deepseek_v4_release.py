@@ -204,6 +204,11 @@ def test_dynamic_activations(release):
     up = model.layers[2].ffn.experts.up_proj
     want = torch.nn.functional.linear(_act_quant(x), values["layers.2.ffn.experts.3.w3.weight"])
     assert rel(up(x, 3), want) < 1e-6 and rel(up(x[:1], 3), want[:1]) < 1e-6
+    # the schemes' own torch paths (no C compiler): dequantize is the writer's value, apply the same product
+    assert torch.equal(up.scheme.dequantize(up, 3), values["layers.2.ffn.experts.3.w3.weight"])
+    assert rel(up.scheme.apply(up, x, 3), want) < 1e-6
+    assert torch.equal(wq_a.scheme.dequantize(wq_a), values["layers.1.attn.wq_a.weight"])
+    assert rel(wq_a.scheme.apply(wq_a, x), torch.nn.functional.linear(_act_quant(x), values["layers.1.attn.wq_a.weight"])) < 1e-6
     with torch.no_grad():
         dyn, exact, emulated = model(IDS), want_model(IDS).logits, _emulated(want_model)(IDS).logits
     assert rel(dyn, emulated) < 1e-5, rel(dyn, emulated)
