@@ -17,7 +17,7 @@ import torch
 from quantplug import experts
 from quantplug.api import dense_state, stats_sources
 from quantplug.errors import PlanError
-from quantplug.kernels import native
+from quantplug.kernels import compute, native
 from quantplug.plan import build_plan
 from quantplug.testing import write_checkpoint
 from quantplug.testing.probes import forbid_data_reads
@@ -96,13 +96,13 @@ def test_plan_schemes_and_packed_experts(release):
         # stacked as stored: I8 [E, N, K/2] + E8M0 [E, N, K/32], nothing else (no dense copy)
         assert {n: p.dtype for n, p in m.named_parameters()} == {"weight": torch.int8, "scale": torch.float8_e8m0fnu}
         assert list(m.named_buffers()) == []
-        assert m.weight.shape[-1] * 2 == m.in_features and (m.qp_native is not None) == NATIVE
+        assert m.weight.shape[-1] * 2 == m.in_features and (compute.bound(m) is not None) == NATIVE
     gate = model.layers[2].ffn.experts.gate_proj
     assert torch.equal(gate.weight[5], stored["layers.2.ffn.experts.5.w1.weight"])
     assert torch.equal(gate.scale[5].view(torch.uint8), stored["layers.2.ffn.experts.5.w1.scale"].view(torch.uint8))
     wo_a = model.layers[1].attn.wo_a
     assert wo_a.weight.dtype == torch.float8_e4m3fn and wo_a.scale.dtype == torch.float8_e8m0fnu
-    assert (wo_a.qp_native is not None) == NATIVE
+    assert (compute.bound(wo_a) is not None) == NATIVE
     expert_bytes = sum(p.numel() * p.element_size() for layer in model.layers for p in layer.ffn.experts.parameters())
     assert expert_bytes == sum(t.numel() * t.element_size() for n, t in stored.items() if ".experts." in n)
 
@@ -241,7 +241,7 @@ def test_forms_over_several_blocks_and_activation_groups():
     lin.qp_kernel_mode = "exact"
     lin.qp_finish()
     want = torch.nn.functional.linear(_act_quant(x), deq)
-    assert (lin.qp_native is not None) == NATIVE and rel(fp8.apply(lin, x), want) < 1e-6
+    assert (compute.bound(lin) is not None) == NATIVE and rel(fp8.apply(lin, x), want) < 1e-6
     assert all(rel(lin(x[:r]), want[:r]) < 1e-6 for r in (1, 5, 40))
     q4, s4, d4 = zip(*(quantize_fp4_experts(torch.randn(n, k, generator=g)) for _ in range(3)))
     fp4 = FP4ExpertScheme("dynamic", 128, "ue8m0")
@@ -250,7 +250,7 @@ def test_forms_over_several_blocks_and_activation_groups():
     st.qp_kernel_mode = "exact"
     st.qp_finish()
     want = torch.nn.functional.linear(_act_quant(x), d4[2])
-    assert (st.qp_native is not None) == NATIVE and rel(fp4.apply(st, x, 2), want) < 1e-6
+    assert (compute.bound(st) is not None) == NATIVE and rel(fp4.apply(st, x, 2), want) < 1e-6
     assert all(rel(st(x[:r], 2), want[:r]) < 1e-6 for r in (1, 5, 40))
 
 
