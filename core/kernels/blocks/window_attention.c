@@ -1,6 +1,6 @@
 /* ---- sliding-window attention with sinks, a pooled compressor and a top-k indexer: one decode
  * token of B sequences at one position (qp_window_attn; Python: compute.py WindowAttnStep, the
- * math is quantplug.blocks.v4_attention's / v4_compressor's) ------------------------------------ */
+ * math is the attention block's and its compressors' forwards) -------------------------------- */
 
 /* y [B, m->n] (ldy) = the B rows x (ldx, m->k inputs each) through m */
 static int mat_apply(const qp_mat *m, int64_t B, const float *x, int64_t ldx, float *y, int64_t ldy, int wround) {
