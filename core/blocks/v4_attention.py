@@ -23,7 +23,8 @@ What it implements (DeepSeek-V4's inference code ``model.py`` ``Attention``; mat
   ``compressor.*``, ``indexer.{wq_b,weights_proj}``, ``indexer.compressor.*``.
 - A per-sequence cache (:class:`V4AttentionCache`): the last W - 1 window rows, each compressor's
   unfinished window, overlap halves and entries; a forward of t tokens after it attends exactly as
-  one forward of the whole sequence would.
+  one forward of the whole sequence would. :meth:`V4Attention.truncate_cache` rolls it back to
+  an earlier length (speculative decoding) from a log of the raw per-token rows it keeps.
 - A long prompt is attended a block of queries at a time (:data:`ATTN_SCORE_BYTES` of scores; the
   indexer likewise, :data:`~quantplug.blocks.indexer.INDEX_SCORE_BYTES`), each block over its own
   window slice and the compressed entries: memory O(block * (W + t / r)), not O(t^2).

@@ -14,10 +14,15 @@ prefix).
 - ``hc_head`` (:class:`~quantplug.blocks.hyper.HyperHead`) collapses the streams, then ``norm``
   and the untied LM head ``head.weight``.
 
-Matched against transformers 5.25's ``DeepseekV4ForCausalLM`` in float32 (tests/test_deepseek_v4.py).
-Not here: the MTP block (``mtp.N.*``: the plan lists its tensors as skipped, rule ``mtp``), the
-release's FP8 / FP4 formats, the native lowering (every block runs its torch forward) and
-tensor / expert parallelism (no ``qp_tp_plan``).
+- The MTP block ``mtp.K`` (:class:`DeepseekV4MTP`, DeepSeek-V4's ``MTPBlock``) on the streams
+  before ``hc_head``, driven by the generation API's ``speculative="mtp"`` (``hidden_and_logits``
+  returns those streams, ``mtp_logits`` drafts, ``qp_new_mtp_cache`` is its own cache); a
+  rejected draft is rolled back by :meth:`DeepseekV4Cache.truncate`.
+
+Matched against transformers 5.25's ``DeepseekV4ForCausalLM`` in float32 (tests/test_deepseek_v4.py);
+the MTP draft against an independent MTP (tests/test_deepseek_v4_mtp.py).
+Not here: the release's FP8 / FP4 formats, the native lowering (every block runs its torch
+forward) and tensor / expert parallelism (no ``qp_tp_plan``).
 """
 
 from __future__ import annotations
