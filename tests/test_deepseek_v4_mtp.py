@@ -27,7 +27,18 @@ pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 from transformers.masking_utils import create_sliding_window_causal_mask  # noqa: E402
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as tf  # noqa: E402
 from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config  # noqa: E402
-from v4_models import HCA, H, V, reference_model, release_names, write_float_checkpoint  # noqa: E402
+from v4_models import (  # noqa: E402
+    FP8_LINEARS,
+    HCA,
+    H,
+    V,
+    quantize_fp4_experts,
+    quantize_fp8_blocks,
+    reference_model,
+    release_names,
+    write_float_checkpoint,
+    write_v4_release,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -72,6 +83,25 @@ def _mtp_tensors(layer: Any) -> dict[str, torch.Tensor]:
         "mtp.0.hc_head_base": torch.randn(HC, generator=g) * 0.3,
         "mtp.0.hc_head_scale": torch.rand(1, generator=g) + 0.5,
     })
+    return out
+
+
+def _release_mtp(mtp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``mtp.0.*`` as the release stores it (E7 / E9: tests/v4_models.py's quantizers): FP8 with E8M0
+    block scales for ``e_proj`` / ``h_proj`` and the block's dense linears, FP4 routed experts,
+    float32 ``hc_*`` / ``attn_sink`` / ``gate.bias``, BF16 the rest."""
+    out: dict[str, torch.Tensor] = {}
+    fp8 = tuple(f".{lin}.weight" for lin in (*FP8_LINEARS, "e_proj", "h_proj"))
+    for name, t in mtp.items():
+        base = name.removesuffix(".weight")
+        if name.endswith(fp8):
+            out[name], out[f"{base}.scale"], _ = quantize_fp8_blocks(t)
+        elif ".ffn.experts." in name:
+            out[name], out[f"{base}.scale"], _ = quantize_fp4_experts(t)
+        elif ".hc_" in name or name.endswith(("attn_sink", "gate.bias")):
+            out[name] = t.float().contiguous()
+        else:
+            out[name] = t.to(torch.bfloat16).contiguous()
     return out
 
 
@@ -185,8 +215,25 @@ def _spec(model: Any) -> tuple[list[int], Generation]:
     return [int(t[0]) for t in g], g
 
 
-def test_speculative_equals_greedy(v4, monkeypatch):
-    *_, model = v4
+@pytest.fixture(scope="module")
+def release(v4: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The same model in DeepSeek-V4's FP8 + FP4 release format (``mtp.0.*`` included), loaded."""
+    ref, _, mtp, _, _ = v4
+    path = tmp_path_factory.mktemp("v4mtp-release") / "ckpt"
+    write_v4_release(path, ref, extra=_release_mtp(mtp))
+    return load(path, progress=False)
+
+
+@pytest.mark.parametrize("fmt", ["float", "release"])
+def test_speculative_equals_greedy(v4, release, fmt, monkeypatch):
+    """Every bundled format of V4: the float checkpoint and the FP8 + FP4 release (fp8 backend)."""
+    model = v4[-1] if fmt == "float" else release
+    if fmt == "release":
+        p = model.quantplug_plan
+        assert p.backend == "fp8" and not p.problems
+        schemes = p.schemes()
+        assert schemes["mtp.0.e_proj"] == schemes["layers.0.attn.wq_a"] != "dense"
+        assert schemes["mtp.0.ffn.experts.gate_proj"] == schemes["layers.2.ffn.experts.gate_proj"]
     plain = model.generate(PROMPT, NEW, eos_token_id=None)[0, PROMPT.shape[1]:].tolist()
     # the MTP block's own drafts (random weights: mostly rejected, each rejection rolled back)
     spec, g = _spec(model)
