@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from quantplug import load, plan
+from quantplug.errors import PlanError
 from quantplug.generate import Generation, GenerationError
 
 pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
@@ -172,6 +173,11 @@ def test_plan_loads_the_mtp_block_and_skips_stored_copies(v4, tmp_path):
     assert not p.problems
     assert sorted(n for why, names in p.skipped.items() if why.startswith("mtp-copies") for n in names) == \
         sorted(copies)
+    # a mis-shaped MTP tensor is a plan problem naming it, from the headers
+    bad = write_float_checkpoint(tmp_path / "bad", ref, {**mtp, "mtp.0.h_proj.weight": torch.zeros(H, H + 1)})
+    with pytest.raises(PlanError, match=rf"mtp\.0\.h_proj\.weight, file model\.safetensors: shape \[{H}, {H + 1}\], "
+                                        rf"expected \[{H}, {H}\]"):
+        plan(bad)
     # option mtp=false: not built, every mtp.0.* skipped; speculative decoding then says why
     off = load(path, options={"mtp": False}, progress=False)
     assert len(off.mtp) == 0
