@@ -200,15 +200,15 @@ class V4Attention(nn.Module):
         cache.compressor.forget_before(keep)
         cache.indexer.forget_before(keep)
 
-    def truncate_cache(self, cache: V4AttentionCache, n: int, name: str = "") -> None:
+    def truncate_cache(self, cache: V4AttentionCache, n: int) -> None:
         """``cache`` back to its first ``n`` tokens: afterwards it is the cache of a sequence that
         never saw the later ones (equal window rows, compressor states and entries, indexer keys).
         Rebuilt from the logged rows (see :class:`V4AttentionCache`); a length they do not reach
         (``rollback`` exceeded, or a cache advanced without logging) is a :class:`GenerationError`
-        naming the layer ``name``."""
+        naming the layer."""
         if n == cache.length:
             return
-        where = f"{name or self.qp_ckpt}: " if (name or self.qp_ckpt) else ""
+        where = f"{self.qp_ckpt}: "
         if not 0 <= n <= cache.length:
             raise GenerationError(f"{where}cannot truncate a DeepSeek-V4 attention cache of {cache.length} tokens "
                                   f"to {n}")
