@@ -13,7 +13,6 @@ prefix).
   ``shared_experts.w1`` / ``w3`` / ``w2``, both with the clamped SwiGLU (``swiglu_limit``).
 - ``hc_head`` (:class:`~quantplug.blocks.hyper.HyperHead`) collapses the streams, then ``norm``
   and the untied LM head ``head.weight``.
-
 - The MTP block ``mtp.K`` (:class:`DeepseekV4MTP`, DeepSeek-V4's ``MTPBlock``) on the streams
   before ``hc_head``, driven by the generation API's ``speculative="mtp"`` (``hidden_and_logits``
   returns those streams, ``mtp_logits`` drafts, ``qp_new_mtp_cache`` is its own cache); a
@@ -21,8 +20,10 @@ prefix).
 
 Matched against transformers 5.25's ``DeepseekV4ForCausalLM`` in float32 (tests/test_deepseek_v4.py);
 the MTP draft against an independent MTP (tests/test_deepseek_v4_mtp.py).
-Not here: the release's FP8 / FP4 formats, the native lowering (every block runs its torch
-forward) and tensor / expert parallelism (no ``qp_tp_plan``).
+The release's quantized layout (FP8 linears with ``X.scale``, FP4 routed experts) is a backend's
+answer like any format's (the ``fp8`` backend); the skeleton only names the modules.
+Not here: the native lowering (every block runs its torch forward) and tensor / expert
+parallelism (no ``qp_tp_plan``).
 """
 
 from __future__ import annotations
