@@ -37,6 +37,7 @@ from v4_models import (  # noqa: E402
     quantize_fp8_blocks,
     reference_model,
     release_names,
+    set_release_weights,
     write_float_checkpoint,
     write_v4_release,
 )
@@ -87,23 +88,26 @@ def _mtp_tensors(layer: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def _release_mtp(mtp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _release_mtp(mtp: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """``mtp.0.*`` as the release stores it (E7 / E9: tests/v4_models.py's quantizers): FP8 with E8M0
     block scales for ``e_proj`` / ``h_proj`` and the block's dense linears, FP4 routed experts,
-    float32 ``hc_*`` / ``attn_sink`` / ``gate.bias``, BF16 the rest."""
+    float32 ``hc_*`` / ``attn_sink`` / ``gate.bias``, BF16 the rest; and the float32 values the
+    stored tensors stand for (the quantizers' own dequantization)."""
     out: dict[str, torch.Tensor] = {}
+    values: dict[str, torch.Tensor] = {}
     fp8 = tuple(f".{lin}.weight" for lin in (*FP8_LINEARS, "e_proj", "h_proj"))
     for name, t in mtp.items():
         base = name.removesuffix(".weight")
         if name.endswith(fp8):
-            out[name], out[f"{base}.scale"], _ = quantize_fp8_blocks(t)
+            out[name], out[f"{base}.scale"], values[name] = quantize_fp8_blocks(t)
         elif ".ffn.experts." in name:
-            out[name], out[f"{base}.scale"], _ = quantize_fp4_experts(t)
+            out[name], out[f"{base}.scale"], values[name] = quantize_fp4_experts(t)
         elif ".hc_" in name or name.endswith(("attn_sink", "gate.bias")):
-            out[name] = t.float().contiguous()
+            out[name] = values[name] = t.float().contiguous()
         else:
             out[name] = t.to(torch.bfloat16).contiguous()
-    return out
+            values[name] = out[name].float()
+    return out, values
 
 
 @pytest.fixture(scope="module")
@@ -222,18 +226,47 @@ def _spec(model: Any) -> tuple[list[int], Generation]:
 
 
 @pytest.fixture(scope="module")
-def release(v4: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The same model in DeepSeek-V4's FP8 + FP4 release format (``mtp.0.*`` included), loaded."""
+def release(v4: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path, dict[str, torch.Tensor],
+                                                                         dict[str, torch.Tensor]]:
+    """The same model in DeepSeek-V4's FP8 + FP4 release format (``mtp.0.*`` included), loaded; its
+    path; the float32 values of the main model's and of the MTP block's stored tensors."""
     ref, _, mtp, _, _ = v4
     path = tmp_path_factory.mktemp("v4mtp-release") / "ckpt"
-    write_v4_release(path, ref, extra=_release_mtp(mtp))
-    return load(path, progress=False)
+    stored, mtp_values = _release_mtp(mtp)
+    values = write_v4_release(path, ref, extra=stored)
+    return load(path, progress=False), path, values, mtp_values
+
+
+def test_release_draft_logits_match_the_independent_mtp(v4, release):
+    """The release format, weight-only (``activation_quant=none``): the draft logits within 1e-5 of
+    the independent MTP holding the values the stored FP8 / FP4 / BF16 tensors stand for."""
+    ref, layer, _, _, _ = v4
+    _, path, values, mtp_values = release
+    model = load(path, options={"activation_quant": "none"}, progress=False)
+    assert "fp4" in model.quantplug_plan.schemes()["mtp.0.ffn.experts.gate_proj"]
+    ref_q = set_release_weights(ref, values)
+    holder = torch.nn.Module()
+    holder.model = torch.nn.Module()
+    holder.model.layers = torch.nn.ModuleList([layer])
+    layer_q = set_release_weights(holder, {f"layers.0.{k.removeprefix('mtp.0.')}": v
+                                           for k, v in mtp_values.items()}).model.layers[0]
+    ids = torch.randint(0, V, (1, 20), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        x_ref = _main_streams(ref_q, ids[:, :-1])
+        want = _reference_draft(ref_q, layer_q, mtp_values, x_ref, ids[:, 1:])
+        x, _ = model.hidden_and_logits(ids[:, :-1], model.qp_new_cache(1, 32, 4096))
+        got = model.mtp_logits(ids[:, 1:], x, model.qp_new_mtp_cache(1, 32, 4096))
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < 1e-5, err
+    # the float MTP weights (not what the release stores) miss it
+    float_draft = _reference_draft(ref_q, layer, v4[2], x_ref, ids[:, 1:])
+    assert (float_draft - want).abs().max() / want.abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("fmt", ["float", "release"])
 def test_speculative_equals_greedy(v4, release, fmt, monkeypatch):
     """Every bundled format of V4: the float checkpoint and the FP8 + FP4 release (fp8 backend)."""
-    model = v4[-1] if fmt == "float" else release
+    model = v4[-1] if fmt == "float" else release[0]
     if fmt == "release":
         p = model.quantplug_plan
         assert p.backend == "fp8" and not p.problems
