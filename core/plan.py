@@ -186,12 +186,15 @@ class _Decider:
         n, k = self.mcfg.num_hidden_layers, self.mcfg.num_nextn_predict_layers
         if k == 0:
             return
-        target = self.ck(f"model.layers.{n}")
+        # where MTP layer j is stored: the model's declaration (DeepSeek-V4: mtp.{k}), else after the main layers
+        module = getattr(self.arch.cls, "qp_mtp_module", "model.layers.{layer}")
+        names = [self.ck(module.format(layer=n + j, k=j)) for j in range(k)]
+        target = names[0]
         if not self.options.mtp:
             self.decisions.append(Decision("mtp_layers", target, 0, CORE,
                                            f"option mtp=false: the {k} MTP layer(s) are skipped (rule mtp-layers)"))
             return
-        stored = [i for i in range(n, n + k) if self._has_module(self.ck(f"model.layers.{i}"))]
+        stored = [name for name in names if self._has_module(name)]
         if not stored:
             if given:
                 self.problems.append(Problem(
@@ -202,8 +205,8 @@ class _Decider:
             return
         self.mtp_layers = k
         self.decisions.append(Decision("mtp_layers", target, k, CORE,
-                                       f"num_nextn_predict_layers = {k}: layers {n}..{n + k - 1} loaded for "
-                                       "speculative decoding (option mtp=false skips them)"))
+                                       f"num_nextn_predict_layers = {k}: {names[0]}" + (f"..{names[-1]}" if k > 1 else "")
+                                       + " loaded for speculative decoding (option mtp=false skips them)"))
 
     def ck(self, rel: str) -> str:
         return f"{self.prefix}.{rel}" if self.prefix else rel
