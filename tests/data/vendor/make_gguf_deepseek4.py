@@ -54,7 +54,7 @@ CONFIG: dict[str, Any] = {
     "compress_ratios": [0, 4, 128, 0], "compress_rope_theta": 160000.0, "rope_theta": 10000.0,
     "rope_scaling": {"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
                      "beta_fast": 32, "beta_slow": 1},
-    "index_n_heads": 4, "index_head_dim": 64, "index_topk": 6, "hc_mult": 4, "hc_sinkhorn_iters": 20,
+    "index_n_heads": 16, "index_head_dim": 64, "index_topk": 6, "hc_mult": 4, "hc_sinkhorn_iters": 20,
     "hc_eps": 1e-6, "n_routed_experts": E, "num_experts_per_tok": K, "n_shared_experts": 1,
     "moe_intermediate_size": INTER, "num_hash_layers": 1, "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc",
     "norm_topk_prob": True, "routed_scaling_factor": 1.5, "swiglu_limit": LIM, "num_nextn_predict_layers": 1,
