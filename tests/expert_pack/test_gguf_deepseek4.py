@@ -275,3 +275,43 @@ def test_cached_decode_equals_the_prompt(model):
         steps = [model.next_logits(ids[:, i:i + 1], cache) for i in range(120, 136)]
     torch.testing.assert_close(first, full[:, :120], rtol=0, atol=2e-5)
     torch.testing.assert_close(torch.stack(steps, 1), full[:, 120:], rtol=0, atol=2e-5)
+
+
+def test_export_writes_llama_cpp_layout_and_loads_back(model, tmp_path):
+    """The plugin's exporter on the loaded fixture: a deepseek4 GGUF with llama.cpp's converter's
+    names, types and metadata. Every tensor's type and shape equal the converter's; BF16, F32 and
+    I32 tensors are byte-identical, MXFP4 experts decode to the same values (gguf-py's quantizer
+    may give a block whose largest code is 3 the next lower exponent), Q8_0 ones are re-quantized
+    from their own dequantization; every deepseek4 metadata key has the converter's value. The
+    export and its expert-pack copy load back to the fixture's logits."""
+    from quantplug.plugins import get_plugin_manager
+
+    results = get_plugin_manager().export("expert_pack", model=model, destination=tmp_path / "out",
+                                          plan=model.quantplug_plan)
+    plain, packed = (r.path for r in results)
+    ours = gguf.GGUFReader(str(plain / "model.gguf"))
+    theirs = gguf.GGUFReader(str(FIXTURE / "model.gguf"))
+    mine = {t.name: t for t in ours.tensors}
+    assert set(mine) == {t.name for t in theirs.tensors}
+    for t in theirs.tensors:
+        o = mine[t.name]
+        assert o.tensor_type == t.tensor_type and list(o.shape) == list(t.shape), t.name
+        if t.tensor_type == gguf.GGMLQuantizationType.MXFP4:  # same values (a block may take another exponent)
+            assert np.array_equal(gguf.quants.dequantize(o.data, o.tensor_type),
+                                  gguf.quants.dequantize(t.data, t.tensor_type)), t.name
+        elif t.tensor_type != gguf.GGMLQuantizationType.Q8_0:
+            assert np.array_equal(np.array(o.data), np.array(t.data)), t.name
+    keys = [k for k in theirs.fields if k.startswith("deepseek4.")]
+    for k in keys:
+        assert k in ours.fields, k
+        a, b = ours.fields[k].contents(), theirs.fields[k].contents()
+        if isinstance(b, str):
+            assert a == b, k
+            continue
+        assert np.allclose(np.asarray(a, dtype=float), np.asarray(b, dtype=float), rtol=1e-7), (k, a, b)
+    ids = maker.prompt()[:, :40]
+    with torch.no_grad():
+        ref = model(ids)
+        for p in (plain, packed):
+            assert rel_err(quantplug.load(p, progress=False)(ids), ref) < 1e-5
+    assert (packed / "experts.qpack").is_file()

@@ -503,7 +503,7 @@ def _check_pack(plan: Any, pack: ExpertPack) -> list[Problem]:
 
 
 #: a routed-expert parameter of the plan, its layer in group 1
-_EXPERT_PARAM = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.")
+_EXPERT_PARAM = re.compile(r"^(?:model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe|ffn)\.experts\.")
 
 
 @hookimpl

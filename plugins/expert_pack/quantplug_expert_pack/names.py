@@ -231,12 +231,14 @@ def model_to_gguf(model_config: Any) -> dict[str, str]:
 
 #: the model's per-expert projection names under each MoE module (the core's ``Experts`` names:
 #: DeepSeek's hub layout under ``mlp``; Kimi-Linear / K3 store ``w1`` / ``w3`` / ``w2`` under
-#: ``block_sparse_moe``)
+#: ``block_sparse_moe``, DeepSeek-V4 under ``ffn``)
 PER_EXPERT = {
     "mlp": {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"},
     "block_sparse_moe": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
+    "ffn": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},  # DeepSeek-V4's release names
 }
-_STACKED = re.compile(r"^(model\.layers\.\d+\.(mlp|block_sparse_moe)\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
+_STACKED = re.compile(r"^((?:model\.)?layers\.\d+\.(mlp|block_sparse_moe|ffn)\.experts)\."
+                      r"(gate_proj|up_proj|down_proj)\.weight$")
 _EXPS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 
 
