@@ -31,7 +31,6 @@ from quantplug.testing.reference import rel_err
 
 gguf = pytest.importorskip("gguf")
 
-from quantplug_expert_pack.names import model_to_gguf  # noqa: E402
 
 VENDOR = Path(__file__).parents[1] / "data" / "vendor"
 FIXTURE = VENDOR / "gguf_deepseek4_mxfp4"
@@ -53,28 +52,53 @@ def model():
     return quantplug.load(FIXTURE, progress=False)
 
 
+#: llama.cpp's converter's table (``DeepseekV4Model._map_dsv4_tensor_name`` with gguf-py's
+#: TENSOR_NAMES), inverted: GGUF name (``blk.L.`` removed) -> release name (``layers.L.`` removed);
+#: written out here, independent of the plugin's own map
+CONVERTER = {
+    "hc_attn_fn.weight": "hc_attn_fn", "hc_attn_base.weight": "hc_attn_base", "hc_attn_scale.weight": "hc_attn_scale",
+    "hc_ffn_fn.weight": "hc_ffn_fn", "hc_ffn_base.weight": "hc_ffn_base", "hc_ffn_scale.weight": "hc_ffn_scale",
+    "attn_sinks.weight": "attn.attn_sink", "attn_q_a.weight": "attn.wq_a.weight", "attn_q_b.weight": "attn.wq_b.weight",
+    "attn_q_a_norm.weight": "attn.q_norm.weight", "attn_kv.weight": "attn.wkv.weight",
+    "attn_kv_a_norm.weight": "attn.kv_norm.weight", "attn_output_a.weight": "attn.wo_a.weight",
+    "attn_output_b.weight": "attn.wo_b.weight", "attn_compressor_ape.weight": "attn.compressor.ape",
+    "attn_compressor_kv.weight": "attn.compressor.wkv.weight",
+    "attn_compressor_gate.weight": "attn.compressor.wgate.weight",
+    "attn_compressor_norm.weight": "attn.compressor.norm.weight", "indexer.attn_q_b.weight": "attn.indexer.wq_b.weight",
+    "indexer.proj.weight": "attn.indexer.weights_proj.weight", "indexer_compressor_ape.weight": "attn.indexer.compressor.ape",
+    "indexer_compressor_kv.weight": "attn.indexer.compressor.wkv.weight",
+    "indexer_compressor_gate.weight": "attn.indexer.compressor.wgate.weight",
+    "indexer_compressor_norm.weight": "attn.indexer.compressor.norm.weight", "attn_norm.weight": "attn_norm.weight",
+    "ffn_norm.weight": "ffn_norm.weight", "ffn_gate_inp.weight": "ffn.gate.weight", "exp_probs_b.bias": "ffn.gate.bias",
+    "ffn_gate_tid2eid.weight": "ffn.gate.tid2eid", "ffn_gate_shexp.weight": "ffn.shared_experts.w1.weight",
+    "ffn_up_shexp.weight": "ffn.shared_experts.w3.weight", "ffn_down_shexp.weight": "ffn.shared_experts.w2.weight",
+    "ffn_gate_exps.weight": "w1", "ffn_up_exps.weight": "w3", "ffn_down_exps.weight": "w2",
+}
+CONVERTER_GLOBAL = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight",
+                    "output.weight": "head.weight", "output_hc_fn.weight": "hc_head_fn",
+                    "output_hc_base.weight": "hc_head_base", "output_hc_scale.weight": "hc_head_scale"}
+
+
 @pytest.fixture(scope="module")
 def dequantized() -> dict[str, torch.Tensor]:
     """Every tensor of the fixture dequantized by gguf-py, under the release's names (stacked
     experts split per expert as the release stores them)."""
-    from quantplug.models.deepseek_v4_config import parse_deepseek_v4_config
-
-    cfg = json.loads((FIXTURE / "config.json").read_text())
-    inv = {v: k for k, v in model_to_gguf(parse_deepseek_v4_config(cfg, cfg["architectures"][0], False)).items()}
     out: dict[str, torch.Tensor] = {}
     for t in gguf.GGUFReader(str(FIXTURE / "model.gguf")).tensors:
         shape = [int(n) for n in reversed(t.shape.tolist())]
         raw = np.array(t.data) if t.tensor_type == gguf.GGMLQuantizationType.I32 \
             else gguf.quants.dequantize(t.data, t.tensor_type)
         x = torch.from_numpy(np.array(raw).reshape(shape))
-        name = inv[t.name]
-        if ".ffn.experts." in name:
-            base, proj = name.rsplit(".", 2)[0], name.split(".")[-2]
-            w = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[proj]
+        if t.name in CONVERTER_GLOBAL:
+            out[CONVERTER_GLOBAL[t.name]] = x.float()
+            continue
+        _, layer, base = t.name.split(".", 2)
+        name = CONVERTER[base]
+        if name in ("w1", "w3", "w2"):
             for e in range(x.shape[0]):
-                out[f"{base}.{e}.{w}.weight"] = x[e].float().contiguous()
+                out[f"layers.{layer}.ffn.experts.{e}.{name}.weight"] = x[e].float().contiguous()
         else:
-            out[name] = x if x.dtype == torch.int32 else x.float()
+            out[f"layers.{layer}.{name}"] = x if x.dtype == torch.int32 else x.float()
     return out
 
 
@@ -171,24 +195,25 @@ def test_logits_equal_transformers_on_the_dequantized_tensors(model, dequantized
 
 
 def test_llama_cpp_logits(model):
-    """llama.cpp's own logits (stored) on the same file. Its CPU kernels round activations to
-    Q8_0 blocks before every Q8_0 / MXFP4 product (bf16 before BF16 ones), so per position
-    quantplug's exact logits sit a few percent from them; on the all-F32 copy (every tensor
-    dequantized by gguf-py, the same values) nothing is rounded and they agree to float32
-    accumulation order. Greedy tokens agree at nearly every position."""
+    """llama.cpp's own logits (stored; llama-cpp-python 0.3.36) on the same file. Its CPU kernels
+    round activations to Q8_0 blocks before every Q8_0 / MXFP4 product (bf16 before BF16 ones), so
+    quantplug's exact logits sit ~1% (median per position; measured 1.02%, at most 12.1% where
+    the rounding moves a routing or top-k choice; 98% equal argmax) from them, as one prompt batch
+    or one token per decode alike. On the all-F32 copy of the file (every tensor dequantized by
+    gguf-py: the same values) nothing is rounded and they agree to float32 accumulation order
+    (measured 3.8e-7): llama.cpp's deepseek4 graph and quantplug compute the same function,
+    indexer selection, compressed entries, hash routing and mHC included."""
     ref = _reference()
     ids = ref["input_ids"]
     assert torch.equal(ids, maker.prompt())
     with torch.no_grad():
         ours = model(ids)
-    f32 = rel_err(ours, ref["llama_cpp_f32_prompt"])
-    per_pos = ((ours - ref["llama_cpp_prompt"]).norm(dim=-1) / ref["llama_cpp_prompt"].norm(dim=-1))[0]
-    steps = rel_err(ours, ref["llama_cpp_steps"])
-    assert f32 < 1e-5, f32
-    assert per_pos.median() < 0.05 and per_pos.max() < 0.2, (per_pos.median(), per_pos.max())
-    assert steps < 0.1
-    agree = (ours.argmax(-1) == ref["llama_cpp_prompt"].argmax(-1)).float().mean()
-    assert agree > 0.9
+    assert rel_err(ours, ref["llama_cpp_f32_prompt"]) < 2e-6
+    for key in ("llama_cpp_prompt", "llama_cpp_steps"):
+        theirs = ref[key]
+        per_pos = ((ours - theirs).norm(dim=-1) / theirs.norm(dim=-1))[0]
+        assert per_pos.median() < 0.03 and per_pos.max() < 0.25, (key, per_pos.median(), per_pos.max())
+        assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() > 0.95
 
 
 def _rewrite(dst: Path, change: dict[str, Any] | None = None, drop: tuple[str, ...] = (),
