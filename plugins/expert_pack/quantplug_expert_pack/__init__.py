@@ -1,6 +1,6 @@
 """quantplug backend for GGUF checkpoints (llama.cpp deepseek2 layout, deepseek32 for
-DeepSeek-V3.2, kimi-linear and kimi-k3 for the KDA + MLA hybrids) and expert packs (entry point
-``expert_pack``).
+DeepSeek-V3.2, kimi-linear and kimi-k3 for the KDA + MLA hybrids, deepseek4 for DeepSeek-V4) and
+expert packs (entry point ``expert_pack``).
 
 Every GGUF-specific decision is one of this plugin's hook answers:
 
@@ -18,7 +18,8 @@ Every GGUF-specific decision is one of this plugin's hook answers:
 * ``quantplug_validate_plan``: GGUF metadata vs config.json (deepseek32: the architecture against
   the config's indexer, ``attention.indexer.*`` against ``index_*``; kimi-linear / kimi-k3: the
   architecture against config.json's, the per-layer ``head_count_kv`` against the layer kinds, the
-  KDA / SiTU / latent-MoE / attention-residual keys against their config fields), the V3.2
+  KDA / SiTU / latent-MoE / attention-residual keys against their config fields; deepseek4: every
+  key llama.cpp's loader reads against its config field, :func:`_check_v4`), the V3.2
   indexer's float tensors stored as floats, the pack against the model (experts per layer, MoE
   layers present, config.json unchanged);
 * ``quantplug_export`` / ``quantplug_cli_commands``: GGUF writer, ``quantplug expert-pack build``
@@ -203,7 +204,7 @@ _META_CHECKS = (
 )
 #: llama.cpp architectures this plugin reads: deepseek2 (DeepSeek-V3 / Kimi-K2.x), deepseek32
 #: (DeepSeek-V3.2: deepseek2 plus the lightning indexer, blk.N.indexer.*), kimi-linear and kimi-k3
-#: (KDA + MLA hybrids), each -> the config.json architectures it must come with (None: any other)
+#: (KDA + MLA hybrids), deepseek4 (DeepSeek-V4, its release names)
 ARCHITECTURES = ("deepseek2", "deepseek32", "kimi-linear", "kimi-k3", "deepseek4")
 #: the Kimi hybrids' llama.cpp architecture -> their config.json architecture
 KIMI_ARCHS = {"kimi-linear": "KimiLinearForCausalLM", "kimi-k3": "KimiK3ForConditionalGeneration"}
@@ -229,8 +230,8 @@ def quantplug_validate_plan(plan: Any, quant_config: GGUFConfig) -> list[Problem
     kimi = KIMI_ARCHS.get(arch)
     if arch not in ARCHITECTURES:
         problems.append(Problem(f"general.architecture is {arch!r}; quantplug-expert-pack reads llama.cpp "
-                                "'deepseek2' files (DeepSeek-V3 / Kimi-K2.x), 'deepseek32' files (DeepSeek-V3.2) "
-                                "and 'kimi-linear' / 'kimi-k3' files", file=first))
+                                "'deepseek2' files (DeepSeek-V3 / Kimi-K2.x), 'deepseek32' files (DeepSeek-V3.2), "
+                                "'kimi-linear' / 'kimi-k3' files and 'deepseek4' files (DeepSeek-V4)", file=first))
     elif arch == "deepseek4" or plan.architecture == V4_ARCH:
         if plan.architecture != V4_ARCH or arch != "deepseek4":
             want = "'deepseek4'" if plan.architecture == V4_ARCH else f"{V4_ARCH} (llama.cpp's 'deepseek4')"
