@@ -280,6 +280,32 @@ def test_architecture_mismatch_is_refused(tmp_path):
         quantplug.plan(root)
 
 
+def test_deepseek4_file_under_another_config_is_refused(tmp_path):
+    from quantplug.testing import tiny_config
+
+    root = tmp_path / "v3"
+    root.mkdir()
+    shutil.copy(FIXTURE / "model.gguf", root / "model.gguf")
+    (root / "config.json").write_text(json.dumps(tiny_config(vocab_size=maker.V)))
+    with pytest.raises(PlanError, match=r"general.architecture is 'deepseek4' but config.json is "
+                                        r"DeepseekV3ForCausalLM; expected DeepseekV4ForCausalLM"):
+        quantplug.plan(root)
+
+
+def test_experts_served_from_the_gguf_through_the_cache(model):
+    """``expert_cache_mb``: the MXFP4 experts read from the GGUF on demand, the same logits."""
+    ids = maker.prompt()[:, :40]
+    cached = quantplug.load(FIXTURE, progress=False, options={"expert_cache_mb": 0.02})
+
+    def held(m: Any) -> int:
+        e = m.layers[1].ffn.experts
+        return len(list(e.parameters())) + len(list(e.buffers()))
+
+    assert held(cached) == 0 and held(model) > 0  # served from the file, not loaded
+    with torch.no_grad():
+        torch.testing.assert_close(cached(ids), model(ids), rtol=0, atol=1e-6)
+
+
 def test_missing_tensor_is_named_by_its_llama_cpp_name(tmp_path):
     root = _rewrite(tmp_path / "m", drop=("blk.1.indexer_compressor_kv.weight", "blk.0.ffn_gate_tid2eid.weight"))
     with pytest.raises(PlanError) as e:
