@@ -12,6 +12,9 @@ equal argmax, for quantplug's exact kernels and ``kernels=fast`` against
 - llama.cpp on the converted file, as one prompt batch and one token per ``llama_decode``;
 - llama.cpp on its all-F32 copy (every tensor dequantized by gguf-py).
 
+``--release DIR`` (the source ``make_gguf_deepseek4.py source`` writes) adds the release itself,
+loaded by the fp8 backend weight-only (``activation_quant=none``), against the GGUF: what the
+conversion (FP8 -> Q8_0) costs.
 ``--live`` (llama-cpp-python 0.3.36 built from the tree whose converter made the fixture) recomputes
 those three with llama.cpp, and adds quantplug's own ``deepseek4`` export of the loaded fixture
 (``quantplug_export``, the fixture's vocabulary copied in so that llama.cpp loads it): llama.cpp's
@@ -63,6 +66,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--live", action="store_true", help="run llama.cpp (llama-cpp-python) instead of the stored logits")
     ap.add_argument("--work", type=Path, default=Path("/tmp/v4-llama-compare"))
+    ap.add_argument("--release", type=Path, help="the release-format source the fixture was converted from "
+                                                   "(make_gguf_deepseek4.py source): loaded by the fp8 backend")
     args = ap.parse_args()
     torch.set_num_threads(1)
     ids = maker.prompt()
@@ -86,6 +91,11 @@ def main() -> None:
                       ("llama_cpp_f32_prompt", "all-F32 copy, prompt batch")):
         report(f"exact vs llama.cpp {what}", exact, ref[key])
         report(f"fast  vs llama.cpp {what}", fast, ref[key])
+    if args.release is not None:  # what the conversion itself costs (FP8 linears -> Q8_0)
+        with torch.no_grad():
+            release = quantplug.load(args.release, progress=False, options={"activation_quant": "none"})(ids)
+        report("release (fp8 backend) vs the GGUF (exact)", release, exact)
+        report("release (fp8 backend) vs llama.cpp converted", release, ref["llama_cpp_prompt"])
     if args.live:
         from quantplug.plugins import get_plugin_manager
 
