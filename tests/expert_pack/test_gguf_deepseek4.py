@@ -17,6 +17,7 @@ References here, none of them quantplug code: gguf-py dequantizes the file and t
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -366,3 +367,12 @@ def test_export_writes_llama_cpp_layout_and_loads_back(model, tmp_path):
         for p in (plain, packed):
             assert rel_err(quantplug.load(p, progress=False)(ids), ref) < 1e-5
     assert (packed / "experts.qpack").is_file()
+
+
+@pytest.mark.skipif(not os.environ.get("QUANTPLUG_LLAMA_CPP"),
+                    reason="QUANTPLUG_LLAMA_CPP (a llama.cpp tree with its converter) not set")
+def test_fixture_is_the_converters_output(tmp_path):
+    """llama.cpp's converter on the regenerated release source writes the fixture byte for byte."""
+    src = maker.write_source(tmp_path / "src")
+    maker.convert(Path(os.environ["QUANTPLUG_LLAMA_CPP"]), src, tmp_path / "model.gguf")
+    assert (tmp_path / "model.gguf").read_bytes() == (FIXTURE / "model.gguf").read_bytes()
