@@ -219,13 +219,14 @@ def child_in_memory(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         logits = lm.next_logits(ids, kv)
         prefill_s = time.perf_counter() - t0
-        toks, steps = [], []
+        toks, steps, finite = [], [], bool(torch.isfinite(logits).all())
         for _ in range(args.tokens):
             t = int(logits.argmax())
             toks.append(t)
             t0 = time.perf_counter()
             logits = lm.next_logits(torch.tensor([[t]]), kv)
             steps.append(time.perf_counter() - t0)
+            finite = finite and bool(torch.isfinite(logits).all())
     peak = _status_kb("VmHWM") / (1 << 20)  # before the bandwidth probe's 2 GB
     bw = memory_bandwidth()
     steps.sort()
@@ -239,7 +240,8 @@ def child_in_memory(args: argparse.Namespace) -> dict:
         "gb_per_token": round(per_token / GB, 3), **{f"gb_per_token_{k.replace(' ', '_')}": round(v / GB, 3)
                                                      for k, v in parts.items()},
         "memory_GBps": round(bw, 2), "bound_tokens_per_s": round(bound, 3),
-        "fraction_of_bound": round(1 / median / bound, 3), "tokens_out": toks,
+        "fraction_of_bound": round(1 / median / bound, 3), "logits_finite": finite,
+        "logits_std_last": round(float(logits.float().std()), 3), "tokens_out": toks,
     }
 
 
@@ -274,12 +276,13 @@ def child(args: argparse.Namespace) -> dict:
         prefill_s = time.perf_counter() - t0
         before = dict(cache.stats())
         dev0 = _io_read_bytes()
-        toks = []
+        toks, finite = [], bool(torch.isfinite(logits).all())
         t0 = time.perf_counter()
         for _ in range(args.tokens):
             t = int(logits.argmax())
             toks.append(t)
             logits = lm.next_logits(torch.tensor([[t]]), kv)
+            finite = finite and bool(torch.isfinite(logits).all())
         decode_s = time.perf_counter() - t0
         dev = _io_read_bytes() - dev0
     after = cache.stats()
@@ -305,6 +308,7 @@ def child(args: argparse.Namespace) -> dict:
         "cache_peak_gib": round(after["peak_bytes"] / (1 << 30), 2),
         "experts_on_demand_gb": round(model.load_report["experts_on_demand_bytes"] / GB, 2),
         "loaded_gb": round(model.load_report["bytes_read"] / GB, 2),
+        "logits_finite": finite, "logits_std_last": round(float(logits.float().std()), 3),
         "tokens_out": toks,
     }
 
