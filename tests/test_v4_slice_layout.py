@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from quantplug import load, plan
 from quantplug.testing.slice import (
     E2M1_VALUES,
     V4_FLASH_CONFIG,
@@ -24,6 +25,7 @@ from safetensors import safe_open
 
 pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 from v4_models import CONFIG, reference_model, release_names  # noqa: E402
+from v4_models import release_tensors as quantized_reference  # noqa: E402
 
 #: the tiny release config: tests/v4_models.py's (one SWA, one CSA, one HCA layer; the first hash-routed) with
 #: the release's quantization_config and FP4 experts
@@ -123,6 +125,54 @@ def test_tensor_set_is_the_reference_models(written: tuple[Path, dict[str, torch
         if t.dtype == torch.int8:
             shape[-1] *= 2
         assert tuple(shape) == tuple(ref[name].shape), name
+
+
+def test_dtypes_and_shapes_equal_the_reference_quantizer(written: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    """tests/v4_models.py quantizes transformers' tiny V4 into the release layout on its own (FP8 + E8M0 scales,
+    FP4 experts): the same tensors, dtypes and shapes as the slice writer's."""
+    _, tensors = written
+    stored, _ = quantized_reference(reference_model(), "fp4")
+    assert {n: (t.dtype, tuple(t.shape)) for n, t in stored.items()} == \
+        {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}
+
+
+def test_plans_cleanly(written: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    """The fp8 backend claims the slice as DeepSeek-V4's release (FP8 dense, FP4 routed experts): no problem,
+    in memory and with the experts served from the files."""
+    root, tensors = written
+    for options in ({}, {"expert_cache_mb": 1}):
+        p = plan(root, options=options)
+        assert p.problems == [] and p.backend == "fp8" and p.architecture == "DeepseekV4ForCausalLM"
+        schemes = {d.target: d.value for d in p.decisions if d.hook == "quantplug_linear_scheme"}
+        assert schemes["layers.2.ffn.experts.gate_proj"].startswith("fp4 e2m1")
+        assert schemes["layers.1.attn.indexer.wq_b"].startswith("fp8 e4m3")
+        assert schemes["layers.1.attn.compressor.wkv"] == "dense"
+        planned = {src.tensor for pp in p.params for src, _ in pp.sources}
+        assert planned == set(tensors)
+
+
+def test_loads_and_generates_with_experts_from_the_files(written: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    """The slice loads (bfloat16, as the real-dimension bench runs it) and generates: finite logits that vary,
+    the same with the routed experts served from the files through a cache as with every weight in memory."""
+    root, _ = written
+    ids = torch.tensor([[5, 17, 42, 9, 77, 3, 60, 21]])
+    out = {}
+    for cache_mb in (0, 0.05):
+        model = load(root, dtype=torch.bfloat16, options={"expert_cache_mb": cache_mb} if cache_mb else {},
+                     progress=False)
+        with torch.inference_mode():
+            logits = model(ids).float()
+            gen = model.generate(ids, 8)
+        assert bool(torch.isfinite(logits).all()) and float(logits.std()) > 0.1
+        if cache_mb:
+            from quantplug.api import stats_sources
+
+            stats = stats_sources(model)["expert_cache"].stats()
+            assert stats["requests"] > stats["hits"] > 0  # served, and some read back after eviction
+        out[cache_mb] = (logits, gen)
+    (l0, g0), (l1, g1) = out[0], out[0.05]
+    assert torch.equal(l0, l1) and torch.equal(g0, g1)
+    assert len(set(g0[0, ids.shape[1]:].tolist())) > 1  # tokens vary
 
 
 def test_inventory_at_flash_dimensions() -> None:
