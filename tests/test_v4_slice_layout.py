@@ -152,27 +152,30 @@ def test_plans_cleanly(written: tuple[Path, dict[str, torch.Tensor]]) -> None:
 
 
 def test_loads_and_generates_with_experts_from_the_files(written: tuple[Path, dict[str, torch.Tensor]]) -> None:
-    """The slice loads (bfloat16, as the real-dimension bench runs it) and generates: finite logits that vary,
-    the same with the routed experts served from the files through a cache as with every weight in memory."""
+    """The slice loads and generates: finite logits that vary, the same with the routed experts served from the
+    files through a cache as with every weight in memory (float32: bitwise; a bfloat16 model rounds the two
+    paths' sums in different places once experts see one token each, as at 256 experts), and a bfloat16 model
+    (as the real-dimension bench runs it) generates from the files too."""
+    from quantplug.api import stats_sources
+
     root, _ = written
     ids = torch.tensor([[5, 17, 42, 9, 77, 3, 60, 21]])
     out = {}
-    for cache_mb in (0, 0.05):
-        model = load(root, dtype=torch.bfloat16, options={"expert_cache_mb": cache_mb} if cache_mb else {},
-                     progress=False)
+    for dtype, cache_mb in ((torch.float32, 0), (torch.float32, 0.05), (torch.bfloat16, 0.05)):
+        model = load(root, dtype=dtype, options={"expert_cache_mb": cache_mb} if cache_mb else {}, progress=False)
         with torch.inference_mode():
             logits = model(ids).float()
             gen = model.generate(ids, 8)
         assert bool(torch.isfinite(logits).all()) and float(logits.std()) > 0.1
+        assert len(set(gen[0, ids.shape[1]:].tolist())) > 1  # tokens vary
         if cache_mb:
-            from quantplug.api import stats_sources
-
             stats = stats_sources(model)["expert_cache"].stats()
             assert stats["requests"] > stats["hits"] > 0  # served, and some read back after eviction
-        out[cache_mb] = (logits, gen)
-    (l0, g0), (l1, g1) = out[0], out[0.05]
+        out[dtype, cache_mb] = (logits, gen)
+    (l0, g0), (l1, g1) = out[torch.float32, 0], out[torch.float32, 0.05]
     assert torch.equal(l0, l1) and torch.equal(g0, g1)
-    assert len(set(g0[0, ids.shape[1]:].tolist())) > 1  # tokens vary
+    lb = out[torch.bfloat16, 0.05][0]
+    assert float((lb - l0).abs().max()) < 0.1 * float(l0.abs().max())
 
 
 def test_inventory_at_flash_dimensions() -> None:
