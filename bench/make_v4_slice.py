@@ -2,14 +2,14 @@
 
     python bench/make_v4_slice.py --out DIR [--ratios 4,128] [--hash-layers 1] [--seed S] [--dry-run]
 
-V4-Flash's real dimensions (ARCHITECTURES.md E1: hidden 4096, 64 heads of 512, q_lora 1024, o_groups 8 /
+V4-Flash's real dimensions (its release config.json: hidden 4096, 64 heads of 512, q_lora 1024, o_groups 8 /
 o_lora 1024, sliding window 128, 256 routed experts of 2048 with 6 active + 1 shared, indexer 64 x 128 top
 512, mHC 4 streams, vocabulary 129280), two decoder layers by default: layer 0 CSA (ratio 4, with the
 lightning indexer) routed by ``tid2eid`` (``num_hash_layers`` 1), layer 1 HCA (ratio 128) with the learned
 router: Flash's layers 2 and 3 (its first CSA layer, still hash-routed, and its first HCA layer). No MTP
 block. 9.28 GB: the 2 x 256 FP4 experts 6.85 GB, ``embed`` + ``head`` (BF16) 2.12 GB.
 
-The release format exactly (E2 names without ``model.``, E9 dtypes): FP8 dense linears ``X.weight``
+The release format exactly (its tensor names without ``model.`` and dtypes, docs/architectures/deepseek-v4.md): FP8 dense linears ``X.weight``
 F8_E4M3 + ``X.scale`` F8_E8M0 per 128 x 128 block; routed experts FP4, ``X.weight`` I8 [N, K/2] + ``X.scale``
 F8_E8M0 [N, K/32]; ``tid2eid`` I64; ``attn_sink``, ``ape``, ``hc_*`` and ``gate.bias`` F32; the rest BF16.
 config.json is the Flash release's cut to these layers (``quantization_config`` fp8 / e4m3 / ue8m0 [128, 128],

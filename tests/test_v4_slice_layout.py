@@ -1,6 +1,6 @@
 """The DeepSeek-V4 slice writer (``quantplug.testing.slice.write_v4_checkpoint``, used at V4-Flash's real
 dimensions by ``bench/make_v4_slice.py``) at tiny dimensions: the files it writes hold the release's tensors
-(ARCHITECTURES.md E2 names and shapes, E9 dtypes) as the safetensors library reads them, the same tensor set
+(the release's names, shapes and dtypes, docs/architectures/deepseek-v4.md) as the safetensors library reads them, the same tensor set
 as transformers' V4 model in the release's names, random values at the intended scales, and a plan."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, t
 
 
 def _expected(name: str, cfg: dict) -> tuple[torch.dtype, tuple[int, ...]]:
-    """E2 / E9, restated: the release dtype and shape of ``name`` (scales from their weight)."""
+    """The release's rules, restated: the dtype and shape of ``name`` (scales from their weight)."""
     h, v, nh, hd, ql = (cfg["hidden_size"], cfg["vocab_size"], cfg["num_attention_heads"], cfg["head_dim"],
                         cfg["q_lora_rank"])
     g, r, e, k, mi = cfg["o_groups"], cfg["o_lora_rank"], cfg["n_routed_experts"], cfg["num_experts_per_tok"], \
@@ -179,7 +179,7 @@ def test_loads_and_generates_with_experts_from_the_files(written: tuple[Path, di
 
 
 def test_inventory_at_flash_dimensions() -> None:
-    """The real-dimension slice's inventory (no data written): E2's Flash shapes for the CSA / HCA layers."""
+    """The real-dimension slice's inventory (no data written): the release's Flash shapes for the CSA / HCA layers."""
     cfg = v4_flash_slice_config()
     assert cfg["compress_ratios"] == [4, 128] and cfg["num_hash_layers"] == 1
     inv = {t.name: t for t in v4_release_tensors(cfg)}

@@ -529,7 +529,7 @@ def write_gguf_q4_0(path: str | Path, cfg: Mapping[str, Any], source: WeightSour
 # DeepSeek-V4 release format: FP8 dense linears with E8M0 block scales, FP4 routed experts
 # ---------------------------------------------------------------------------------------------
 
-#: DeepSeek-V4-Flash's release ``config.json`` (ARCHITECTURES.md E1): 43 layers (0-1 sliding window only,
+#: DeepSeek-V4-Flash's release ``config.json`` (DeepSeek-V4's inference code and release): 43 layers (0-1 sliding window only,
 #: even 2-42 CSA ratio 4 with the indexer, odd 3-41 HCA ratio 128; the last ``compress_ratios`` entry is the
 #: MTP block's), layers 0-2 hash-routed, FP8 dense linears with ue8m0 scales, FP4 routed experts
 V4_FLASH_CONFIG: dict[str, Any] = {
@@ -598,7 +598,8 @@ def _v4_fp4(name: str, out: int, inp: int) -> list[V4Tensor]:
 
 
 def v4_release_tensors(cfg: Mapping[str, Any]) -> list[V4Tensor]:
-    """Every tensor of a DeepSeek-V4 release with this ``config.json`` (ARCHITECTURES.md E2 names, E9 dtypes),
+    """Every tensor of a DeepSeek-V4 release with this ``config.json`` (the release's names and dtypes, as
+    docs/architectures/deepseek-v4.md tabulates them),
     in module order: ``embed``, each layer (``hc_attn_*``, ``attn_norm``, ``attn.*`` with the compressor on
     layers of ratio > 0 and the indexer on ratio 4, ``hc_ffn_*``, ``ffn_norm``, ``ffn.gate`` with ``tid2eid`` I64
     on the first ``num_hash_layers`` layers and ``bias`` F32 after, the routed experts, the shared expert),
