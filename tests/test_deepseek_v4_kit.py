@@ -43,14 +43,15 @@ def load_reference(path: Path) -> torch.nn.Module:
 
 class TestDeepseekV4(ArchitectureConformance):
     architecture = "DeepseekV4ForCausalLM"
-    #: no bundled format yet: the kit's exporters (quantplug.testing.formats) quantize the linears
-    #: their pattern ``LINEAR`` names, all under ``model.layers.`` (V3 / Kimi module names), so a
-    #: V4 export in release names holds no quantized tensor: quark's and compressed_tensors'
-    #: configs (every linear quantized) then plan with every V4 linear missing its packed form,
-    #: fp8 / modelslim would load all-float (a vacuous pass), and the GGUF writer (expert_pack) has
-    #: no DeepSeek-V4 layout (its plan refuses: no layer 2 under model.layers / blk). The tiny
-    #: model's q_lora_rank 24 also fits no group-32 format.
-    formats = ()
+    #: fp8: the kit's writer puts a V4 config into the release layout (FP8 attention / shared expert
+    #: with E8M0 ``.scale``, FP4 routed experts). The other formats are left out: the kit's exporters
+    #: (quantplug.testing.formats) quantize the linears their pattern ``LINEAR`` names, all under
+    #: ``model.layers.`` (V3 / Kimi module names), so a V4 export in release names holds no quantized
+    #: tensor: quark's and compressed_tensors' configs (every linear quantized) then plan with every
+    #: V4 linear missing its packed form, modelslim would load all-float (a vacuous pass), and the
+    #: GGUF writer (expert_pack) has no DeepSeek-V4 layout (its plan refuses: no layer 2 under
+    #: model.layers / blk). The tiny model's q_lora_rank 24 also fits no group-32 format.
+    formats = ("fp8",)
 
     def write_checkpoint(self, path: Path) -> None:
         tensors = release_names(reference_model().state_dict())
