@@ -1,10 +1,7 @@
 """DeepSeek-V4-Flash / V4-Pro release layouts at their real dimensions (header-only): the inventory
 against the release headers' counts and sizes (ARCHITECTURES.md E1 / E2 / E9), the files the
-safetensors library accepts, and the plan of the Flash layout from headers alone, MTP block included.
-
-The fp8 backend's claim of V4's FP8 + FP4 release format is another branch's work: until it plans
-these dtypes, the plan test checks that every problem is that format gap (never a shape, nor a
-tensor the V4 model does not know) and reports the dependency as an expected failure."""
+safetensors library accepts, and the plan of both layouts from headers alone through the fp8 backend
+(FP8 dense linears with E8M0 block scales, FP4 routed experts), MTP block included, no problem."""
 
 from __future__ import annotations
 
@@ -92,15 +89,6 @@ def test_v4_flash_header_only_files(flash):
         assert str(fh.get_slice("mtp.0.ffn.experts.3.w2.scale").get_dtype()) in ("F8_E8M0", "float8_e8m0fnu")
 
 
-def _format_gap(problem) -> bool:
-    """A problem only because no backend plans V4's FP8 + FP4 dtypes yet: FP4 expert weights (I8)
-    under a dense scheme, FP8 ``X.scale`` not read (``weight_scale_inv`` expected instead)."""
-    t = problem.tensor or ""
-    return ((problem.kind == "dtype" and re.search(r"\.experts\.\d+\.w[123]\.weight$", t) is not None)
-            or (problem.kind == "missing" and t.endswith(".weight_scale_inv"))
-            or (problem.kind == "unexpected" and t.endswith(".scale")))
-
-
 def test_v4_flash_plans_from_headers(flash):
     c = time.process_time()
     with forbid_data_reads(flash) as reads:
@@ -113,12 +101,9 @@ def test_v4_flash_plans_from_headers(flash):
     used = {info.name for pp in p.params for _, info in pp.sources}
     # the MTP block is planned: loaded, or skipped by a named rule, every one of its 1,575 tensors
     assert len(mtp) + sum(n.startswith("mtp.") for n in used) == 1_575
-    if p.problems:
-        stray = [q.describe() for q in p.problems if not _format_gap(q)]
-        assert not stray, stray[:5]  # shapes and names of the layout are V4's: only the format is unplanned
-        pytest.xfail(f"{len(p.problems)} problems, all the FP8 + FP4 format's: the fp8 backend does not plan "
-                     "DeepSeek-V4's release dtypes yet (it is taught them on another branch)")
-    assert p.backend == "fp8"
+    assert p.backend == "fp8" and not p.problems, [q.describe() for q in p.problems][:5]
+    experts = {d.value for d in p.decisions if d.hook == "quantplug_linear_scheme" and ".experts." in d.target}
+    assert experts and all("fp4" in str(v).lower() for v in experts), experts
 
 
 @pytest.mark.slow
@@ -129,8 +114,7 @@ def test_v4_pro_plans_from_headers(tmp_path):
         p = build_plan(path, options=SERVED)
     assert not reads, reads.events
     assert p.model_config.num_hidden_layers == 61 and p.model_config.n_routed_experts == 384
-    if p.problems:
-        stray = [q.describe() for q in p.problems if not _format_gap(q)]
-        assert not stray, stray[:5]
-        pytest.xfail("the fp8 backend does not plan DeepSeek-V4's release dtypes yet")
-    assert p.backend == "fp8"
+    assert p.backend == "fp8" and not p.problems, [q.describe() for q in p.problems][:5]
+    mtp = [n for names in p.skipped.values() for n in names if n.startswith("mtp.")]
+    used = {info.name for pp in p.params for _, info in pp.sources}
+    assert len(mtp) + sum(n.startswith("mtp.") for n in used) == 2_343
