@@ -1,6 +1,6 @@
 """Plan time of the header-only releases (run by hand; figures go into docs/scale.md with this command).
 
-    python bench/bench_plan.py [--reps 3] [--only DeepSeek-V3,Kimi-K3] [--root DIR]
+    python bench/bench_plan.py [--reps 3] [--only DeepSeek-V3,Kimi-K3] [--root DIR] [--baseline DIR]
 
 Each checkpoint is written header-only (``quantplug.testing.scale.write_header_only``: real
 safetensors headers and index, data a hole) into ``--root`` (kept there and reused when given, else a
@@ -12,6 +12,10 @@ fresh processes, alternating:
   loader does: the baseline the plan is compared with in the same run);
 * ``plan``: ``quantplug.plan.build_plan(path, options={"expert_cache_mb": 4096})`` (the routed
   experts served from the files, as the scale tests plan them), plugins imported before the clock.
+
+* ``--baseline DIR``: a third contender, the same plan with ``DIR`` first on ``PYTHONPATH``, where
+  ``DIR/quantplug`` is another tree's ``core/`` (``git archive main core | tar -x -C DIR && mv
+  DIR/core DIR/quantplug``): before / after in the same run, the backends the installed ones.
 
 CPU seconds of the measured call (``time.process_time``) and wall seconds, best and median; the
 plan's problem count is printed too (a V4 layout that no backend plans yet reports its problems,
@@ -65,8 +69,11 @@ def configs() -> dict[str, dict]:
             "DeepSeek-V4-Flash": deepseek_v4_config("flash"), "DeepSeek-V4-Pro": deepseek_v4_config("pro")}
 
 
-def child(code: str, path: Path) -> dict:
-    r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
+def child(code: str, path: Path, pythonpath: str = "") -> dict:
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH", "")) if p)
+    r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env)
     if r.returncode:
         raise SystemExit(f"child failed on {path}:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -77,7 +84,7 @@ def summary(runs: list[dict], key: str) -> dict:
     return {"best": round(min(xs), 3), "median": round(statistics.median(xs), 3)}
 
 
-def bench(root: Path, names: list[str], reps: int) -> dict:
+def bench(root: Path, names: list[str], reps: int, baseline: str = "") -> dict:
     from quantplug.testing.scale import write_header_only
 
     cfgs = configs()
@@ -86,15 +93,22 @@ def bench(root: Path, names: list[str], reps: int) -> dict:
         path = root / name
         if not (path / "model.safetensors.index.json").is_file():
             write_header_only(path, cfgs[name])
-        base, plan = [], []
+        base, plan, before = [], [], []
         for _ in range(reps):  # alternating, each in a fresh process
             base.append(child(HEADERS, path))
             plan.append(child(PLAN, path))
+            if baseline:
+                before.append(child(PLAN, path, baseline))
         out[name] = {"shards": len(list(path.glob("*.safetensors"))), "tensors": plan[0]["tensors"],
                      "problems": plan[0]["problems"], "reps": reps,
                      "plan_cpu_s": summary(plan, "cpu"), "plan_wall_s": summary(plan, "wall"),
                      "headers_cpu_s": summary(base, "cpu"), "headers_wall_s": summary(base, "wall"),
                      "plan_over_headers_cpu_best": round(min(r["cpu"] for r in plan) / min(r["cpu"] for r in base), 2)}
+        if before:
+            out[name].update(baseline_problems=before[0]["problems"], baseline_plan_cpu_s=summary(before, "cpu"),
+                             baseline_plan_wall_s=summary(before, "wall"),
+                             baseline_over_plan_cpu_best=round(min(r["cpu"] for r in before)
+                                                               / min(r["cpu"] for r in plan), 2))
         print(json.dumps({name: out[name]}), flush=True)
     return out
 
@@ -104,6 +118,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--only", default="", help="comma-separated checkpoint names (default: all five)")
     ap.add_argument("--root", default="", help="keep the header-only checkpoints here (reused if present)")
+    ap.add_argument("--baseline", default="", help="a directory holding another tree's core/ as quantplug/")
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n] or list(configs())
     unknown = set(names) - set(configs())
@@ -111,10 +126,10 @@ def main() -> None:
         raise SystemExit(f"unknown checkpoint(s) {sorted(unknown)}; expected some of {list(configs())}")
     print(json.dumps({"load_average_before": os.getloadavg()}), flush=True)
     if args.root:
-        out = bench(Path(args.root), names, args.reps)
+        out = bench(Path(args.root), names, args.reps, args.baseline)
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            out = bench(Path(tmp), names, args.reps)
+            out = bench(Path(tmp), names, args.reps, args.baseline)
     print(json.dumps({"load_average_after": os.getloadavg(), "plans": out}, indent=2))
 
 
