@@ -359,7 +359,7 @@ DEEPSEEK_V4_SHARDS = {"flash": 46, "pro": 64}
 V4_FP4_GROUP = 32
 _V4_FP8_QUANT = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
                  "weight_block_size": [128, 128]}
-_V4_DIMS = {
+_V4_DIMS: dict[str, dict[str, Any]] = {
     "flash": {"hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64, "q_lora_rank": 1024,
               "o_groups": 8, "index_topk": 512, "n_routed_experts": 256, "moe_intermediate_size": 2048,
               "routed_scaling_factor": 1.5},
@@ -378,7 +378,7 @@ def deepseek_v4_config(variant: str = "flash") -> dict[str, Any]:
     if variant not in _V4_DIMS:
         raise ValueError(f"variant {variant!r}: expected 'flash' or 'pro'")
     dims = _V4_DIMS[variant]
-    n = dims["num_hidden_layers"]
+    n = int(dims["num_hidden_layers"])
     head = [0, 0] if variant == "flash" else [128, 128]
     ratios = head + [4 if i % 2 == 0 else 128 for i in range(2, n)] + [0]
     return {
