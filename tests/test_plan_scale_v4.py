@@ -1,5 +1,5 @@
 """DeepSeek-V4-Flash / V4-Pro release layouts at their real dimensions (header-only): the inventory
-against the release headers' counts and sizes (ARCHITECTURES.md E1 / E2 / E9), the files the
+against the release headers' counts and sizes (config, tensors, dtypes), the files the
 safetensors library accepts, and the plan of both layouts from headers alone through the fp8 backend
 (FP8 dense linears with E8M0 block scales, FP4 routed experts), MTP block included, no problem."""
 
@@ -42,7 +42,7 @@ def test_v4_inventory_is_the_release(variant):
     by = {t.name: t for t in tensors}
     d, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
     layers = cfg["num_hidden_layers"]
-    # E9: FP4 experts I8 [N, K/2] + F8_E8M0 [N, K/32]; FP8 dense F8_E4M3 + F8_E8M0 [N/128, K/128]
+    # FP4 experts I8 [N, K/2] + F8_E8M0 [N, K/32]; FP8 dense F8_E4M3 + F8_E8M0 [N/128, K/128]
     assert (by["layers.7.ffn.experts.131.w1.weight"].dtype, by["layers.7.ffn.experts.131.w1.weight"].shape) == \
         ("I8", (inter, d // 2))
     assert (by["layers.7.ffn.experts.131.w2.scale"].dtype, by["layers.7.ffn.experts.131.w2.scale"].shape) == \

@@ -372,8 +372,9 @@ _V4_DIMS: dict[str, dict[str, Any]] = {
 def deepseek_v4_config(variant: str = "flash") -> dict[str, Any]:
     """DeepSeek-V4-Flash's (``variant="flash"``: 43 layers, hidden 4096, 256 FP4 experts of 2048) or
     V4-Pro's (``"pro"``: 61 layers, hidden 7168, 384 experts of 3072) release config.json as
-    ARCHITECTURES.md E1 gives it: ``compress_ratios`` per layer plus the MTP block's 0 (Flash: 0, 0,
-    then 4 on even and 128 on odd layers; Pro: 128, 128, then the same), FP8 ``quantization_config``
+    DeepSeek-V4-Flash's inference config and third-party copies of the release give it:
+    ``compress_ratios`` per layer plus the MTP block's 0 (Flash: 0, 0, then 4 on even and 128 on
+    odd layers; Pro: 128, 128, then the same), FP8 ``quantization_config``
     with ``scale_fmt: ue8m0``, ``expert_dtype: "fp4"`` at the top level, one MTP block."""
     if variant not in _V4_DIMS:
         raise ValueError(f"variant {variant!r}: expected 'flash' or 'pro'")
@@ -451,8 +452,8 @@ def _v4_block(cfg: Mapping[str, Any], b: str, ratio: int, hash_routed: bool) -> 
 
 
 def deepseek_v4_tensors(cfg: Mapping[str, Any]) -> list[StoredTensor]:
-    """Every tensor of a DeepSeek-V4 FP8 + FP4 release with this config (ARCHITECTURES.md E2 names,
-    no ``model.`` prefix; E9 dtypes): ``embed``, the ``num_hidden_layers`` blocks, ``norm``,
+    """Every tensor of a DeepSeek-V4 FP8 + FP4 release with this config (the release's names,
+    no ``model.`` prefix; its dtypes): ``embed``, the ``num_hidden_layers`` blocks, ``norm``,
     ``head``, ``hc_head_*``, then the MTP blocks ``mtp.N.*`` (``e_proj`` / ``h_proj`` FP8 [D, D],
     ``enorm`` / ``hnorm`` / ``norm``, ``hc_head_*`` and a sliding-window block with a learned router;
     no embedding or head copy, as the Flash release's MTP shard holds none).
