@@ -498,7 +498,7 @@ def _window_buffers(m: V4Attention, b: int, cache: Any) -> tuple[Any, ...] | Non
 
 
 def _window_commit(m: V4Attention, cache: Any, bufs: tuple[Any, ...]) -> None:
-    """The cache after one native token, as the block's forward leaves it."""
+    """The cache after one native token, as the block's forward leaves it (its roll-back log included)."""
     win, _, _, comp, idx = bufs
     w = m.cfg.sliding_window
     cache.window = win[:, max(win.shape[1] - (w - 1), 0):] if w > 1 else win[:, :0]
@@ -509,6 +509,16 @@ def _window_commit(m: V4Attention, cache: Any, bufs: tuple[Any, ...]) -> None:
         assert m.indexer is not None
         _pool_commit(cache.indexer, idx, m.indexer.ratio)
     cache.length += 1
+    if cache.logging:  # the roll-back log the block's forward keeps (V4Attention.truncate_cache)
+        row = win[:, -1:]
+        cache.log = row if cache.log is None else torch.cat([cache.log, row], dim=1)
+        for buf, st in ((comp, cache.compressor), (idx, cache.indexer)):
+            if buf is not None and st.log:
+                p = buf.pending
+                kv, gate = buf.kv[:, p:p + 1], buf.gate[:, p:p + 1]
+                st.log_kv = kv if st.log_kv is None else torch.cat([st.log_kv, kv], dim=1)
+                st.log_gate = gate if st.log_gate is None else torch.cat([st.log_gate, gate], dim=1)
+        m._forget(cache)
 
 
 def _v4_attention_forward(m: V4Attention, x: torch.Tensor, cache: Any = None) -> torch.Tensor:

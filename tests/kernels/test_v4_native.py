@@ -367,3 +367,31 @@ def test_v4_stack_declines_for_hooks_and_replaced_tensors(v4, monkeypatch):
     with torch.no_grad():
         assert torch.equal(model.generate(ids, 6, eos_token_id=None), want)
     assert calls[0] == 0
+
+
+@needs_native
+def test_v4_native_tokens_keep_the_rollback_log(v4):
+    """The native steps log the raw rows the cache's roll-back needs (as the blocks' forwards do): a
+    cache advanced natively truncates back (speculative decoding's rejected draft) and decodes on,
+    every step equal to transformers' (float32, 1e-5)."""
+    import quantplug
+    from quantplug.models.deepseek_v4 import ROLLBACK
+
+    ref, path = v4
+    model = quantplug.load(path)
+    ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(12))
+    cache = model.qp_new_cache(1, 64, 64)
+    seq = ids
+    back = min(2, ROLLBACK)
+    with torch.no_grad():
+        got = model.next_logits(ids, cache)
+        for i in range(14):
+            if i in (6, 11):  # two tokens back, then on again from there (their entries rebuilt)
+                cache.truncate(cache.length - back)
+                seq = seq[:, :-back]
+                got = ref(seq).logits[:, -1]  # the pick after the kept tokens
+            seq = torch.cat([seq, got.argmax(-1, keepdim=True)], dim=1)
+            got = model.next_logits(seq[:, -1:], cache)
+            want = ref(seq).logits[:, -1]
+            assert float((got - want).abs().max() / want.abs().max()) < 1e-5, i
+    assert model._stack is not None and cache.length == seq.shape[1]
