@@ -294,7 +294,8 @@ def _lower_moe(m: MoE) -> None:
 def _moe_route_rows(m: MoE, route: torch.Tensor, flat: torch.Tensor, shape: Any, ids: torch.Tensor | None) -> torch.Tensor:
     """:meth:`MoE._route_rows` lowered: with token ids (DeepSeek-V4 passes them to every MoE), few
     tokens routed on Python numbers by the router's declared spec (``route_ids`` where it routes by
-    token id, ``route_one`` otherwise) and every token's experts in one native call; without ids,
+    token id, ``route_one`` otherwise) and every token's experts in one native call (or the expert
+    store's, as :func:`_moe_routed` serves them: the same arithmetic either way); without ids,
     :meth:`MoE._routed` (lowered); else the block's own."""
     if ids is None:
         return m._routed(route, flat, shape)
@@ -302,7 +303,7 @@ def _moe_route_rows(m: MoE, route: torch.Tensor, flat: torch.Tensor, shape: Any,
     spec = getattr(m.gate, "spec", None)
     route = route.reshape(-1, route.shape[-1])
     n = flat.shape[0]
-    if isinstance(spec, RouterSpec) and ex.step is not None and ex.qp_store is None and n <= NATIVE_ROWS:
+    if isinstance(spec, RouterSpec) and (ex.step is not None or ex.qp_store is not None) and n <= NATIVE_ROWS:
         if spec.by_token:
             rows_ids, rows_w = m.gate.route_ids(route, ids)
         elif n == 1:
