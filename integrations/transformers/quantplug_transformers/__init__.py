@@ -71,7 +71,7 @@ def _v4_config(path: str | Path, plan: Any, text: dict[str, Any]) -> dict[str, A
     of different ratios) is refused, naming the layers."""
     cfg = plan.model_config
     kinds = [a.kind for a in cfg.attention]
-    hca = {}
+    hca: dict[int, list[int]] = {}
     for i, a in enumerate(cfg.attention):
         if a.kind == "hca":
             hca.setdefault(a.compress_ratio, []).append(i)
