@@ -48,11 +48,12 @@ def load_reference(path: Path) -> torch.nn.Module:
 
 class TestDeepseekV4(ArchitectureConformance):
     architecture = "DeepseekV4ForCausalLM"
-    #: the kit's fixture writers (quantplug.testing.formats) quantize the linears their pattern
-    #: ``LINEAR`` names, all under ``model.layers.`` (V3 / Kimi module names): a V4 checkpoint in the
-    #: release's names holds none of them. The bundled exporters below write V4 instead; FP8's (the
-    #: release's own FP8 + FP4 format) and GGUF's have their own tests
-    formats = ()
+    #: fp8: the kit's writer puts a V4 config into the release layout (FP8 attention / shared expert
+    #: with E8M0 ``.scale``, FP4 routed experts). The kit's other fixture writers
+    #: (quantplug.testing.formats) quantize the linears their pattern ``LINEAR`` names, all under
+    #: ``model.layers.`` (V3 / Kimi module names): a V4 checkpoint in the release's names holds none of
+    #: them; the bundled exporters below write V4 instead (GGUF's has no DeepSeek-V4 layout)
+    formats = ("fp8",)
     #: each backend's own quantplug_export of the loaded float model, loaded back (the release's BF16
     #: linears: compressors' wkv / wgate, the indexer's weights_proj, the router, the head: float)
     exporters = ("compressed-tensors-w4a16", "modelslim-w4a8", "modelslim-w8a8", "quark-mxfp4",

@@ -130,3 +130,184 @@ def write_float_checkpoint(path: Path, ref: Any, extra: dict[str, torch.Tensor] 
 
     write_checkpoint(path, CONFIG, {**float_tensors(ref), **(extra or {})})
     return path
+
+
+# -- the release's quantization (FP8 dense linears, FP4 or FP8 routed experts), independent of quantplug ----------
+
+#: the linears the release stores in FP8 (``X.weight`` F8_E4M3 + ``X.scale``): every attention projection, the
+#: indexer's ``wq_b`` and the shared expert; the routed experts follow ``expert_dtype``
+FP8_LINEARS = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b", "attn.indexer.wq_b",
+               "ffn.shared_experts.w1", "ffn.shared_experts.w3", "ffn.shared_experts.w2")
+#: kept in float32 by the release (everything else that is neither FP8 / FP4 nor an integer is BF16)
+F32_SUFFIXES = ("attn_sink", "ape", "gate.bias")
+_E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _release_kind(name: str) -> str:
+    """"fp8" / "expert" / "f32" / "int" / "bf16": how the release stores the tensor ``name``."""
+    parts = name.split(".")
+    if name.endswith(".weight") and any(name.endswith(f".{lin}.weight") for lin in FP8_LINEARS):
+        return "fp8"
+    if len(parts) > 4 and parts[2:4] == ["ffn", "experts"]:
+        return "expert"
+    if name.endswith("tid2eid"):
+        return "int"
+    if name.startswith(("hc_", "layers.")) and ".hc_" in f".{name}" or name.endswith(F32_SUFFIXES):
+        return "f32"
+    return "bf16"
+
+
+def _pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """The E8M0 exponent byte (int32) of the smallest power of two s with amax / s <= qmax
+    (1.0 for an all-zero group): DeepSeek's ue8m0 rounding ``2 ** ceil(log2(amax / qmax))``."""
+    s = torch.where(amax > 0, amax.double() / qmax, torch.ones_like(amax, dtype=torch.float64))
+    e = torch.ceil(torch.log2(s)).to(torch.int32)
+    return (e + 127).clamp(1, 254)
+
+
+def _e8m0(exp_byte: torch.Tensor) -> torch.Tensor:
+    return exp_byte.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def _exp2(exp_byte: torch.Tensor) -> torch.Tensor:
+    return torch.pow(2.0, exp_byte.to(torch.float64) - 127).to(torch.float32)
+
+
+def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128), scale_dtype: str = "E8M0"
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A float [N, K] -> (F8_E4M3 weight, scale [ceil(N/bn), ceil(K/bk)], the dequantized float32 weight).
+
+    E8M0 scales: s = 2^ceil(log2(amax / 448)) per block (the byte ``log2(s) + 127``); F32 scales: s = amax / 448.
+    W = fp8 * s with the block's s (edge blocks partial)."""
+    n, k = w.shape
+    bn, bk = block
+    rb, cb = -(-n // bn), -(-k // bk)
+    pad = torch.zeros(rb * bn, cb * bk, dtype=torch.float32)
+    pad[:n, :k] = w.float()
+    tiles = pad.view(rb, bn, cb, bk)
+    amax = tiles.abs().amax(dim=(1, 3))
+    if scale_dtype == "E8M0":
+        byte = _pow2_scale(amax, 448.0)
+        s, stored = _exp2(byte), _e8m0(byte)
+    elif scale_dtype == "F32":
+        s = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+        stored = s
+    else:
+        raise ValueError(f"scale_dtype {scale_dtype!r}: E8M0 or F32")
+    q = (tiles / s[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    deq = (q.float() * s[:, None, :, None]).view(rb * bn, cb * bk)[:n, :k]
+    return q.view(rb * bn, cb * bk)[:n, :k].contiguous(), stored.contiguous(), deq.contiguous()
+
+
+def quantize_fp4_experts(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A float [N, K] -> (I8 [N, K/2] packed E2M1, F8_E8M0 scale [N, K/group], the dequantized float32 weight).
+
+    Per row and group of 32: s = 2^ceil(log2(amax / 6)); each element the nearest E2M1 value of w / s (ties to
+    the even code); byte j holds element 2j in the low nibble and 2j+1 in the high nibble; sign in bit 3."""
+    n, k = w.shape
+    g = w.float().view(n, k // group, group)
+    byte = _pow2_scale(g.abs().amax(-1), 6.0)
+    s = _exp2(byte)
+    v = g / s[..., None]
+    a = v.abs().clamp(max=6.0)
+    # nearest E2M1 magnitude, ties to the even code (index): distance, then index parity
+    d = (a[..., None] - _E2M1_VALUES).abs()
+    best = d.min(-1, keepdim=True).values
+    cand = (d == best)
+    idx = torch.where(cand & (torch.arange(8) % 2 == 0), torch.arange(8), 99).min(-1).values
+    idx = torch.where(idx == 99, torch.where(cand, torch.arange(8), 99).min(-1).values, idx)
+    code = idx | ((v < 0) & (idx > 0)).to(torch.int64) << 3
+    code = code.reshape(n, k)
+    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    mag = _E2M1_VALUES[idx]
+    deq = (torch.where(v < 0, -mag, mag) * s[..., None]).reshape(n, k)
+    return packed.contiguous(), _e8m0(byte).contiguous(), deq.contiguous()
+
+
+def release_tensors(ref: Any, expert_dtype: str = "fp4", block: tuple[int, int] = (128, 128),
+                    scale_dtype: str = "E8M0") -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``ref``'s weights quantized into DeepSeek-V4's release layout, and the float32 values they stand for.
+
+    Returns (stored tensors in the release's names and dtypes, dequantized float32 tensors in the same names
+    without the ``.scale`` entries). FP8 linears (:data:`FP8_LINEARS`): ``X.weight`` F8_E4M3 + ``X.scale``
+    (``scale_dtype`` E8M0 or F32, per ``block``); routed experts: ``expert_dtype`` "fp4" (I8 packed + F8_E8M0
+    ``.scale`` per 32) or "fp8" (as the dense linears: V4-Flash-Base with ``scale_dtype="F32"``); BF16 norms,
+    embeddings, head, router weight, compressors, ``indexer.weights_proj``; F32 ``attn_sink``, ``ape``, ``hc_*``,
+    ``gate.bias``; I64 ``tid2eid``."""
+    if expert_dtype not in ("fp4", "fp8"):
+        raise ValueError(f"expert_dtype {expert_dtype!r}: fp4 or fp8")
+    stored: dict[str, torch.Tensor] = {}
+    values: dict[str, torch.Tensor] = {}
+    for name, t in release_names(ref.state_dict()).items():
+        kind = _release_kind(name)
+        base = name[: -len(".weight")]
+        if kind == "fp8" or (kind == "expert" and expert_dtype == "fp8"):
+            q, s, deq = quantize_fp8_blocks(t, block, scale_dtype)
+            stored[name], stored[f"{base}.scale"], values[name] = q, s, deq
+        elif kind == "expert":
+            q, s, deq = quantize_fp4_experts(t)
+            stored[name], stored[f"{base}.scale"], values[name] = q, s, deq
+        elif kind == "int":
+            stored[name] = values[name] = t.to(torch.int64)
+        elif kind == "f32":
+            stored[name] = values[name] = t.float().contiguous()
+        else:
+            stored[name] = t.to(torch.bfloat16).contiguous()
+            values[name] = stored[name].float()
+    return stored, values
+
+
+def release_config(expert_dtype: str | None = "fp4", where: str = "top", block: tuple[int, int] = (128, 128),
+                   scale_fmt: str | None = "ue8m0") -> dict[str, Any]:
+    """:data:`CONFIG` with the release's ``quantization_config``; ``expert_dtype`` at the top level (``where``
+    "top", V4), inside ``quantization_config`` ("quantization_config", V4.1 / transformers), or nowhere
+    (``expert_dtype`` None)."""
+    qc: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                          "weight_block_size": list(block)}
+    if scale_fmt:
+        qc["scale_fmt"] = scale_fmt
+    cfg = {**CONFIG, "quantization_config": qc}
+    if expert_dtype is not None:
+        if where == "top":
+            cfg["expert_dtype"] = expert_dtype
+        else:
+            qc["expert_dtype"] = expert_dtype
+    return cfg
+
+
+def write_v4_release(path: Path, ref: Any, expert_dtype: str = "fp4", block: tuple[int, int] = (128, 128),
+                     scale_dtype: str = "E8M0", where: str | None = "top",
+                     extra: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Write ``ref`` as a DeepSeek-V4 release checkpoint at ``path`` (see :func:`release_tensors`; config from
+    :func:`release_config`, ``where`` None: no ``expert_dtype`` key) and return the dequantized float32
+    tensors in the release's names (:func:`set_release_weights` puts them into a transformers model)."""
+    from quantplug.testing import write_checkpoint
+
+    stored, values = release_tensors(ref, expert_dtype, block, scale_dtype)
+    cfg = release_config(expert_dtype if where else None, where or "top", block,
+                         "ue8m0" if scale_dtype == "E8M0" else None)
+    write_checkpoint(path, cfg, {**stored, **(extra or {})})
+    return values
+
+
+def set_release_weights(ref: Any, values: dict[str, torch.Tensor]) -> Any:
+    """A copy of transformers' ``ref`` holding ``values`` (release names, e.g. :func:`write_v4_release`'s
+    dequantized tensors) in place of its own weights."""
+    import copy
+
+    out = copy.deepcopy(ref)
+    sd = out.state_dict()
+    with torch.no_grad():
+        for name, t in sd.items():
+            mapped = release_names({name: t})
+            if name.endswith("experts.gate_up_proj"):
+                base = next(iter(mapped)).rsplit(".experts.", 1)[0]
+                t.copy_(torch.stack([torch.cat([values[f"{base}.experts.{e}.w1.weight"],
+                                                values[f"{base}.experts.{e}.w3.weight"]]) for e in range(t.shape[0])]))
+            elif name.endswith("experts.down_proj"):
+                base = next(iter(mapped)).rsplit(".experts.", 1)[0]
+                t.copy_(torch.stack([values[f"{base}.experts.{e}.w2.weight"] for e in range(t.shape[0])]))
+            else:
+                (key,) = mapped
+                t.copy_(values[key].to(t.dtype))
+    return out

@@ -14,7 +14,10 @@ each format is recognised by, with tensors of the right names, dtypes and shapes
 * ``compressed_tensors``: ``quant_method = "compressed-tensors"``, pack-quantized int4 group 32
   (``weight_packed`` I32, ``weight_scale``, ``weight_shape``);
 * ``fp8``: DeepSeek's native ``quant_method = "fp8"``, ``weight`` F8_E4M3 + ``weight_scale_inv``
-  F32 per [128, 128] block.
+  F32 per [128, 128] block; for a DeepSeek-V4 config (``model_type: deepseek_v4``) its release
+  layout: ``weight`` F8_E4M3 + ``scale`` F8_E8M0 on the attention projections, the indexer's
+  ``wq_b`` and the shared expert, routed experts FP4 (``weight`` I8, two E2M1 codes per byte, low
+  nibble first, + ``scale`` F8_E8M0 per 32 inputs), ``expert_dtype: "fp4"``.
 
 Keys are the entry-point names of the bundled backends that read each format.
 """
@@ -209,7 +212,45 @@ def compressed_tensors(path: Path, config: Mapping[str, Any], state: Mapping[str
     return write_checkpoint(path, _with_qc(config, qc), out)
 
 
+#: DeepSeek-V4's FP8 linears and routed experts (release names)
+V4_FP8 = re.compile(r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])\.weight$")
+V4_EXPERT = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
+_E2M1_STEPS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])  # midpoints of 0, .5, 1, 1.5, 2, 3, 4, 6
+
+
+def _pow2(amax: torch.Tensor, top: float) -> torch.Tensor:
+    """The exponent e (int64) of the smallest 2^e with amax / 2^e <= top (0 for amax 0)."""
+    return torch.ceil(torch.log2(torch.where(amax > 0, amax / top, torch.ones_like(amax)))).long()
+
+
+def _fp8_v4(path: Path, config: Mapping[str, Any], state: Mapping[str, torch.Tensor]) -> Path:
+    out = dict(state)
+    for n, t in state.items():
+        t = t.float()
+        if V4_FP8.search(n):  # one power-of-two scale per matrix, written per 128x128 block
+            e = _pow2(t.abs().max(), 448.0)
+            out[n] = (t / 2.0 ** e).to(torch.float8_e4m3fn)
+            grid = (math.ceil(t.shape[0] / 128), math.ceil(t.shape[1] / 128))
+            out[n.removesuffix("weight") + "scale"] = torch.full(grid, int(e) + 127, dtype=torch.uint8).view(
+                torch.float8_e8m0fnu)
+        elif V4_EXPERT.search(n):  # E2M1, one power-of-two scale per 32 inputs of a row
+            g = t.view(t.shape[0], -1, 32)
+            e = _pow2(g.abs().amax(-1), 6.0)
+            v = g / torch.exp2(e.float())[..., None]
+            code = torch.searchsorted(_E2M1_STEPS, v.abs()) | ((v < 0).long() << 3)
+            code = code.flatten(1)
+            out[n] = (code[:, 0::2] | code[:, 1::2] << 4).to(torch.uint8).view(torch.int8)
+            out[n.removesuffix("weight") + "scale"] = (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+        elif n.endswith("tid2eid"):
+            out[n] = t.long()
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+          "scale_fmt": "ue8m0"}
+    return write_checkpoint(path, {**_with_qc(config, qc), "expert_dtype": "fp4"}, out)
+
+
 def fp8(path: Path, config: Mapping[str, Any], state: Mapping[str, torch.Tensor]) -> Path:
+    if config.get("model_type") == "deepseek_v4":
+        return _fp8_v4(path, config, state)
     out = dict(state)
     for n in _linears(state):
         t = state[n].float()

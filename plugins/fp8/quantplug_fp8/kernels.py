@@ -169,3 +169,51 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tu
         w = dequantize(weight[r0:r1], scale[r0 // bn: math.ceil(r1 / bn)], block, dtype, buf[: r1 - r0])
         y[..., r0:r1] = torch.nn.functional.linear(x, w.to(x.dtype))
     return y
+
+
+def quantize_e8m0(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense [out, in] -> (F8_E4M3 weight, F8_E8M0 scale [ceil(out/bn), ceil(in/bk)]): DeepSeek-V4's
+    ``scale_fmt: ue8m0`` blocks, s = 2^ceil(log2(amax / 448)) (1 for an all-zero block), q =
+    fp8_e4m3(w / s) rounded to nearest even. Already-quantized values come back unchanged."""
+    w = w.to(torch.float32)
+    rows, cols = w.shape
+    bn, bk = block
+    r_blocks, c_blocks = scale_shape(rows, cols, block)
+    padded = torch.zeros(r_blocks * bn, c_blocks * bk)
+    padded[:rows, :cols] = w
+    tiles = padded.view(r_blocks, bn, c_blocks, bk)
+    exp = _pow2_exponent(tiles.abs().amax(dim=(1, 3)), FP8_MAX)
+    s = torch.exp2(exp.to(torch.float32))
+    q = (tiles / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (q.view(r_blocks * bn, c_blocks * bk)[:rows, :cols].contiguous(),
+            (exp + 127).to(torch.uint8).view(torch.float8_e8m0fnu).contiguous())
+
+
+_E2M1_MAGS = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+#: the midpoints between neighbouring E2M1 magnitudes, and those that round up (to the even code)
+_E2M1_MIDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+_E2M1_UP = torch.tensor([0.75, 1.75, 3.5])
+
+
+def quantize_fp4(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense [out, in] -> (I8 [out, in/2] packed E2M1, F8_E8M0 [out, in/group]): DeepSeek-V4's FP4
+    experts, s = 2^ceil(log2(amax / 6)) per row and group, each element the nearest E2M1 value of
+    w / s (ties to the even code), element 2j in the low nibble of byte j, bit 3 the sign.
+    Already-quantized values come back unchanged."""
+    rows, cols = w.shape
+    if cols % group:
+        raise QuantplugError(f"fp4 quantize: {cols} inputs are not whole groups of {group}")
+    g = w.to(torch.float32).view(rows, cols // group, group)
+    exp = _pow2_exponent(g.abs().amax(-1), 6.0)
+    v = g / torch.exp2(exp.to(torch.float32))[..., None]
+    a = v.abs()
+    idx = (torch.searchsorted(_E2M1_MIDS, a) + torch.isin(a, _E2M1_UP).long()).clamp_(max=7)
+    code = (idx | (((v < 0) & (idx > 0)).long() << 3)).reshape(rows, cols)
+    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    return packed.contiguous(), (exp + 127).to(torch.uint8).view(torch.float8_e8m0fnu).contiguous()
+
+
+def _pow2_exponent(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """ceil(log2(amax / qmax)) as int32 (0 for amax 0), clamped to E8M0's finite exponents."""
+    ratio = torch.where(amax > 0, amax.double() / qmax, torch.ones_like(amax, dtype=torch.float64))
+    return torch.ceil(torch.log2(ratio)).to(torch.int32).clamp(-127, 127)
