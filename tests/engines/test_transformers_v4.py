@@ -139,3 +139,31 @@ def test_config_keys_transformers_reads_differently(v4, tmp_path):
     ids = torch.randint(0, V, (1, 16), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         assert _rel(model(ids).logits, quantplug.load(other, progress=False)(ids)) < 1e-5
+
+
+@pytest.mark.parametrize("expert_dtype", ["fp4", "fp8"])
+def test_release_format_stays_packed_and_equals_quantplug(tmp_path, expert_dtype):
+    """DeepSeek-V4's FP8 + FP4 release layout (the fp8 backend): the bridged model holds the FP8
+    linears as float8 and the routed experts as stored; its logits equal quantplug's within 1e-5
+    (both with the release's dynamic FP8 activations, the backend's default), its greedy tokens
+    quantplug's; weight-only (``activation_quant=none``) it equals transformers' own model on the
+    dequantized weights."""
+    pytest.importorskip("quantplug_fp8")
+    from v4_models import set_release_weights, write_v4_release
+
+    ref = reference_model()
+    path = tmp_path / "release"
+    deq = write_v4_release(path, ref, expert_dtype=expert_dtype)
+    ids = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(3))
+    model = qt.from_pretrained(path)
+    ours = quantplug.load(path, progress=False)
+    assert model.model.layers[1].self_attn.q_b_proj.weight.dtype == torch.float8_e4m3fn
+    assert isinstance(model.model.layers[1].self_attn.o_a_proj, GroupedProduct)
+    with torch.no_grad():
+        assert _rel(model(ids).logits, ours(ids)) < 1e-5
+    prompt = ids[:1, :13]
+    assert model.generate(prompt, max_new_tokens=20, do_sample=False)[0, 13:].tolist() == \
+        ours.generate(prompt, 20)[0, 13:].tolist()
+    weight_only = qt.from_pretrained(path, options={"activation_quant": "none"})
+    with torch.no_grad():
+        assert _rel(weight_only(ids).logits, set_release_weights(ref, deq)(ids).logits) < 1e-5
