@@ -15,10 +15,13 @@ prefix).
   and the untied LM head ``head.weight``.
 
 Matched against transformers 5.25's ``DeepseekV4ForCausalLM`` in float32 (tests/test_deepseek_v4.py).
+The release's quantized layout (FP8 linears with ``X.scale``, FP4 routed experts) is a backend's
+answer like any format's (the ``fp8`` backend); the skeleton only names the modules.
 Engines: ``qp_engine_plan`` / ``qp_engine_names`` place the planned modules in transformers'
-``DeepseekV4ForCausalLM`` (``quantplug_transformers``); vLLM has no DeepSeek-V4 model to place them in.
+``DeepseekV4ForCausalLM`` (``quantplug_transformers``); the vLLM plugin refuses V4 (vLLM's own V4
+model keeps FP8-quantized compressed KV caches, not this arithmetic).
 Not here: the MTP block (``mtp.N.*``: the plan lists its tensors as skipped, rule ``mtp``), the
-release's FP8 / FP4 formats, the native lowering (every block runs its torch forward) and
+native lowering (every block runs its torch forward) and
 tensor / expert parallelism (no ``qp_tp_plan``).
 """
 

@@ -17,6 +17,7 @@ import torch
 from quantplug import experts
 from quantplug.api import dense_state, stats_sources
 from quantplug.errors import PlanError
+from quantplug.kernels import compute, native
 from quantplug.plan import build_plan
 from quantplug.testing import write_checkpoint
 from quantplug.testing.probes import forbid_data_reads
@@ -37,6 +38,8 @@ from v4_models import (  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 NONE = {"activation_quant": "none"}
+#: the native kernels are built (a C compiler): the layers then compute on their bound forms
+NATIVE = native.library() is not None
 IDS = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(3))
 
 
@@ -93,13 +96,13 @@ def test_plan_schemes_and_packed_experts(release):
         # stacked as stored: I8 [E, N, K/2] + E8M0 [E, N, K/32], nothing else (no dense copy)
         assert {n: p.dtype for n, p in m.named_parameters()} == {"weight": torch.int8, "scale": torch.float8_e8m0fnu}
         assert list(m.named_buffers()) == []
-        assert m.weight.shape[-1] * 2 == m.in_features and m.qp_native is not None
+        assert m.weight.shape[-1] * 2 == m.in_features and (compute.bound(m) is not None) == NATIVE
     gate = model.layers[2].ffn.experts.gate_proj
     assert torch.equal(gate.weight[5], stored["layers.2.ffn.experts.5.w1.weight"])
     assert torch.equal(gate.scale[5].view(torch.uint8), stored["layers.2.ffn.experts.5.w1.scale"].view(torch.uint8))
     wo_a = model.layers[1].attn.wo_a
     assert wo_a.weight.dtype == torch.float8_e4m3fn and wo_a.scale.dtype == torch.float8_e8m0fnu
-    assert wo_a.qp_native is not None
+    assert (compute.bound(wo_a) is not None) == NATIVE
     expert_bytes = sum(p.numel() * p.element_size() for layer in model.layers for p in layer.ffn.experts.parameters())
     assert expert_bytes == sum(t.numel() * t.element_size() for n, t in stored.items() if ".experts." in n)
 
@@ -204,11 +207,51 @@ def test_dynamic_activations(release):
     up = model.layers[2].ffn.experts.up_proj
     want = torch.nn.functional.linear(_act_quant(x), values["layers.2.ffn.experts.3.w3.weight"])
     assert rel(up(x, 3), want) < 1e-6 and rel(up(x[:1], 3), want[:1]) < 1e-6
+    # the schemes' own torch paths (no C compiler): dequantize is the writer's value, apply the same product
+    assert torch.equal(up.scheme.dequantize(up, 3), values["layers.2.ffn.experts.3.w3.weight"])
+    assert rel(up.scheme.apply(up, x, 3), want) < 1e-6
+    assert torch.equal(wq_a.scheme.dequantize(wq_a), values["layers.1.attn.wq_a.weight"])
+    assert rel(wq_a.scheme.apply(wq_a, x), torch.nn.functional.linear(_act_quant(x), values["layers.1.attn.wq_a.weight"])) < 1e-6
     with torch.no_grad():
         dyn, exact, emulated = model(IDS), want_model(IDS).logits, _emulated(want_model)(IDS).logits
     assert rel(dyn, emulated) < 1e-5, rel(dyn, emulated)
     err = rel(dyn, exact)
     assert 1e-3 < err < 0.5, err
+
+
+def test_forms_over_several_blocks_and_activation_groups():
+    """Wider than the tiny model: an FP8 linear [200, 384] (E8M0 scales over 2 x 3 blocks, the last block
+    row partial, rows of different magnitudes) and a stack of 3 FP4 experts [200, 384] (12 scales per
+    row), with dynamic activations over 3 groups of 128 of different magnitudes: the native row kernels
+    (1 and 5 rows), the many-row path (40 rows) and the schemes' torch ``apply`` all equal
+    F.linear(act_quant(x), the writer's dequantized weight) within float32 summation order."""
+    from quantplug.contract.scheme import StackedLayout
+    from quantplug.layers.linear import QuantLinear, StackedLinear
+    from quantplug_fp8.scheme import FP4ExpertScheme, FP8BlockScheme
+    from v4_models import quantize_fp4_experts, quantize_fp8_blocks
+
+    g = torch.Generator().manual_seed(0)
+    n, k = 200, 384
+    x = torch.randn(40, k, generator=g) * torch.exp2(torch.randint(-4, 4, (1, k), generator=g).float())
+    q, s, deq = quantize_fp8_blocks(torch.randn(n, k, generator=g) * torch.exp2(torch.randint(-3, 3, (n, 1),
+                                                                                                generator=g).float()))
+    fp8 = FP8BlockScheme((128, 128), "dynamic", "ue8m0", scale_suffix="scale", scale_dtype="E8M0")
+    lin = QuantLinear(k, n, fp8, "t", torch.float32)
+    lin.weight, lin.scale = (torch.nn.Parameter(t, requires_grad=False) for t in (q, s))
+    lin.qp_kernel_mode = "exact"
+    lin.qp_finish()
+    want = torch.nn.functional.linear(_act_quant(x), deq)
+    assert (compute.bound(lin) is not None) == NATIVE and rel(fp8.apply(lin, x), want) < 1e-6
+    assert all(rel(lin(x[:r]), want[:r]) < 1e-6 for r in (1, 5, 40))
+    q4, s4, d4 = zip(*(quantize_fp4_experts(torch.randn(n, k, generator=g)) for _ in range(3)))
+    fp4 = FP4ExpertScheme("dynamic", 128, "ue8m0")
+    st = StackedLinear(3, k, n, fp4, "e", StackedLayout("e"), torch.float32)
+    st.weight, st.scale = (torch.nn.Parameter(torch.stack(t), requires_grad=False) for t in (q4, s4))
+    st.qp_kernel_mode = "exact"
+    st.qp_finish()
+    want = torch.nn.functional.linear(_act_quant(x), d4[2])
+    assert (compute.bound(st) is not None) == NATIVE and rel(fp4.apply(st, x, 2), want) < 1e-6
+    assert all(rel(st(x[:r], 2), want[:r]) < 1e-6 for r in (1, 5, 40))
 
 
 def test_cached_greedy_equals_recompute(release):
