@@ -224,6 +224,16 @@ def child(path: str, options: dict, threads: int, dtype: str = "float32") -> dic
     import quantplug
     from quantplug.generate import new_cache
 
+    options = dict(options)
+    before = options.pop("_kernels_tree", None)
+    if before:  # another tree's kernel sources and fast forms (--before): its kernels, this tree's Python
+        from quantplug.kernels import native
+
+        src = Path(before) / "core" / "kernels"
+        native.SOURCE = src / "qp_kernels.c"
+        line = next(t for t in (src / "native.py").read_text().splitlines() if t.startswith("FAST_FORMS = "))
+        native.FAST_FORMS = eval(line.split("=", 1)[1])  # noqa: S307 (a line of the other tree's source)
+
     t0 = CLOCK()
     m = quantplug.load(path, progress=False, dtype=getattr(torch, dtype), options=options)
     load_s = CLOCK() - t0
@@ -318,6 +328,8 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true", help="process CPU time instead of wall clock")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "both"),
                     help="model dtype of the quantplug rows (both: a bfloat16 row beside each float32 one)")
+    ap.add_argument("--before", default=None, metavar="TREE",
+                    help="also run each selected fast row on another checkout's kernels (rows named '... (before)')")
     ap.add_argument("--child", nargs=3, metavar=("ENGINE", "PATH", "OPTIONS"))
     a = ap.parse_args()
     if a.cpu:
@@ -344,6 +356,11 @@ def main() -> None:
     print(f"native kernels: {native.status()}", file=sys.stderr)
     rows = [r for r in ROWS if a.rows is None or r in a.rows.split(",")]
     dtypes = ("float32", "bfloat16") if a.dtype == "both" else (a.dtype,)
+    if a.before:
+        for r in list(rows):
+            if r.endswith(" fast"):
+                ROWS[f"{r} (before)"] = (ROWS[r][0], {**ROWS[r][1], "_kernels_tree": a.before})
+                rows.append(f"{r} (before)")
     contenders = [("quantplug", r, d) for r in rows if ROWS[r][0] in dirs for d in dtypes]
     if llama_py:
         contenders += [("llama", r, "-") for r in LLAMA if (a.rows is None or r in a.rows.split(",")) and LLAMA[r] in dirs]
@@ -391,7 +408,7 @@ def main() -> None:
         lc = best.get(f"llama.cpp {q}")
         if lc is None:
             continue
-        for mode in ("exact", "fast"):
+        for mode in ("exact", "fast", "fast (before)"):
             r = best.get(f"GGUF {q} {mode}")
             if r:
                 ours = r["gen64+32_ms"]

@@ -292,6 +292,7 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d) {
  * an infinity gets scale NaN (every output it touches is NaN, as a float matmul would give); a
  * zero block scale 0 and codes 0. */
 static void quantize_row_k(const float *x, int64_t K, int8_t *q, float *d, int16_t *bs) {
+    if (quantize_row_k_vec(x, K, q, d, bs)) return;
     for (int64_t b = 0; b < K / QKK; b++) {
         const float *xb = x + b * QKK;
         int8_t *qb = q + b * QKK;
