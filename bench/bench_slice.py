@@ -8,6 +8,8 @@
     python bench/bench_slice.py /tmp/dsv3-slice2 --cache-gb 0 --tokens 8   # all in memory: vs memory bandwidth
     python bench/make_k3_slice.py --out /tmp/k3-slice                      # Kimi-K3: 1 KDA + 1 MLA/MoE layer, 23.6 GB
     python bench/bench_slice.py /tmp/k3-slice --cache-gb 2 --tokens 16     # 896 MXFP4 experts served from the files
+    python bench/make_v4_slice.py --out /tmp/v4-slice                      # DeepSeek-V4-Flash: CSA + HCA layer, 9.28 GB
+    python bench/bench_slice.py /tmp/v4-slice --cache-gb 1 --prompt 16 --tokens 16   # 512 FP4 experts from the files
 
 Each run is a fresh process: plan (headers only), load with ``expert_cache_mb`` (bfloat16 model),
 a forward of the prompt, then greedy decode of ``--tokens`` tokens through the latent cache. The
@@ -23,7 +25,11 @@ read at load) and reports decode against the memory-bandwidth bound: weight byte
 (``token_bytes``) / the bandwidth of ``torch.dot`` over 2 GB in the same process (median of 9).
 With the experts served, the memory-bandwidth bound is reported too: the bytes a decode step must
 read (:func:`step_bytes`: weights in memory, the chosen experts, KDA's recurrent state) over
-:func:`memory_bandwidth`; ``bound_tokens_per_s`` stays the device bound.
+:func:`memory_bandwidth`; ``bound_tokens_per_s`` stays the device bound, and ``combined_bound_tokens_per_s``
+adds the two: a step reads its bytes in memory at the memory rate and then the experts it missed from the
+device at the disk rate (1 / (memory bytes / memory GB/s + device bytes / disk GB/s)).
+Names follow the checkpoint: DeepSeek-V3 / Kimi (``embed_tokens``, ``lm_head``) or DeepSeek-V4's release
+names (``embed``, ``head``).
 ``--compare`` runs two settings alternately (A B A B ...), each in a fresh process.
 """
 
@@ -127,23 +133,32 @@ def _rss_gib() -> float:
     return _status_kb("VmRSS") / (1 << 20)
 
 
+def _is_embedding(name: str) -> bool:
+    return "embed_tokens" in name or name.startswith("embed.")  # DeepSeek-V4: ``embed.weight``
+
+
+def _is_head(name: str) -> bool:
+    return "lm_head" in name or name.startswith("head.")  # DeepSeek-V4: ``head.weight``
+
+
 def token_bytes(lm: Any) -> tuple[int, dict[str, int]]:
     """Weight bytes one decoded token reads from memory: every parameter and buffer once (shared
     storage once), the routed experts' stacks at ``top_k / n_routed_experts`` of their bytes (one
-    token runs top_k experts per MoE layer), the embedding table not at all (one row)."""
+    token runs top_k experts per MoE layer), the embedding table not at all (one row). A hash
+    router's ``tid2eid`` table is read one row per token: left out like the embedding."""
     cfg = lm.config
     frac = cfg.num_experts_per_tok / cfg.n_routed_experts
     seen: set[int] = set()
     parts = {"lm_head": 0, "routed experts": 0, "other": 0}
     for name, t in [*lm.named_parameters(), *lm.named_buffers()]:
         key = int(t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size())
-        if key in seen or "embed_tokens" in name:
+        if key in seen or _is_embedding(name) or name.endswith("tid2eid"):
             continue
         seen.add(key)
         n = t.numel() * t.element_size()
         if ".experts." in name and "shared_experts" not in name:
             parts["routed experts"] += int(n * frac)
-        elif "lm_head" in name:
+        elif _is_head(name):
             parts["lm_head"] += n
         else:
             parts["other"] += n
@@ -204,13 +219,14 @@ def child_in_memory(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         logits = lm.next_logits(ids, kv)
         prefill_s = time.perf_counter() - t0
-        toks, steps = [], []
+        toks, steps, finite = [], [], bool(torch.isfinite(logits).all())
         for _ in range(args.tokens):
             t = int(logits.argmax())
             toks.append(t)
             t0 = time.perf_counter()
             logits = lm.next_logits(torch.tensor([[t]]), kv)
             steps.append(time.perf_counter() - t0)
+            finite = finite and bool(torch.isfinite(logits).all())
     peak = _status_kb("VmHWM") / (1 << 20)  # before the bandwidth probe's 2 GB
     bw = memory_bandwidth()
     steps.sort()
@@ -224,7 +240,8 @@ def child_in_memory(args: argparse.Namespace) -> dict:
         "gb_per_token": round(per_token / GB, 3), **{f"gb_per_token_{k.replace(' ', '_')}": round(v / GB, 3)
                                                      for k, v in parts.items()},
         "memory_GBps": round(bw, 2), "bound_tokens_per_s": round(bound, 3),
-        "fraction_of_bound": round(1 / median / bound, 3), "tokens_out": toks,
+        "fraction_of_bound": round(1 / median / bound, 3), "logits_finite": finite,
+        "logits_std_last": round(float(logits.float().std()), 3), "tokens_out": toks,
     }
 
 
@@ -259,12 +276,13 @@ def child(args: argparse.Namespace) -> dict:
         prefill_s = time.perf_counter() - t0
         before = dict(cache.stats())
         dev0 = _io_read_bytes()
-        toks = []
+        toks, finite = [], bool(torch.isfinite(logits).all())
         t0 = time.perf_counter()
         for _ in range(args.tokens):
             t = int(logits.argmax())
             toks.append(t)
             logits = lm.next_logits(torch.tensor([[t]]), kv)
+            finite = finite and bool(torch.isfinite(logits).all())
         decode_s = time.perf_counter() - t0
         dev = _io_read_bytes() - dev0
     after = cache.stats()
@@ -290,6 +308,7 @@ def child(args: argparse.Namespace) -> dict:
         "cache_peak_gib": round(after["peak_bytes"] / (1 << 30), 2),
         "experts_on_demand_gb": round(model.load_report["experts_on_demand_bytes"] / GB, 2),
         "loaded_gb": round(model.load_report["bytes_read"] / GB, 2),
+        "logits_finite": finite, "logits_std_last": round(float(logits.float().std()), 3),
         "tokens_out": toks,
     }
 
@@ -342,6 +361,10 @@ def main(argv: list[str] | None = None) -> int:
     if bw and args.cache_gb > 0:
         for r in runs:  # the physical bound: the bytes each token had to read at the disk's bandwidth
             r["bound_tokens_per_s"] = round(bw / r["device_gb_per_token"], 3) if r["device_gb_per_token"] else None
+            mem_gb = sum(v for k, v in r.items() if k.startswith("gb_per_token_"))
+            step_s = mem_gb / r["memory_GBps"] + r["device_gb_per_token"] / bw
+            r["combined_bound_tokens_per_s"] = round(1 / step_s, 3)
+            r["fraction_of_combined_bound"] = round(r["tokens_per_s"] * step_s, 3)
     print(json.dumps(res, indent=1))
     return 0
 

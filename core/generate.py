@@ -62,9 +62,13 @@ def new_cache(lm: Any, batch: int, capacity: int) -> Any:
                      for layer in lm.model.layers])
 
 
-def new_mtp_cache(lm: Any, batch: int, capacity: int) -> MLACache:
+def new_mtp_cache(lm: Any, batch: int, capacity: int) -> Any:
     """An empty one-layer cache for ``lm``'s first MTP layer (its own latent, apart from the main
-    model's, with its indexer keys on DeepSeek-V3.2), room for ``capacity`` tokens."""
+    model's, with its indexer keys on DeepSeek-V3.2), room for ``capacity`` tokens; the one its
+    architecture declares (``lm.qp_new_mtp_cache(batch, capacity, limit)``) where it has one."""
+    make = getattr(lm, "qp_new_mtp_cache", None)
+    if make is not None:
+        return make(batch, capacity, max_seq_len(lm.config))
     emb = lm.model.embed_tokens
     device = next(iter(emb.parameters())).device
     return MLACache([layer_cache(lm.mtp[0].block.self_attn, batch, capacity, max_seq_len(lm.config),

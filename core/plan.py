@@ -186,12 +186,15 @@ class _Decider:
         n, k = self.mcfg.num_hidden_layers, self.mcfg.num_nextn_predict_layers
         if k == 0:
             return
-        target = self.ck(f"model.layers.{n}")
+        # where MTP layer j is stored: the model's declaration (DeepSeek-V4: mtp.{k}), else after the main layers
+        module = getattr(self.arch.cls, "qp_mtp_module", "model.layers.{layer}")
+        names = [self.ck(module.format(layer=n + j, k=j)) for j in range(k)]
+        target = names[0]
         if not self.options.mtp:
             self.decisions.append(Decision("mtp_layers", target, 0, CORE,
                                            f"option mtp=false: the {k} MTP layer(s) are skipped (rule mtp-layers)"))
             return
-        stored = [i for i in range(n, n + k) if self._has_module(self.ck(f"model.layers.{i}"))]
+        stored = [name for name in names if self._has_module(name)]
         if not stored:
             if given:
                 self.problems.append(Problem(
@@ -202,8 +205,8 @@ class _Decider:
             return
         self.mtp_layers = k
         self.decisions.append(Decision("mtp_layers", target, k, CORE,
-                                       f"num_nextn_predict_layers = {k}: layers {n}..{n + k - 1} loaded for "
-                                       "speculative decoding (option mtp=false skips them)"))
+                                       f"num_nextn_predict_layers = {k}: {names[0]}" + (f"..{names[-1]}" if k > 1 else "")
+                                       + " loaded for speculative decoding (option mtp=false skips them)"))
 
     def ck(self, rel: str) -> str:
         return f"{self.prefix}.{rel}" if self.prefix else rel
@@ -361,10 +364,9 @@ def _collect_params(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype,
                 continue
             if not resolved:
                 continue
-            stored = {info.dtype for _, info in resolved}
+            stored = set(map(_DTYPE, map(_INFO, resolved)))
             if len(stored) > 1:
-                problems.append(Problem(f"the tensors feeding {mname}.{local} mix dtypes {sorted(stored)}",
-                                        tensor=resolved[0][1].label, file=resolved[0][1].file.name, kind="dtype"))
+                problems.append(_mixed_dtypes(f"{mname}.{local}", [info for _, info in resolved]))
                 continue
             target = mod.qp_target_dtype(local, resolved[0][1].dtype, dtype)
             src0, info0 = resolved[0]
@@ -387,6 +389,9 @@ def _collect_params(model: nn.Module, ckpt: Checkpoint, dtype: torch.dtype,
 
 
 _NAME = operator.attrgetter("name")
+_DTYPE = operator.attrgetter("dtype")
+_INFO = operator.itemgetter(1)
+_SHAPE = operator.attrgetter("shape")
 _TENSOR = operator.itemgetter(0)  # Source.tensor
 
 
@@ -398,15 +403,30 @@ def _slots_in_bulk(sources: SlotSources, ckpt: Checkpoint) -> list[TensorInfo] |
     if not sources:
         return None
     got = list(map(ckpt.tensors.get, map(_TENSOR, sources)))
-    if None in got:
+    if not all(got):  # a TensorInfo is always true: C-level, where ``None in got`` called each one's __eq__
         return None
     infos = cast("list[TensorInfo]", got)
-    dtypes = {info.dtype for info in infos}
+    dtypes = set(map(_DTYPE, infos))
     if not dtypes.issubset(sources.dtypes) or len(dtypes) > 1:
         return None
-    if sources.shape and {info.shape for info in infos} != {tuple(sources.shape)}:
+    if sources.shape and set(map(_SHAPE, infos)) != {tuple(sources.shape)}:
         return None
     return infos
+
+
+def _mixed_dtypes(param: str, infos: list[TensorInfo]) -> Problem:
+    """The tensors feeding one parameter (a stack of experts) in more than one dtype: the problem
+    names the first tensor whose dtype is not the most common one (the outlier: one expert stored
+    apart from its 255 siblings), and how many there are."""
+    counts: dict[str, int] = {}
+    for d in map(_DTYPE, infos):
+        counts[d] = counts.get(d, 0) + 1
+    common = max(counts, key=lambda d: (counts[d], d == infos[0].dtype))
+    odd = [info for info in infos if info.dtype != common]
+    first = odd[0]
+    more = f" ({len(odd)} of {len(infos)} tensors differ)" if len(odd) > 1 else ""
+    return Problem(f"dtype {first.dtype}, but the other tensors feeding {param} are {common}{more}: "
+                   f"they mix dtypes {sorted(counts)}", tensor=first.label, file=first.file.name, kind="dtype")
 
 
 def _scheme_name(mod: PlannedModule) -> str:

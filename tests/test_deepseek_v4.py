@@ -23,14 +23,19 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def v4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     ref = reference_model()
-    # the MTP block: skipped, not loaded
-    path = write_float_checkpoint(tmp_path_factory.mktemp("v4") / "ckpt", ref, {"mtp.0.enorm.weight": torch.ones(H)})
+    path = write_float_checkpoint(tmp_path_factory.mktemp("v4") / "ckpt", ref)
     return ref, path
 
 
-def test_plan_is_clean_and_skips_mtp(v4):
-    _, path = v4
-    p = plan(path)
+def test_plan_is_clean_and_an_incomplete_mtp_block_is_named(v4, tmp_path):
+    ref, path = v4
+    assert not plan(path).problems
+    # one MTP tensor stored: the block is loaded by default, so its other tensors are missing
+    part = write_float_checkpoint(tmp_path / "part", ref, {"mtp.0.enorm.weight": torch.ones(H)})
+    p = build_plan(part)
+    assert any("mtp.0.e_proj.weight" in str(pr) and "missing" in str(pr) for pr in p.problems), p.problems
+    # option mtp=false: skipped, not loaded (tests/test_deepseek_v4_mtp.py loads a whole block)
+    p = plan(part, options={"mtp": False})
     assert not p.problems
     assert any(n == "mtp.0.enorm.weight" for names in p.skipped.values() for n in names)
 

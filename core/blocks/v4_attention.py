@@ -23,7 +23,8 @@ What it implements (DeepSeek-V4's inference code ``model.py`` ``Attention``; mat
   ``compressor.*``, ``indexer.{wq_b,weights_proj}``, ``indexer.compressor.*``.
 - A per-sequence cache (:class:`V4AttentionCache`): the last W - 1 window rows, each compressor's
   unfinished window, overlap halves and entries; a forward of t tokens after it attends exactly as
-  one forward of the whole sequence would.
+  one forward of the whole sequence would. :meth:`V4Attention.truncate_cache` rolls it back to
+  an earlier length (speculative decoding) from a log of the raw per-token rows it keeps.
 - A long prompt is attended a block of queries at a time (:data:`ATTN_SCORE_BYTES` of scores; the
   indexer likewise, :data:`~quantplug.blocks.indexer.INDEX_SCORE_BYTES`), each block over its own
   window slice and the compressed entries: memory O(block * (W + t / r)), not O(t^2).
@@ -53,6 +54,7 @@ from torch import nn
 
 from ..layers.norm import RMSNorm
 from .base import Decisions, lin
+from .cache import GenerationError
 from .v4_compressor import CompressorState, F32Param, V4AttentionConfig, V4Compressor, V4Indexer, V4Rope
 
 __all__ = ["ATTN_SCORE_BYTES", "V4Attention", "V4AttentionCache", "V4AttentionConfig"]
@@ -66,12 +68,37 @@ ATTN_SCORE_BYTES = 1 << 28
 class V4AttentionCache:
     """One layer's state for one batch of sequences: ``length`` tokens seen, the window's last
     ``sliding_window - 1`` kv rows [b, <= W - 1, head_dim] (the keys a next token can still see),
-    and the compressor's / the indexer's :class:`CompressorState`."""
+    and the compressor's / the indexer's :class:`CompressorState`.
+
+    Roll-back (:meth:`V4Attention.truncate_cache`): ``rollback`` is how many tokens back a
+    truncation may reach (None: any length, 0: none). The window keeps only W - 1 rows and a
+    compressor folds each finished window into one entry, so the cache also logs the raw per-token
+    rows the state at an earlier length is made of: the window's kv rows (``log``, positions
+    ``log_start ..``) and each compressor's ``wkv`` / ``wgate`` rows; compressed entries are only
+    cut (an entry depends on the tokens of its own and the previous window only). With a bound,
+    rows older than what a truncation ``rollback`` tokens back needs are dropped after each
+    forward: at most W - 1 + ``rollback`` window rows and 2r + ``rollback`` compressor rows."""
 
     length: int = 0
     window: torch.Tensor | None = None
     compressor: CompressorState = field(default_factory=CompressorState)
     indexer: CompressorState = field(default_factory=CompressorState)
+    rollback: int | None = 0
+    log: torch.Tensor | None = None
+    log_start: int = 0
+
+    def __post_init__(self) -> None:
+        self.compressor.log = self.indexer.log = self.logging
+
+    @property
+    def logging(self) -> bool:
+        """Whether the roll-back log is kept (``rollback`` None or > 0)."""
+        return self.rollback is None or self.rollback > 0
+
+    @property
+    def log_end(self) -> int:
+        """The position after the last logged window row."""
+        return self.log_start + (0 if self.log is None else self.log.shape[1])
 
 
 class V4Attention(nn.Module):
@@ -149,7 +176,67 @@ class V4Attention(nn.Module):
         out = self.rope.rotate(out, cos, -sin)
         if cache is not None:
             cache.length = past + t
+            if cache.logging:
+                cache.log = kv if cache.log is None else torch.cat([cache.log, kv], dim=1)
+                self._forget(cache)
         return self.wo_b(self._grouped_wo_a(out.transpose(1, 2)))
+
+    def _needed_from(self, n: int) -> int:
+        """The first position whose logged rows the state at ``n`` tokens is rebuilt from."""
+        first = max(0, n - (self.cfg.sliding_window - 1))
+        for comp in (self.compressor, None if self.indexer is None else self.indexer.compressor):
+            if comp is not None:
+                first = min(first, comp.needed_from(n))
+        return first
+
+    def _forget(self, cache: V4AttentionCache) -> None:
+        """Drop the logged rows no truncation within ``cache.rollback`` tokens needs."""
+        if cache.rollback is None:
+            return
+        keep = self._needed_from(max(0, cache.length - cache.rollback))
+        if cache.log is not None and keep > cache.log_start:
+            cut = min(keep, cache.log_end) - cache.log_start
+            cache.log, cache.log_start = cache.log[:, cut:], cache.log_start + cut
+        cache.compressor.forget_before(keep)
+        cache.indexer.forget_before(keep)
+
+    def truncate_cache(self, cache: V4AttentionCache, n: int) -> None:
+        """``cache`` back to its first ``n`` tokens: afterwards it is the cache of a sequence that
+        never saw the later ones (equal window rows, compressor states and entries, indexer keys).
+        Rebuilt from the logged rows (see :class:`V4AttentionCache`); a length they do not reach
+        (``rollback`` exceeded, or a cache advanced without logging) is a :class:`GenerationError`
+        naming the layer."""
+        if n == cache.length:
+            return
+        where = f"{self.qp_ckpt}: "
+        if not 0 <= n <= cache.length:
+            raise GenerationError(f"{where}cannot truncate a DeepSeek-V4 attention cache of {cache.length} tokens "
+                                  f"to {n}")
+        need = self._needed_from(n)
+        logs = [(cache.log_start, cache.log_end)]
+        logs += [(st.log_start, st.log_end) for st, comp in ((cache.compressor, self.compressor),
+                 (cache.indexer, None if self.indexer is None else self.indexer.compressor)) if comp is not None]
+        if not cache.logging or any(lo > need or end != cache.length for lo, end in logs):
+            bound = ("keeps no roll-back log (rollback=0)" if not cache.logging else
+                     f"keeps the rows of positions {max(lo for lo, _ in logs)}..{cache.length - 1} "
+                     f"(rollback={cache.rollback})" if all(end == cache.length for _, end in logs) else
+                     "was advanced without its roll-back log (a step that does not log its rows)")
+            raise GenerationError(f"{where}cannot roll a DeepSeek-V4 attention cache back from {cache.length} to "
+                                  f"{n} tokens: that needs the raw rows of positions {need}..{cache.length - 1}, "
+                                  f"and the cache {bound}")
+        w = self.cfg.sliding_window
+        assert cache.log is not None
+        if n == 0:
+            cache.window = None
+        else:
+            cache.window = cache.log[:, max(n - (w - 1), 0) - cache.log_start:n - cache.log_start] if w > 1 \
+                else cache.log[:, :0]
+        cache.log = cache.log[:, :n - cache.log_start]
+        if self.compressor is not None:
+            self.compressor.truncate_state(cache.compressor, n)
+        if self.indexer is not None:
+            self.indexer.compressor.truncate_state(cache.indexer, n)
+        cache.length = n
 
     def _attend(self, q: torch.Tensor, pos: torch.Tensor, window: torch.Tensor, first: int,
                 entries: torch.Tensor | None, seen: torch.Tensor | None) -> torch.Tensor:

@@ -123,17 +123,37 @@ class F32Param(FloatParams):
 class CompressorState:
     """What a compressor carries between calls of one sequence: the tokens of the unfinished
     window (``kv`` / ``gate`` [b, < r, width], gate without ``ape``), the previous window's first
-    halves (overlap only; [b, r, dim]), and the entries emitted so far [b, n, dim]."""
+    halves (overlap only; [b, r, dim]), and the entries emitted so far [b, n, dim].
+
+    With ``log`` set (the attention cache's ``rollback``), also the raw ``wkv`` / ``wgate`` rows of
+    the recent tokens (``log_kv`` / ``log_gate`` [b, k, width], positions ``log_start ..``), from
+    which :meth:`V4Compressor.truncate_state` rebuilds the state at an earlier length."""
 
     kv: torch.Tensor | None = None
     gate: torch.Tensor | None = None
     prev_kv: torch.Tensor | None = None
     prev_gate: torch.Tensor | None = None
     entries: torch.Tensor | None = None
+    log: bool = False
+    log_kv: torch.Tensor | None = None
+    log_gate: torch.Tensor | None = None
+    log_start: int = 0
 
     @property
     def count(self) -> int:
         return 0 if self.entries is None else self.entries.shape[1]
+
+    @property
+    def log_end(self) -> int:
+        """The position after the last logged row."""
+        return self.log_start + (0 if self.log_kv is None else self.log_kv.shape[1])
+
+    def forget_before(self, position: int) -> None:
+        """Drop the logged rows of positions < ``position``."""
+        if self.log_kv is not None and self.log_gate is not None and position > self.log_start:
+            cut = min(position, self.log_end) - self.log_start
+            self.log_kv, self.log_gate = self.log_kv[:, cut:], self.log_gate[:, cut:]
+            self.log_start += cut
 
 
 class V4Compressor(nn.Module):
@@ -160,6 +180,9 @@ class V4Compressor(nn.Module):
         the completed windows add; a state keeps the unfinished window's tokens)."""
         kv, gate = self.wkv(x), self.wgate(x)
         st = state if state is not None else CompressorState()
+        if st.log:
+            st.log_kv = kv if st.log_kv is None else torch.cat([st.log_kv, kv], dim=1)
+            st.log_gate = gate if st.log_gate is None else torch.cat([st.log_gate, gate], dim=1)
         first = st.count * self.ratio
         if st.kv is not None and st.kv.shape[1]:
             assert st.gate is not None
@@ -169,6 +192,30 @@ class V4Compressor(nn.Module):
         new = self._windows(kv[:, :usable], gate[:, :usable], first, st)
         st.entries = new if st.entries is None else torch.cat([st.entries, new], dim=1)
         return st.entries
+
+    def needed_from(self, length: int) -> int:
+        """The first position whose raw rows the state at ``length`` tokens is made of: the
+        unfinished window's, and with ``overlap`` the previous window's too."""
+        return max(0, (length // self.ratio - (1 if self.overlap else 0)) * self.ratio)
+
+    def truncate_state(self, st: CompressorState, n: int) -> None:
+        """``st`` back to the state after the first ``n`` tokens, equal to having seen only them:
+        the entries of the windows before n // r kept; the unfinished window's rows and (overlap)
+        the previous window's first halves, ``ape`` added as :meth:`_windows` adds it, rebuilt
+        from the logged rows (which must reach back to :meth:`needed_from`)."""
+        c, r, dim = n // self.ratio, self.ratio, self.dim
+        if st.entries is not None:
+            st.entries = st.entries[:, :c]
+        if st.log_kv is None or st.log_gate is None:
+            st.kv = st.gate = st.prev_kv = st.prev_gate = None
+            return
+        lo = st.log_start
+        st.kv, st.gate = st.log_kv[:, c * r - lo:n - lo], st.log_gate[:, c * r - lo:n - lo]
+        st.prev_kv = st.prev_gate = None
+        if self.overlap and c:
+            st.prev_kv = st.log_kv[:, (c - 1) * r - lo:c * r - lo, :dim]
+            st.prev_gate = st.log_gate[:, (c - 1) * r - lo:c * r - lo, :dim] + self.ape.weight[:, :dim]
+        st.log_kv, st.log_gate = st.log_kv[:, :n - lo], st.log_gate[:, :n - lo]
 
     def _windows(self, kv: torch.Tensor, gate: torch.Tensor, first: int, st: CompressorState) -> torch.Tensor:
         """Entries of the whole windows kv / gate [b, n * r, width] starting at position ``first``."""

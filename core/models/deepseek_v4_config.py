@@ -50,7 +50,7 @@ class DeepseekV4Config(ModelConfig):
     swiglu_limit: float = 10.0
     #: the attention config of each decoder layer
     attention: tuple[V4AttentionConfig, ...] = ()
-    #: MTP blocks the release stores (``mtp.N.*``; not loaded, skipped by the plan)
+    #: MTP blocks the config declares (``num_nextn_predict_layers``: ``mtp.N.*``)
     mtp_blocks: int = 0
 
     __hash__ = ModelConfig.__hash__
@@ -125,5 +125,6 @@ def parse_deepseek_v4_config(config: dict[str, Any], architecture: str, wrapped:
                            hc_mult=hc_mult, hc_sinkhorn_iters=iters, hc_eps=hc_eps, num_hash_layers=hash_layers,
                            swiglu_limit=limit, attention=attention, mtp_blocks=mtp)
     return dataclasses.replace(cfg, model_type=f.get_str("model_type", "deepseek_v4"), hidden_size=hidden,
+                               num_nextn_predict_layers=mtp,
                                rope=RopeConfig(f.get_float("rope_theta", 1.0, 1e12, 10000.0), "default"),
                                max_position_embeddings=mpe, raw=f.data)

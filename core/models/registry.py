@@ -51,8 +51,10 @@ KIMI_LINEAR = ArchSpec("KimiLinearForCausalLM", kimi.KimiLinearForCausalLM, Fals
 KIMI_K3 = ArchSpec("KimiK3ForConditionalGeneration", kimi.KimiK3ForConditionalGeneration, True,
                    _TEXT_SKIPS + _VISION, kimi.parse_kimi_config)
 
-_MTP = (SkipRule("mtp", r"^mtp\.\d+\.", "DeepSeek-V4's multi-token-prediction block: not loaded (MTP is not "
-                 "implemented for DeepSeek-V4)"),)
+_MTP = (SkipRule("mtp-copies", r"^mtp\.\d+\.(emb|head)\.", "copies of the embedding / head in DeepSeek-V4's MTP "
+                 "block: the main model's embed and head serve it (DeepSeek's convert.py drops them too)"),
+        SkipRule("mtp", r"^mtp\.\d+\.", "DeepSeek-V4's multi-token-prediction block: not loaded (load option "
+                 "mtp=false, or num_nextn_predict_layers = 0: see the mtp_layers decision)"),)
 DEEPSEEK_V4 = ArchSpec("DeepseekV4ForCausalLM", deepseek_v4.DeepseekV4ForCausalLM, False, _TEXT_SKIPS + _MTP,
                        deepseek_v4_config.parse_deepseek_v4_config)
 

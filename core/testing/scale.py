@@ -49,10 +49,11 @@ from ..checkpoint.safetensors_index import write_header
 __all__ = ["StoredTensor", "deepseek_v3_config", "kimi_k2_config", "slice_config", "release_tensors",
            "shard_layout", "safetensors_header", "write_header_only", "ShardWriter", "check_free_disk",
            "DiskSpaceError", "DEEPSEEK_V3_SHARDS", "KIMI_K2_SHARDS", "KIMI_K3_SHARDS",
-           "kimi_k3_config", "kimi_k3_slice_config", "kimi_k3_tensors"]
+           "kimi_k3_config", "kimi_k3_slice_config", "kimi_k3_tensors", "deepseek_v4_config",
+           "deepseek_v4_tensors", "DEEPSEEK_V4_SHARDS"]
 
 #: bytes per element of the safetensors dtypes used here
-ITEMSIZE = {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I8": 1, "I32": 4, "I64": 8}
+ITEMSIZE = {"F8_E4M3": 1, "F8_E8M0": 1, "BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I8": 1, "I32": 4, "I64": 8}
 #: DeepSeek's FP8 weight block (``weight_block_size``)
 BLOCK = (128, 128)
 DEEPSEEK_V3_SHARDS = 163
@@ -348,6 +349,154 @@ def kimi_k3_tensors(cfg: Mapping[str, Any], *, a_log: str = "heads") -> list[Sto
     return first + layers + last
 
 
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V4 (docs/architectures/deepseek-v4.md): the Flash and Pro release layouts
+# ---------------------------------------------------------------------------------------------
+
+#: shards of the V4 releases (Flash: the MTP block alone in the last, ``model-00046-of-00046``)
+DEEPSEEK_V4_SHARDS = {"flash": 46, "pro": 64}
+#: FP4 experts: two E2M1 codes per I8 byte, one F8_E8M0 scale per 32 inputs
+V4_FP4_GROUP = 32
+_V4_FP8_QUANT = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+                 "weight_block_size": [128, 128]}
+_V4_DIMS: dict[str, dict[str, Any]] = {
+    "flash": {"hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64, "q_lora_rank": 1024,
+              "o_groups": 8, "index_topk": 512, "n_routed_experts": 256, "moe_intermediate_size": 2048,
+              "routed_scaling_factor": 1.5},
+    "pro": {"hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128, "q_lora_rank": 1536,
+            "o_groups": 16, "index_topk": 1024, "n_routed_experts": 384, "moe_intermediate_size": 3072,
+            "routed_scaling_factor": 2.5},
+}
+
+
+def deepseek_v4_config(variant: str = "flash") -> dict[str, Any]:
+    """DeepSeek-V4-Flash's (``variant="flash"``: 43 layers, hidden 4096, 256 FP4 experts of 2048) or
+    V4-Pro's (``"pro"``: 61 layers, hidden 7168, 384 experts of 3072) release config.json as
+    DeepSeek-V4-Flash's inference config and third-party copies of the release give it:
+    ``compress_ratios`` per layer plus the MTP block's 0 (Flash: 0, 0, then 4 on even and 128 on
+    odd layers; Pro: 128, 128, then the same), FP8 ``quantization_config``
+    with ``scale_fmt: ue8m0``, ``expert_dtype: "fp4"`` at the top level, one MTP block."""
+    if variant not in _V4_DIMS:
+        raise ValueError(f"variant {variant!r}: expected 'flash' or 'pro'")
+    dims = _V4_DIMS[variant]
+    n = int(dims["num_hidden_layers"])
+    head = [0, 0] if variant == "flash" else [128, 128]
+    ratios = head + [4 if i % 2 == 0 else 128 for i in range(2, n)] + [0]
+    return {
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", **dims,
+        "num_key_value_heads": 1, "head_dim": 512, "qk_rope_head_dim": 64, "o_lora_rank": 1024,
+        "sliding_window": 128, "compress_ratios": ratios, "compress_rope_theta": 160000, "rope_theta": 10000,
+        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                         "beta_fast": 32, "beta_slow": 1},
+        "index_n_heads": 64, "index_head_dim": 128, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+        "num_experts_per_tok": 6, "n_shared_experts": 1, "num_hash_layers": 3, "scoring_func": "sqrtsoftplus",
+        "topk_method": "noaux_tc", "norm_topk_prob": True, "swiglu_limit": 10.0, "num_nextn_predict_layers": 1,
+        "rms_norm_eps": 1e-6, "vocab_size": 129280, "max_position_embeddings": 1048576, "bos_token_id": 0,
+        "eos_token_id": 1, "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
+        "quantization_config": dict(_V4_FP8_QUANT), "expert_dtype": "fp4",
+    }
+
+
+def _v4_fp8(name: str, out: int, inp: int) -> list[StoredTensor]:
+    """An FP8 linear of the V4 release: ``weight`` F8_E4M3 [out, in], ``scale`` F8_E8M0 [out/128, in/128]."""
+    return [StoredTensor(f"{name}.weight", "F8_E4M3", (out, inp)),
+            StoredTensor(f"{name}.scale", "F8_E8M0", _scale_shape(out, inp))]
+
+
+def _v4_bf16(name: str, *shape: int) -> StoredTensor:
+    return StoredTensor(name, "BF16", tuple(shape))
+
+
+def _v4_block(cfg: Mapping[str, Any], b: str, ratio: int, hash_routed: bool) -> list[StoredTensor]:
+    """One V4 block under ``b`` (``layers.L`` or ``mtp.0``) with compression ratio ``ratio``."""
+    d, nh, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"]
+    ql, g, r = cfg["q_lora_rank"], cfg["o_groups"], cfg["o_lora_rank"]
+    hc = cfg["hc_mult"]
+    mix = (2 + hc) * hc
+    e, inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+    out = [_v4_bf16(f"{b}.attn_norm.weight", d), _v4_bf16(f"{b}.ffn_norm.weight", d)]
+    for side in ("attn", "ffn"):
+        out += [StoredTensor(f"{b}.hc_{side}_fn", "F32", (mix, hc * d)),
+                StoredTensor(f"{b}.hc_{side}_base", "F32", (mix,)),
+                StoredTensor(f"{b}.hc_{side}_scale", "F32", (3,))]
+    a = f"{b}.attn"
+    out += [*_v4_fp8(f"{a}.wq_a", ql, d), _v4_bf16(f"{a}.q_norm.weight", ql), *_v4_fp8(f"{a}.wq_b", nh * hd, ql),
+            *_v4_fp8(f"{a}.wkv", hd, d), _v4_bf16(f"{a}.kv_norm.weight", hd),
+            *_v4_fp8(f"{a}.wo_a", g * r, nh * hd // g), *_v4_fp8(f"{a}.wo_b", d, g * r),
+            StoredTensor(f"{a}.attn_sink", "F32", (nh,))]
+    if ratio:
+        width = 2 * hd if ratio == 4 else hd  # CSA's overlapping windows: two halves
+        c = f"{a}.compressor"
+        out += [_v4_bf16(f"{c}.wkv.weight", width, d), _v4_bf16(f"{c}.wgate.weight", width, d),
+                StoredTensor(f"{c}.ape", "F32", (ratio, width)), _v4_bf16(f"{c}.norm.weight", hd)]
+    if ratio == 4:
+        ih, idim = cfg["index_n_heads"], cfg["index_head_dim"]
+        x = f"{a}.indexer"
+        out += [*_v4_fp8(f"{x}.wq_b", ih * idim, ql), _v4_bf16(f"{x}.weights_proj.weight", ih, d),
+                _v4_bf16(f"{x}.compressor.wkv.weight", 2 * idim, d),
+                _v4_bf16(f"{x}.compressor.wgate.weight", 2 * idim, d),
+                StoredTensor(f"{x}.compressor.ape", "F32", (4, 2 * idim)),
+                _v4_bf16(f"{x}.compressor.norm.weight", idim)]
+    f = f"{b}.ffn"
+    out.append(_v4_bf16(f"{f}.gate.weight", e, d))
+    out.append(StoredTensor(f"{f}.gate.tid2eid", "I64", (cfg["vocab_size"], cfg["num_experts_per_tok"]))
+               if hash_routed else StoredTensor(f"{f}.gate.bias", "F32", (e,)))
+    for k in range(e):
+        for w, (n_out, n_in) in (("w1", (inter, d)), ("w2", (d, inter)), ("w3", (inter, d))):
+            out += [StoredTensor(f"{f}.experts.{k}.{w}.weight", "I8", (n_out, n_in // 2)),
+                    StoredTensor(f"{f}.experts.{k}.{w}.scale", "F8_E8M0", (n_out, n_in // V4_FP4_GROUP))]
+    si = inter * cfg.get("n_shared_experts", 1)
+    out += [*_v4_fp8(f"{f}.shared_experts.w1", si, d), *_v4_fp8(f"{f}.shared_experts.w2", d, si),
+            *_v4_fp8(f"{f}.shared_experts.w3", si, d)]
+    return out
+
+
+def deepseek_v4_tensors(cfg: Mapping[str, Any]) -> list[StoredTensor]:
+    """Every tensor of a DeepSeek-V4 FP8 + FP4 release with this config (the release's names,
+    no ``model.`` prefix; its dtypes): ``embed``, the ``num_hidden_layers`` blocks, ``norm``,
+    ``head``, ``hc_head_*``, then the MTP blocks ``mtp.N.*`` (``e_proj`` / ``h_proj`` FP8 [D, D],
+    ``enorm`` / ``hnorm`` / ``norm``, ``hc_head_*`` and a sliding-window block with a learned router;
+    no embedding or head copy, as the Flash release's MTP shard holds none).
+
+    FP8 linears (attention, indexer ``wq_b``, shared experts, MTP projections): ``weight`` F8_E4M3
+    [N, K] + ``scale`` F8_E8M0 [ceil(N/128), ceil(K/128)]. Routed experts (``w1`` / ``w3`` [I, D],
+    ``w2`` [D, I]): ``weight`` I8 [N, K/2] + ``scale`` F8_E8M0 [N, K/32]. ``gate.tid2eid`` I64
+    [vocab, top-k] on the first ``num_hash_layers`` layers, ``gate.bias`` F32 after (and in the MTP
+    block); a compressor on every layer of ratio > 0 (overlapping, twice as wide, with the indexer at
+    ratio 4). Flash: 69,187 tensors, 159,609,485,896 bytes (148.6 GiB); Pro: 145,116 tensors,
+    864,704,792,696 bytes (805.3 GiB): the counts and sizes of the
+    release headers' third-party listings."""
+    d, v, n = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    hc = cfg["hc_mult"]
+    ratios = list(cfg["compress_ratios"])
+    out = [_v4_bf16("embed.weight", v, d)]
+    for i in range(n):
+        out += _v4_block(cfg, f"layers.{i}", ratios[i], i < cfg["num_hash_layers"])
+    out += [_v4_bf16("norm.weight", d), _v4_bf16("head.weight", v, d),
+            StoredTensor("hc_head_fn", "F32", (hc, hc * d)), StoredTensor("hc_head_base", "F32", (hc,)),
+            StoredTensor("hc_head_scale", "F32", (1,))]
+    for k in range(int(cfg.get("num_nextn_predict_layers", 0) or 0)):
+        m = f"mtp.{k}"
+        out += [*_v4_fp8(f"{m}.e_proj", d, d), *_v4_fp8(f"{m}.h_proj", d, d), _v4_bf16(f"{m}.enorm.weight", d),
+                _v4_bf16(f"{m}.hnorm.weight", d), _v4_bf16(f"{m}.norm.weight", d),
+                StoredTensor(f"{m}.hc_head_fn", "F32", (hc, hc * d)), StoredTensor(f"{m}.hc_head_base", "F32", (hc,)),
+                StoredTensor(f"{m}.hc_head_scale", "F32", (1,))]
+        out += _v4_block(cfg, m, ratios[n + k] if n + k < len(ratios) else 0, False)
+    return out
+
+
+def _v4_layout(tensors: Sequence[StoredTensor], shards: int) -> dict[str, list[StoredTensor]]:
+    """V4's shards: the main model in equal byte shares over all but the last file, the MTP blocks
+    alone in the last (as the Flash release's ``model-00046-of-00046`` holds its 1,575 ``mtp.0.*``
+    tensors); file names ``model-00001-of-00046.safetensors``."""
+    main = [t for t in tensors if not t.name.startswith("mtp.")]
+    mtp = [t for t in tensors if t.name.startswith("mtp.")]
+    groups = list(shard_layout(main, shards - 1 if mtp else shards).values())
+    if mtp:
+        groups.append(mtp)
+    return {f"model-{i + 1:05d}-of-{shards:05d}.safetensors": g for i, g in enumerate(groups)}
+
+
 def release_tensors(cfg: Mapping[str, Any], *, inv_freq: bool | None = None) -> list[StoredTensor]:
     """Every tensor of the FP8 release with this config, in module order: embeddings, decoder
     layers, final norm, lm_head, then the ``num_nextn_predict_layers`` MTP layers.
@@ -356,6 +505,8 @@ def release_tensors(cfg: Mapping[str, Any], *, inv_freq: bool | None = None) -> 
     default: when ``model_type`` is ``kimi_k2``). ``model_type`` kimi_k3: :func:`kimi_k3_tensors`."""
     if cfg.get("model_type") == "kimi_k3":
         return kimi_k3_tensors(cfg)
+    if cfg.get("model_type") == "deepseek_v4":
+        return deepseek_v4_tensors(cfg)
     if inv_freq is None:
         inv_freq = cfg.get("model_type") == "kimi_k2"
     h, v = cfg["hidden_size"], cfg["vocab_size"]
@@ -451,12 +602,17 @@ def write_header_only(path: str | Path, cfg: Mapping[str, Any] | None = None, *,
     model_type = cfg.get("model_type")
     by_layer = model_type in ("kimi_k2", "kimi_k3")
     default_shards = {"kimi_k2": KIMI_K2_SHARDS, "kimi_k3": KIMI_K3_SHARDS}.get(str(model_type), DEEPSEEK_V3_SHARDS)
+    if model_type == "deepseek_v4":
+        default_shards = DEEPSEEK_V4_SHARDS["pro" if cfg["hidden_size"] == 7168 else "flash"]
     shards = shards or default_shards
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(cfg, indent=2))
-    layout = shard_layout(release_tensors(cfg), shards, by=by or ("layer" if by_layer else "bytes"),
-                          style=style or ("plain" if model_type == "kimi_k2" else "hub"))
+    if model_type == "deepseek_v4" and by is None and style is None:
+        layout = _v4_layout(release_tensors(cfg), shards)
+    else:
+        layout = shard_layout(release_tensors(cfg), shards, by=by or ("layer" if by_layer else "bytes"),
+                              style=style or ("plain" if model_type == "kimi_k2" else "hub"))
     for fname, group in layout.items():
         header = safetensors_header(group)
         file = root / fname

@@ -38,11 +38,13 @@ import json
 import math
 import os
 import queue
+import re
 import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,7 @@ import torch
 
 from .scale import (
     BLOCK,
+    ITEMSIZE,
     ShardWriter,
     StoredTensor,
     check_free_disk,
@@ -61,7 +64,8 @@ from .scale import (
 )
 
 __all__ = ["WeightSource", "SliceResult", "write_fp8_checkpoint", "write_gguf_q4_0", "fp8_plan", "gguf_plan",
-           "q4_0", "q4_0_nbytes"]
+           "q4_0", "q4_0_nbytes", "V4_FLASH_CONFIG", "v4_flash_slice_config", "V4Tensor", "v4_release_tensors",
+           "V4WeightSource", "v4_plan", "write_v4_checkpoint"]
 
 #: elements generated per step (bounds memory: ~5 bytes of temporaries per element)
 CHUNK_ELEMS = 1 << 23
@@ -519,3 +523,314 @@ def write_gguf_q4_0(path: str | Path, cfg: Mapping[str, Any], source: WeightSour
     os.fdatasync(fh.fileno())
     w.close()
     return SliceResult(root, [file], written, time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V4 release format: FP8 dense linears with E8M0 block scales, FP4 routed experts
+# ---------------------------------------------------------------------------------------------
+
+#: DeepSeek-V4-Flash's release ``config.json`` (DeepSeek-V4's inference code and release): 43 layers (0-1 sliding window only,
+#: even 2-42 CSA ratio 4 with the indexer, odd 3-41 HCA ratio 128; the last ``compress_ratios`` entry is the
+#: MTP block's), layers 0-2 hash-routed, FP8 dense linears with ue8m0 scales, FP4 routed experts
+V4_FLASH_CONFIG: dict[str, Any] = {
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 129280,
+    "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64, "num_key_value_heads": 1,
+    "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
+    "sliding_window": 128, "compress_ratios": [0, 0] + [4 if i % 2 == 0 else 128 for i in range(2, 43)] + [0],
+    "compress_rope_theta": 160000.0, "rope_theta": 10000.0,
+    "rope_scaling": {"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536, "beta_fast": 32,
+                     "beta_slow": 1},
+    "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "hc_mult": 4, "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6, "n_routed_experts": 256, "num_experts_per_tok": 6, "n_shared_experts": 1,
+    "moe_intermediate_size": 2048, "num_hash_layers": 3, "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc",
+    "norm_topk_prob": True, "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "num_nextn_predict_layers": 1,
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 1048576, "bos_token_id": 0, "eos_token_id": 1,
+    "tie_word_embeddings": False,
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                            "scale_fmt": "ue8m0", "weight_block_size": [128, 128]},
+    "expert_dtype": "fp4",
+}
+
+
+def v4_flash_slice_config(ratios: Sequence[int] = (4, 128), hash_layers: int = 1) -> dict[str, Any]:
+    """:data:`V4_FLASH_CONFIG` cut to ``len(ratios)`` decoder layers with these compression ratios, the first
+    ``hash_layers`` hash-routed, no MTP block. The default, one CSA layer (ratio 4, with the indexer) and one
+    HCA layer (ratio 128) with ``num_hash_layers`` 1, is Flash's layers 2 and 3 (the first CSA layer, still
+    hash-routed, and the first HCA layer, with the learned router)."""
+    cfg = json.loads(json.dumps(V4_FLASH_CONFIG))
+    cfg.update(num_hidden_layers=len(ratios), compress_ratios=list(ratios), num_hash_layers=hash_layers,
+               num_nextn_predict_layers=0)
+    return cfg
+
+
+#: bytes per element, with DeepSeek-V4's E8M0 scale bytes
+_V4_ITEMSIZE = {**ITEMSIZE, "F8_E8M0": 1}
+_V4_LAYER = re.compile(r"^layers\.(\d+)\.")
+#: E2M1 magnitudes of the 3-bit code (bit 3 of a nibble is the sign)
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+#: FP4 elements per E8M0 scale of a routed expert
+FP4_GROUP = 32
+
+
+@dataclass(frozen=True)
+class V4Tensor(StoredTensor):
+    """A tensor of the V4 release: :class:`StoredTensor` with ``F8_E8M0`` and the release's ``layers.N.`` names."""
+
+    @cached_property
+    def nbytes(self) -> int:
+        return self.numel * _V4_ITEMSIZE[self.dtype]
+
+    @cached_property
+    def layer(self) -> int | None:
+        m = _V4_LAYER.match(self.name)
+        return int(m.group(1)) if m else None
+
+
+def _v4_fp8(name: str, out: int, inp: int, block: Sequence[int]) -> list[V4Tensor]:
+    return [V4Tensor(f"{name}.weight", "F8_E4M3", (out, inp)),
+            V4Tensor(f"{name}.scale", "F8_E8M0", (-(-out // block[0]), -(-inp // block[1])))]
+
+
+def _v4_fp4(name: str, out: int, inp: int) -> list[V4Tensor]:
+    if inp % FP4_GROUP:
+        raise ValueError(f"{name}: {inp} inputs is not a multiple of the FP4 group ({FP4_GROUP})")
+    return [V4Tensor(f"{name}.weight", "I8", (out, inp // 2)), V4Tensor(f"{name}.scale", "F8_E8M0", (out, inp // FP4_GROUP))]
+
+
+def v4_release_tensors(cfg: Mapping[str, Any]) -> list[V4Tensor]:
+    """Every tensor of a DeepSeek-V4 release with this ``config.json`` (the release's names and dtypes, as
+    docs/architectures/deepseek-v4.md tabulates them),
+    in module order: ``embed``, each layer (``hc_attn_*``, ``attn_norm``, ``attn.*`` with the compressor on
+    layers of ratio > 0 and the indexer on ratio 4, ``hc_ffn_*``, ``ffn_norm``, ``ffn.gate`` with ``tid2eid`` I64
+    on the first ``num_hash_layers`` layers and ``bias`` F32 after, the routed experts, the shared expert),
+    then ``norm``, ``hc_head_*`` and ``head``. FP8 linears: ``X.weight`` F8_E4M3 + ``X.scale`` F8_E8M0 per
+    ``weight_block_size`` block; routed experts by ``expert_dtype`` (default ``fp4``: ``X.weight`` I8 [N, K/2] +
+    ``X.scale`` F8_E8M0 [N, K/32]; ``fp8``: as the dense linears). No ``mtp.*`` tensors."""
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    nh, hd, ql = cfg["num_attention_heads"], cfg["head_dim"], cfg["q_lora_rank"]
+    groups, rank = cfg["o_groups"], cfg["o_lora_rank"]
+    hc = cfg.get("hc_mult", 4)
+    mix = (2 + hc) * hc
+    n_exp, k_act, mi = cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
+    si = mi * cfg.get("n_shared_experts", 1)
+    block = (cfg.get("quantization_config") or {}).get("weight_block_size", list(BLOCK))
+    expert_dtype = cfg.get("expert_dtype") or (cfg.get("quantization_config") or {}).get("expert_dtype") or "fp4"
+    if expert_dtype not in ("fp4", "fp8"):
+        raise ValueError(f"expert_dtype {expert_dtype!r}: expected 'fp4' or 'fp8'")
+
+    def fp8(name: str, out: int, inp: int) -> list[V4Tensor]:
+        return _v4_fp8(name, out, inp, block)
+
+    def expert(name: str, out: int, inp: int) -> list[V4Tensor]:
+        return _v4_fp4(name, out, inp) if expert_dtype == "fp4" else fp8(name, out, inp)
+
+    def bf16(name: str, *shape: int) -> V4Tensor:
+        return V4Tensor(name, "BF16", tuple(shape))
+
+    def f32(name: str, *shape: int) -> V4Tensor:
+        return V4Tensor(name, "F32", tuple(shape))
+
+    out = [bf16("embed.weight", v, h)]
+    for i in range(cfg["num_hidden_layers"]):
+        b = f"layers.{i}"
+        ratio = cfg["compress_ratios"][i]
+        out += [f32(f"{b}.hc_attn_fn", mix, hc * h), f32(f"{b}.hc_attn_base", mix), f32(f"{b}.hc_attn_scale", 3),
+                bf16(f"{b}.attn_norm.weight", h)]
+        a = f"{b}.attn"
+        out += [*fp8(f"{a}.wq_a", ql, h), bf16(f"{a}.q_norm.weight", ql), *fp8(f"{a}.wq_b", nh * hd, ql),
+                *fp8(f"{a}.wkv", hd, h), bf16(f"{a}.kv_norm.weight", hd),
+                *fp8(f"{a}.wo_a", groups * rank, nh * hd // groups), *fp8(f"{a}.wo_b", h, groups * rank),
+                f32(f"{a}.attn_sink", nh)]
+        if ratio:
+            width = hd * (2 if ratio == 4 else 1)  # CSA's overlapping windows: two halves
+            c = f"{a}.compressor"
+            out += [bf16(f"{c}.wkv.weight", width, h), bf16(f"{c}.wgate.weight", width, h),
+                    f32(f"{c}.ape", ratio, width), bf16(f"{c}.norm.weight", hd)]
+            if ratio == 4:
+                ih, idim = cfg["index_n_heads"], cfg["index_head_dim"]
+                x = f"{a}.indexer"
+                out += [*fp8(f"{x}.wq_b", ih * idim, ql), bf16(f"{x}.weights_proj.weight", ih, h),
+                        bf16(f"{x}.compressor.wkv.weight", 2 * idim, h),
+                        bf16(f"{x}.compressor.wgate.weight", 2 * idim, h),
+                        f32(f"{x}.compressor.ape", 4, 2 * idim), bf16(f"{x}.compressor.norm.weight", idim)]
+        out += [f32(f"{b}.hc_ffn_fn", mix, hc * h), f32(f"{b}.hc_ffn_base", mix), f32(f"{b}.hc_ffn_scale", 3),
+                bf16(f"{b}.ffn_norm.weight", h)]
+        f = f"{b}.ffn"
+        out.append(bf16(f"{f}.gate.weight", n_exp, h))
+        out.append(V4Tensor(f"{f}.gate.tid2eid", "I64", (v, k_act)) if i < cfg.get("num_hash_layers", 0)
+                   else f32(f"{f}.gate.bias", n_exp))
+        for e in range(n_exp):
+            out += [*expert(f"{f}.experts.{e}.w1", mi, h), *expert(f"{f}.experts.{e}.w3", mi, h),
+                    *expert(f"{f}.experts.{e}.w2", h, mi)]
+        out += [*fp8(f"{f}.shared_experts.w1", si, h), *fp8(f"{f}.shared_experts.w3", si, h),
+                *fp8(f"{f}.shared_experts.w2", h, si)]
+    out += [bf16("norm.weight", h), f32("hc_head_fn", hc, hc * h), f32("hc_head_base", hc), f32("hc_head_scale", 1),
+            bf16("head.weight", v, h)]
+    return out
+
+
+def _normal_f32() -> np.ndarray:
+    """uint16 -> Phi^-1((u + 0.5) / 65536) as float32 (a standard normal cut at 4.3 sigma)."""
+    nd = statistics.NormalDist()
+    return np.array([nd.inv_cdf((u + 0.5) / 65536) for u in range(65536)], np.float32)
+
+
+#: E[4 ** b] for b uniform in {0, 1}: the mean square of a scale whose exponent is base or base + 1
+_EXP_MS = 2.5
+#: root mean square of an FP4 E2M1 value from a uniformly random nibble
+_E2M1_RMS = float(np.sqrt(np.mean(E2M1_VALUES.astype(np.float64) ** 2)))
+
+
+@dataclass
+class V4WeightSource:
+    """The random weights of a DeepSeek-V4 release-format checkpoint, tensor by tensor, deterministic in
+    ``seed`` (each tensor its own stream, keyed by the seed and its name, as :class:`WeightSource`).
+
+    Scaled so a forward stays finite and tokens vary: every linear's weights have standard deviation
+    1 / sqrt(in) (so each projection of a unit-RMS input is ~unit RMS; the head's logits ~N(0, 1)).
+
+    * FP8 ``X.weight``: random E4M3 codes (:class:`WeightSource`'s Gaussian code table, every block reaching
+      448); ``X.scale`` E8M0 bytes ``127 + b + u``, u a random bit per block, b chosen so the dequantized
+      weights' standard deviation is ~1 / sqrt(in) (neighbouring blocks differ by 2x, so a scale applied to the
+      wrong block shows).
+    * FP4 experts: ``X.weight`` random bytes (two uniformly random E2M1 codes each), ``X.scale`` E8M0 per 32
+      inputs chosen the same way.
+    * BF16: norms 1.0; ``embed`` N(0, 1); the other matrices (``head``, router ``gate.weight``, compressors,
+      ``indexer.weights_proj``) N(0, 1 / in).
+    * F32: ``hc_*_fn`` N(0, 1 / in) (the mix of a unit-RMS state ~N(0, 1)), ``hc_*_base`` and ``hc_*_scale``
+      N(0, 0.25), ``attn_sink`` and the compressors' ``ape`` N(0, 1), router ``gate.bias`` 0 (the random
+      router alone picks experts).
+    * I64 ``gate.tid2eid``: per token ``num_experts_per_tok`` distinct experts, uniformly random.
+
+    ``tensors``: the checkpoint's inventory (:func:`v4_release_tensors`), which a ``.scale`` needs to find
+    its weight's input width."""
+
+    tensors: Mapping[str, StoredTensor]
+    seed: int = 0
+    _tables: dict[float, np.ndarray] = field(default_factory=dict, repr=False)
+    _normal: np.ndarray | None = field(default=None, repr=False)
+
+    def _norm_table(self) -> np.ndarray:
+        if self._normal is None:
+            self._normal = _normal_f32()
+        return self._normal
+
+    def _bf16_table(self, std: float) -> np.ndarray:
+        if std not in self._tables:
+            t = torch.from_numpy(self._norm_table() * np.float32(std)).to(torch.bfloat16)
+            self._tables[std] = t.view(torch.int16).numpy().view(np.uint16).copy()
+        return self._tables[std]
+
+    def in_features(self, weight: StoredTensor) -> int:
+        """The input width of a stored linear weight (an I8 FP4 row packs two inputs per byte)."""
+        return weight.shape[1] * (2 if weight.dtype == "I8" else 1)
+
+    def scale_base(self, weight: StoredTensor) -> int:
+        """The E8M0 exponent byte b (a block's byte is b or b + 1) that gives ``weight`` std ~1 / sqrt(in)."""
+        rms = _E2M1_RMS if weight.dtype == "I8" else _CODE_STD
+        std = 1.0 / math.sqrt(self.in_features(weight))
+        return 127 + round(math.log2(std / (rms * math.sqrt(_EXP_MS))))
+
+    def kind(self, t: StoredTensor) -> str:
+        n = t.name
+        if t.dtype == "F8_E4M3":
+            return "fp8"
+        if t.dtype == "I8":
+            return "bytes"
+        if t.dtype == "F8_E8M0":
+            return "scale"
+        if t.dtype == "I64":
+            return "tid2eid"
+        if n.endswith("norm.weight"):
+            return "ones"
+        if n.endswith("gate.bias"):
+            return "zeros"
+        if t.dtype in ("BF16", "F32"):
+            return "normal"
+        raise ValueError(f"{n}: no random content defined for {t.dtype}")
+
+    def std(self, t: StoredTensor) -> float:
+        """The standard deviation of a BF16 / F32 tensor drawn from a normal."""
+        n = t.name
+        if n == "embed.weight" or n.endswith(("attn_sink", "ape")):
+            return 1.0
+        if n.endswith(("_base", "_scale")):
+            return 0.5
+        return 1.0 / math.sqrt(t.shape[-1])
+
+    def chunks(self, t: StoredTensor) -> Iterator[np.ndarray]:
+        """The stored bytes of ``t`` (numpy arrays of its element type), whole rows at a time."""
+        rows = t.shape[0] if t.shape else 1
+        cols = t.numel // max(rows, 1)
+        kind = self.kind(t)
+        n_exp = self._n_experts(t) if kind == "tid2eid" else 0
+        step = max(1, CHUNK_ELEMS // max(n_exp or cols, 1))  # tid2eid draws a key per expert and token
+        stream = _Stream(self.seed, t.name)
+        base = self.scale_base(self.tensors[t.name[: -len("scale")] + "weight"]) if kind == "scale" else 0
+        std = self.std(t) if kind == "normal" else 0.0
+        for r0 in range(0, rows, step):
+            r = min(rows, r0 + step) - r0
+            n = r * cols
+            if kind == "fp8":
+                raw = stream.take(n)
+                yield (_FP8_PAIRS[raw.view(np.uint16)].view(np.uint8) if n % 2 == 0 else _FP8_CODES[raw])
+            elif kind == "bytes":
+                yield stream.take(n)
+            elif kind == "scale":
+                yield (base + (stream.take(n) & 1)).astype(np.uint8)
+            elif kind == "tid2eid":
+                keys = stream.take(2 * r * n_exp).view(np.uint16).reshape(r, n_exp)
+                yield np.argsort(keys, axis=1, kind="stable")[:, :cols].astype(np.int64)
+            elif kind == "normal" and t.dtype == "BF16":
+                yield self._bf16_table(std)[stream.take(2 * n).view(np.uint16)]
+            elif kind == "normal":
+                yield self._norm_table()[stream.take(2 * n).view(np.uint16)] * np.float32(std)
+            elif t.dtype == "BF16":
+                yield np.full(n, 0x3F80 if kind == "ones" else 0, dtype=np.uint16)  # bf16 1.0 / 0.0
+            else:
+                yield np.full(n, 1.0 if kind == "ones" else 0.0, dtype=np.float32)
+
+    def _n_experts(self, t: StoredTensor) -> int:
+        gate = self.tensors[t.name[: -len("tid2eid")] + "weight"]
+        return gate.shape[0]
+
+    def tensor(self, t: StoredTensor) -> np.ndarray:
+        """The whole stored tensor (small tensors only)."""
+        return np.concatenate([c.reshape(-1) for c in self.chunks(t)]).reshape(t.shape)
+
+
+def v4_plan(cfg: Mapping[str, Any], shard_bytes: int = SHARD_BYTES) -> dict[str, list[StoredTensor]]:
+    """Shard file name -> tensors of ``cfg``'s V4 release layout: hub-style names
+    (``model-00001-of-000003.safetensors``), equal byte shares of about ``shard_bytes``."""
+    tensors: list[StoredTensor] = list(v4_release_tensors(cfg))
+    total = sum(t.nbytes for t in tensors)
+    return shard_layout(tensors, max(1, math.ceil(total / shard_bytes)), by="bytes", style="hub")
+
+
+def write_v4_checkpoint(path: str | Path, cfg: Mapping[str, Any], *, seed: int = 0,
+                        shard_bytes: int = SHARD_BYTES, reserve: int = 2 << 30,
+                        progress: Progress | None = None) -> SliceResult:
+    """Write ``cfg``'s DeepSeek-V4 release layout (:func:`v4_release_tensors`) with random weights
+    (:class:`V4WeightSource`) into the new directory ``path``: config.json, model.safetensors.index.json and
+    the shards, streamed chunk by chunk (the next chunk generated on a second thread while this one is
+    written; written pages dropped from the page cache every GiB). Checks free disk space first
+    (:class:`~quantplug.testing.scale.DiskSpaceError` naming the numbers)."""
+    root = Path(path)
+    layout = v4_plan(cfg, shard_bytes)
+    source = V4WeightSource({t.name: t for g in layout.values() for t in g}, seed)
+    need = sum(len(safetensors_header(g)) + sum(t.nbytes for t in g) for g in layout.values())
+    check_free_disk(root, need, reserve)
+    _check_empty(root)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(dict(cfg), indent=2))
+    t0 = time.perf_counter()
+    written = 0
+    for fname, group in layout.items():
+        with ShardWriter(root / fname, group) as w:
+            for tensor, chunk in ahead((t, c) for t in group for c in source.chunks(t)):
+                w.write(tensor.name, chunk)
+                written += chunk.nbytes
+                if progress is not None and w.current is not tensor:
+                    progress(tensor.name, written)
+    write_index(root, layout)
+    return SliceResult(root, [root / f for f in layout], written, time.perf_counter() - t0)

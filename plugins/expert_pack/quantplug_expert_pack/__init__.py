@@ -1,6 +1,6 @@
 """quantplug backend for GGUF checkpoints (llama.cpp deepseek2 layout, deepseek32 for
-DeepSeek-V3.2, kimi-linear and kimi-k3 for the KDA + MLA hybrids) and expert packs (entry point
-``expert_pack``).
+DeepSeek-V3.2, kimi-linear and kimi-k3 for the KDA + MLA hybrids, deepseek4 for DeepSeek-V4) and
+expert packs (entry point ``expert_pack``).
 
 Every GGUF-specific decision is one of this plugin's hook answers:
 
@@ -18,7 +18,8 @@ Every GGUF-specific decision is one of this plugin's hook answers:
 * ``quantplug_validate_plan``: GGUF metadata vs config.json (deepseek32: the architecture against
   the config's indexer, ``attention.indexer.*`` against ``index_*``; kimi-linear / kimi-k3: the
   architecture against config.json's, the per-layer ``head_count_kv`` against the layer kinds, the
-  KDA / SiTU / latent-MoE / attention-residual keys against their config fields), the V3.2
+  KDA / SiTU / latent-MoE / attention-residual keys against their config fields; deepseek4: every
+  key llama.cpp's loader reads against its config field, :func:`_check_v4`), the V3.2
   indexer's float tensors stored as floats, the pack against the model (experts per layer, MoE
   layers present, config.json unchanged);
 * ``quantplug_export`` / ``quantplug_cli_commands``: GGUF writer, ``quantplug expert-pack build``
@@ -203,10 +204,12 @@ _META_CHECKS = (
 )
 #: llama.cpp architectures this plugin reads: deepseek2 (DeepSeek-V3 / Kimi-K2.x), deepseek32
 #: (DeepSeek-V3.2: deepseek2 plus the lightning indexer, blk.N.indexer.*), kimi-linear and kimi-k3
-#: (KDA + MLA hybrids), each -> the config.json architectures it must come with (None: any other)
-ARCHITECTURES = ("deepseek2", "deepseek32", "kimi-linear", "kimi-k3")
+#: (KDA + MLA hybrids), deepseek4 (DeepSeek-V4, its release names)
+ARCHITECTURES = ("deepseek2", "deepseek32", "kimi-linear", "kimi-k3", "deepseek4")
 #: the Kimi hybrids' llama.cpp architecture -> their config.json architecture
 KIMI_ARCHS = {"kimi-linear": "KimiLinearForCausalLM", "kimi-k3": "KimiK3ForConditionalGeneration"}
+#: the config.json architecture of llama.cpp's 'deepseek4' files
+V4_ARCH = "DeepseekV4ForCausalLM"
 #: deepseek32's indexer keys (gguf-py Keys.Attention.Indexer; llama.cpp requires all three) -> config field
 _INDEXER_META = (
     ("attention.indexer.head_count", "index_n_heads"),
@@ -227,8 +230,15 @@ def quantplug_validate_plan(plan: Any, quant_config: GGUFConfig) -> list[Problem
     kimi = KIMI_ARCHS.get(arch)
     if arch not in ARCHITECTURES:
         problems.append(Problem(f"general.architecture is {arch!r}; quantplug-expert-pack reads llama.cpp "
-                                "'deepseek2' files (DeepSeek-V3 / Kimi-K2.x), 'deepseek32' files (DeepSeek-V3.2) "
-                                "and 'kimi-linear' / 'kimi-k3' files", file=first))
+                                "'deepseek2' files (DeepSeek-V3 / Kimi-K2.x), 'deepseek32' files (DeepSeek-V3.2), "
+                                "'kimi-linear' / 'kimi-k3' files and 'deepseek4' files (DeepSeek-V4)", file=first))
+    elif arch == "deepseek4" or plan.architecture == V4_ARCH:
+        if plan.architecture != V4_ARCH or arch != "deepseek4":
+            want = "'deepseek4'" if plan.architecture == V4_ARCH else f"{V4_ARCH} (llama.cpp's 'deepseek4')"
+            problems.append(Problem(f"general.architecture is {arch!r} but config.json is {plan.architecture}; "
+                                    f"expected {want}", file=first, kind="metadata"))
+        else:
+            problems += _check_v4(meta, cfg, first)
     elif kimi is not None or plan.architecture in KIMI_ARCHS.values():
         if kimi != plan.architecture:
             want = next((a for a, c in KIMI_ARCHS.items() if c == plan.architecture), "deepseek2 / deepseek32")
@@ -248,6 +258,8 @@ def quantplug_validate_plan(plan: Any, quant_config: GGUFConfig) -> list[Problem
         problems.append(Problem(f"GGUF {arch}.block_count = {blocks} contradicts config.json num_hidden_layers = "
                                 f"{cfg.num_hidden_layers}", file=first, kind="metadata"))
     checks = _META_CHECKS + (_INDEXER_META if arch == "deepseek32" and cfg.has_indexer else ())
+    if arch == "deepseek4":
+        checks = tuple(c for c in _META_CHECKS if c[0] != "leading_dense_block_count")  # every V4 layer is MoE
     for key, attr in (*checks, ("nextn_predict_layers", "num_nextn_predict_layers")):
         value = meta.get(f"{arch}.{key}")
         if value is not None and (type(value) is not int or value < 0):  # keys the header reader does not type
@@ -329,6 +341,92 @@ def _check_kimi(meta: Mapping[str, Any], arch: str, cfg: Any, first: str) -> lis
     return problems
 
 
+def _v4_expected(cfg: Any) -> dict[str, tuple[str, Any]]:
+    """The deepseek4 metadata llama.cpp's converter writes (``DeepseekV4Model.set_gguf_parameters``),
+    as this config implies: key (after ``deepseek4.``) -> (config.json field, value). llama.cpp's
+    loader (``src/models/deepseek4.cpp``) requires every one of them."""
+    att = cfg.attention[0]
+    n = cfg.num_hidden_layers
+    csa = any(a.kind == "csa" for a in cfg.attention)
+    out: dict[str, tuple[str, Any]] = {
+        "attention.head_count_kv": ("num_key_value_heads", 1),
+        "attention.key_length": ("head_dim", att.head_dim),
+        "attention.value_length": ("head_dim", att.head_dim),
+        "rope.dimension_count": ("qk_rope_head_dim", att.rope_dim),
+        "attention.q_lora_rank": ("q_lora_rank", att.q_lora_rank),
+        "attention.sliding_window": ("sliding_window", att.sliding_window),
+        "attention.output_group_count": ("o_groups", att.o_groups),
+        "attention.output_lora_rank": ("o_lora_rank", att.o_lora_rank),
+        "attention.compress_ratios": ("compress_ratios", [a.compress_ratio for a in cfg.attention]),
+        "attention.compress_rope_freq_base": ("compress_rope_theta", att.compress_rope.theta),
+        "attention.layer_norm_rms_epsilon": ("rms_norm_eps", cfg.rms_norm_eps),
+        "rope.freq_base": ("rope_theta", att.rope.theta),
+        "expert_feed_forward_length": ("moe_intermediate_size", cfg.moe_intermediate_size),
+        "expert_shared_count": ("n_shared_experts", cfg.n_shared_experts),
+        "expert_weights_scale": ("routed_scaling_factor", cfg.routed_scaling_factor),
+        "expert_gating_func": ("scoring_func", 4),  # gguf-py ExpertGatingFuncType.SQRTSOFTPLUS
+        "swiglu_clamp_exp": ("swiglu_limit", [cfg.swiglu_limit] * n),
+        "hyper_connection.count": ("hc_mult", cfg.hc_mult),
+        "hyper_connection.sinkhorn_iterations": ("hc_sinkhorn_iters", cfg.hc_sinkhorn_iters),
+        "hyper_connection.epsilon": ("hc_eps", cfg.hc_eps),
+        "hash_layer_count": ("num_hash_layers", cfg.num_hash_layers),
+        "embedding_length_out": ("hidden_size * hc_mult", cfg.hidden_size * cfg.hc_mult),
+    }
+    if csa:
+        out.update({
+            "attention.indexer.head_count": ("index_n_heads", att.index_n_heads),
+            "attention.indexer.key_length": ("index_head_dim", att.index_head_dim),
+            "attention.indexer.top_k": ("index_topk", att.index_topk),
+        })
+    if att.compress_rope.type == "yarn" and any(a.compress_ratio for a in cfg.attention):
+        r = att.compress_rope
+        out.update({
+            "rope.scaling.factor": ("rope_scaling.factor", r.factor),
+            "rope.scaling.original_context_length": ("rope_scaling.original_max_position_embeddings",
+                                                     r.original_max_position_embeddings),
+            "rope.scaling.yarn_beta_fast": ("rope_scaling.beta_fast", r.beta_fast),
+            "rope.scaling.yarn_beta_slow": ("rope_scaling.beta_slow", r.beta_slow),
+        })
+    return out
+
+
+#: deepseek4 keys optional in llama.cpp's loader (absent: it takes the exp clamp / its default)
+_V4_OPTIONAL = ("swiglu_clamp_shexp", "embedding_length_out", "rope.scaling.factor",
+                "rope.scaling.original_context_length", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow")
+
+
+def _check_v4(meta: Mapping[str, Any], cfg: Any, first: str) -> list[Problem]:
+    """deepseek4 metadata against config.json, key by key (:func:`_v4_expected`): each
+    disagreement one problem naming the key, the config field and both values; a required key
+    absent is one too (llama.cpp's loader refuses such a file). ``compress_ratios`` may hold the
+    MTP block's entry after the layers' (the release's list is one longer); the per-layer
+    ``swiglu_clamp_exp`` / ``_shexp`` arrays cover the converted blocks."""
+    problems = []
+    expected = _v4_expected(cfg)
+    expected["swiglu_clamp_shexp"] = expected["swiglu_clamp_exp"]
+    n = cfg.num_hidden_layers
+    for k, (field_name, want) in expected.items():
+        key = f"deepseek4.{k}"
+        value = meta.get(key)
+        if value is None:
+            if k not in _V4_OPTIONAL:
+                problems.append(Problem(f"GGUF {key} is absent (llama.cpp's deepseek4 loader requires it); "
+                                        f"config.json {field_name} = {want}", file=first, kind="metadata"))
+            continue
+        if isinstance(want, list):
+            ok = isinstance(value, list | tuple) and len(value) >= n and all(
+                not isinstance(v, bool) and isinstance(v, int | float) and _same(v, w) for v, w in zip(value, want))
+            if not ok:
+                problems.append(Problem(f"GGUF {key} = {value!r} contradicts config.json {field_name} "
+                                        f"(per layer: {want})", file=first, kind="metadata"))
+        elif isinstance(value, bool) or not isinstance(value, int | float):
+            problems.append(Problem(f"GGUF {key} = {value!r}: expected a number", file=first, kind="metadata"))
+        elif not _same(value, want):
+            problems.append(Problem(f"GGUF {key} = {value} contradicts config.json {field_name} = {want}",
+                                    file=first, kind="metadata"))
+    return problems
+
+
 def _check_norm(meta: Mapping[str, Any], arch: str, cfg: Any, first: str) -> list[Problem]:
     """``{arch}.expert_weights_norm`` (a GGUF bool; llama.cpp renormalizes the top-k weights when it
     is true) against config.json's ``norm_topk_prob`` (``moe_renormalize`` in the Kimi family's
@@ -406,7 +504,7 @@ def _check_pack(plan: Any, pack: ExpertPack) -> list[Problem]:
 
 
 #: a routed-expert parameter of the plan, its layer in group 1
-_EXPERT_PARAM = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.")
+_EXPERT_PARAM = re.compile(r"^(?:model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe|ffn)\.experts\.")
 
 
 @hookimpl

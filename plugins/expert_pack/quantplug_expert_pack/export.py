@@ -197,13 +197,15 @@ def export_gguf(model: torch.nn.Module, plan: LoadPlan, destination: Path,
     cfg = dict(plan.checkpoint.config)
     cfg.pop("quantization_config", None)
     (plain / "config.json").write_text(json.dumps(cfg, indent=2))
-    split = bool(options.get("split_kv", True))
-    tensors = gguf_state(model_state(model, plan), model_config, split_kv=split)
-    write_gguf(plain / "model.gguf", tensors, model_config, default_type=dtype,
-               types={"attn_k_b": "Q4_0"} if dtype != "F32" else {})
-    # the label says what was written: attn_k_b exists only split, and stays F32 in an F32 export
-    layout = ("split K/V, attn_k_b Q4_0" if dtype != "F32" else "split K/V") if split else "attn_kv_b"
-    results = [ExportResult(plain, f"gguf {dtype} ({layout})", (plain / "model.gguf",))]
+    if hasattr(model_config, "hc_mult"):  # DeepSeek-V4: llama.cpp's deepseek4 layout (export_v4)
+        from .export_v4 import gguf_state_v4, write_gguf_v4
+
+        write_gguf_v4(plain / "model.gguf", gguf_state_v4(model_state(model, plan), model_config), model_config,
+                      linear_type=dtype)
+        what = "experts MXFP4, FP8-class linears" if dtype != "F32" else "all"
+        results = [ExportResult(plain, f"gguf deepseek4 ({what} {dtype})", (plain / "model.gguf",))]
+    else:
+        results = _export_deepseek2(model, plan, plain, dtype, options)
     if options.get("pack", True):
         packed = dest / "gguf-pack"
         shutil.copytree(plain, packed)
@@ -211,3 +213,15 @@ def export_gguf(model: torch.nn.Module, plan: LoadPlan, destination: Path,
         results.append(ExportResult(packed, f"gguf {dtype} + expert pack (SSD experts)",
                                     tuple(sorted(packed.iterdir()))))
     return results
+
+
+def _export_deepseek2(model: torch.nn.Module, plan: LoadPlan, plain: Path, dtype: str,
+                      options: Mapping[str, Any]) -> list[ExportResult]:
+    """deepseek2 / deepseek32: split K/V (``split_kv``, default) with attn_k_b Q4_0, or a legacy attn_kv_b."""
+    split = bool(options.get("split_kv", True))
+    tensors = gguf_state(model_state(model, plan), plan.model_config, split_kv=split)
+    write_gguf(plain / "model.gguf", tensors, plan.model_config, default_type=dtype,
+               types={"attn_k_b": "Q4_0"} if dtype != "F32" else {})
+    # the label says what was written: attn_k_b exists only split, and stays F32 in an F32 export
+    layout = ("split K/V, attn_k_b Q4_0" if dtype != "F32" else "split K/V") if split else "attn_kv_b"
+    return [ExportResult(plain, f"gguf {dtype} ({layout})", (plain / "model.gguf",))]

@@ -133,12 +133,88 @@ def _kimi(model_config: Any) -> dict[str, str]:
     return out
 
 
+#: DeepSeek-V4 (arch ``deepseek4``; gguf-py MODEL_TENSORS[DEEPSEEK4], llama.cpp's converter
+#: ``conversion/deepseek.py`` ``DeepseekV4Model._map_dsv4_tensor_name``): the release's names (no
+#: ``model.`` prefix) -> GGUF names, every tensor renamed only. Global tensors:
+V4_GLOBAL = {
+    "embed.weight": "token_embd.weight",
+    "norm.weight": "output_norm.weight",
+    "head.weight": "output.weight",
+    "hc_head_fn": "output_hc_fn.weight",
+    "hc_head_base": "output_hc_base.weight",
+    "hc_head_scale": "output_hc_scale.weight",
+}
+#: every V4 layer (``layers.L.`` -> ``blk.L.``); routed experts under the core's stacked names
+#: (``ffn.experts.gate_proj.weight`` [E, out, in]), which the converter writes from the FP4
+#: ``w1`` / ``w3`` / ``w2`` pairs as MXFP4 ``ffn_{gate,up,down}_exps``
+V4_LAYER = {
+    "hc_attn_fn": "hc_attn_fn.weight",
+    "hc_attn_base": "hc_attn_base.weight",
+    "hc_attn_scale": "hc_attn_scale.weight",
+    "hc_ffn_fn": "hc_ffn_fn.weight",
+    "hc_ffn_base": "hc_ffn_base.weight",
+    "hc_ffn_scale": "hc_ffn_scale.weight",
+    "attn_norm.weight": "attn_norm.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+    "attn.attn_sink": "attn_sinks.weight",
+    "attn.wq_a.weight": "attn_q_a.weight",
+    "attn.q_norm.weight": "attn_q_a_norm.weight",
+    "attn.wq_b.weight": "attn_q_b.weight",
+    "attn.wkv.weight": "attn_kv.weight",
+    "attn.kv_norm.weight": "attn_kv_a_norm.weight",
+    "attn.wo_a.weight": "attn_output_a.weight",
+    "attn.wo_b.weight": "attn_output_b.weight",
+    "ffn.gate.weight": "ffn_gate_inp.weight",
+    "ffn.experts.gate_proj.weight": "ffn_gate_exps.weight",
+    "ffn.experts.up_proj.weight": "ffn_up_exps.weight",
+    "ffn.experts.down_proj.weight": "ffn_down_exps.weight",
+    "ffn.shared_experts.w1.weight": "ffn_gate_shexp.weight",
+    "ffn.shared_experts.w3.weight": "ffn_up_shexp.weight",
+    "ffn.shared_experts.w2.weight": "ffn_down_shexp.weight",
+}
+#: hash-routed layers (L < num_hash_layers: ``tid2eid``, I32 in the GGUF) / learned ones (``gate.bias``)
+V4_HASH = {"ffn.gate.tid2eid": "ffn_gate_tid2eid.weight"}
+V4_LEARNED = {"ffn.gate.bias": "exp_probs_b.bias"}
+#: compressed layers (ratio > 0): the main compressor
+V4_COMPRESSOR = {
+    "attn.compressor.ape": "attn_compressor_ape.weight",
+    "attn.compressor.wkv.weight": "attn_compressor_kv.weight",
+    "attn.compressor.wgate.weight": "attn_compressor_gate.weight",
+    "attn.compressor.norm.weight": "attn_compressor_norm.weight",
+}
+#: CSA layers (ratio 4): the lightning indexer
+V4_INDEXER = {
+    "attn.indexer.wq_b.weight": "indexer.attn_q_b.weight",
+    "attn.indexer.weights_proj.weight": "indexer.proj.weight",
+    "attn.indexer.compressor.ape": "indexer_compressor_ape.weight",
+    "attn.indexer.compressor.wkv.weight": "indexer_compressor_kv.weight",
+    "attn.indexer.compressor.wgate.weight": "indexer_compressor_gate.weight",
+    "attn.indexer.compressor.norm.weight": "indexer_compressor_norm.weight",
+}
+
+
+def _v4(model_config: Any) -> dict[str, str]:
+    out = dict(V4_GLOBAL)
+    for i, att in enumerate(model_config.attention):
+        table = dict(V4_LAYER)
+        table.update(V4_HASH if i < model_config.num_hash_layers else V4_LEARNED)
+        if att.compress_ratio:
+            table.update(V4_COMPRESSOR)
+        if att.kind == "csa":
+            table.update(V4_INDEXER)
+        for model_name, gguf_name in table.items():
+            out[f"layers.{i}.{model_name}"] = f"blk.{i}.{gguf_name}"
+    return out
+
+
 def model_to_gguf(model_config: Any) -> dict[str, str]:
     """Every model tensor name of this config (both MLA layouts; DeepSeek-V3.2's indexer where the
     config has one; the ``num_nextn_predict_layers`` MTP layers included; Kimi-Linear / K3: KDA or
-    MLA per layer) -> its GGUF name."""
+    MLA per layer; DeepSeek-V4: its release names, per layer kind) -> its GGUF name."""
     if hasattr(model_config, "kda_layers"):
         return _kimi(model_config)
+    if hasattr(model_config, "hc_mult"):
+        return _v4(model_config)
     out = dict(GLOBAL)
     n = model_config.num_hidden_layers
     for i in range(n + int(getattr(model_config, "num_nextn_predict_layers", 0) or 0)):
@@ -155,12 +231,14 @@ def model_to_gguf(model_config: Any) -> dict[str, str]:
 
 #: the model's per-expert projection names under each MoE module (the core's ``Experts`` names:
 #: DeepSeek's hub layout under ``mlp``; Kimi-Linear / K3 store ``w1`` / ``w3`` / ``w2`` under
-#: ``block_sparse_moe``)
+#: ``block_sparse_moe``, DeepSeek-V4 under ``ffn``)
 PER_EXPERT = {
     "mlp": {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"},
     "block_sparse_moe": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
+    "ffn": {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},  # DeepSeek-V4's release names
 }
-_STACKED = re.compile(r"^(model\.layers\.\d+\.(mlp|block_sparse_moe)\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
+_STACKED = re.compile(r"^((?:model\.)?layers\.\d+\.(mlp|block_sparse_moe|ffn)\.experts)\."
+                      r"(gate_proj|up_proj|down_proj)\.weight$")
 _EXPS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 
 
