@@ -1,7 +1,7 @@
 """Decode speed of every bundled format on one model, against its F32 GGUF and llama.cpp.
 
     python bench/bench_decode.py [--reps 2] [--threads 2] [--root DIR] [--llama-python PY]
-                                 [--dtype float32|bfloat16|both]
+                                 [--dtype float32|bfloat16|both] [--rows ROW,...] [--before TREE]
 
 The model (bench_kernels' ``config()``): 8 layers (1 dense + 7 MoE), hidden 512, 32 routed
 experts of 256 (top-4) + 1 shared, MLA q_lora 256 / kv_lora 128, vocab 32000: ~136M
