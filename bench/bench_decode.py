@@ -1,7 +1,7 @@
 """Decode speed of every bundled format on one model, against its F32 GGUF and llama.cpp.
 
     python bench/bench_decode.py [--reps 2] [--threads 2] [--root DIR] [--llama-python PY]
-                                 [--dtype float32|bfloat16|both]
+                                 [--dtype float32|bfloat16|both] [--rows ROW,...] [--before TREE]
 
 The model (bench_kernels' ``config()``): 8 layers (1 dense + 7 MoE), hidden 512, 32 routed
 experts of 256 (top-4) + 1 shared, MLA q_lora 256 / kv_lora 128, vocab 32000: ~136M
@@ -12,8 +12,8 @@ W4A8 experts + W8A8 attention (its FLOAT tensors written as bfloat16: `float_dty
 ModelOpt NVFP4 / FP8 (every decoder linear, experts per expert), GPTQ / AWQ int4 group 32 with zero
 points). compressed-tensors has no FP4 exporter: its NVFP4 / MXFP4 rows are written here by
 :func:`write_ct_fp4` with compressed-tensors' quantization rules (every decoder linear, experts
-included). Q4_K_M is made from the F32 GGUF by llama.cpp's own ``llama_model_quantize``
-(llama-cpp-python), the standard mix most GGUF downloads use.
+included). Q4_K_M, Q5_K_M and Q6_K are made from the F32 GGUF by llama.cpp's own
+``llama_model_quantize`` (llama-cpp-python), the standard mixes most GGUF downloads use.
 
 Every contender runs in a fresh process (``--child``), contenders alternate over ``--reps``
 rounds, and the best round is reported. Per contender: load seconds; prefill of 64 tokens; decode
@@ -59,6 +59,8 @@ ROWS = {
     "GGUF Q8_0 exact": ("gguf-Q8_0", {}), "GGUF Q8_0 fast": ("gguf-Q8_0", {"kernels": "fast"}),
     "GGUF Q4_0 exact": ("gguf-Q4_0", {}), "GGUF Q4_0 fast": ("gguf-Q4_0", {"kernels": "fast"}),
     "GGUF Q4_K_M exact": ("gguf-Q4_K_M", {}), "GGUF Q4_K_M fast": ("gguf-Q4_K_M", {"kernels": "fast"}),
+    "GGUF Q5_K_M exact": ("gguf-Q5_K_M", {}), "GGUF Q5_K_M fast": ("gguf-Q5_K_M", {"kernels": "fast"}),
+    "GGUF Q6_K exact": ("gguf-Q6_K", {}), "GGUF Q6_K fast": ("gguf-Q6_K", {"kernels": "fast"}),
     "FP8 block (act_quant)": ("fp8", {}), "FP8 block (activation_quant=none)": ("fp8", {"activation_quant": "none"}),
     "CT W4A16 experts exact": ("ct-w4a16", {}), "CT W4A16 experts fast": ("ct-w4a16", {"kernels": "fast"}),
     "ModelSlim W4A8 experts": ("modelslim-w4a8", {}),
@@ -72,7 +74,10 @@ ROWS = {
     "GPTQ int4 g32": ("gptq", {}), "AWQ int4 g32": ("awq", {}),
 }
 LLAMA = {"llama.cpp F32": "gguf-F32", "llama.cpp Q8_0": "gguf-Q8_0", "llama.cpp Q4_0": "gguf-Q4_0",
-         "llama.cpp Q4_K_M": "gguf-Q4_K_M"}
+         "llama.cpp Q4_K_M": "gguf-Q4_K_M", "llama.cpp Q5_K_M": "gguf-Q5_K_M", "llama.cpp Q6_K": "gguf-Q6_K"}
+#: the files made from the F32 GGUF by llama.cpp's own quantizer (llama_model_quantize): mix -> ftype
+LLAMA_MIXES = {"Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
+               "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K"}
 
 
 def _gguf_with_merges(src: Path, dst: Path) -> None:
@@ -132,8 +137,9 @@ def write_ct_fp4(model, plan, dest: Path, fmt: str, act: bool) -> None:
     (dest / "config.json").write_text(json.dumps(dict(plan.checkpoint.config, quantization_config=qc), indent=2))
 
 
-def build(root: Path, llama_py: str | None) -> dict[str, Path]:
-    """Every format's directory under ``root`` (reused when present)."""
+def build(root: Path, llama_py: str | None, need: set[str] | None = None) -> dict[str, Path]:
+    """Every format's directory under ``root`` (reused when present); with ``need``, only those
+    directories (and the F32 GGUF the K-quant mixes are made from)."""
     import quantplug
     from quantplug.plugins import get_plugin_manager
     from quantplug.testing import random_state, write_checkpoint
@@ -148,7 +154,7 @@ def build(root: Path, llama_py: str | None) -> dict[str, Path]:
     pm = get_plugin_manager()
     for t in ("F32", "Q8_0", "Q4_0"):   # the GGUF backend's writer, with a vocabulary llama.cpp can load
         d = root / f"gguf-{t}"
-        if (d / "model.gguf").exists():
+        if (d / "model.gguf").exists() or (need is not None and d.name not in need and t != "F32"):
             continue
         if model is None:
             model = quantplug.load(dense, progress=False)
@@ -167,7 +173,7 @@ def build(root: Path, llama_py: str | None) -> dict[str, Path]:
                "modelopt-fp8": ("modelopt", {"algo": "FP8"}), "gptq": ("gptq", {}), "awq": ("awq", {})}
     for name, (backend, opts) in exports.items():
         d = root / name
-        if (d / "config.json").exists():
+        if (d / "config.json").exists() or (need is not None and name not in need):
             continue
         if model is None:
             model = quantplug.load(dense, progress=False)
@@ -179,23 +185,25 @@ def build(root: Path, llama_py: str | None) -> dict[str, Path]:
     for name, fmt, act in (("ct-nvfp4", "nvfp4-pack-quantized", False), ("ct-mxfp4", "mxfp4-pack-quantized", False),
                            ("ct-mxfp4-act", "mxfp4-pack-quantized", True)):
         d = root / name
-        if (d / "config.json").exists():
+        if (d / "config.json").exists() or (need is not None and name not in need):
             continue
         if model is None:
             model = quantplug.load(dense, progress=False)
         write_ct_fp4(model, model.quantplug_plan, d, fmt, act)
         print(f"wrote {name}: compressed-tensors {fmt}{' W4A4' if act else ''}", file=sys.stderr)
-    km = root / "gguf-Q4_K_M"
-    if not (km / "model.gguf").exists() and llama_py:
+    for mix, ftype in LLAMA_MIXES.items():
+        km = root / f"gguf-{mix}"
+        if (km / "model.gguf").exists() or not llama_py or (need is not None and km.name not in need):
+            continue
         km.mkdir(exist_ok=True)
         (km / "config.json").write_text((root / "gguf-F32" / "config.json").read_text())
         code = ("import llama_cpp, sys; p = llama_cpp.llama_model_quantize_default_params(); "
-                "p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M; p.nthread = 2; "
+                f"p.ftype = llama_cpp.{ftype}; p.nthread = 2; "
                 "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))")
         subprocess.run([llama_py, "-c", code, str(root / "gguf-F32" / "model.gguf"), str(km / "model.gguf")], check=True,
                        capture_output=True)
         if not (km / "model.gguf").exists():
-            raise SystemExit("llama_model_quantize wrote no Q4_K_M file")
+            raise SystemExit(f"llama_model_quantize wrote no {mix} file")
     return {k: v for k, v in dirs.items() if (v / "config.json").exists() and any(v.iterdir())}
 
 
@@ -215,6 +223,16 @@ def child(path: str, options: dict, threads: int, dtype: str = "float32") -> dic
     torch.set_num_threads(threads)
     import quantplug
     from quantplug.generate import new_cache
+
+    options = dict(options)
+    before = options.pop("_kernels_tree", None)
+    if before:  # another tree's kernel sources and fast forms (--before): its kernels, this tree's Python
+        from quantplug.kernels import native
+
+        src = Path(before) / "core" / "kernels"
+        native.SOURCE = src / "qp_kernels.c"
+        line = next(t for t in (src / "native.py").read_text().splitlines() if t.startswith("FAST_FORMS = "))
+        native.FAST_FORMS = eval(line.split("=", 1)[1])  # noqa: S307 (a line of the other tree's source)
 
     t0 = CLOCK()
     m = quantplug.load(path, progress=False, dtype=getattr(torch, dtype), options=options)
@@ -310,6 +328,8 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true", help="process CPU time instead of wall clock")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "both"),
                     help="model dtype of the quantplug rows (both: a bfloat16 row beside each float32 one)")
+    ap.add_argument("--before", default=None, metavar="TREE",
+                    help="also run each selected fast row on another checkout's kernels (rows named '... (before)')")
     ap.add_argument("--child", nargs=3, metavar=("ENGINE", "PATH", "OPTIONS"))
     a = ap.parse_args()
     if a.cpu:
@@ -326,14 +346,21 @@ def main() -> None:
             import llama_cpp  # noqa: F401
             llama_py = sys.executable
         except ImportError:
-            print("llama-cpp-python not importable (--llama-python): llama.cpp rows and Q4_K_M skipped", file=sys.stderr)
+            print("llama-cpp-python not importable (--llama-python): llama.cpp rows and the K-quant mixes skipped", file=sys.stderr)
     root = Path(a.root) if a.root else Path(tempfile.mkdtemp(prefix="qp_decode_"))
-    dirs = build(root, llama_py)
+    picked = None if a.rows is None else a.rows.split(",")
+    need = None if picked is None else {ROWS[r][0] for r in picked if r in ROWS} | {LLAMA[r] for r in picked if r in LLAMA}
+    dirs = build(root, llama_py, need)
     from quantplug.kernels import native
 
     print(f"native kernels: {native.status()}", file=sys.stderr)
     rows = [r for r in ROWS if a.rows is None or r in a.rows.split(",")]
     dtypes = ("float32", "bfloat16") if a.dtype == "both" else (a.dtype,)
+    if a.before:
+        for r in list(rows):
+            if r.endswith(" fast"):
+                ROWS[f"{r} (before)"] = (ROWS[r][0], {**ROWS[r][1], "_kernels_tree": a.before})
+                rows.append(f"{r} (before)")
     contenders = [("quantplug", r, d) for r in rows if ROWS[r][0] in dirs for d in dtypes]
     if llama_py:
         contenders += [("llama", r, "-") for r in LLAMA if (a.rows is None or r in a.rows.split(",")) and LLAMA[r] in dirs]
@@ -377,11 +404,11 @@ def main() -> None:
             if f and b:
                 print(f"| {row} | {f['decode_ms']:.2f} | {b['decode_ms']:.2f} | {b['decode_ms'] / f['decode_ms']:.2f}x |")
         print()
-    for q in ("Q4_0", "Q8_0", "Q4_K_M"):
+    for q in ("Q4_0", "Q8_0", *LLAMA_MIXES):
         lc = best.get(f"llama.cpp {q}")
         if lc is None:
             continue
-        for mode in ("exact", "fast"):
+        for mode in ("exact", "fast", "fast (before)"):
             r = best.get(f"GGUF {q} {mode}")
             if r:
                 ours = r["gen64+32_ms"]

@@ -201,7 +201,8 @@ def dense_state(model: nn.Module, dtype: torch.dtype = torch.float32) -> dict[st
                 t = getattr(mod, local, None)
                 if t is None:
                     continue
-                out[sources[0].tensor] = t.detach().to(dtype).contiguous()
+                # index tensors (DeepSeek-V4's tid2eid) stay integers
+                out[sources[0].tensor] = (t.detach().to(dtype) if t.is_floating_point() else t.detach()).contiguous()
     return out
 
 

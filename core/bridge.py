@@ -35,6 +35,7 @@ from .models.declarations import (
     DeclarationError,
     EngineExperts,
     EngineFloats,
+    EngineGroupedLinear,
     EngineLatentAttention,
     EngineMLP,
     EngineRename,
@@ -184,6 +185,37 @@ class AbsorbedMLA:
         return rows.view(c.shape).to(c.dtype)
 
 
+class GroupedProduct(nn.Module):
+    """A block-diagonal grouped linear as an engine calls it (:class:`EngineGroupedLinear`:
+    DeepSeek-V4's ``wo_a``, transformers' ``DeepseekV4GroupedLinear``): x [..., groups, in / groups]
+    -> [..., groups, out / groups], through the owning block's own grouped product (the planned
+    ``wo_a``'s scheme, as quantplug's forward runs it)."""
+
+    #: the checkpoint name it stands for (``layers.L.attn.wo_a``)
+    qp_ckpt: str
+
+    def __init__(self, owner: nn.Module, entry: EngineGroupedLinear) -> None:
+        super().__init__()
+        linear = getattr(owner, entry.member, None)
+        product = getattr(owner, entry.product, None)
+        if not isinstance(linear, QuantLinear) or not callable(product):
+            raise QuantplugError(f"{getattr(owner, 'qp_ckpt', type(owner).__name__)}: EngineGroupedLinear names "
+                                 f"{entry.member} / {entry.product}, which it does not hold as a planned linear and "
+                                 "a method")
+        self.linear = linear
+        self._product = product
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.qp_ckpt = linear.qp_ckpt
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-2]
+        y = self._product(x.reshape(-1, 1, *x.shape[-2:]))       # [N, 1, groups * out / groups]
+        return y.reshape(*lead, x.shape[-2], -1)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, grouped, {self.linear.scheme.describe()}"
+
+
 @dataclass
 class Projection:
     """One projection of the engine's tree: ``fn(x)`` computes it, ``modules`` are the planned
@@ -207,6 +239,8 @@ def _describe(m: nn.Module) -> str:
     scheme = getattr(m, "scheme", None)
     if scheme is not None:
         return scheme.describe()
+    if isinstance(m, GroupedProduct):
+        return f"grouped ({m.linear.scheme.describe()})"
     if isinstance(m, KVBFromSplit):
         return f"split K/V (k_b {m.k_b.scheme.describe()}, v_b {m.v_b.scheme.describe()})"
     if isinstance(m, TiedHead):
@@ -279,7 +313,7 @@ def _engine_names(lm: nn.Module, named: Mapping[str, _V]) -> dict[str, _V]:
 def _engine_entries(lm: nn.Module) -> dict[str, tuple[nn.Module, object]]:
     """The modules the text model's ``qp_engine_plan`` names, by name, with their entries."""
     return {name: (mod, entry) for name, mod, entry in
-            declared(lm, "qp_engine_plan", (EngineMLP, EngineExperts, EngineLatentAttention))}
+            declared(lm, "qp_engine_plan", (EngineMLP, EngineExperts, EngineLatentAttention, EngineGroupedLinear))}
 
 
 def planned_modules(model: nn.Module) -> dict[str, Projection]:
@@ -322,6 +356,8 @@ def planned_modules(model: nn.Module) -> dict[str, Projection]:
                                  "collectives run inside quantplug); an engine gets an unsplit model, or one loaded "
                                  "with group=quantplug.parallel.EngineComm(...)")
         if isinstance(mod, QuantLinear):
+            if name in out:  # given in an engine's form by its owner's entry (a grouped linear)
+                continue
             out[name] = _single(mod)
             if par is not None:
                 _engine_local(name, mod, par, out[name])
@@ -366,12 +402,13 @@ def _engine_local(name: str, mod: QuantLinear, par: Any, proj: Projection) -> No
 def _engine_projections(name: str, mod: nn.Module, entry: object, out: dict[str, Projection]) -> None:
     """The projections one ``qp_engine_plan`` entry adds (see :func:`planned_modules`)."""
     if isinstance(entry, EngineExperts):
-        if not isinstance(mod, RoutedExperts):
+        # a model with no native lowering binds no forward_step (DeepSeek-V4): its forward serves every call
+        if not isinstance(mod, RoutedExperts) and getattr(mod, "step", None) is not None:
             raise QuantplugError(f"{name} ({type(mod).__name__}) is declared EngineExperts but has no "
                                  "step / forward_step (quantplug.models.declarations.RoutedExperts)")
         gate, up, down = (getattr(mod, s) for s in entry.stacks)
         p = _single(mod)
-        p.fn = _routed(mod)
+        p.fn = _routed(mod)  # type: ignore[arg-type]
         p.in_features, p.out_features = gate.in_features, [down.out_features]
         p.schemes = [f"{x.scheme.describe()}" for x in (gate, up, down)]
         out[name] = p
@@ -390,6 +427,11 @@ def _engine_projections(name: str, mod: nn.Module, entry: object, out: dict[str,
             out[f"{name}.kv_b_proj"] = _single(split, [
                 f"K half dequantized per call from {mod.layout.k_b} (the engine needs its transpose); "
                 f"V half through {mod.layout.v_b}'s scheme"])
+    elif isinstance(entry, EngineGroupedLinear):
+        if getattr(getattr(mod, entry.member, None), "qp_parallel", None) is not None:
+            raise QuantplugError(f"planned_modules: {name}.{entry.member} is split over ranks; an engine's grouped "
+                                 "linear takes it whole")
+        out[f"{name}.{entry.member}"] = _single(GroupedProduct(mod, entry))
     elif isinstance(entry, EngineMLP):
         out[f"{name}.{entry.merged}"] = _merged([getattr(mod, entry.gate), getattr(mod, entry.up)],
                                                getattr(mod, entry.fused, None))
@@ -502,5 +544,5 @@ def float_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return _engine_names(lm, out)
 
 
-__all__ = ["AbsorbedMLA", "KVBFromSplit", "PagedDecode", "Projection", "absorbed_attention", "float_state",
+__all__ = ["AbsorbedMLA", "GroupedProduct", "KVBFromSplit", "PagedDecode", "Projection", "absorbed_attention", "float_state",
            "paged_decode", "planned_mlps", "planned_modules", "text_model"]

@@ -85,12 +85,14 @@ def release_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone().contiguous() for k, v in out.items()}
 
 
-def reference_model(**overrides: Any) -> Any:
-    """The tiny reference model; ``overrides``: config fields changed from :data:`CONFIG`'s values
-    (a checkpoint of it needs the same in its config.json: :func:`write_float_checkpoint`)."""
+def reference_model(q_lora_rank: int = 24, **overrides: Any) -> Any:
+    """The tiny reference model. ``q_lora_rank``: CONFIG's 24, or a multiple of 32 for the group-32 / 16
+    formats' exporters and the native products; ``overrides``: other config fields changed from
+    :data:`CONFIG`'s values (a checkpoint of it needs the same in its config.json:
+    :func:`write_float_checkpoint`)."""
     kwargs: dict[str, Any] = dict(
         vocab_size=V, hidden_size=H, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
-        qk_rope_head_dim=16, q_lora_rank=24, o_groups=2, o_lora_rank=16, sliding_window=8, index_n_heads=4,
+        qk_rope_head_dim=16, q_lora_rank=q_lora_rank, o_groups=2, o_lora_rank=16, sliding_window=8, index_n_heads=4,
         index_head_dim=16, index_topk=3, rms_norm_eps=1e-6, rope_theta=10000.0, compress_rope_theta=160000.0,
         rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
                          "beta_fast": 32, "beta_slow": 1},

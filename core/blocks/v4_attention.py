@@ -265,6 +265,11 @@ class V4Attention(nn.Module):
         probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
         return probs.to(keys.dtype) @ keys.unsqueeze(1)
 
+    def grouped_wo_a(self, o: torch.Tensor) -> torch.Tensor:
+        """``wo_a`` block-diagonal over ``o_groups``: o [b, t, G, nh * hd / G] (or [b, t, nh, hd])
+        -> [b, t, G * R], as :meth:`forward` computes it (the engines' grouped ``o_a_proj``)."""
+        return self._grouped_wo_a(o)
+
     def _grouped_wo_a(self, o: torch.Tensor) -> torch.Tensor:
         """o [b, t, nh, hd] -> [b, t, G * R]: group g (heads g * nh / G ..) through rows
         g * R .. (g + 1) * R of ``wo_a`` (block-diagonal). A weight-only scheme: its dequantized

@@ -73,7 +73,7 @@ def source_digest() -> bytes:
 ISA_NAMES = {3: "AVX512 + VNNI", 4: "AVX512", 2: "AVX2", 0: "portable C"}
 MODES = {"exact": 0, "fast": 1}
 #: forms with a fast (integer dot product) mode
-FAST_FORMS = frozenset({"Q4_0", "Q8_0"})
+FAST_FORMS = frozenset({"Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
 #: the smallest non-zero magnitude of a scaled form's codes (FP8 E4M3: 2^-9; FP4 E2M1: 0.5)
 MIN_CODE = {"FP8": 2.0 ** -9, "FP4": 0.5, "INT4": 1.0, "INT8": 1.0}
 #: the symbols this module calls; a library missing one is rebuilt, then refused

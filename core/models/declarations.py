@@ -263,7 +263,20 @@ class EngineLatentAttention:
     unsupported: tuple[tuple[str, str], ...] = ()
 
 
-EngineEntry = EngineMLP | EngineExperts | EngineLatentAttention
+@dataclass(frozen=True)
+class EngineGroupedLinear:
+    """A block-diagonal grouped linear (DeepSeek-V4's ``wo_a``: group g of the input through its own
+    block of rows) an engine calls as ``<module>.<member>`` on x [..., groups, in / groups] ->
+    [..., groups, out / groups]. The module's ``product`` method computes it as quantplug's own
+    forward does (``product(x)`` -> [..., groups * out / groups]); the member's plain product
+    (every group through every block) is not what the engine means, so it is never handed out
+    under that name as a plain linear."""
+
+    member: str
+    product: str
+
+
+EngineEntry = EngineMLP | EngineExperts | EngineLatentAttention | EngineGroupedLinear
 
 
 @dataclass(frozen=True)
@@ -353,6 +366,8 @@ def _entry_members(entry: object) -> tuple[tuple[str, ...], tuple[str, ...]]:
         return entry.stacks, ()
     if isinstance(entry, EngineLatentAttention):
         return (entry.kv_a,), ()  # an MLA layer (a KDA layer under the same name holds no kv_a)
+    if isinstance(entry, EngineGroupedLinear):
+        return (entry.member,), ()
     return (), ()
 
 

@@ -22,6 +22,9 @@ Matched against transformers 5.25's ``DeepseekV4ForCausalLM`` in float32 (tests/
 the MTP draft against an independent MTP (tests/test_deepseek_v4_mtp.py).
 The release's quantized layout (FP8 linears with ``X.scale``, FP4 routed experts) is a backend's
 answer like any format's (the ``fp8`` backend); the skeleton only names the modules.
+Engines: ``qp_engine_plan`` / ``qp_engine_names`` place the planned modules in transformers'
+``DeepseekV4ForCausalLM`` (``quantplug_transformers``); the vLLM plugin refuses V4 (vLLM's own V4
+model keeps FP8-quantized compressed KV caches, not this arithmetic).
 Not here: tensor / expert parallelism (no ``qp_tp_plan``). A decode token of a float32 model is one
 native call where every block has its native step (:func:`quantplug.lower.hyper_decode_logits`);
 else the blocks run (each natively where it can).
@@ -45,7 +48,7 @@ from ..layers.activation import swiglu_clamp
 from ..layers.embedding import Embedding
 from ..layers.norm import RMSNorm
 from ..lower import hyper_decode_logits
-from .declarations import DenseRule, Unstack
+from .declarations import DenseRule, EngineEntry, EngineExperts, EngineGroupedLinear, EngineRename, Unstack
 from .deepseek_v4_config import DeepseekV4Config
 
 _W = ("w1", "w3", "w2")
@@ -247,7 +250,43 @@ class DeepseekV4ForCausalLM(GenerationMixin, nn.Module):
     def text_lm(self) -> DeepseekV4ForCausalLM:
         return self
 
-    #: why the engine bridges (``quantplug.bridge``) refuse it
-    qp_engine_refusal: ClassVar[str] = (
-        "DeepSeek-V4 has no engine bridge yet (its attention, mHC and hash routing are not mapped onto an engine's "
-        "module tree); run it with quantplug.load / generate")
+    #: how an engine's own DeepSeek-V4 module tree (transformers' ``DeepseekV4ForCausalLM``) takes
+    #: the planned modules (``quantplug.bridge`` reads it): the routed experts called as
+    #: ``fn(x, topk_ids, topk_weights)`` (the clamped SwiGLU inside), ``wo_a`` as the grouped
+    #: ``o_a_proj`` (block-diagonal over ``o_groups``)
+    qp_engine_plan: ClassVar[Mapping[str, EngineEntry]] = {
+        "layers.*.ffn.experts": EngineExperts(),
+        "layers.*.attn": EngineGroupedLinear(member="wo_a", product="grouped_wo_a"),
+    }
+    #: the names transformers' ``DeepseekV4ForCausalLM`` (5.25) gives the release's modules (its
+    #: conversion of the release's checkpoint): ``attn`` -> ``self_attn`` (``wq_a`` -> ``q_a_proj`` ...,
+    #: ``attn_sink`` -> ``sinks``), the indexer under ``self_attn.compressor.indexer`` (its compressor's
+    #: tensors directly there, ``weights_proj`` under ``scorer``), compressors' ``wkv`` / ``wgate`` /
+    #: ``ape`` / ``norm`` -> ``kv_proj`` / ``gate_proj`` / ``position_bias`` / ``kv_norm``, ``hc_attn`` /
+    #: ``hc_ffn`` -> ``attn_hc`` / ``ffn_hc``, ``ffn`` -> ``mlp``, the text model under ``model.``
+    qp_engine_names: ClassVar[tuple[EngineRename, ...]] = (
+        EngineRename(r"^embed(?=\.|$)", "model.embed_tokens"),
+        EngineRename(r"^head(?=\.|$)", "lm_head"),
+        EngineRename(r"^norm(?=\.|$)", "model.norm"),
+        EngineRename(r"^hc_head\.(fn|base|scale)$", r"model.hc_head.hc_\1"),
+        EngineRename(r"^layers\.", "model.layers."),
+        EngineRename(r"\.hc_(attn|ffn)(?=\.|$)", r".\1_hc"),
+        EngineRename(r"\.attn_norm(?=\.|$)", ".input_layernorm"),
+        EngineRename(r"\.ffn_norm(?=\.|$)", ".post_attention_layernorm"),
+        EngineRename(r"\.compressor\.wkv(?=\.|$)", ".compressor.kv_proj"),
+        EngineRename(r"\.compressor\.wgate(?=\.|$)", ".compressor.gate_proj"),
+        EngineRename(r"\.compressor\.ape\.weight$", ".compressor.position_bias"),
+        EngineRename(r"\.compressor\.norm(?=\.|$)", ".compressor.kv_norm"),
+        EngineRename(r"\.attn\.indexer\.compressor\.", ".attn.compressor.indexer."),
+        EngineRename(r"\.attn\.indexer\.wq_b(?=\.|$)", ".attn.compressor.indexer.q_b_proj"),
+        EngineRename(r"\.attn\.indexer\.weights_proj(?=\.|$)", ".attn.compressor.indexer.scorer.weights_proj"),
+        EngineRename(r"\.attn\.wq_a(?=\.|$)", ".attn.q_a_proj"),
+        EngineRename(r"\.attn\.q_norm(?=\.|$)", ".attn.q_a_norm"),
+        EngineRename(r"\.attn\.wq_b(?=\.|$)", ".attn.q_b_proj"),
+        EngineRename(r"\.attn\.wkv(?=\.|$)", ".attn.kv_proj"),
+        EngineRename(r"\.attn\.wo_a(?=\.|$)", ".attn.o_a_proj"),
+        EngineRename(r"\.attn\.wo_b(?=\.|$)", ".attn.o_b_proj"),
+        EngineRename(r"\.attn\.attn_sink\.weight$", ".attn.sinks"),
+        EngineRename(r"\.attn(?=\.|$)", ".self_attn"),
+        EngineRename(r"\.ffn(?=\.|$)", ".mlp"),
+    )

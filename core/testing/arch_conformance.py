@@ -41,8 +41,9 @@ from ..layers.linear import PlannedModule
 from ..loader import load
 from ..models.registry import ENTRY_POINT_GROUP, registered
 from ..plan import LoadPlan, build_plan
+from .engines import EXPORTS, installed_backends
 from .formats import FORMATS
-from .probes import forbid_data_reads, rename_stored_tensor
+from .probes import forbid_data_reads, isolated_plugin_manager, rename_stored_tensor
 from .reference import rel_err
 
 
@@ -87,6 +88,9 @@ class ArchitectureConformance:
     refusals: ClassVar[Mapping[str, str]] = {}
     #: greedy tokens generated in the cache check
     new_tokens: ClassVar[int] = 6
+    #: bundled exporters to round-trip (labels of ``quantplug.testing.engines.EXPORTS``: each backend's
+    #: own ``quantplug_export`` of the loaded float checkpoint, loaded back); none by default
+    exporters: ClassVar[tuple[str, ...]] = ()
 
     def write_checkpoint(self, path: Path) -> None:
         """Write a tiny random float32 checkpoint of the architecture into directory ``path``."""
@@ -96,6 +100,10 @@ class ArchitectureConformance:
         """Logits [B, T, V] of the checkpoint at ``path`` for ``ids`` [B, T], from an independent
         implementation (float32)."""
         raise NotImplementedError(f"{type(self).__name__} must implement reference_logits(path, ids)")
+
+    def check_export(self, label: str, model: Any) -> None:
+        """The architecture's own checks of an exporter's checkpoint as loaded (``label``: the
+        :attr:`exporters` entry); call :func:`pytest.fail` on a problem. Default: none."""
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -168,6 +176,52 @@ class ArchitectureConformance:
             _fail(f"[cache] greedy generate with the cache gave {out.tolist()}, recomputing the whole sequence "
                   f"each step gave {seq.tolist()}")
 
+    def _against_dequantized(self, arch_kit: _ArchKit, model: Any, what: str) -> None:
+        """``model``'s logits against the reference on the weights the load holds (``dense_state``)."""
+        with torch.no_grad():
+            ours = model(arch_kit.ids)
+        deq = arch_kit.root / f"{what.replace(' ', '-')}-dequantized"
+        deq.mkdir(exist_ok=True)
+        save_file({k: v.float().contiguous() if v.is_floating_point() else v.contiguous()
+                   for k, v in dense_state(model).items()}, str(deq / "model.safetensors"))
+        (deq / "config.json").write_text(json.dumps(arch_kit.config))
+        ref = self.reference_logits(deq, arch_kit.ids)
+        weight_only = all(getattr(getattr(m, "scheme", None), "weight_only", True)
+                          for m in model.modules() if isinstance(m, PlannedModule))
+        tol = self.rtol if weight_only else self.act_quant_rtol
+        err = rel_err(ours, ref)
+        if not err <= tol:
+            _fail(f"[{what}] logits vs the reference on the weights the load holds: rel err {err:.3g} > {tol} "
+                  f"({'weight-only' if weight_only else 'activations quantized'})")
+
+    @pytest.mark.parametrize("label", tuple(row.label for row in EXPORTS if row.backend is not None))
+    def test_bundled_exporter_round_trip(self, arch_kit: _ArchKit, label: str) -> None:
+        """The backend's own ``quantplug_export`` of the loaded float model writes a checkpoint that
+        plans clean, keeps some linears quantized, and loads matching the reference on the weights it
+        holds (:attr:`rtol`, or :attr:`act_quant_rtol` where activations are quantized)."""
+        if label not in self.exporters:
+            pytest.skip(f"{type(self).__name__}.exporters leaves out {label}")
+        row = next(r for r in EXPORTS if r.label == label)
+        backends = installed_backends()
+        if row.backend not in backends:
+            pytest.skip(f"backend {row.backend!r} is not installed")
+        pm = isolated_plugin_manager({row.backend: backends[row.backend]})
+        source: Any = load(arch_kit.path, plugin_manager=isolated_plugin_manager(), progress=False)
+        scratch = arch_kit.root / f".{label}.export"
+        res = pm.export(row.backend, model=source, destination=scratch, plan=source.quantplug_plan,
+                        options=row.options)[row.pick]
+        plan = build_plan(res.path, plugin_manager=pm)
+        if plan.errors:
+            _fail(f"[exporter {label}] its export plans with problems:\n  "
+                  + "\n  ".join(p.describe() for p in plan.errors))
+        model = load(res.path, plugin_manager=pm, progress=False)
+        packed = [m.qp_ckpt for m in model.modules() if isinstance(m, PlannedModule)
+                  and type(getattr(m, "scheme", None)).__name__ != "DenseScheme"]
+        if not packed:
+            _fail(f"[exporter {label}] the export loads with no quantized module (nothing was quantized)")
+        self.check_export(label, model)
+        self._against_dequantized(arch_kit, model, f"exporter {label}")
+
     @pytest.mark.parametrize("fmt", tuple(FORMATS))
     def test_bundled_format_loads(self, arch_kit: _ArchKit, fmt: str) -> None:
         if fmt not in self.formats:
@@ -185,18 +239,4 @@ class ArchitectureConformance:
         plan = self._plan(q)
         if plan.errors:
             _fail(f"[format {fmt}] the {fmt} export plans with problems:\n  " + "\n  ".join(p.describe() for p in plan.errors))
-        model = load(q)
-        with torch.no_grad():
-            ours = model(arch_kit.ids)
-        deq = arch_kit.root / f"{fmt}-dequantized"
-        deq.mkdir(exist_ok=True)
-        save_file({k: v.float().contiguous() for k, v in dense_state(model).items()}, str(deq / "model.safetensors"))
-        (deq / "config.json").write_text(json.dumps(arch_kit.config))
-        ref = self.reference_logits(deq, arch_kit.ids)
-        weight_only = all(getattr(getattr(m, "scheme", None), "weight_only", True)
-                          for m in model.modules() if isinstance(m, PlannedModule))
-        tol = self.rtol if weight_only else self.act_quant_rtol
-        err = rel_err(ours, ref)
-        if not err <= tol:
-            _fail(f"[format {fmt}] logits vs the reference on the weights the load holds: rel err {err:.3g} > {tol} "
-                  f"({'weight-only' if weight_only else 'activations quantized'})")
+        self._against_dequantized(arch_kit, load(q), f"format {fmt}")

@@ -421,8 +421,12 @@ def test_ggml_products_both_modes_against_float64_references(ggml_type, m):
         assert torch.equal(fast, exact)
         return
     # fast: per block the integer dot of the codes times d_w * d_x (ggml's CPU-backend Q8_0
-    # activation blocks, _ggml_q8_0_blocks): the exact weights against those values
-    q, d = _ggml_q8_0_blocks(x.numpy().reshape(m, -1, 32))
+    # activation blocks, _ggml_q8_0_blocks; K-quants: q8_K blocks of 256, _ggml_q8_k_blocks):
+    # the exact weights against those values
+    if ggml_type in ("Q4_K", "Q5_K", "Q6_K"):
+        q, d, _ = _ggml_q8_k_blocks(x.numpy().reshape(m, -1, 256))
+    else:
+        q, d = _ggml_q8_0_blocks(x.numpy().reshape(m, -1, 32))
     xq = torch.from_numpy(q.astype(np.float32) * d[..., None]).reshape(m, k)
     assert ((fast.double() - xq.double() @ dense.t()).abs() <= f64_bound(xq, dense)).all()
     assert 0 < (fast.double() - ref).norm() / ref.norm() < 2e-2
@@ -860,6 +864,9 @@ def test_avx2_and_portable_builds_compute_the_same(monkeypatch, march_build, mar
     test_groups_of_16_multiply_at_every_length(288)
     for ggml_type in ("Q4_0", "Q8_0"):
         test_fast_products_quantize_activations_as_documented(ggml_type, 5, 288)
+    for ggml_type in ("Q4_K", "Q5_K", "Q6_K"):
+        test_fast_k_quants_compute_ggmls_q8_k_arithmetic(ggml_type, 5, 9)
+        test_fast_k_quants_give_each_row_what_it_gets_alone(ggml_type)
 
 
 def test_no_compiler_means_torch_paths_and_a_reason(monkeypatch, tmp_path):
@@ -1083,3 +1090,122 @@ def test_fast_products_quantize_activations_as_documented(ggml_type, rows, k):
     fin = np.isfinite(want)
     assert fin.sum() >= n * (rows - (rows > 1))
     np.testing.assert_allclose(got[fin], want[fin], rtol=2e-5, atol=1e-6)
+
+
+def _ggml_q8_k_blocks(xb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Activation blocks xb [..., 256] as ggml's CPU backend quantizes a K-quant matmul's input
+    (``quantize_row_q8_K_ref``, ggml-quants.c): max = the first value of largest |x|, iscale =
+    -127 / max (float32), codes rint(iscale * x) (round half to even), at most 127, the scale
+    1 / iscale; bsums = each 16 codes' sum; a zero block: codes 0, scale 0; quantplug's extra rule:
+    a block holding a NaN or an infinity gets scale NaN. Returns codes (int32), scales (float32),
+    bsums (int32)."""
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        bad = ~np.isfinite(xb).all(-1)
+        clean = np.where(bad[..., None], np.float32(0), xb).astype(np.float32)
+        idx = np.abs(clean).argmax(-1)                       # the first of the largest
+        mx = np.take_along_axis(clean, idx[..., None], -1)[..., 0]
+        ok = mx != 0
+        iscale = np.where(ok, np.float32(-127) / np.where(ok, mx, np.float32(1)), np.float32(0)).astype(np.float32)
+        q = np.minimum(np.rint((iscale[..., None] * clean).astype(np.float32)), 127).astype(np.int32)
+        d = np.where(ok, np.float32(1) / np.where(ok, iscale, np.float32(1)), np.float32(0)).astype(np.float32)
+        d = np.where(bad, np.float32(np.nan), d).astype(np.float32)
+        q = np.where(bad[..., None], 0, q)
+        return q, d, q.reshape(*q.shape[:-1], 16, 16).sum(-1)
+
+
+def _k_codes(ggml_type: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A K-quant's super-blocks [n, nsb, bytes] as integers: codes [n, nsb, 256] (Q6_K's signed,
+    q - 32), scales per sub-block [n, nsb, 8 or 16], mins [n, nsb, 8] (Q6_K: zeros), d, dmin."""
+    n, nsb, _ = blocks.shape
+    if ggml_type == "Q6_K":
+        ql, qh = blocks[..., :128].astype(np.int32), blocks[..., 128:192].astype(np.int32)
+        sc = blocks[..., 192:208].view(np.int8).astype(np.int32)
+        d = blocks[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)
+        codes = np.empty((n, nsb, 256), np.int32)
+        for h in range(2):
+            lq, hq = ql[..., 64 * h:64 * h + 64], qh[..., 32 * h:32 * h + 32]
+            o = 128 * h
+            codes[..., o:o + 32] = (lq[..., :32] & 15) | ((hq & 3) << 4)
+            codes[..., o + 32:o + 64] = (lq[..., 32:] & 15) | (((hq >> 2) & 3) << 4)
+            codes[..., o + 64:o + 96] = (lq[..., :32] >> 4) | (((hq >> 4) & 3) << 4)
+            codes[..., o + 96:o + 128] = (lq[..., 32:] >> 4) | (((hq >> 6) & 3) << 4)
+        return codes - 32, sc, np.zeros((n, nsb, 8), np.int32), d, np.zeros_like(d)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 4:16].astype(np.int32)
+    sc = np.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 15) | ((q[..., 0:4] >> 6) << 4)], -1)
+    mn = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], -1)
+    five = ggml_type == "Q5_K"
+    qs = blocks[..., 48:176] if five else blocks[..., 16:144]
+    qs = qs.astype(np.int32)
+    codes = np.empty((n, nsb, 256), np.int32)
+    for j in range(4):
+        lo, hi = qs[..., 32 * j:32 * j + 32] & 15, qs[..., 32 * j:32 * j + 32] >> 4
+        if five:
+            qh = blocks[..., 16:48].astype(np.int32)
+            lo = lo | (((qh >> (2 * j)) & 1) << 4)
+            hi = hi | (((qh >> (2 * j + 1)) & 1) << 4)
+        codes[..., 64 * j:64 * j + 32], codes[..., 64 * j + 32:64 * j + 64] = lo, hi
+    return codes, sc, mn, d, dmin
+
+
+K_FAST = ["Q4_K", "Q5_K", "Q6_K"]
+
+
+@needs_native
+@pytest.mark.parametrize("ggml_type", K_FAST)
+@pytest.mark.parametrize("rows", [1, 4, 5, 17])
+@pytest.mark.parametrize("nsb", [1, 9])
+def test_fast_k_quants_compute_ggmls_q8_k_arithmetic(ggml_type, rows, nsb):
+    """Fast Q4_K / Q5_K / Q6_K: activations as ggml's q8_K blocks (:func:`_ggml_q8_k_blocks`), per
+    super-block the integer sum over sub-blocks of scale * (codes . x codes) (Q4_K / Q5_K: and the
+    mins times the x blocks' sums), times d * dx (dmin * dx): a numpy model of ggml's
+    ``vec_dot_q*_K_q8_K`` arithmetic, in float64, within float32 summation order (one code off
+    would be ~1e-3 off). Rows not a multiple of the 4-row tile, one and many x rows, one super-block
+    and more than the kernel decodes at a time (9 > 8), the extreme codes and scales (Q6_K: codes 0
+    and 63, scales -128 and 127; Q4_K / Q5_K: scale and min 63), a zero block and an infinity."""
+    n, k = 39, 256 * nsb
+    bsize = GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type]][1]
+    raw = np.ascontiguousarray(random_rows(ggml_type, (n, k), np.random.default_rng(nsb + rows), scale=1e-2))
+    ext = raw.reshape(n, nsb, bsize)
+    if ggml_type == "Q6_K":
+        ext[::3, -1, 0:4] = (0x00, 0xFF, 0x0F, 0xF0)       # ql
+        ext[::3, -1, 128:130] = (0xFF, 0x00)                # qh: codes 63 and 0 there
+        ext[::3, -1, 192:194] = (0x80, 0x7F)                # scales -128, 127
+    else:
+        ext[::3, -1, 4:16] = 0xFF                           # every scale and min 63
+    b = Bound(Weights(Form(ggml_type), torch.from_numpy(raw)), n, k, None, torch.float32, "fast", "w")
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    x[0, :256] = 0.0                                          # a zero block
+    if rows > 1:
+        x[1, k - 3] = float("inf")                            # row 1: its last block holds an infinity
+    got = native.gemm(x, [b.ptr()]).numpy()
+    codes, sc, mn, d, dmin = _k_codes(ggml_type, raw.reshape(n, nsb, bsize))
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        q, dx, bs = _ggml_q8_k_blocks(x.numpy().reshape(rows, nsb, 256))
+        sub = 16 if ggml_type == "Q6_K" else 32
+        dots = np.einsum("rbsj,nbsj->rnbs", q.reshape(rows, nsb, -1, sub), codes.reshape(n, nsb, -1, sub))
+        sumi = (dots * sc[None]).sum(-1).astype(np.float64)
+        bs32 = bs.reshape(rows, nsb, 8, 2).sum(-1)
+        summ = np.einsum("rbs,nbs->rnb", bs32, mn).astype(np.float64)
+        want = (sumi * d[None] * dx[:, None, :] - summ * dmin[None] * dx[:, None, :]).sum(-1)
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    fin = np.isfinite(want)
+    assert fin.sum() >= n * (rows - (rows > 1))
+    scale = np.abs(want[fin]).max()
+    np.testing.assert_allclose(got[fin], want[fin], rtol=2e-5, atol=2e-6 * scale)
+
+
+@needs_native
+@pytest.mark.parametrize("ggml_type", K_FAST)
+def test_fast_k_quants_give_each_row_what_it_gets_alone(ggml_type):
+    """The many-row kernel (each weight block decoded once for every x row) gives every x row the
+    result a one-row product gives it, bit for bit: a prompt's rows and a decode step's agree."""
+    n, k = 37, 256 * 10
+    w = ggml_rows(ggml_type, n, k, 3)
+    b = bound(Form(ggml_type), w, n, k, mode="fast")
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(3))
+    many = native.gemm(x, [b.ptr()])
+    for i in range(11):
+        assert torch.equal(native.gemm(x[i:i + 1], [b.ptr()]), many[i:i + 1])
+    assert torch.equal(native.gemm(x[:4], [b.ptr()]), many[:4])

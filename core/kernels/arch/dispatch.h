@@ -126,6 +126,17 @@ static inline int quantize_row_vec(const float *x, int64_t K, int8_t *q, float *
 #endif
 }
 
+/* quantize_row_k (q8_K activation blocks) in registers: 1 where the build has it */
+static inline int quantize_row_k_vec(const float *x, int64_t K, int8_t *q, float *d, int16_t *bs) {
+#ifdef QP_AVX512
+    quantize_row_k512(x, K, q, d, bs);
+    return 1;
+#else
+    (void)x; (void)K; (void)q; (void)d; (void)bs;
+    return 0;
+#endif
+}
+
 /* whether the build has the bfloat16 pair products (AVX512-BF16) */
 #if defined(QP_AVX512) && defined(__AVX512BF16__)
 #define QP_PAIRS 1

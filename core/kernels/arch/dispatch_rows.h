@@ -32,6 +32,18 @@ static inline __attribute__((always_inline)) int fast_tile_vec(const qp_mat *m, 
 #endif
 }
 
+/* fast K-quant rows [r, r + rt) against q8_K x rows: 1 where the build has a vector kernel (the
+ * 512-bit VNNI one); 0: the caller's portable loop */
+static inline int fast_k_rows_vec(const qp_mat *m, const qp_in *in, int64_t r, int rt, int xm, float *y, int64_t ldy) {
+#ifdef QP_VNNI512
+    fast_k_rows512(m, in, r, rt, xm, y, ldy);
+    return 1;
+#else
+    (void)m; (void)in; (void)r; (void)rt; (void)xm; (void)y; (void)ldy;
+    return 0;
+#endif
+}
+
 /* int_rows's integer dot of u8 activations and int8 weights: the leading part; *at where it stopped */
 static inline int32_t dot_u8s8_run(const uint8_t *u, const int8_t *wr, int64_t K, int64_t *at) {
 #ifdef QP_VNNI512

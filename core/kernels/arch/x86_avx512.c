@@ -599,3 +599,151 @@ QP_PAIR_SCALED(pair_plain_fp4, RAW_FP4, 0, 1, lut)
 #endif
 #undef QP_SCALE16
 #endif
+
+#ifdef QP_VNNI512
+/* Fast Q4_K / Q5_K / Q6_K against q8_K activation blocks (ggml's vec_dot_q*_K_q8_K arithmetic):
+ * each super-block's codes as unsigned bytes in element order (Q6_K: q + 32), four registers of 64;
+ * vpmaddubsw multiplies them by the signed x codes into 16-bit pair sums (at most 2 * 63 * 127, no
+ * saturation), vpdpwssd multiplies those by the sub-block scales (16-bit words) into int32 lanes:
+ * the exact sumi of llama.cpp's kernels; Q6_K's offset is -32 * sum scale * bsum (one more vpdpwssd
+ * on the x block's bsums), Q4_K / Q5_K's mins sum min * bsum (the same, on the 8 mins). Then
+ * d * dx * sumi (less dmin * dx * summ) into float32 lanes. A weight row's super-blocks are decoded
+ * KQ_CH at a time into a buffer shared by every x row (a prompt reads and decodes each block once
+ * per RT rows); each (weight row, x row)'s lane sums over a chunk are reduced and added to the
+ * chunks before, the same operations whatever the number of x rows. */
+#define KQ_CH 8
+typedef struct { __m512i w[4], sc[4], mn; float d, dm; } kq8_blk;
+
+static inline __attribute__((always_inline)) void kq8_decode(const int type, const uint8_t *b, kq8_blk *o) {
+    const __m512i m4 = _mm512_set1_epi8(15);
+    if (type == QP_Q6_K) {
+        o->d = f16_to_f32(b + 208);
+        o->dm = 0.f;
+        const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+        const __m512i s = _mm512_castsi256_si512(s16);
+        /* register k holds values [64k, 64k + 64): words 8g .. 8g + 7 are sub-block 4k + g */
+        for (int k = 0; k < 4; k++) {
+            const __m512i idx = _mm512_add_epi16(_mm512_set1_epi16((short)(4 * k)),
+                                                 _mm512_srli_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
+                                                                                    15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3));
+            o->sc[k] = _mm512_permutexvar_epi16(idx, s);
+        }
+        o->mn = _mm512_zextsi256_si512(_mm256_mullo_epi16(s16, _mm256_set1_epi16(-32)));
+        const __m512i m3 = _mm512_set1_epi8(3);
+        const __m512i ca = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+        const __m512i cb = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+        for (int h = 0; h < 2; h++) {
+            const __m512i L = _mm512_loadu_si512((const void *)(b + 64 * h));
+            const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
+            o->w[2 * h] = _mm512_or_si512(_mm512_and_si512(L, m4),
+                                          _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(H, ca), m3), 4));
+            o->w[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
+                                              _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(H, cb), m3), 4));
+        }
+        return;
+    }
+    o->d = f16_to_f32(b);
+    o->dm = f16_to_f32(b + 2);
+    /* the 8 six-bit scales to bytes 0-7 and the 8 mins to bytes 8-15 (scale_min_k4's values) */
+    uint32_t u[4];
+    memcpy(u, b + 4, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    const uint32_t aux = u[1] & 0x3f3f3f3fu;
+    u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    u[2] = aux;
+    u[0] &= 0x3f3f3f3fu;
+    const __m512i sm = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)u)));
+    const __m512i w32 = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
+                                         15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    /* register k: words 0-15 sub-block 2k, 16-31 sub-block 2k + 1; the mins: word w (< 16) min w / 2 */
+    for (int k = 0; k < 4; k++)
+        o->sc[k] = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_set1_epi16((short)(2 * k)), _mm512_srli_epi16(w32, 4)), sm);
+    o->mn = _mm512_maskz_permutexvar_epi16(0xFFFFu, _mm512_add_epi16(_mm512_set1_epi16(8), _mm512_srli_epi16(w32, 1)), sm);
+    const int five = type == QP_Q5_K;
+    const uint8_t *qs = b + (five ? 48 : 16);
+    const __m512i c4 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    const __m512i H = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16))) : _mm512_setzero_si512();
+    for (int k = 0; k < 4; k++) {
+        const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * k)));
+        __m512i w = _mm512_and_si512(_mm512_srlv_epi16(q, c4), m4);
+        if (five) {
+            const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * k))), _mm256_set1_epi8((char)(1 << (2 * k + 1))), 1);
+            w = _mm512_mask_add_epi8(w, _mm512_test_epi8_mask(H, bit), w, _mm512_set1_epi8(16));
+        }
+        o->w[k] = w;
+    }
+}
+
+/* one tile: rt weight rows (their nc decoded super-blocks in buf, KQ_CH apart) times mt x rows from
+ * i0, super-blocks sb0 .. sb0 + nc; first: the chunk's sums are stored, else added */
+static inline __attribute__((always_inline)) void kq8_tile512(const kq8_blk *buf, const int nc, const qp_in *in, const int64_t K,
+                                                             const int64_t sb0, const int q6, int64_t r, int i0, const int rt,
+                                                             const int mt, float *y, int64_t ldy, const int first) {
+    const int64_t nsb = K / QKK;
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc[RT][MT];
+    for (int a = 0; a < rt; a++) for (int i = 0; i < mt; i++) acc[a][i] = _mm512_setzero_ps();
+    for (int c = 0; c < nc; c++) {
+        const int64_t sb = sb0 + c;
+        for (int a = 0; a < rt; a++) {
+            const kq8_blk *w = buf + a * KQ_CH + c;
+            for (int i = 0; i < mt; i++) {
+                const int64_t xi = i0 + i;
+                const int8_t *xq = in->q8 + xi * K + sb * QKK;
+                const __m512i bsv = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(in->bs + xi * (K / 16) + sb * 16)));
+                const float dx = in->d8[xi * nsb + sb];
+                __m512i s0 = _mm512_dpwssd_epi32(zero, _mm512_maddubs_epi16(w->w[0], _mm512_loadu_si512((const void *)xq)), w->sc[0]);
+                __m512i s1 = _mm512_dpwssd_epi32(zero, _mm512_maddubs_epi16(w->w[1], _mm512_loadu_si512((const void *)(xq + 64))), w->sc[1]);
+                s0 = _mm512_dpwssd_epi32(s0, _mm512_maddubs_epi16(w->w[2], _mm512_loadu_si512((const void *)(xq + 128))), w->sc[2]);
+                s1 = _mm512_dpwssd_epi32(s1, _mm512_maddubs_epi16(w->w[3], _mm512_loadu_si512((const void *)(xq + 192))), w->sc[3]);
+                if (q6) s1 = _mm512_dpwssd_epi32(s1, bsv, w->mn);
+                const __m512i sumi = _mm512_add_epi32(s0, s1);
+                acc[a][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_set1_ps(w->d * dx), acc[a][i]);
+                if (!q6) {
+                    const __m512i summ = _mm512_dpwssd_epi32(zero, bsv, w->mn);
+                    acc[a][i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(summ), _mm512_set1_ps(w->dm * dx), acc[a][i]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        for (int a = 0; a < rt; a++) {
+            const float v = _mm512_reduce_add_ps(acc[a][i]);
+            float *o = y + (int64_t)(i0 + i) * ldy + r + a;
+            *o = first ? v : *o + v;
+        }
+}
+
+#define KQ8_TILE(Q6)                                                                                \
+    do {                                                                                            \
+        if (rt == RT && mt == MT) kq8_tile512(buf, nc, in, K, c0, Q6, r, i0, RT, MT, y, ldy, c0 == 0); \
+        else if (rt == RT && mt == 1) kq8_tile512(buf, nc, in, K, c0, Q6, r, i0, RT, 1, y, ldy, c0 == 0); \
+        else if (rt == RT && mt == 2) kq8_tile512(buf, nc, in, K, c0, Q6, r, i0, RT, 2, y, ldy, c0 == 0); \
+        else if (rt == RT && mt == 3) kq8_tile512(buf, nc, in, K, c0, Q6, r, i0, RT, 3, y, ldy, c0 == 0); \
+        else kq8_tile512(buf, nc, in, K, c0, Q6, r, i0, rt, mt, y, ldy, c0 == 0);                  \
+    } while (0)
+
+/* rows [r, r + rt) (rt <= RT) of a fast K-quant matrix against xm q8_K x rows */
+static void fast_k_rows512(const qp_mat *m, const qp_in *in, int64_t r, int rt, int xm, float *y, int64_t ldy) {
+    const int type = m->type;
+    const int64_t K = m->k, nsb = K / QKK, bsize = type == QP_Q4_K ? 144 : type == QP_Q5_K ? 176 : 210;
+    kq8_blk buf[RT * KQ_CH];
+    for (int64_t c0 = 0; c0 < nsb; c0 += KQ_CH) {
+        const int nc = nsb - c0 < KQ_CH ? (int)(nsb - c0) : KQ_CH;
+        for (int a = 0; a < rt; a++)
+            for (int c = 0; c < nc; c++) {
+                const uint8_t *b = m->w + (r + a) * m->ldw + (c0 + c) * bsize;
+                for (int64_t o = 0; o < bsize; o += 64) _mm_prefetch((const char *)(b + RT * m->ldw + o), _MM_HINT_T1);
+                if (type == QP_Q6_K) kq8_decode(QP_Q6_K, b, &buf[a * KQ_CH + c]);
+                else if (type == QP_Q5_K) kq8_decode(QP_Q5_K, b, &buf[a * KQ_CH + c]);
+                else kq8_decode(QP_Q4_K, b, &buf[a * KQ_CH + c]);
+            }
+        for (int i0 = 0; i0 < xm; i0 += MT) {
+            const int mt = xm - i0 < MT ? xm - i0 : MT;
+            if (type == QP_Q6_K) KQ8_TILE(1);
+            else KQ8_TILE(0);
+        }
+    }
+}
+#undef KQ8_TILE
+#endif

@@ -237,6 +237,44 @@ static inline __attribute__((always_inline)) void quantize_row512(const float *x
     }
 }
 
+/* quantize_row_k on 16 values at a time: the same float32 operations (|x| and its first largest
+ * value exact, iscale = -127 / max, codes the conversion's round-half-even of iscale * x, at most
+ * 127), each 16 codes' sum by a reduction */
+static inline __attribute__((always_inline)) void quantize_row_k512(const float *x, int64_t K, int8_t *q, float *d, int16_t *bs) {
+    const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff)), inf = _mm512_set1_ps(INFINITY);
+    for (int64_t b = 0; b < K / QKK; b++) {
+        const float *xb = x + b * QKK;
+        __m512 v[16], mx = _mm512_setzero_ps();
+        int finite = 1;
+        for (int j = 0; j < 16; j++) {
+            v[j] = _mm512_loadu_ps(xb + 16 * j);
+            const __m512 a = _mm512_and_ps(v[j], absmask);
+            finite &= _mm512_cmp_ps_mask(a, inf, _CMP_LT_OQ) == 0xFFFF;
+            mx = _mm512_max_ps(mx, a);
+        }
+        const float amax = _mm512_reduce_max_ps(mx);
+        if (!finite || amax == 0.f) {
+            memset(q + b * QKK, 0, QKK);
+            memset(bs + b * (QKK / 16), 0, sizeof(int16_t) * (QKK / 16));
+            d[b] = finite ? 0.f : NAN;
+            continue;
+        }
+        float m = 0.f;
+        for (int j = 0; j < 16; j++) {
+            const __mmask16 at = _mm512_cmp_ps_mask(_mm512_and_ps(v[j], absmask), _mm512_set1_ps(amax), _CMP_EQ_OQ);
+            if (at) { m = xb[16 * j + __builtin_ctz((unsigned)at)]; break; }
+        }
+        const float is = -127.f / m;
+        const __m512 vis = _mm512_set1_ps(is);
+        for (int j = 0; j < 16; j++) {
+            const __m512i c = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(vis, v[j])), _mm512_set1_epi32(127));
+            _mm_storeu_si128((__m128i *)(q + b * QKK + 16 * j), _mm512_cvtepi32_epi8(c));
+            bs[b * (QKK / 16) + j] = (int16_t)_mm512_reduce_add_epi32(c);
+        }
+        d[b] = 1.f / is;
+    }
+}
+
 /* row_scales' e4m3 scales, 16 at a time (exact, NaN codes NaN); returns where it stopped */
 static inline __attribute__((always_inline)) int64_t e4m3_run512(const uint8_t *s8, int64_t ng, float *sv) {
     int64_t j = 0;

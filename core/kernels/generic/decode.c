@@ -116,7 +116,9 @@ static inline float clampf(float v, float lo, float hi) { return v < lo ? lo : v
 typedef struct {
     const float *x; int64_t ldx;        /* float rows */
     const uint8_t *u8; const float *xs, *xo;   /* integer path: codes + 128, scale, offset per row */
-    const int8_t *q8; const float *d8;  /* fast mode: int8 blocks of 32 and their scales */
+    const int8_t *q8; const float *d8;  /* fast mode: int8 blocks of 32 and their scales; fast K-quants:
+                                           int8 blocks of 256 (ggml's q8_K) and their scales */
+    const int16_t *bs;                  /* fast K-quants: each 16 codes' sum (q8_K's bsums); NULL otherwise */
     const uint16_t *xb; int64_t ldxb;   /* bfloat16 pairs (AVX512-BF16, a bfloat16 model): the float
                                            rows as bfloat16 when every value is a normal bfloat16 or
                                            zero (xb_row512); NULL otherwise */
@@ -126,7 +128,8 @@ typedef struct {
 static inline void in_skip(qp_in *in, int64_t i, int64_t K) {
     in->x += i * in->ldx;
     if (in->u8) { in->u8 += i * K; in->xs += i; in->xo += i; }
-    if (in->q8) { in->q8 += i * K; in->d8 += i * (K / QK); }
+    if (in->q8) { in->q8 += i * K; in->d8 += i * (in->bs ? K / QKK : K / QK); }
+    if (in->bs) in->bs += i * (K / 16);
     if (in->xb) in->xb += i * in->ldxb;
 }
 
@@ -282,11 +285,53 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d) {
     }
 }
 
+/* fast mode, K-quants: one row of K floats (K a multiple of 256) -> int8 blocks of 256 as ggml's
+ * CPU backend makes its q8_K activation blocks (quantize_row_q8_K_ref): max = the first value of
+ * largest |x|, iscale = -127 / max, codes rint(iscale * x) (round half to even, as nearest_int),
+ * at most 127; the scale 1 / iscale in float32; bs = each 16 codes' sum. A block holding a NaN or
+ * an infinity gets scale NaN (every output it touches is NaN, as a float matmul would give); a
+ * zero block scale 0 and codes 0. */
+static void quantize_row_k(const float *x, int64_t K, int8_t *q, float *d, int16_t *bs) {
+    if (quantize_row_k_vec(x, K, q, d, bs)) return;
+    for (int64_t b = 0; b < K / QKK; b++) {
+        const float *xb = x + b * QKK;
+        int8_t *qb = q + b * QKK;
+        float amax = 0.f, mx = 0.f;
+        int finite = 1;
+        for (int j = 0; j < QKK; j++) {
+            const float a = fabsf(xb[j]);
+            if (!(a < INFINITY)) finite = 0;
+            else if (a > amax) { amax = a; mx = xb[j]; }
+        }
+        if (!finite || amax == 0.f) {
+            memset(qb, 0, QKK);
+            memset(bs + b * (QKK / 16), 0, sizeof(int16_t) * (QKK / 16));
+            d[b] = finite ? 0.f : NAN;
+            continue;
+        }
+        const float is = -127.f / mx;
+        for (int j = 0; j < QKK; j++) {
+            const long v = lrintf(is * xb[j]);
+            qb[j] = (int8_t)(v > 127 ? 127 : v);
+        }
+        for (int j = 0; j < QKK / 16; j++) {
+            int s = 0;
+            for (int t = 0; t < 16; t++) s += qb[16 * j + t];
+            bs[b * (QKK / 16) + j] = (int16_t)s;
+        }
+        d[b] = 1.f / is;
+    }
+}
+
 static int is_int_path(const qp_mat *m) { return m->type == QP_INT8 && m->act.epi != QE_FLOAT; }
-static int is_fast(const qp_mat *m) { return m->mode == 1 && (m->type == QP_Q4_0 || m->type == QP_Q8_0); }
+/* fast K-quants (Q4_K / Q5_K / Q6_K against q8_K activation blocks) */
+static int is_fast_k(const qp_mat *m) {
+    return m->mode == 1 && (m->type == QP_Q4_K || m->type == QP_Q5_K || m->type == QP_Q6_K);
+}
+static int is_fast(const qp_mat *m) { return m->mode == 1 && (m->type == QP_Q4_0 || m->type == QP_Q8_0 || is_fast_k(m)); }
 
 /* Scratch for the inputs of one weight: everything qp_prepare may need for M rows of K. */
-typedef struct { float *f; uint8_t *u8; float *xs, *xo; int8_t *q8; float *d8; uint16_t *xb; float *r; } qp_scratch;
+typedef struct { float *f; uint8_t *u8; float *xs, *xo; int8_t *q8; float *d8; uint16_t *xb; float *r; int16_t *bs; } qp_scratch;
 
 static int scratch_alloc(qp_scratch *sc, int64_t M, int64_t K) {
     sc->f = (float *)malloc(sizeof(float) * (size_t)(M * K));
@@ -296,16 +341,17 @@ static int scratch_alloc(qp_scratch *sc, int64_t M, int64_t K) {
     sc->d8 = (float *)malloc(sizeof(float) * (size_t)(M * (K / QK + 1)));
     sc->xb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(M * K + 32));
     sc->r = (float *)malloc(sizeof(float) * (size_t)(M * K));
+    sc->bs = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * (K / 16 + 1)));
     sc->xo = sc->xs ? sc->xs + M : NULL;
-    if (!sc->f || !sc->u8 || !sc->xs || !sc->q8 || !sc->d8 || !sc->xb || !sc->r) {
-        free(sc->f); free(sc->u8); free(sc->xs); free(sc->q8); free(sc->d8); free(sc->xb); free(sc->r);
+    if (!sc->f || !sc->u8 || !sc->xs || !sc->q8 || !sc->d8 || !sc->xb || !sc->r || !sc->bs) {
+        free(sc->f); free(sc->u8); free(sc->xs); free(sc->q8); free(sc->d8); free(sc->xb); free(sc->r); free(sc->bs);
         return 0;
     }
     return 1;
 }
 
 static void scratch_free(qp_scratch *sc) {
-    free(sc->f); free(sc->u8); free(sc->xs); free(sc->q8); free(sc->d8); free(sc->xb); free(sc->r);
+    free(sc->f); free(sc->u8); free(sc->xs); free(sc->q8); free(sc->d8); free(sc->xb); free(sc->r); free(sc->bs);
 }
 
 /* bfloat16 pair products (qp_pair_products): on unless switched off (tests compare both ways);
@@ -355,7 +401,11 @@ static void prepare(const qp_mat *m, int64_t M, int64_t K, const float *x, int64
      * returns x' in x's dtype */
     if (wround == QR_BF16 && in->x == sc->f && !is_int_path(m))
         for (int64_t i = 0; i < M; i++) round_buf(sc->f + i * K, K, QR_BF16);
-    if (is_fast(m)) {
+    if (is_fast_k(m)) {
+        for (int64_t i = 0; i < M; i++)
+            quantize_row_k(in->x + i * in->ldx, K, sc->q8 + i * K, sc->d8 + i * (K / QKK), sc->bs + i * (K / 16));
+        in->q8 = sc->q8; in->d8 = sc->d8; in->bs = sc->bs;
+    } else if (is_fast(m)) {
         for (int64_t i = 0; i < M; i++) quantize_row(in->x + i * in->ldx, K, sc->q8 + i * K, sc->d8 + i * (K / QK));
         in->q8 = sc->q8; in->d8 = sc->d8;
     }
@@ -370,7 +420,8 @@ static void prepare(const qp_mat *m, int64_t M, int64_t K, const float *x, int64
 }
 
 static int same_input(const qp_mat *a, const qp_mat *b) {
-    return memcmp(&a->act, &b->act, sizeof a->act) == 0 && is_fast(a) == is_fast(b) && is_int_path(a) == is_int_path(b);
+    return memcmp(&a->act, &b->act, sizeof a->act) == 0 && is_fast(a) == is_fast(b) && is_fast_k(a) == is_fast_k(b)
+           && is_int_path(a) == is_int_path(b);
 }
 
 /* ---- row kernels: y[i, r] for rows [r0, r1) of m against xm prepared input rows ------------ */

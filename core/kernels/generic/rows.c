@@ -1,9 +1,91 @@
 /* The row kernels' dispatch and the entry points of matrix products: each weight on the kernel of
  * its form and of this build's instruction set (arch/), the portable kernels where none applies. */
 
+/* a K-quant super-block's codes as unsigned integers in element order (Q4_K / Q5_K: q; Q6_K: q + 32),
+ * its scales per sub-block (Q4_K / Q5_K: 8 of 32 values, and 8 mins; Q6_K: 16 signed of 16), d, dmin */
+static void kq_codes(int type, const uint8_t *b, uint8_t *u, int *sc, int *mn, float *d, float *dmin) {
+    if (type == QP_Q6_K) {
+        *d = f16_to_f32(b + 208); *dmin = 0.f;
+        for (int i = 0; i < 16; i++) sc[i] = ((const int8_t *)(b + 192))[i];
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+            uint8_t *o = u + 128 * h;
+            for (int l = 0; l < 32; l++) {
+                o[l] = (uint8_t)((ql[l] & 15) | ((qh[l] & 3) << 4));
+                o[l + 32] = (uint8_t)((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4));
+                o[l + 64] = (uint8_t)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+                o[l + 96] = (uint8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+            }
+        }
+        return;
+    }
+    const int five = type == QP_Q5_K;
+    uint8_t s8[8], m8[8];
+    *d = f16_to_f32(b); *dmin = f16_to_f32(b + 2);
+    scale_min_k4(b + 4, s8, m8);
+    for (int j = 0; j < 8; j++) { sc[j] = s8[j]; mn[j] = m8[j]; }
+    const uint8_t *qh = b + 16, *qs = b + (five ? 48 : 16);
+    for (int j = 0; j < 4; j++)
+        for (int l = 0; l < 32; l++) {
+            int q0 = qs[32 * j + l] & 15, q1 = qs[32 * j + l] >> 4;
+            if (five) { q0 |= ((qh[l] >> (2 * j)) & 1) << 4; q1 |= ((qh[l] >> (2 * j + 1)) & 1) << 4; }
+            u[64 * j + l] = (uint8_t)q0;
+            u[64 * j + 32 + l] = (uint8_t)q1;
+        }
+}
+
+/* fast Q4_K / Q5_K / Q6_K against q8_K activation blocks (ggml's vec_dot_q*_K_q8_K arithmetic):
+ * per super-block, sumi = sum over sub-blocks of scale * (integer dot of codes and x codes) (Q6_K:
+ * less 32 * sum scale * bsum), then d * dx * sumi (Q4_K / Q5_K: less dmin * dx * sum min * bsum of
+ * the sub-block), float32 sums over super-blocks. The 512-bit VNNI tile where the build has one. */
+static void fast_k_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy) {
+    y -= r0;
+    const int type = m->type;
+    const int64_t K = m->k, nsb = K / QKK, bsize = type == QP_Q4_K ? 144 : type == QP_Q5_K ? 176 : 210;
+    for (int64_t r = r0; r < r1; r += RT) {
+        int rt = r1 - r < RT ? (int)(r1 - r) : RT;
+        if (fast_k_rows_vec(m, in, r, rt, xm, y, ldy)) continue;
+        for (int a = 0; a < rt; a++) {
+            const uint8_t *row = m->w + (r + a) * m->ldw;
+            float acc[MT] = {0.f};
+            for (int i0 = 0; i0 < xm; i0 += MT) {
+                const int mt = xm - i0 < MT ? xm - i0 : MT;
+                for (int i = 0; i < mt; i++) acc[i] = 0.f;
+                for (int64_t sb = 0; sb < nsb; sb++) {
+                    uint8_t u[QKK];
+                    int sc[16] = {0}, mn[8] = {0};
+                    float d, dmin;
+                    kq_codes(type, row + sb * bsize, u, sc, mn, &d, &dmin);
+                    for (int i = 0; i < mt; i++) {
+                        const int64_t xi = i0 + i;
+                        const int8_t *xq = in->q8 + xi * K + sb * QKK;
+                        const int16_t *bs = in->bs + xi * (K / 16) + sb * (QKK / 16);
+                        const float dx = in->d8[xi * nsb + sb];
+                        int32_t sumi = 0, summ = 0;
+                        const int sub = type == QP_Q6_K ? 16 : 32;
+                        for (int j = 0; j < QKK / sub; j++) {
+                            int32_t dot = 0;
+                            for (int t = 0; t < sub; t++) dot += (int32_t)u[sub * j + t] * xq[sub * j + t];
+                            sumi += sc[j] * dot;
+                        }
+                        if (type == QP_Q6_K) {
+                            for (int j = 0; j < 16; j++) sumi -= 32 * sc[j] * bs[j];
+                        } else {
+                            for (int j = 0; j < 8; j++) summ += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
+                        }
+                        acc[i] += (float)sumi * (d * dx) - (float)summ * (dmin * dx);
+                    }
+                }
+                for (int i = 0; i < mt; i++) y[(int64_t)(i0 + i) * ldy + r + a] = acc[i];
+            }
+        }
+    }
+}
+
 /* fast Q4_0 / Q8_0: x as int8 blocks, integer block dots with the weight codes (the 512-bit VNNI
  * tile; AVX2: dot = sum |v| * sign(x, v); else portable C) */
 static void fast_rows(const qp_mat *m, const qp_in *in, int64_t r0, int64_t r1, int xm, float *y, int64_t ldy) {
+    if (is_fast_k(m)) { fast_k_rows(m, in, r0, r1, xm, y, ldy); return; }
     y -= r0;  /* y holds rows [r0, r1): y[i * ldy + r - r0] */
     for (int64_t r = r0; r < r1; r += RT) {
         int rt = r1 - r < RT ? (int)(r1 - r) : RT;

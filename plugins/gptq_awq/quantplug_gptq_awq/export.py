@@ -1,8 +1,9 @@
 """Write a GPTQ or AWQ checkpoint from a dense quantplug model (round-to-nearest, what auto-round's
 ``iters=0`` exports store; see tests/data/vendor/README.md for the vendor-made fixtures).
 
-Every decoder-layer linear (attention, dense MLP, shared experts, routed experts per expert) is
-quantized to int4 with group scales and zero points (``sym=False``, the default) or symmetric
+Every decoder-layer linear (attention, dense MLP, shared experts, routed experts per expert;
+DeepSeek-V4's in the release's names, ``layers.L.attn.wq_a`` ... ``layers.L.ffn.experts.E.w1``, its
+compressors' ``wkv`` / ``wgate`` left float as the release stores them) is quantized to int4 with group scales and zero points (``sym=False``, the default) or symmetric
 (zero 8); ``lm_head``, embeddings and routers stay float. Options: ``group_size`` (default 32),
 ``sym``. GPTQ: ``qzeros`` stored as zero - 1 (checkpoint_format ``gptq``), ``g_idx`` = k // group;
 AWQ: the interleaved word order and zeros as is.
@@ -24,7 +25,12 @@ from safetensors.torch import save_file
 from . import kernels
 
 LINEAR = re.compile(r"\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|"
-                    r"o_proj|gate_proj|up_proj|down_proj)\.weight$")
+                    r"o_proj|gate_proj|up_proj|down_proj)\.weight$"
+                    # DeepSeek-V4 in the release's names: attention (the indexer's wq_b too), shared and
+                    # routed experts; its compressors' wkv / wgate, the indexer's weights_proj and the
+                    # router stay float (BF16 in the release)
+                    r"|(^|\.)layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|"
+                    r"ffn\.(shared_experts\.|experts\.\d+\.)?(w1|w2|w3))\.weight$")
 
 
 def quantize(w: torch.Tensor, group: int, sym: bool, min_zero: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -54,7 +60,8 @@ def export_int(model: torch.nn.Module, plan: Any, destination: Path, options: Ma
     tensors: dict[str, torch.Tensor] = {}
     for name, w in dense_state(model).items():
         if not LINEAR.search(name):
-            tensors[name] = (w.float() if name.endswith("e_score_correction_bias") else w.to(torch.bfloat16)).contiguous()
+            keep = name.endswith("e_score_correction_bias") or not w.is_floating_point()  # V4's tid2eid: integers
+            tensors[name] = (w if keep else w.to(torch.bfloat16)).contiguous()
             continue
         base = name[: -len(".weight")]
         q, z, s = quantize(w, group, sym, 1 if packing == "gptq" else 0)

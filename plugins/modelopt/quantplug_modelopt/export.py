@@ -1,7 +1,8 @@
 """Write a ModelOpt-format checkpoint from a dense quantplug model (what ``export_hf_checkpoint``
 of nvidia-modelopt 0.47 writes; see tests/data/vendor/modelopt_nvfp4_dsv3).
 
-Every decoder-layer linear (attention, dense MLP, shared experts, routed experts per expert) is
+Every decoder-layer linear (attention, dense MLP, shared experts, routed experts per expert;
+DeepSeek-V4's in the release's names, its compressors' ``wkv`` / ``wgate`` left float) is
 quantized; ``lm_head``, the embedding and the routers stay float and are listed in
 ``exclude_modules`` by name, as ModelOpt lists them. ``weight_scale_2`` is shared as the max over
 the pairs the deployed kernels fuse (gate / up, q_a / kv_a), as ModelOpt does. Options:
@@ -28,8 +29,15 @@ from safetensors.torch import save_file
 from . import kernels
 
 LINEAR = re.compile(r"\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|"
-                    r"o_proj|g_proj|gate_proj|up_proj|down_proj)\.weight$")
-ROUTER = re.compile(r"\.mlp\.gate\.weight$")
+                    r"o_proj|g_proj|gate_proj|up_proj|down_proj)\.weight$"
+                    # DeepSeek-V4 in the release's names (attention, the indexer's wq_b, shared and routed
+                    # experts); its compressors' wkv / wgate stay float, as the release stores them
+                    r"|(^|\.)layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|"
+                    r"ffn\.(shared_experts\.|experts\.\d+\.)?(w1|w2|w3))\.weight$")
+#: float 2-D weights ModelOpt lists in exclude_modules: the router (DeepSeek-V4's ``ffn.gate``), and
+#: DeepSeek-V4's compressor projections and indexer ``weights_proj`` (BF16 in its release)
+ROUTER = re.compile(r"\.(mlp|ffn)\.gate\.weight$|(^|\.)layers\.\d+\.attn\.(indexer\.)?compressor\.(wkv|wgate)\.weight$"
+                    r"|(^|\.)layers\.\d+\.attn\.indexer\.weights_proj\.weight$")
 #: modules whose weight_scale_2 ModelOpt shares (the deployed kernels run each pair as one GEMM)
 PAIRS = (("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa"))
 ALGOS = ("W4A16_NVFP4", "NVFP4", "FP8")
@@ -65,8 +73,10 @@ def export_modelopt(model: torch.nn.Module, plan: Any, destination: Path, option
         if name.endswith("e_score_correction_bias"):
             tensors[name] = w.to(torch.float32).contiguous()
             continue
-        tensors[name] = w.to(torch.bfloat16).contiguous()
-        if w.dim() == 2 and (ROUTER.search(name) or name.endswith(("lm_head.weight", "embed_tokens.weight"))):
+        tensors[name] = (w.to(torch.bfloat16) if w.is_floating_point() else w).contiguous()  # V4's tid2eid: ints
+        if w.dim() == 2 and w.is_floating_point() and (
+                ROUTER.search(name) or name.endswith(("lm_head.weight", "embed_tokens.weight"))
+                or name in ("head.weight", "embed.weight")):  # DeepSeek-V4's head / embedding
             exclude.append(module)
     file = dest / "model.safetensors"
     save_file(tensors, str(file))

@@ -71,14 +71,20 @@ def export_modelslim(model: torch.nn.Module, plan: LoadPlan, destination: Path,
 
 
 #: a routed expert's projection weight (DeepSeek's ``mlp.experts.{k}.*_proj``, the Kimi family's
-#: ``block_sparse_moe.experts.{k}.w{1,2,3}``)
-_EXPERT = re.compile(r"\.(mlp|block_sparse_moe)\.experts\.\d+\.[^.]+\.weight$")
+#: ``block_sparse_moe.experts.{k}.w{1,2,3}``, DeepSeek-V4's ``layers.L.ffn.experts.{k}.w{1,2,3}``)
+_EXPERT = re.compile(r"\.(mlp|block_sparse_moe|ffn)\.experts\.\d+\.[^.]+\.weight$")
+
+
+#: DeepSeek-V4 linears its release keeps in BF16 (the LM head ``head``, the compressors' ``wkv`` / ``wgate``)
+_V4_FLOAT = re.compile(r"^head$|(^|\.)layers\.\d+\.attn\.(indexer\.)?compressor\.(wkv|wgate)$")
+#: DeepSeek-V4's attention projections (release names): W8A8 as DeepSeek-V3's self_attn
+_V4_ATTN = re.compile(r"(^|\.)layers\.\d+\.attn\.")
 
 
 def _linear_type(name: str, recipe: str) -> str:
-    if name.endswith("lm_head"):
+    if name.endswith("lm_head") or _V4_FLOAT.search(name):
         return "FLOAT"
-    if ".self_attn." in name:
+    if ".self_attn." in name or _V4_ATTN.search(name):
         return "FLOAT" if recipe == "w4a8" and name.endswith("kv_b_proj") else "W8A8"
     return "W8A8_DYNAMIC"
 

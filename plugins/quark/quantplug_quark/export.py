@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,9 @@ def quark_config(exclude: list[str]) -> dict[str, Any]:
 
 #: the export option ``float_dtype``: the dtype unquantized tensors are written in (amd-quark keeps
 #: the source model's); the router's correction bias stays float32, as DeepSeek-V3 stores it
+#: DeepSeek-V4 linears its release keeps in BF16 (prefix-less names): the LM head, the compressors' wkv / wgate
+V4_FLOAT = re.compile(r"^head$|(^|\.)layers\.\d+\.attn\.(indexer\.)?compressor\.(wkv|wgate)$")
+
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -52,8 +56,11 @@ def export_quark(model: torch.nn.Module, plan: LoadPlan, destination: Path,
     dest = Path(destination)
     dest.mkdir(parents=True, exist_ok=True)
     prefix = f"{plan.prefix}." if plan.prefix else ""
-    exclude = [f"{prefix}lm_head"]
     linears = {name for name, _ in named_linears(model)}
+    # DeepSeek-V4 (release names): its LM head ``head`` and compressors' wkv / wgate, BF16 in the release
+    # (amd-quark lists lm_head whether or not the model has one; DeepSeek-V4's is ``head``)
+    exclude = [*([f"{prefix}lm_head"] if f"{prefix}head" not in linears else []),
+               *sorted(n for n in linears if V4_FLOAT.search(n))]
     # routed experts stay float, in the transformers 5 fused layout (as amd-quark writes them)
     state = convert_expert_layout(dense_state(model), "fused")
     fdt = FLOAT_DTYPES[options.get("float_dtype", "float32")]
