@@ -28,15 +28,30 @@ from typing import Any
 import torch
 from torch import nn
 
+from .blocks.hyper import HyperConnection, HyperHead
 from .blocks.kda import KDA
 from .blocks.mla import MLA
 from .blocks.mlp import MLP
 from .blocks.moe import Experts, MoE
 from .blocks.residual import PreNormLayer
+from .blocks.v4_attention import V4Attention
+from .blocks.v4_compressor import CompressorState, V4Compressor
 from .contract.routing import RouterSpec
 from .errors import QuantplugError
 from .kernels import compute
-from .kernels.compute import NATIVE_ROWS, DraftStep, MLAStep, MLPStep, StackLayer, StackStep
+from .kernels.compute import (
+    NATIVE_ROWS,
+    DraftStep,
+    HyperStackLayer,
+    HyperStackStep,
+    HyperStep,
+    MLAStep,
+    MLPStep,
+    PoolBuffers,
+    StackLayer,
+    StackStep,
+    WindowAttnStep,
+)
 from .kernels.kda import kda_step
 from .layers.embedding import TiedHead
 from .layers.linear import LinearScheme, fuse_attention, fuse_mlp
@@ -154,8 +169,8 @@ def _mla_decode_one(m: MLA, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 # -- per block: gated MLP, routed experts, MoE ------------------------------------------------------
 
 def _native_act(act: Any) -> bool:
-    """Whether the native MLP step computes ``act`` (SiLU, SiTU); a block with another activation
-    (DeepSeek-V4's clamped SwiGLU) is not lowered and runs its own forward."""
+    """Whether the native MLP step computes ``act`` (SiLU, SiTU, the clamped SwiGLU); a block with
+    another activation is not lowered and runs its own forward."""
     try:
         compute.mlp_act(act.native)
     except QuantplugError:
@@ -267,11 +282,38 @@ def _experts_forward(ex: Experts, x: torch.Tensor, idx: torch.Tensor, w: torch.T
 
 
 def _lower_moe(m: MoE) -> None:
-    spec = getattr(m.gate, "spec", None)
-    if spec is not None and spec.by_token:  # the lowered routing has no token ids (a hash router needs them)
+    if "forward_step" not in m.experts.__dict__:  # its experts are not lowered (an architecture's own)
         return
-    if "forward_step" in m.experts.__dict__:  # its experts are lowered (an architecture's own are not)
+    spec = getattr(m.gate, "spec", None)
+    if spec is None or not spec.by_token:  # the lowered routing without ids cannot route by token
         m._routed = MethodType(_moe_routed, m)  # type: ignore[method-assign]
+    if type(m)._route_rows is MoE._route_rows:
+        m._route_rows = MethodType(_moe_route_rows, m)  # type: ignore[method-assign]
+
+
+def _moe_route_rows(m: MoE, route: torch.Tensor, flat: torch.Tensor, shape: Any, ids: torch.Tensor | None) -> torch.Tensor:
+    """:meth:`MoE._route_rows` lowered: with token ids (DeepSeek-V4 passes them to every MoE), few
+    tokens routed on Python numbers by the router's declared spec (``route_ids`` where it routes by
+    token id, ``route_one`` otherwise) and every token's experts in one native call (or the expert
+    store's, as :func:`_moe_routed` serves them: the same arithmetic either way); without ids,
+    :meth:`MoE._routed` (lowered); else the block's own."""
+    if ids is None:
+        return m._routed(route, flat, shape)
+    ex: Any = m.experts
+    spec = getattr(m.gate, "spec", None)
+    route = route.reshape(-1, route.shape[-1])
+    n = flat.shape[0]
+    if isinstance(spec, RouterSpec) and (ex.step is not None or ex.qp_store is not None) and n <= NATIVE_ROWS:
+        if spec.by_token:
+            rows_ids, rows_w = m.gate.route_ids(route, ids)
+        elif n == 1:
+            one_ids, one_w = m.gate.route_one(route)
+            rows_ids, rows_w = [one_ids], [one_w]
+        else:
+            idx, w = m.gate(route, ids=ids)
+            rows_ids, rows_w = idx.tolist(), w.tolist()
+        return ex.forward_step(flat, rows_ids, rows_w).view(shape)
+    return MoE._route_rows(m, route, flat, shape, ids)
 
 
 def _moe_routed(m: MoE, route: torch.Tensor, flat: torch.Tensor, shape: Any) -> torch.Tensor:
@@ -325,13 +367,187 @@ def _kda_forward(m: KDA, x: torch.Tensor, cos: torch.Tensor | None = None, sin: 
     return KDA.forward(m, x, cos, sin, cache)
 
 
+# -- per block: hyper-connections (mHC) --------------------------------------------------------------
+
+def _lower_hyper(m: HyperConnection) -> None:
+    m.step = HyperStep.build(m, m.hc_mult, m.sinkhorn_iters, m.hc_eps, m.norm_eps, head=False)
+    m.forward = MethodType(_hyper_forward, m)  # type: ignore[method-assign]
+
+
+def _hyper_forward(m: HyperConnection, x: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """:meth:`HyperConnection.forward` lowered: few float32 rows mixed natively (the weights, the
+    Sinkhorn and the collapse in one call, the expansion in another) around ``sublayer``; else (or
+    where the step declines) the block's own."""
+    st = m.step
+    if st is not None and x.numel() <= NATIVE_ROWS * x.shape[-1] * x.shape[-2]:
+        got = st.pre(x)
+        if got is not None:
+            u, _, post, comb = got
+            f = sublayer(u)
+            y = st.post(f, x, post, comb) if f.dtype == torch.float32 else None
+            return y if y is not None else HyperConnection.expand(f, x, post, comb)
+    return HyperConnection.forward(m, x, sublayer)
+
+
+def _lower_hyper_head(m: HyperHead) -> None:
+    m.step = HyperStep.build(m, m.hc_mult, 1, m.hc_eps, m.norm_eps, head=True)
+    m.forward = MethodType(_hyper_head_forward, m)  # type: ignore[method-assign]
+
+
+def _hyper_head_forward(m: HyperHead, x: torch.Tensor) -> torch.Tensor:
+    """:meth:`HyperHead.forward` lowered: few float32 rows collapsed natively; else the block's own."""
+    st = m.step
+    if st is not None and x.numel() <= NATIVE_ROWS * x.shape[-1] * x.shape[-2]:
+        got = st.pre(x)
+        if got is not None:
+            return got[0]
+    return HyperHead.forward(m, x)
+
+
+# -- per block: DeepSeek-V4's attention (sliding window with sinks, compressor, indexer) --------------
+
+def _lower_v4_attention(m: V4Attention) -> None:
+    cfg = m.cfg
+    mods: dict[str, Any] = {"wq_a": m.wq_a, "wq_b": m.wq_b, "wkv": m.wkv, "wo_a": m.wo_a, "wo_b": m.wo_b}
+    floats = {"q_norm": m.q_norm.weight, "kv_norm": m.kv_norm.weight, "sink": m.attn_sink.weight}
+    watch: list[tuple[Any, str]] = [(m.q_norm, "weight"), (m.kv_norm, "weight"), (m.attn_sink, "weight")]
+    if any(getattr(x, "qp_parallel", None) is not None for x in mods.values()):
+        return
+    if m.compressor is not None:
+        c = m.compressor
+        mods |= {"c_wkv": c.wkv, "c_wgate": c.wgate}
+        floats |= {"c_ape": c.ape.weight, "c_norm": c.norm.weight}
+        watch += [(c.ape, "weight"), (c.norm, "weight")]
+    if m.indexer is not None:
+        i = m.indexer
+        mods |= {"i_wq": i.wq_b, "ic_wkv": i.compressor.wkv, "ic_wgate": i.compressor.wgate}
+        floats |= {"i_w": i.weights_proj.weight, "ic_ape": i.compressor.ape.weight, "ic_norm": i.compressor.norm.weight}
+        watch += [(i.weights_proj, "weight"), (i.compressor.ape, "weight"), (i.compressor.norm, "weight")]
+    m.step = WindowAttnStep.build(
+        mods=mods, floats=floats, hidden=cfg.hidden_size, nh=cfg.num_heads, hd=cfg.head_dim, rope=cfg.rope_dim,
+        q_lora=cfg.q_lora_rank, groups=cfg.o_groups, o_rank=cfg.o_lora_rank, window=cfg.sliding_window, eps=cfg.eps,
+        ratio=cfg.compress_ratio, overlap=cfg.compress_ratio == 4,
+        idx_heads=cfg.index_n_heads if m.indexer is not None else 0,
+        idx_dim=cfg.index_head_dim if m.indexer is not None else 0,
+        idx_topk=cfg.index_topk if m.indexer is not None else 0, watch=watch)
+    m.forward = MethodType(_v4_attention_forward, m)  # type: ignore[method-assign]
+
+
+def _pool_buffers(c: V4Compressor, st: CompressorState, b: int, rope: Any) -> PoolBuffers | None:
+    """A compressor's state as one decode call's buffers (the cache's tensors copied in)."""
+    r, dim = c.ratio, c.dim
+    width = dim * (2 if c.overlap else 1)
+    pending = 0 if st.kv is None else st.kv.shape[1]
+    n = st.count
+    if pending >= r or (st.kv is not None and (st.kv.dtype != torch.float32 or st.kv.shape[0] != b)):
+        return None
+    kv, gate = torch.empty(b, pending + 1, width), torch.empty(b, pending + 1, width)
+    if pending:
+        assert st.kv is not None and st.gate is not None
+        kv[:, :pending], gate[:, :pending] = st.kv, st.gate
+    done = pending + 1 == r
+    ent = torch.empty(b, n + int(done), dim)
+    if n:
+        assert st.entries is not None
+        ent[:, :n] = st.entries
+    prev_kv = prev_gate = out_kv = out_gate = None
+    if c.overlap:
+        if st.prev_kv is not None and st.prev_gate is not None:
+            prev_kv, prev_gate = st.prev_kv.float().contiguous(), st.prev_gate.float().contiguous()
+        if done:
+            out_kv, out_gate = torch.empty(b, r, dim), torch.empty(b, r, dim)
+    cos, sin = rope.cos_sin(torch.tensor([r * n]))
+    return PoolBuffers(kv, gate, pending, n, ent, prev_kv, prev_gate, out_kv, out_gate,
+                       cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous())
+
+
+def _pool_commit(st: CompressorState, buf: PoolBuffers, r: int) -> None:
+    """The state after the call, as the compressor's forward leaves it."""
+    if buf.pending + 1 == r:
+        st.kv, st.gate = buf.kv[:, :0], buf.gate[:, :0]
+        if buf.prev_kv_out is not None:
+            st.prev_kv, st.prev_gate = buf.prev_kv_out, buf.prev_gate_out
+    else:
+        st.kv, st.gate = buf.kv, buf.gate
+    st.entries = buf.ent
+
+
+def _window_buffers(m: V4Attention, b: int, cache: Any) -> tuple[Any, ...] | None:
+    """One decode call's buffers of the attention's cache (the window with room for this token's
+    row, the rotation of the position, the compressors' :class:`PoolBuffers`), the cache's tensors
+    copied in; None where the cache holds what the native step does not take."""
+    win_old = cache.window
+    if win_old is not None and (win_old.dtype != torch.float32 or win_old.shape[0] != b):
+        return None
+    have = 0 if win_old is None else win_old.shape[1]
+    if have + 1 > m.cfg.sliding_window:
+        return None
+    win = torch.empty(b, have + 1, m.cfg.head_dim)
+    if have:
+        win[:, :have] = win_old
+    comp = idx = None
+    if m.compressor is not None:
+        comp = _pool_buffers(m.compressor, cache.compressor, b, m.rope)
+        if comp is None:
+            return None
+        if m.indexer is not None:
+            idx = _pool_buffers(m.indexer.compressor, cache.indexer, b, m.rope)
+            if idx is None:
+                return None
+    cos, sin = m.rope.cos_sin(torch.tensor([cache.length]))
+    return win, cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous(), comp, idx
+
+
+def _window_commit(m: V4Attention, cache: Any, bufs: tuple[Any, ...]) -> None:
+    """The cache after one native token, as the block's forward leaves it (its roll-back log included)."""
+    win, _, _, comp, idx = bufs
+    w = m.cfg.sliding_window
+    cache.window = win[:, max(win.shape[1] - (w - 1), 0):] if w > 1 else win[:, :0]
+    if comp is not None:
+        assert m.compressor is not None
+        _pool_commit(cache.compressor, comp, m.compressor.ratio)
+    if idx is not None:
+        assert m.indexer is not None
+        _pool_commit(cache.indexer, idx, m.indexer.ratio)
+    cache.length += 1
+    if cache.logging:  # the roll-back log the block's forward keeps (V4Attention.truncate_cache)
+        row = win[:, -1:]
+        cache.log = row if cache.log is None else torch.cat([cache.log, row], dim=1)
+        for buf, st in ((comp, cache.compressor), (idx, cache.indexer)):
+            if buf is not None and st.log:
+                p = buf.pending
+                kv, gate = buf.kv[:, p:p + 1], buf.gate[:, p:p + 1]
+                st.log_kv = kv if st.log_kv is None else torch.cat([st.log_kv, kv], dim=1)
+                st.log_gate = gate if st.log_gate is None else torch.cat([st.log_gate, gate], dim=1)
+        m._forget(cache)
+
+
+def _v4_attention_forward(m: V4Attention, x: torch.Tensor, cache: Any = None) -> torch.Tensor:
+    """:meth:`V4Attention.forward` lowered: one decode token (float32, a cache) in one native call
+    (the window append, the compressors' rows and any entry they complete, the indexer's choice,
+    the attention with its sinks, the grouped output projection), the cache's tensors updated as the
+    block's forward updates them (the torch path continues on them); else the block's own."""
+    st = m.step
+    if st is None or cache is None or x.dim() != 3 or x.shape[1] != 1 or x.dtype != torch.float32 or not st.live():
+        return V4Attention.forward(m, x, cache)
+    b = x.shape[0]
+    bufs = _window_buffers(m, b, cache)
+    out = None if bufs is None else st(x.reshape(b, -1), bufs[1], bufs[2], bufs[0], bufs[3], bufs[4])
+    if out is None or bufs is None:
+        return V4Attention.forward(m, x, cache)
+    _window_commit(m, cache, bufs)
+    return out.view(b, 1, -1)
+
+
 #: block type -> the function binding its native step (a subclass that keeps the type's forward
 #: takes its lowering; one with its own forward is not lowered)
 LOWERINGS: dict[type[nn.Module], Callable[[Any], None]] = {
     MLA: _lower_mla, MLP: _lower_mlp, Experts: _lower_experts, MoE: _lower_moe, KDA: _lower_kda,
+    HyperConnection: _lower_hyper, HyperHead: _lower_hyper_head, V4Attention: _lower_v4_attention,
 }
 #: the method each lowering binds over (a subclass overriding it keeps its own)
-_BINDS = {MLA: "_attend", MLP: "forward", Experts: "forward", MoE: "_routed", KDA: "forward"}
+_BINDS = {MLA: "_attend", MLP: "forward", Experts: "forward", MoE: "_routed", KDA: "forward",
+          HyperConnection: "forward", HyperHead: "forward", V4Attention: "forward"}
 
 
 def lowering(block: nn.Module) -> Callable[[Any], None] | None:
@@ -559,3 +775,86 @@ def speculative_step(lm: Any, last: torch.Tensor, draft: torch.Tensor, cache: An
         return None
     _, logits, dlogits, (a, b, acc) = got
     return [a, b], acc, dlogits, logits
+
+
+# -- a stack of hyper-connection blocks (DeepSeek-V4) in one call ------------------------------------
+
+def hyper_stack(layers: Sequence[nn.Module], head_hc: HyperHead, norm: RMSNorm,
+                extra: Sequence[nn.Module]) -> HyperStackStep | None:
+    """The native step of ``layers`` (blocks holding ``hc_attn`` / ``attn_norm`` / ``attn`` (a
+    :class:`V4Attention`) / ``hc_ffn`` / ``ffn_norm`` / ``ffn`` (a :class:`MoE` whose router
+    declares a spec), run as ``x = hc_attn(x, attn(attn_norm(.)))`` then ``x = hc_ffn(x,
+    ffn(ffn_norm(.), ids))``), the head's collapse ``head_hc`` and the final ``norm`` in one call
+    (:class:`~quantplug.kernels.compute.HyperStackStep`); None when any piece runs another way (no
+    native step, experts served from files or split, a float16 / bfloat16 model...)."""
+    parts: list[HyperStackLayer] = []
+    owners: list[tuple[nn.Module, Any]] = []
+    watch: list[tuple[Any, str]] = [(norm, "weight")]
+    for layer in layers:
+        hca, hcf = getattr(layer, "hc_attn", None), getattr(layer, "hc_ffn", None)
+        attn, ffn = getattr(layer, "attn", None), getattr(layer, "ffn", None)
+        n1, n2 = getattr(layer, "attn_norm", None), getattr(layer, "ffn_norm", None)
+        if (not isinstance(hca, HyperConnection) or not isinstance(hcf, HyperConnection) or hca.step is None
+                or hcf.step is None or not isinstance(attn, V4Attention) or attn.step is None
+                or not isinstance(ffn, MoE) or ffn.latent is not None or not isinstance(n1, RMSNorm)
+                or not isinstance(n2, RMSNorm) or n1.eps != n2.eps):
+            return None
+        spec = getattr(ffn.gate, "spec", None)
+        ex, shared = ffn.experts, ffn.shared_experts
+        if (not isinstance(spec, RouterSpec) or ex.step is None or ex.qp_store is not None or ex.qp_parallel is not None
+                or (ex.first, ex.count, ex.slot_base) != (0, ex.n, 0) or len(ex.step.gate.mats) != ex.n
+                or (shared is not None and shared.step is None)):
+            return None
+        owners += [(hca, hca.step), (hcf, hcf.step), (attn, attn.step), (ex, ex.step)]
+        watch += [(n1, "weight"), (n2, "weight"), (ffn.gate, "weight")]
+        watch += [(ffn.gate, "e_score_correction_bias")] if spec.has_bias else []
+        watch += [(ffn.gate, "tid2eid")] if spec.by_token else []
+        if shared is not None:
+            owners.append((shared, shared.step))
+        parts.append(HyperStackLayer(
+            hc_attn=hca.step, hc_ffn=hcf.step, attn_norm=n1.weight, ffn_norm=n2.weight, eps=n1.eps, attn=attn.step,
+            experts=ex.step, router=ffn.gate.weight, spec=spec,
+            bias=getattr(ffn.gate, "e_score_correction_bias", None) if spec.has_bias else None,
+            tid2eid=getattr(ffn.gate, "tid2eid", None) if spec.by_token else None,
+            shared=None if shared is None else shared.step))
+    if head_hc.step is None:
+        return None
+    owners.append((head_hc, head_hc.step))
+    modules = [m for layer in layers for m in layer.modules()] + [head_hc, norm, *extra]
+    return HyperStackStep.build(parts, head_hc.step, norm.weight, norm.eps, norm.weight.numel(), modules, owners, watch)
+
+
+def hyper_decode_logits(tm: Any, ids: torch.Tensor, cache: Any,
+                        pick: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One decode step of a hyper-connection text model (``tm.embed``, ``tm.layers``, ``tm.hc_head``,
+    ``tm.norm``, ``tm.head``; DeepSeek-V4) from token ids ``ids`` [B, 1] to float32 logits [B, vocab]
+    in one native call (:func:`hyper_stack`, built once), the cache's tensors updated as the blocks'
+    forwards update them. Returns (logits, with ``pick`` the greedy tokens [B]); None (the cache
+    untouched) when a piece runs another way: then the caller runs the modules."""
+    if ids.dim() != 2 or ids.shape[1] != 1 or ids.shape[0] > NATIVE_ROWS or ids.dtype != torch.int64:
+        return None
+    d = tm.__dict__
+    if "_stack" not in d:
+        d["_stack"] = hyper_stack(list(tm.layers), tm.hc_head, tm.norm, [tm.embed, tm.head])
+    st = d["_stack"]
+    if st is None or not st.live() or _hooked(tm) or _hooked(tm.embed) or _hooked(tm.head):
+        return None
+    if getattr(tm.embed, "qp_parallel", None) is not None or getattr(tm.head, "qp_parallel", None) is not None:
+        return None
+    emb, head = compute.bound(tm.embed), compute.bound(tm.head)
+    if emb is None or head is None:
+        return None
+    b = ids.shape[0]
+    bufs = []
+    for layer, c in zip(tm.layers, cache.layers):
+        one = _window_buffers(layer.attn, b, c)
+        if one is None:
+            return None
+        bufs.append(one)
+    got = st(ids[:, 0], emb, head, bufs, pick)
+    if got is None:
+        return None
+    for layer, c, one in zip(tm.layers, cache.layers, bufs):
+        _window_commit(layer.attn, c, one)
+    assert got[1] is not None
+    return got[1], got[2]

@@ -8,6 +8,8 @@ import quantplug
 import torch
 from quantplug import lower
 from quantplug.blocks import KDA, MLA, MLP, Experts, MoE
+from quantplug.blocks.hyper import HyperConnection, HyperHead
+from quantplug.blocks.v4_attention import V4Attention
 from quantplug.generate import new_cache
 from quantplug.testing import random_state, tiny_config, write_checkpoint
 from torch import nn
@@ -32,7 +34,7 @@ class Unknown(nn.Module):
 
 
 def test_the_table_names_each_block_kind_once():
-    assert set(lower.LOWERINGS) == {MLA, MLP, Experts, MoE, KDA}
+    assert set(lower.LOWERINGS) == {MLA, MLP, Experts, MoE, KDA, HyperConnection, HyperHead, V4Attention}
     mlp = MLP.__new__(MLP)
     assert lower.lowering(mlp) is lower.LOWERINGS[MLP]
     assert lower.lowering(OwnMLP.__new__(OwnMLP)) is None  # its own forward: not lowered

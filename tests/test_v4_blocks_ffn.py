@@ -184,13 +184,11 @@ def test_clamped_swiglu_matches_transformers_and_hits_the_clamp():
     assert silu_clamp_mul(gate.bfloat16(), up.bfloat16(), LIM).dtype == torch.bfloat16
     with pytest.raises(ValueError):
         swiglu_clamp(0.0)
-    # no native step computes it yet: the native MLP step refuses it rather than run plain SiLU
-    from quantplug.errors import QuantplugError
-    from quantplug.kernels.compute import mlp_act
+    # the native MLP step computes it as its own activation (never plain SiLU; tests/kernels/test_v4_native.py)
+    from quantplug.kernels.compute import MLP_ACTS, mlp_act
 
     assert not swiglu_clamp(LIM).is_silu
-    with pytest.raises(QuantplugError):
-        mlp_act(swiglu_clamp(LIM).native)
+    assert mlp_act(swiglu_clamp(LIM).native) == (MLP_ACTS["silu_clamp"], LIM, 0.0)
 
 
 # -- the whole sparse MoE block ------------------------------------------------------------------------

@@ -85,9 +85,12 @@ def release_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone().contiguous() for k, v in out.items()}
 
 
-def reference_model(q_lora_rank: int = 24) -> Any:
-    """``q_lora_rank``: CONFIG's 24, or a multiple of 32 for the group-32 / 16 formats' exporters."""
-    cfg = DeepseekV4Config(
+def reference_model(q_lora_rank: int = 24, **overrides: Any) -> Any:
+    """The tiny reference model. ``q_lora_rank``: CONFIG's 24, or a multiple of 32 for the group-32 / 16
+    formats' exporters and the native products; ``overrides``: other config fields changed from
+    :data:`CONFIG`'s values (a checkpoint of it needs the same in its config.json:
+    :func:`write_float_checkpoint`)."""
+    kwargs: dict[str, Any] = dict(
         vocab_size=V, hidden_size=H, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
         qk_rope_head_dim=16, q_lora_rank=q_lora_rank, o_groups=2, o_lora_rank=16, sliding_window=8, index_n_heads=4,
         index_head_dim=16, index_topk=3, rms_norm_eps=1e-6, rope_theta=10000.0, compress_rope_theta=160000.0,
@@ -98,6 +101,7 @@ def reference_model(q_lora_rank: int = 24) -> Any:
         n_routed_experts=E, num_experts_per_tok=K, n_shared_experts=1, moe_intermediate_size=INTER,
         routed_scaling_factor=1.5, num_hash_layers=1, swiglu_limit=LIM, hc_mult=4, hc_sinkhorn_iters=20,
         hc_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=4096)
+    cfg = DeepseekV4Config(**{**kwargs, **overrides})
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     ref = tf.DeepseekV4ForCausalLM(cfg).float().eval()
@@ -124,11 +128,13 @@ def float_tensors(ref: Any) -> dict[str, torch.Tensor]:
     return {k: (v.to(torch.int32) if k.endswith("tid2eid") else v) for k, v in tensors.items()}
 
 
-def write_float_checkpoint(path: Path, ref: Any, extra: dict[str, torch.Tensor] | None = None) -> Path:
-    """The tiny float32 release-named checkpoint of ``ref`` (plus ``extra`` tensors) at ``path``."""
+def write_float_checkpoint(path: Path, ref: Any, extra: dict[str, torch.Tensor] | None = None,
+                           config: dict[str, Any] | None = None) -> Path:
+    """The tiny float32 release-named checkpoint of ``ref`` (plus ``extra`` tensors) at ``path``;
+    ``config``: config.json fields changed from :data:`CONFIG`'s (as ``ref`` was made)."""
     from quantplug.testing import write_checkpoint
 
-    write_checkpoint(path, CONFIG, {**float_tensors(ref), **(extra or {})})
+    write_checkpoint(path, {**CONFIG, **(config or {})}, {**float_tensors(ref), **(extra or {})})
     return path
 
 

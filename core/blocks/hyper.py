@@ -22,6 +22,7 @@ Parameters are float32 and named as the release stores them: ``layers.L.hc_attn_
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,8 @@ class HyperConnection(FloatParams):
     :meth:`collapse` and :meth:`expand` are its three steps."""
 
     qp_fp32 = frozenset({"fn", "base", "scale"})
+    #: the native mix the lowering bound (``quantplug.kernels.compute.HyperStep``), or None
+    step: Any = None
     # registered by the loader from the plan; declared for type checkers
     fn: torch.Tensor
     base: torch.Tensor
@@ -103,6 +106,8 @@ class HyperHead(FloatParams):
     [..., D] with ``pre = sigmoid(mix * scale + base) + hc_eps``; the final norm follows."""
 
     qp_fp32 = frozenset({"fn", "base", "scale"})
+    #: the native collapse the lowering bound (``quantplug.kernels.compute.HyperStep``), or None
+    step: Any = None
     fn: torch.Tensor
     base: torch.Tensor
     scale: torch.Tensor

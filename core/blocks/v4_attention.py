@@ -35,11 +35,12 @@ HCA; chunked / single-step cached runs vs the prompt and vs transformers' own ca
 a bf16 model within ~1% of the float32 output.
 
 Not here (yet): DeepSeek's QAT numerics (FP8 round trips of the window / compressed KV, the
-indexer's Hadamard + FP4 rounding, E4), native lowering, tensor parallelism, a ring buffer for the
+indexer's Hadamard + FP4 rounding, E4), tensor parallelism, a ring buffer for the
 window (the cache concatenates and trims), a load of
 a real (FP8 / E8M0) checkpoint through the plan (the linears take the plan's schemes, but only
 dense ones are tested here), per-sequence lengths in one batch (the cache holds one length).
-The layer config is :class:`V4AttentionConfig` (from the raw ``config.json``); the model around
+The native one-token step (``quantplug.lower``, C ``qp_window_step``) reads and writes this cache's
+tensors as the forward does. The layer config is :class:`V4AttentionConfig` (from the raw ``config.json``); the model around
 the block is :mod:`quantplug.models.deepseek_v4`.
 Sources disagree on ratios other than 0 / 4 / 128 (E10): like DeepSeek's reference, any ratio
 other than 4 is taken as an HCA compressor of that ratio (transformers only knows 4 and 128).
@@ -48,6 +49,7 @@ other than 4 is taken as an HCA compressor of that ratio (transformers only know
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -107,6 +109,8 @@ class V4Attention(nn.Module):
 
     #: the block's checkpoint name (prefix applied)
     qp_ckpt: str
+    #: the native one-token step the lowering bound (``quantplug.kernels.compute.WindowAttnStep``), or None
+    step: Any = None
 
     def __init__(self, cfg: V4AttentionConfig, base: str, d: Decisions) -> None:
         super().__init__()

@@ -102,6 +102,67 @@ STRUCTS: dict[str, tuple[str, list[Field]]] = {
         ("o", "const qp_mat *", "[H, nh * v]"),
         ("g", "const qp_mat *", "output gate [nh * v, H] or NULL"),
     ]),
+    "qp_pool": ("a pooled compressor of one attention's keys: each window of ratio tokens becomes one entry, per "
+                "channel the softmax over the window's tokens of (wgate x + ape[t mod ratio]) weighting (wkv x); "
+                "overlap: wkv / wgate / ape are 2 * dim wide and the previous window's first halves join the own "
+                "window's second halves (2 * ratio slots); then an RMSNorm and the rotation at the window's first "
+                "position", [
+        ("dim", "int64_t", "entry width"),
+        ("ratio", "int64_t", "tokens per window"),
+        ("overlap", "int32_t", ""),
+        ("eps", "float", "the entry norm's"),
+        ("wkv", "const qp_mat *", "[width, H], width = dim (2 * dim with overlap)"),
+        ("wgate", "const qp_mat *", "[width, H]"),
+        ("ape", "const float *", "[ratio, width] float32"),
+        ("norm", "const float *", "[dim] float32"),
+    ]),
+    "qp_pool_state": ("one decode call's view of a pooled compressor's state (buffers the caller owns): the "
+                      "unfinished window's rows with room for this token's, the previous window's first halves, "
+                      "the entries with room for the one this token may complete", [
+        ("kv", "float *", "[B, pending + 1, width]: the pending rows, this token's written at row pending"),
+        ("gate", "float *", "[B, pending + 1, width] (without ape)"),
+        ("pending", "int64_t", "rows of the unfinished window before this token"),
+        ("n", "int64_t", "entries before this token"),
+        ("ent", "float *", "[B, n (+ 1 when this token completes a window), dim]"),
+        ("prev_kv", "const float *", "overlap: [B, ratio, dim] the previous window's first halves, or NULL"),
+        ("prev_gate", "const float *", "overlap: [B, ratio, dim] with ape, or NULL"),
+        ("prev_kv_out", "float *", "overlap, when this token completes a window: its first halves [B, ratio, dim]"),
+        ("prev_gate_out", "float *", ""),
+        ("cos", "const float *", "[rope / 2] the rotation at the completed window's first position"),
+        ("sin", "const float *", ""),
+    ]),
+    "qp_window_attn": ("sliding-window attention with a per-head sink over one shared key / value head: a "
+                       "low-rank query (weighted RMSNorm between, an unweighted RMSNorm per head), the key normed, "
+                       "interleaved rotation of the trailing rope dims, the window's keys plus the pooled "
+                       "compressor's entries (all of them, or the top-k of an indexer over its own compressor's "
+                       "keys) in one softmax with the sink, the output rotated back, a grouped low-rank output "
+                       "projection", [
+        ("H", "int64_t", "hidden width"),
+        ("nh", "int64_t", "query heads"),
+        ("hd", "int64_t", "head width (key = value)"),
+        ("rope", "int64_t", "rotated trailing dims"),
+        ("q_lora", "int64_t", ""),
+        ("groups", "int64_t", "output groups G"),
+        ("o_rank", "int64_t", "rows of each group's output projection R"),
+        ("window", "int64_t", "keys of the window, the query's own included"),
+        ("idx_heads", "int64_t", "indexer heads (0: no indexer)"),
+        ("idx_dim", "int64_t", ""),
+        ("idx_topk", "int64_t", ""),
+        ("eps", "float", ""),
+        ("scale", "float", "the attention's logit scale"),
+        ("wq_a", "const qp_mat *", "[q_lora, H]"),
+        ("q_norm", "const float *", "[q_lora] float32"),
+        ("wq_b", "const qp_mat *", "[nh * hd, q_lora]"),
+        ("wkv", "const qp_mat *", "[hd, H]"),
+        ("kv_norm", "const float *", "[hd] float32"),
+        ("wo_a", "const qp_mat *", "[G * R, nh * hd / G]"),
+        ("wo_b", "const qp_mat *", "[H, G * R]"),
+        ("sink", "const float *", "[nh] float32"),
+        ("comp", "const qp_pool *", "the compressor, or NULL"),
+        ("idx_q", "const qp_mat *", "the indexer's query [idx_heads * idx_dim, q_lora], or NULL"),
+        ("idx_w", "const float *", "the indexer's head weights [idx_heads, H] float32"),
+        ("idx_comp", "const qp_pool *", "the indexer's compressor (idx_dim wide entries)"),
+    ]),
     "qp_router": ("a routed MoE's router as data: scores (QRS_*) of the logits, the choice (QRT_*) on the "
                   "scores plus bias (when given; for choosing only), or the experts of the token id (tid2eid: "
                   "routing by token, weights still the chosen experts' scores); the weights normalized to sum 1 "
@@ -135,6 +196,38 @@ STRUCTS: dict[str, tuple[str, list[Field]]] = {
         ("sg", "const qp_mat *", "shared experts, or NULL"),
         ("su", "const qp_mat *", ""),
         ("sd", "const qp_mat *", ""),
+        ("act", "int32_t", "the gated MLPs' activation QM_* (0: SiLU)"),
+        ("act_a", "float", "its parameters (QM_SITU: beta, linear beta; QM_SILU_CLAMP: the limit)"),
+        ("act_b", "float", ""),
+        ("pad2", "int32_t", ""),
+    ]),
+    "qp_window_state": ("one decode call's view of a window-attention layer's cache (buffers the caller owns)", [
+        ("win", "float *", "[B, nwin, hd] the window's keys, this token's written at row nwin - 1"),
+        ("nwin", "int64_t", ""),
+        ("cos", "const float *", "[rope / 2] the rotation of the position"),
+        ("sin", "const float *", ""),
+        ("comp", "const qp_pool_state *", "the compressor's state, or NULL"),
+        ("idx", "const qp_pool_state *", "the indexer's compressor's state, or NULL"),
+    ]),
+    "qp_hyper_block": ("one decoder layer of N residual streams (hyper-connections): the streams mixed into the "
+                       "attention's input (its norm before), its output mixed back; the same around the "
+                       "feed-forward part", [
+        ("attn", "const qp_window_attn *", ""),
+        ("ffn", "const qp_layer *", "the feed-forward part: a routed MoE or a dense gated MLP (its attn unused)"),
+        ("attn_norm", "const float *", "[H] float32"),
+        ("ffn_norm", "const float *", "[H] float32"),
+        ("eps", "float", "the two norms'"),
+        ("hc", "int32_t", "streams N"),
+        ("iters", "int32_t", "Sinkhorn normalizations"),
+        ("hc_eps", "float", ""),
+        ("hc_norm_eps", "float", "the mixes' RMS normalization"),
+        ("pad", "int32_t", ""),
+        ("a_fn", "const float *", "around the attention: [(2 + N) N, N H] float32"),
+        ("a_base", "const float *", "[(2 + N) N]"),
+        ("a_scale", "const float *", "[3]"),
+        ("f_fn", "const float *", "around the feed-forward part"),
+        ("f_base", "const float *", ""),
+        ("f_scale", "const float *", ""),
     ]),
     "qp_draft": ("a drafter of greedy speculative decoding (a next-token-prediction block): for a token t and a "
                  "hidden state h of the stack, x = proj(cat(norm_e(embedding of t), norm_h(h))) through one "
@@ -159,8 +252,8 @@ ENUMS: dict[str, tuple[str, Mapping[str, int]]] = {
 
 #: scalar C types and their ctypes
 SCALARS: dict[str, Any] = {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "float": ctypes.c_float}
-#: pointers to data the kernels read (not to a declared struct)
-DATA_POINTERS = frozenset({"const void *", "const float *", "const uint8_t *", "const int32_t *"})
+#: pointers to data the kernels read (not to a declared struct), and to buffers they write (``float *``)
+DATA_POINTERS = frozenset({"const void *", "const float *", "const uint8_t *", "const int32_t *", "float *"})
 
 _STRUCT_PTR = re.compile(r"^const (qp_\w+) \*$")
 _STRUCT_PTRS = re.compile(r"^const (qp_\w+) \*const \*$")

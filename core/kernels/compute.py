@@ -319,22 +319,29 @@ def _rotations(rot: torch.Tensor, b: int, rope: int) -> torch.Tensor | None:
 
 
 #: the gated MLP activations of ``qp_mlp`` (``QM_*`` in ``qp_types.h``)
-MLP_ACTS = {"silu": 0, "situ": 1}
+MLP_ACTS = {"silu": 0, "situ": 1, "silu_clamp": 2}
 #: ``qp_mlp``'s activation arguments for SiLU (id, two unused parameters)
 SILU = (0, 0.0, 0.0)
 
 
 def mlp_act(act: tuple[str, float, float | None] | None) -> tuple[int, float, float]:
-    """``qp_mlp``'s (id, a, b) for an MLP activation: None (SiLU) or ``("situ", beta, linear_beta)``
+    """``qp_mlp``'s (id, a, b) for an MLP activation: None (SiLU), ``("situ", beta, linear_beta)``
     (Kimi-K3's SiTU, :func:`quantplug.layers.activation.situ_mul`; linear_beta None or 0: ``up``
-    as it is). A QuantplugError for any other."""
+    as it is) or ``("silu_clamp", limit, None)`` (the clamped SwiGLU ``silu(min(gate, limit)) *
+    clamp(up, -limit, limit)``, :func:`quantplug.layers.activation.silu_clamp_mul`). A
+    QuantplugError for any other."""
     if act is None:
         return SILU
     if isinstance(act, tuple) and len(act) == 3 and act[0] == "situ":
         beta, lbeta = float(act[1]), float(act[2] or 0.0)
         if beta > 0 and lbeta >= 0 and beta != float("inf") and lbeta != float("inf"):
             return MLP_ACTS["situ"], beta, lbeta
-    raise QuantplugError(f"gated MLP activation {act!r}: expected None or ('situ', beta > 0, linear_beta >= 0 or None)")
+    if isinstance(act, tuple) and len(act) == 3 and act[0] == "silu_clamp" and act[2] is None:
+        lim = float(act[1])
+        if 0 < lim < float("inf"):
+            return MLP_ACTS["silu_clamp"], lim, 0.0
+    raise QuantplugError(f"gated MLP activation {act!r}: expected None, ('situ', beta > 0, linear_beta >= 0 or None) "
+                         "or ('silu_clamp', limit > 0, None)")
 
 
 class MLPStep:
@@ -1016,3 +1023,356 @@ def _global_hooks() -> bool:
     from torch.nn.modules import module as _m
 
     return bool(_m._global_forward_hooks or _m._global_forward_pre_hooks)
+
+
+class HyperStep:
+    """A hyper-connection's mix of N residual streams (C ``qp_hyper_pre`` / ``qp_hyper_post``,
+    ``blocks/hyper_mix.c``; the math is :mod:`quantplug.blocks.hyper`'s): :meth:`pre` takes the
+    streams x [B, N, D] to the sub-layer's input ``u = sum_k pre_k x_k`` [B, D] and the row's
+    ``(pre, post, comb)``; :meth:`post` takes the sub-layer's output f [B, D] back to the new streams
+    ``post_k f + sum_j comb[j, k] x_j``. A head (``head=True``: ``fn`` [N, N * D], scale [1]) has
+    :meth:`pre` only. Float32 streams only (a bfloat16 model's mixes round where torch's do; they
+    run the block's forward); None where it cannot run (library off, tensors replaced)."""
+
+    def __init__(self, owner: Any, n: int, iters: int, hc_eps: float, norm_eps: float, head: bool) -> None:
+        self.owner = owner
+        self.fn, self.base, self.scale = owner.fn, owner.base, owner.scale
+        self.n, self.iters, self.hc_eps, self.norm_eps, self.head = n, iters, hc_eps, norm_eps, head
+        self.m = n if head else (2 + n) * n
+        self.d = self.fn.shape[1] // n
+
+    @classmethod
+    def build(cls, owner: Any, n: int, iters: int, hc_eps: float, norm_eps: float, head: bool) -> HyperStep | None:
+        """The step of ``owner`` (a module holding ``fn`` / ``base`` / ``scale``), or None when its
+        tensors are not float32 contiguous CPU tensors of the declared shapes."""
+        fn, base, scale = owner.fn, owner.base, owner.scale
+        m = n if head else (2 + n) * n
+        ok = all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type == "cpu"
+                 and t.is_contiguous() for t in (fn, base, scale))
+        if not ok or fn.dim() != 2 or fn.shape[0] != m or fn.shape[1] % n or base.shape != (m,) \
+                or scale.numel() != (1 if head else 3) or iters < 1 or n > 64:
+            return None
+        return cls(owner, n, iters, hc_eps, norm_eps, head)
+
+    def live(self) -> bool:
+        o = self.owner
+        return native._lib is not None and o.fn is self.fn and o.base is self.base and o.scale is self.scale
+
+    def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """x [..., N, D] float32 -> (u [..., D], pre [..., N], post [..., N], comb [..., N, N])
+        (a head: post and comb empty), or None."""
+        if not self.live() or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-2:] != (self.n, self.d):
+            return None
+        lead = x.shape[:-2]
+        xc = x.reshape(-1, self.n, self.d).contiguous()
+        b, n, d = xc.shape[0], self.n, self.d
+        if b == 0:
+            return None
+        u = torch.empty(b, d, dtype=torch.float32)
+        pre = torch.empty(b, n, dtype=torch.float32)
+        post = torch.empty(0 if self.head else b * n, dtype=torch.float32)
+        comb = torch.empty(0 if self.head else b * n * n, dtype=torch.float32)
+        lib = native._lib
+        assert lib is not None
+        rc = lib.qp_hyper_pre(b, n, d, xc.data_ptr(), self.fn.data_ptr(), self.m, self.base.data_ptr(),
+                              self.scale.data_ptr(), self.iters, self.hc_eps, self.norm_eps, u.data_ptr(),
+                              pre.data_ptr(), None if self.head else post.data_ptr(),
+                              None if self.head else comb.data_ptr())
+        if rc != 0:
+            return None
+        return (u.view(*lead, d), pre.view(*lead, n), post.view(*lead, n) if not self.head else post,
+                comb.view(*lead, n, n) if not self.head else comb)
+
+    def post(self, f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor | None:
+        """The new streams [..., N, D] of the sub-layer output f [..., D] (float32), or None."""
+        if self.head or not self.live() or f.dtype != torch.float32 or x.dtype != torch.float32:
+            return None
+        n, d = self.n, self.d
+        xc = x.reshape(-1, n, d).contiguous()
+        fc = f.reshape(-1, d).contiguous()
+        if fc.shape[0] != xc.shape[0]:
+            return None
+        out = torch.empty_like(xc)
+        pc, cc = post.float().contiguous(), comb.float().contiguous()  # held across the call
+        lib = native._lib
+        assert lib is not None
+        rc = lib.qp_hyper_post(xc.shape[0], n, d, fc.data_ptr(), xc.data_ptr(), pc.data_ptr(), cc.data_ptr(),
+                               out.data_ptr())
+        return out.view(x.shape) if rc == 0 else None
+
+
+def _f32_vector(t: Any, n: int) -> bool:
+    return (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type == "cpu"
+            and t.is_contiguous() and t.numel() == n)
+
+
+def _watched(watch: Sequence[tuple[Any, str]]) -> list[tuple[Any, str, torch.Tensor, int]]:
+    """(module, attribute, the tensor now, its data pointer) of each watched attribute."""
+    out = []
+    for m, name in watch:
+        t = getattr(m, name)
+        out.append((m, name, t, t.data_ptr()))
+    return out
+
+
+def _unchanged(watched: Sequence[tuple[Any, str, torch.Tensor, int]]) -> bool:
+    """Every watched attribute still holds the same tensor with the same data."""
+    return all(getattr(m, name) is t and t.data_ptr() == ptr for m, name, t, ptr in watched)
+
+
+class PoolBuffers:
+    """One decode call's buffers of a pooled compressor (``qp_pool_state``), the caller's to fill
+    and read back: ``kv`` / ``gate`` [B, pending + 1, width] (the pending rows copied in, this
+    token's written by the call), ``ent`` [B, n (+ 1 when this token completes a window), dim],
+    ``prev_kv`` / ``prev_gate`` (overlap: the previous window's first halves, or None),
+    ``prev_kv_out`` / ``prev_gate_out`` (overlap and completing: written by the call), ``cos`` /
+    ``sin`` the rotation at the completed window's first position."""
+
+    def __init__(self, kv: torch.Tensor, gate: torch.Tensor, pending: int, n: int, ent: torch.Tensor,
+                 prev_kv: torch.Tensor | None, prev_gate: torch.Tensor | None, prev_kv_out: torch.Tensor | None,
+                 prev_gate_out: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.kv, self.gate, self.pending, self.n, self.ent = kv, gate, pending, n, ent
+        self.prev_kv, self.prev_gate, self.prev_kv_out, self.prev_gate_out = prev_kv, prev_gate, prev_kv_out, prev_gate_out
+        self.cos, self.sin = cos, sin
+
+    def struct(self) -> Any:
+        def ptr(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+        return native.PoolState(kv=ptr(self.kv), gate=ptr(self.gate), pending=self.pending, n=self.n, ent=ptr(self.ent),
+                                prev_kv=ptr(self.prev_kv), prev_gate=ptr(self.prev_gate),
+                                prev_kv_out=ptr(self.prev_kv_out), prev_gate_out=ptr(self.prev_gate_out),
+                                cos=ptr(self.cos), sin=ptr(self.sin))
+
+
+class WindowAttnStep:
+    """One decode token of sliding-window attention with per-head sinks over one shared key / value
+    head, with an optional pooled compressor of its keys and a top-k indexer over its own
+    compressor's keys, in one native call (C ``qp_window_step``, ``blocks/window_attention.c``;
+    the math is :mod:`quantplug.blocks.v4_attention`'s). Float32 models; every projection of a
+    native form. ``__call__(x, cos, sin, win, comp, idx)``: x [B, H] float32, the rotation of the
+    position, the window's keys ``win`` [B, nwin, hd] with this token's row written at the end,
+    the compressors' :class:`PoolBuffers`; returns [B, H], or None where it declines."""
+
+    def __init__(self, st: Any, keep: list[Any], mods: dict[str, Any], bs: dict[str, Bound], hidden: int,
+                 wround: int, watch: Sequence[tuple[Any, str]] = ()) -> None:
+        import ctypes
+
+        self.st, self.keep, self.mods, self.bs, self.h, self.wround = st, keep, mods, bs, hidden, wround
+        self.ref = ctypes.byref(st)
+        self.watch = _watched(watch)
+
+    @staticmethod
+    def build(*, mods: dict[str, Any], floats: dict[str, torch.Tensor], hidden: int, nh: int, hd: int, rope: int,
+              q_lora: int, groups: int, o_rank: int, window: int, eps: float, ratio: int = 0, overlap: bool = False,
+              idx_heads: int = 0, idx_dim: int = 0, idx_topk: int = 0,
+              watch: Sequence[tuple[Any, str]] = ()) -> WindowAttnStep | None:
+        """``mods``: the linears ``wq_a``, ``wq_b``, ``wkv``, ``wo_a``, ``wo_b`` (and ``c_wkv``,
+        ``c_wgate`` with a compressor; ``i_wq``, ``ic_wkv``, ``ic_wgate`` with an indexer);
+        ``floats``: float32 tensors ``q_norm``, ``kv_norm``, ``sink`` (and ``c_ape``, ``c_norm``;
+        ``i_w``, ``ic_ape``, ``ic_norm``); ``watch``: (module, attribute) of each of those tensors
+        (the step declines once one is replaced or moved). None when any is missing, not native or
+        not float32."""
+        bs = {k: bound(m) for k, m in mods.items()}
+        if any(b is None for b in bs.values()) or {b.wround for b in bs.values() if b is not None} != {0}:
+            return None
+        if any(b.slots is not None for b in bs.values() if b is not None):
+            return None
+        if not all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type == "cpu"
+                   and t.is_contiguous() for t in floats.values()):
+            return None
+        keep: list[Any] = [bs, dict(floats)]
+        st = native.WindowAttn(H=hidden, nh=nh, hd=hd, rope=rope, q_lora=q_lora, groups=groups, o_rank=o_rank,
+                               window=window, idx_heads=idx_heads, idx_dim=idx_dim, idx_topk=idx_topk, eps=eps,
+                               scale=hd ** -0.5)
+        for k in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
+            setattr(st, k, bs[k].ptr())  # type: ignore[union-attr]
+        st.q_norm, st.kv_norm, st.sink = (floats[k].data_ptr() for k in ("q_norm", "kv_norm", "sink"))
+        if ratio:
+            pool = native.Pool(dim=hd, ratio=ratio, overlap=int(overlap), eps=eps, wkv=bs["c_wkv"].ptr(),  # type: ignore[union-attr]
+                               wgate=bs["c_wgate"].ptr(), ape=floats["c_ape"].data_ptr(),  # type: ignore[union-attr]
+                               norm=floats["c_norm"].data_ptr())
+            keep.append(pool)
+            import ctypes
+            st.comp = ctypes.pointer(pool)
+        if idx_heads:
+            ipool = native.Pool(dim=idx_dim, ratio=ratio, overlap=1, eps=eps, wkv=bs["ic_wkv"].ptr(),  # type: ignore[union-attr]
+                                wgate=bs["ic_wgate"].ptr(), ape=floats["ic_ape"].data_ptr(),  # type: ignore[union-attr]
+                                norm=floats["ic_norm"].data_ptr())
+            keep.append(ipool)
+            import ctypes
+            st.idx_comp = ctypes.pointer(ipool)
+            st.idx_q = bs["i_wq"].ptr()  # type: ignore[union-attr]
+            st.idx_w = floats["i_w"].data_ptr()
+        if native.library() is None:
+            return None
+        return WindowAttnStep(st, keep, mods, bs, hidden, 0, watch)  # type: ignore[arg-type]
+
+    def live(self) -> bool:
+        return (native._lib is not None and all(bound(m) is self.bs[k] for k, m in self.mods.items())
+                and _unchanged(self.watch))
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, win: torch.Tensor,
+                 comp: PoolBuffers | None, idx: PoolBuffers | None) -> torch.Tensor | None:
+        import ctypes
+
+        lib = native._lib
+        b = x.shape[0]
+        if lib is None or x.dtype != torch.float32 or x.shape != (b, self.h) or b > NATIVE_ROWS:
+            return None
+        x2 = x.contiguous()
+        out = torch.empty(b, self.h)
+        cst = comp.struct() if comp is not None else None
+        ist = idx.struct() if idx is not None else None
+        rc = lib.qp_window_step(self.ref, b, x2.data_ptr(), cos.data_ptr(), sin.data_ptr(), win.data_ptr(), win.shape[1],
+                                None if cst is None else ctypes.byref(cst), None if ist is None else ctypes.byref(ist),
+                                out.data_ptr(), self.wround)
+        native.check(rc, "window_step")
+        return out
+
+
+class HyperStackLayer:
+    """One decoder layer of residual streams as :class:`HyperStackStep` runs it: the mixes around
+    the attention and around the MoE (``HyperStep`` each), the two norms' float32 weights, the
+    attention's :class:`WindowAttnStep`, and the MoE: its stacked experts' step, the router (its
+    ``RouterSpec``, float32 weight, bias, ``tid2eid`` table), the shared experts' step or None."""
+
+    def __init__(self, *, hc_attn: HyperStep, hc_ffn: HyperStep, attn_norm: torch.Tensor, ffn_norm: torch.Tensor,
+                 eps: float, attn: WindowAttnStep, experts: MLPStep, router: torch.Tensor, spec: RouterSpec,
+                 bias: torch.Tensor | None, tid2eid: torch.Tensor | None, shared: MLPStep | None) -> None:
+        self.hc_attn, self.hc_ffn, self.attn_norm, self.ffn_norm, self.eps = hc_attn, hc_ffn, attn_norm, ffn_norm, eps
+        self.attn, self.experts, self.router, self.spec, self.bias, self.tid2eid = attn, experts, router, spec, bias, tid2eid
+        self.shared = shared
+
+
+class HyperStackStep:
+    """A decode step of a stack of residual-stream (hyper-connection) layers with window attention
+    and MoE, from token ids to logits, in one native call (C ``qp_hyper_decode_step``,
+    ``blocks/hyper_stack.c``): the embedding rows copied into the streams; per layer the mix, the
+    norm, the attention (:class:`WindowAttnStep`'s kernel, the cache written into the buffers
+    :meth:`__call__` is given), the mix back, then the same around the MoE (the router by its
+    spec, by token id where it routes so; the experts through ``qp_mlp`` with their activation);
+    the head's collapse of the streams, the final norm, the LM head, the greedy pick. The per-block
+    native steps' arithmetic in their order; float32 models. ``live()`` declines (the per-block path
+    runs) when a step, a bound layer or a watched tensor was replaced, or a module has forward hooks."""
+
+    def __init__(self, layers: Sequence[HyperStackLayer], head_hc: HyperStep, final_norm: torch.Tensor, eps: float,
+                 hidden: int, modules: Sequence[torch.nn.Module], owners: Sequence[tuple[torch.nn.Module, Any]],
+                 watch: Sequence[tuple[Any, str]] = ()) -> None:
+        import ctypes
+
+        self.watch = _watched(watch)
+        self.h, self.eps, self.final_norm, self.head_hc = hidden, eps, final_norm, head_hc
+        self.layers = list(layers)
+        self.n = len(layers)
+        self.hook_dicts = tuple(d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks))
+        self.owners = [(m.__dict__, st) for m, st in owners]
+        self.keep: list[Any] = []
+        ffn = (native.Layer * self.n)()
+        arr = (native.HyperBlock * self.n)()
+        tensors: list[torch.Tensor] = [final_norm]
+        for i, sl in enumerate(layers):
+            f = ffn[i]
+            ex = sl.experts
+            e = len(ex.gate.mats)
+            f.gate, f.up, f.down = (_mat_array([b.ptr(s) for s in range(e)], self.keep) for b in (ex.gate, ex.up, ex.down))
+            f.E = e
+            tid = None if sl.tid2eid is None else sl.tid2eid.to(torch.int32).contiguous()
+            self.keep.append(tid)
+            routers.route(f.route, sl.spec, sl.router, sl.bias, tid)
+            if sl.shared is not None:
+                f.sg, f.su, f.sd = sl.shared.gate.ptr(), sl.shared.up.ptr(), sl.shared.down.ptr()
+            f.act, f.act_a, f.act_b = ex.act
+            a = arr[i]
+            a.attn = ctypes.pointer(sl.attn.st)
+            a.ffn = ctypes.pointer(f)
+            a.attn_norm, a.ffn_norm, a.eps = sl.attn_norm.data_ptr(), sl.ffn_norm.data_ptr(), sl.eps
+            hc = sl.hc_attn
+            a.hc, a.iters, a.hc_eps, a.hc_norm_eps = hc.n, hc.iters, hc.hc_eps, hc.norm_eps
+            a.a_fn, a.a_base, a.a_scale = hc.fn.data_ptr(), hc.base.data_ptr(), hc.scale.data_ptr()
+            g = sl.hc_ffn
+            a.f_fn, a.f_base, a.f_scale = g.fn.data_ptr(), g.base.data_ptr(), g.scale.data_ptr()
+            tensors += [sl.attn_norm, sl.ffn_norm, sl.router, *(t for t in (sl.bias, sl.tid2eid) if t is not None)]
+        self.ffn, self.arr = ffn, arr
+        self.tensors = [(t, t.data_ptr()) for t in tensors]
+
+    @staticmethod
+    def build(layers: Sequence[HyperStackLayer], head_hc: HyperStep | None, final_norm: torch.Tensor, eps: float,
+              hidden: int, modules: Sequence[torch.nn.Module], owners: Sequence[tuple[torch.nn.Module, Any]],
+              watch: Sequence[tuple[Any, str]] = ()) -> HyperStackStep | None:
+        """None when the library is unavailable or a piece is not native / float32 / of these sizes.
+        ``watch``: (module, attribute) of the tensors read outside the steps (norms, routers): the
+        step declines once one is replaced or moved."""
+        if native.library() is None or not layers or head_hc is None or not head_hc.head:
+            return None
+        vec = [final_norm] + [t for sl in layers for t in (sl.attn_norm, sl.ffn_norm, sl.router)]
+        if not all(_f32_vector(t, t.numel()) for t in vec) or final_norm.numel() != hidden:
+            return None
+        n = head_hc.n
+        for sl in layers:
+            parts = [p for p in (sl.experts, sl.shared) if p is not None]
+            if any(p.reduce is not None or p.gate.wround != 0 or p.h != hidden or p.act != parts[0].act for p in parts):
+                return None
+            if sl.hc_attn.n != n or sl.hc_ffn.n != n or sl.hc_attn.head or sl.hc_ffn.head or sl.attn.h != hidden:
+                return None
+            if sl.bias is not None and not _f32_vector(sl.bias, sl.bias.numel()):
+                return None
+            if not routers.fits(sl.spec, len(sl.experts.gate.mats), sl.router, sl.bias,
+                                None if sl.tid2eid is None else sl.tid2eid.to(torch.int32)):
+                return None
+        return HyperStackStep(layers, head_hc, final_norm, eps, hidden, modules, owners, watch)
+
+    def live(self) -> bool:
+        for d, st in self.owners:
+            if d.get("step") is not st:
+                return False
+        for sl in self.layers:
+            if not (sl.attn.live() and sl.hc_attn.live() and sl.hc_ffn.live() and sl.experts.live()
+                    and (sl.shared is None or sl.shared.live())):
+                return False
+        if not self.head_hc.live() or any(t.data_ptr() != p for t, p in self.tensors) or not _unchanged(self.watch):
+            return False
+        return not any(self.hook_dicts) and not _global_hooks()
+
+    def __call__(self, ids: torch.Tensor, embed: Bound, head: Bound | None,
+                 states: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, PoolBuffers | None, PoolBuffers | None]],
+                 pick: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+        """One decode token ``ids`` [B] (int64) of B sequences at one position; ``states``: per layer
+        (window buffer [B, nwin, hd] with room for this token's row at the end, cos, sin [rope / 2]
+        of the position, the compressor's and the indexer's :class:`PoolBuffers` or None). Returns
+        (the final norm [B, hidden], float32 logits [B, vocab] or None without ``head``, the greedy
+        picks [B] with ``pick``); None when it cannot run now (no buffer written)."""
+        import ctypes
+
+        lib = native._lib
+        b = ids.shape[0]
+        if (lib is None or ids.dtype != torch.int64 or ids.dim() != 1 or b > NATIVE_ROWS or len(states) != self.n
+                or embed.k != self.h or embed.slots is not None or embed.model_dtype != torch.float32
+                or (head is not None and (head.k != self.h or head.slots is not None))):
+            return None
+        ws = (native.WindowState * self.n)()
+        keep: list[Any] = []
+        for i, (win, cos, sin, comp, idx) in enumerate(states):
+            s = ws[i]
+            s.win, s.nwin, s.cos, s.sin = win.data_ptr(), win.shape[1], cos.data_ptr(), sin.data_ptr()
+            if comp is not None:
+                cst = comp.struct()
+                keep.append(cst)
+                s.comp = ctypes.pointer(cst)
+            if idx is not None:
+                ist = idx.struct()
+                keep.append(ist)
+                s.idx = ctypes.pointer(ist)
+        idc = ids.contiguous()
+        hid = torch.empty(b, self.h)
+        logits = torch.empty(b, head.n) if head is not None else None
+        best = torch.empty(b, dtype=torch.int64) if pick and head is not None else None
+        hc = self.head_hc
+        rc = lib.qp_hyper_decode_step(self.arr, ws, self.n, self.h, b, idc.data_ptr(), embed.ptr(), hc.fn.data_ptr(),
+                                      hc.base.data_ptr(), hc.scale.data_ptr(), self.final_norm.data_ptr(), self.eps,
+                                      hid.data_ptr(), None if head is None else head.ptr(),
+                                      None if logits is None else logits.data_ptr(),
+                                      None if best is None else best.data_ptr(), 0)
+        if rc == -4:
+            return None  # a token id outside the embedding or a routing table: the modules raise their own error
+        native.check(rc, "hyper_decode_step")
+        return hid, logits, best

@@ -80,7 +80,8 @@ MIN_CODE = {"FP8": 2.0 ** -9, "FP4": 0.5, "INT4": 1.0, "INT8": 1.0}
 SYMBOLS = ("qp_form_info", "qp_isa", "qp_check", "qp_dequant", "qp_act_rows", "qp_gemm", "qp_mlp",
            "qp_latent_pre", "qp_latent_post", "qp_latent_step", "qp_decode_step", "qp_spec_step", "qp_fp8_has_nan", "qp_row_kernel",
            "qp_pair_products", "qp_pair_tasks", "qp_bf16_has_subnormal",
-           "qp_layout_table", "qp_kda_step", "qp_route")
+           "qp_layout_table", "qp_kda_step", "qp_route", "qp_hyper_pre", "qp_hyper_post", "qp_window_step",
+           "qp_hyper_decode_step")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -215,6 +216,19 @@ class LatentAttn(ctypes.Structure):
     """``qp_latent_attn``: one latent-attention layer's dimensions and matrices (DeepSeek's MLA)."""
 
 
+class Pool(ctypes.Structure):
+    """``qp_pool``: a pooled compressor of an attention's keys (DeepSeek-V4's CSA / HCA compressors)."""
+
+
+class PoolState(ctypes.Structure):
+    """``qp_pool_state``: one decode call's view of a pooled compressor's state (buffers Python owns)."""
+
+
+class WindowAttn(ctypes.Structure):
+    """``qp_window_attn``: sliding-window attention with sinks, a pooled compressor and an indexer
+    (DeepSeek-V4's SWA / CSA / HCA attention)."""
+
+
 class Router(ctypes.Structure):
     """``qp_router``: a routed MoE's router as data (``quantplug.contract.routing.RouterSpec`` and its tensors)."""
 
@@ -223,13 +237,24 @@ class Layer(ctypes.Structure):
     """``qp_layer``: one decoder layer of the whole-stack decode step (``qp_stack_step``)."""
 
 
+class WindowState(ctypes.Structure):
+    """``qp_window_state``: one decode call's view of a window-attention layer's cache."""
+
+
+class HyperBlock(ctypes.Structure):
+    """``qp_hyper_block``: one decoder layer of residual streams (hyper-connections) around a
+    window attention and a MoE / MLP (DeepSeek-V4's block)."""
+
+
 class Draft(ctypes.Structure):
     """``qp_draft``: the drafter of a speculative step (``qp_spec_step``): two norms, a projection of
     their concatenation, one decoder layer, a final norm."""
 
 
-for _name, _cls in (("qp_act", Act), ("qp_mat", Mat), ("qp_latent_attn", LatentAttn), ("qp_router", Router),
-                    ("qp_layer", Layer), ("qp_draft", Draft)):
+for _name, _cls in (("qp_act", Act), ("qp_mat", Mat), ("qp_latent_attn", LatentAttn), ("qp_pool", Pool),
+                    ("qp_pool_state", PoolState), ("qp_window_attn", WindowAttn), ("qp_router", Router),
+                    ("qp_layer", Layer), ("qp_window_state", WindowState), ("qp_hyper_block", HyperBlock),
+                    ("qp_draft", Draft)):
     _struct(_name, _cls)
 assert list(STRUCTS) == list(abi.STRUCTS), "every declared struct has its ctypes class, in order"
 
@@ -312,6 +337,13 @@ def _declare(lib: ctypes.CDLL) -> None:
         "qp_kda_step": ([i64, i64, i64, i64, p, p, p, p, p, p, i32, ctypes.c_float, p, p, p, ctypes.c_float, p, i32,
                          p], i32),
     }
+    f32 = ctypes.c_float
+    sig["qp_hyper_pre"] = ([i64, i32, i64, p, p, i32, p, p, i32, f32, f32, p, p, p, p], i32)
+    sig["qp_hyper_post"] = ([i64, i32, i64, p, p, p, p, p], i32)
+    sig["qp_window_step"] = ([ctypes.POINTER(WindowAttn), i64, p, p, p, p, i64, ctypes.POINTER(PoolState),
+                              ctypes.POINTER(PoolState), p, i32], i32)
+    sig["qp_hyper_decode_step"] = ([ctypes.POINTER(HyperBlock), ctypes.POINTER(WindowState), i32, i64, i64, p, mp, p, p,
+                                    p, p, f32, p, mp, p, p, i32], i32)
     for name, (args, res) in sig.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res

@@ -80,6 +80,74 @@ typedef struct {
     const qp_mat *g;                        /* output gate [nh * v, H] or NULL */
 } qp_latent_attn;
 
+/* a pooled compressor of one attention's keys: each window of ratio tokens becomes one entry, per channel the
+ * softmax over the window's tokens of (wgate x + ape[t mod ratio]) weighting (wkv x); overlap: wkv / wgate /
+ * ape are 2 * dim wide and the previous window's first halves join the own window's second halves (2 * ratio
+ * slots); then an RMSNorm and the rotation at the window's first position */
+typedef struct {
+    int64_t dim;                            /* entry width */
+    int64_t ratio;                          /* tokens per window */
+    int32_t overlap;
+    float eps;                              /* the entry norm's */
+    const qp_mat *wkv;                      /* [width, H], width = dim (2 * dim with overlap) */
+    const qp_mat *wgate;                    /* [width, H] */
+    const float *ape;                       /* [ratio, width] float32 */
+    const float *norm;                      /* [dim] float32 */
+} qp_pool;
+
+/* one decode call's view of a pooled compressor's state (buffers the caller owns): the unfinished window's
+ * rows with room for this token's, the previous window's first halves, the entries with room for the one this
+ * token may complete */
+typedef struct {
+    float *kv;                              /* [B, pending + 1, width]: the pending rows, this token's written at
+                                               row pending */
+    float *gate;                            /* [B, pending + 1, width] (without ape) */
+    int64_t pending;                        /* rows of the unfinished window before this token */
+    int64_t n;                              /* entries before this token */
+    float *ent;                             /* [B, n (+ 1 when this token completes a window), dim] */
+    const float *prev_kv;                   /* overlap: [B, ratio, dim] the previous window's first halves, or
+                                               NULL */
+    const float *prev_gate;                 /* overlap: [B, ratio, dim] with ape, or NULL */
+    float *prev_kv_out;                     /* overlap, when this token completes a window: its first halves [B,
+                                               ratio, dim] */
+    float *prev_gate_out;
+    const float *cos;                       /* [rope / 2] the rotation at the completed window's first position */
+    const float *sin;
+} qp_pool_state;
+
+/* sliding-window attention with a per-head sink over one shared key / value head: a low-rank query (weighted
+ * RMSNorm between, an unweighted RMSNorm per head), the key normed, interleaved rotation of the trailing rope
+ * dims, the window's keys plus the pooled compressor's entries (all of them, or the top-k of an indexer over
+ * its own compressor's keys) in one softmax with the sink, the output rotated back, a grouped low-rank output
+ * projection */
+typedef struct {
+    int64_t H;                              /* hidden width */
+    int64_t nh;                             /* query heads */
+    int64_t hd;                             /* head width (key = value) */
+    int64_t rope;                           /* rotated trailing dims */
+    int64_t q_lora;
+    int64_t groups;                         /* output groups G */
+    int64_t o_rank;                         /* rows of each group's output projection R */
+    int64_t window;                         /* keys of the window, the query's own included */
+    int64_t idx_heads;                      /* indexer heads (0: no indexer) */
+    int64_t idx_dim;
+    int64_t idx_topk;
+    float eps;
+    float scale;                            /* the attention's logit scale */
+    const qp_mat *wq_a;                     /* [q_lora, H] */
+    const float *q_norm;                    /* [q_lora] float32 */
+    const qp_mat *wq_b;                     /* [nh * hd, q_lora] */
+    const qp_mat *wkv;                      /* [hd, H] */
+    const float *kv_norm;                   /* [hd] float32 */
+    const qp_mat *wo_a;                     /* [G * R, nh * hd / G] */
+    const qp_mat *wo_b;                     /* [H, G * R] */
+    const float *sink;                      /* [nh] float32 */
+    const qp_pool *comp;                    /* the compressor, or NULL */
+    const qp_mat *idx_q;                    /* the indexer's query [idx_heads * idx_dim, q_lora], or NULL */
+    const float *idx_w;                     /* the indexer's head weights [idx_heads, H] float32 */
+    const qp_pool *idx_comp;                /* the indexer's compressor (idx_dim wide entries) */
+} qp_window_attn;
+
 /* a routed MoE's router as data: scores (QRS_*) of the logits, the choice (QRT_*) on the scores plus bias
  * (when given; for choosing only), or the experts of the token id (tid2eid: routing by token, weights still
  * the chosen experts' scores); the weights normalized to sum 1 (norm_topk), then times scaling */
@@ -115,7 +183,45 @@ typedef struct {
     const qp_mat *sg;                       /* shared experts, or NULL */
     const qp_mat *su;
     const qp_mat *sd;
+    int32_t act;                            /* the gated MLPs' activation QM_* (0: SiLU) */
+    float act_a;                            /* its parameters (QM_SITU: beta, linear beta; QM_SILU_CLAMP: the
+                                               limit) */
+    float act_b;
+    int32_t pad2;
 } qp_layer;
+
+/* one decode call's view of a window-attention layer's cache (buffers the caller owns) */
+typedef struct {
+    float *win;                             /* [B, nwin, hd] the window's keys, this token's written at row nwin
+                                               - 1 */
+    int64_t nwin;
+    const float *cos;                       /* [rope / 2] the rotation of the position */
+    const float *sin;
+    const qp_pool_state *comp;              /* the compressor's state, or NULL */
+    const qp_pool_state *idx;               /* the indexer's compressor's state, or NULL */
+} qp_window_state;
+
+/* one decoder layer of N residual streams (hyper-connections): the streams mixed into the attention's input
+ * (its norm before), its output mixed back; the same around the feed-forward part */
+typedef struct {
+    const qp_window_attn *attn;
+    const qp_layer *ffn;                    /* the feed-forward part: a routed MoE or a dense gated MLP (its attn
+                                               unused) */
+    const float *attn_norm;                 /* [H] float32 */
+    const float *ffn_norm;                  /* [H] float32 */
+    float eps;                              /* the two norms' */
+    int32_t hc;                             /* streams N */
+    int32_t iters;                          /* Sinkhorn normalizations */
+    float hc_eps;
+    float hc_norm_eps;                      /* the mixes' RMS normalization */
+    int32_t pad;
+    const float *a_fn;                      /* around the attention: [(2 + N) N, N H] float32 */
+    const float *a_base;                    /* [(2 + N) N] */
+    const float *a_scale;                   /* [3] */
+    const float *f_fn;                      /* around the feed-forward part */
+    const float *f_base;
+    const float *f_scale;
+} qp_hyper_block;
 
 /* a drafter of greedy speculative decoding (a next-token-prediction block): for a token t and a hidden state
  * h of the stack, x = proj(cat(norm_e(embedding of t), norm_h(h))) through one decoder layer, then its final
@@ -187,6 +293,53 @@ typedef struct {
     F(qp_latent_attn, v_b) \
     F(qp_latent_attn, o) \
     F(qp_latent_attn, g) \
+    S(qp_pool) \
+    F(qp_pool, dim) \
+    F(qp_pool, ratio) \
+    F(qp_pool, overlap) \
+    F(qp_pool, eps) \
+    F(qp_pool, wkv) \
+    F(qp_pool, wgate) \
+    F(qp_pool, ape) \
+    F(qp_pool, norm) \
+    S(qp_pool_state) \
+    F(qp_pool_state, kv) \
+    F(qp_pool_state, gate) \
+    F(qp_pool_state, pending) \
+    F(qp_pool_state, n) \
+    F(qp_pool_state, ent) \
+    F(qp_pool_state, prev_kv) \
+    F(qp_pool_state, prev_gate) \
+    F(qp_pool_state, prev_kv_out) \
+    F(qp_pool_state, prev_gate_out) \
+    F(qp_pool_state, cos) \
+    F(qp_pool_state, sin) \
+    S(qp_window_attn) \
+    F(qp_window_attn, H) \
+    F(qp_window_attn, nh) \
+    F(qp_window_attn, hd) \
+    F(qp_window_attn, rope) \
+    F(qp_window_attn, q_lora) \
+    F(qp_window_attn, groups) \
+    F(qp_window_attn, o_rank) \
+    F(qp_window_attn, window) \
+    F(qp_window_attn, idx_heads) \
+    F(qp_window_attn, idx_dim) \
+    F(qp_window_attn, idx_topk) \
+    F(qp_window_attn, eps) \
+    F(qp_window_attn, scale) \
+    F(qp_window_attn, wq_a) \
+    F(qp_window_attn, q_norm) \
+    F(qp_window_attn, wq_b) \
+    F(qp_window_attn, wkv) \
+    F(qp_window_attn, kv_norm) \
+    F(qp_window_attn, wo_a) \
+    F(qp_window_attn, wo_b) \
+    F(qp_window_attn, sink) \
+    F(qp_window_attn, comp) \
+    F(qp_window_attn, idx_q) \
+    F(qp_window_attn, idx_w) \
+    F(qp_window_attn, idx_comp) \
     S(qp_router) \
     F(qp_router, score) \
     F(qp_router, select) \
@@ -215,6 +368,34 @@ typedef struct {
     F(qp_layer, sg) \
     F(qp_layer, su) \
     F(qp_layer, sd) \
+    F(qp_layer, act) \
+    F(qp_layer, act_a) \
+    F(qp_layer, act_b) \
+    F(qp_layer, pad2) \
+    S(qp_window_state) \
+    F(qp_window_state, win) \
+    F(qp_window_state, nwin) \
+    F(qp_window_state, cos) \
+    F(qp_window_state, sin) \
+    F(qp_window_state, comp) \
+    F(qp_window_state, idx) \
+    S(qp_hyper_block) \
+    F(qp_hyper_block, attn) \
+    F(qp_hyper_block, ffn) \
+    F(qp_hyper_block, attn_norm) \
+    F(qp_hyper_block, ffn_norm) \
+    F(qp_hyper_block, eps) \
+    F(qp_hyper_block, hc) \
+    F(qp_hyper_block, iters) \
+    F(qp_hyper_block, hc_eps) \
+    F(qp_hyper_block, hc_norm_eps) \
+    F(qp_hyper_block, pad) \
+    F(qp_hyper_block, a_fn) \
+    F(qp_hyper_block, a_base) \
+    F(qp_hyper_block, a_scale) \
+    F(qp_hyper_block, f_fn) \
+    F(qp_hyper_block, f_base) \
+    F(qp_hyper_block, f_scale) \
     S(qp_draft) \
     F(qp_draft, layer) \
     F(qp_draft, enorm) \

@@ -78,5 +78,8 @@
 #include "blocks/router.c"          /* the MoE router as data (qp_router) */
 #include "blocks/stack_step.c"      /* the whole-stack decode step, from token ids to logits */
 #include "blocks/kda.c"             /* one decode token of KDA (gated delta rule) */
+#include "blocks/hyper_mix.c"       /* hyper-connections: the streams' mix around a sub-layer */
+#include "blocks/window_attention.c" /* sliding-window attention with sinks, pooled compressor, indexer */
+#include "blocks/hyper_stack.c"     /* a stack of hyper-connection blocks, from token ids to logits */
 #include "layout.c"                 /* qp_layout_table: the structs' offsets and sizes (tests, native.py) */
 

@@ -20,13 +20,14 @@ enum { QG_AFTER = 0, QG_TIMES = 1, QG_OVER = 2 };
 enum { QE_FLOAT = 0, QE_STATIC = 1, QE_DYNAMIC = 2 };
 enum { QR_NONE = 0, QR_BF16 = 1, QR_F16 = 2 };
 /* the gated MLP's activation act(gate, up) (qp_mlp; compute.py: MLP_ACTS) */
-enum { QM_SILU = 0, QM_SITU = 1 };
+enum { QM_SILU = 0, QM_SITU = 1, QM_SILU_CLAMP = 2 };
 /* the kernels' own: QR_BF16 for weights known normal or zero (no subnormals, no NaN), where the
  * AVX512-BF16 conversion (round to nearest even; it flushes subnormal inputs) gives the same bits */
 #define QR_BF16_NORMAL 3
 
 
-/* the structs (qp_act, qp_mat, qp_latent_attn, qp_router, qp_layer, qp_draft) and the router's
+/* the structs (qp_act, qp_mat, qp_latent_attn, qp_pool, qp_pool_state, qp_window_attn, qp_router, qp_layer,
+ * qp_window_state, qp_hyper_block, qp_draft) and the router's
  * enums (QRS_*, QRT_*): generated from their one declaration, core/kernels/abi.py */
 #include "qp_abi.h"
 

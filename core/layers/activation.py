@@ -66,8 +66,8 @@ class GatedAct:
     @property
     def native(self) -> Any:
         """The ``act`` argument of the native MLP step (``MLPStep.build``, ``compute.mlp_over``):
-        None for SiLU, else ``("situ", beta, linear_beta)`` (``("silu_clamp", limit, None)``, which
-        no native step takes yet: ``compute.mlp_act`` refuses it)."""
+        None for SiLU, else ``("situ", beta, linear_beta)`` or ``("silu_clamp", limit, None)``
+        (``compute.mlp_act``)."""
         if self.kind == "silu_clamp":
             return (self.kind, self.limit, None)
         return None if self.kind == "silu" else (self.kind, self.beta, self.linear_beta)

@@ -25,8 +25,9 @@ answer like any format's (the ``fp8`` backend); the skeleton only names the modu
 Engines: ``qp_engine_plan`` / ``qp_engine_names`` place the planned modules in transformers'
 ``DeepseekV4ForCausalLM`` (``quantplug_transformers``); the vLLM plugin refuses V4 (vLLM's own V4
 model keeps FP8-quantized compressed KV caches, not this arithmetic).
-Not here: the native lowering (every block runs its torch forward) and tensor / expert
-parallelism (no ``qp_tp_plan``).
+Not here: tensor / expert parallelism (no ``qp_tp_plan``). A decode token of a float32 model is one
+native call where every block has its native step (:func:`quantplug.lower.hyper_decode_logits`);
+else the blocks run (each natively where it can).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from ..generate import GenerationMixin
 from ..layers.activation import swiglu_clamp
 from ..layers.embedding import Embedding
 from ..layers.norm import RMSNorm
+from ..lower import hyper_decode_logits
 from .declarations import DenseRule, EngineEntry, EngineExperts, EngineGroupedLinear, EngineRename, Unstack
 from .deepseek_v4_config import DeepseekV4Config
 
@@ -198,10 +200,17 @@ class DeepseekV4ForCausalLM(GenerationMixin, nn.Module):
         return self.head(self.hidden(input_ids, cache))
 
     def next_logits(self, input_ids: torch.Tensor, cache: DeepseekV4Cache) -> torch.Tensor:
-        """float32 logits [b, vocab] of the last position."""
+        """float32 logits [b, vocab] of the last position (a decode token: the whole model in one
+        native call where every piece has its native step, :func:`quantplug.lower.hyper_decode_logits`)."""
+        got = hyper_decode_logits(self, input_ids, cache)
+        if got is not None:
+            return got[0]
         return self.head(self.hidden(input_ids, cache)[:, -1]).float()
 
     def next_tokens(self, input_ids: torch.Tensor, cache: DeepseekV4Cache) -> tuple[torch.Tensor, torch.Tensor]:
+        got = hyper_decode_logits(self, input_ids, cache, pick=True)
+        if got is not None:
+            return got[0], got[1] if got[1] is not None else got[0].argmax(dim=-1)
         logits = self.next_logits(input_ids, cache)
         return logits, logits.argmax(dim=-1)
 

@@ -32,17 +32,29 @@ static void situ_mul(float *g, const float *u, int64_t n, float beta, float lbet
     }
 }
 
+/* the clamped SwiGLU: g[i] = silu(min(g[i], lim)) * clamp(u[i], -lim, lim) over n values (a NaN
+ * stays NaN, as torch's clamp keeps it; u is clamped in place) */
+static void silu_clamp_mul(float *g, float *u, int64_t n, float lim) {
+    for (int64_t i = 0; i < n; i++) {
+        if (g[i] > lim) g[i] = lim;
+        if (u[i] > lim) u[i] = lim;
+        else if (u[i] < -lim) u[i] = -lim;
+    }
+    silu_mul(g, u, n);
+}
+
 /* out[prow[p]] = sum over pairs p (in order) of pw[p] * down_e(act(gate_e x, up_e x)), x = row
  * prow[p] of x, e = pe[p]; pairs must come grouped by expert (pe non-decreasing). gate / up / down:
  * E experts' mats (gate / up: I x H; down: H x I). A row no pair names is set to zero. act: QM_SILU
  * (silu(gate) * up; act_a, act_b unused) or QM_SITU (beta act_a > 0, linear beta act_b >= 0, 0:
- * none; situ_mul). */
+ * none; situ_mul) or QM_SILU_CLAMP (the clamped SwiGLU, limit act_a > 0; silu_clamp_mul). */
 int qp_mlp(const qp_mat *const *gate, const qp_mat *const *up, const qp_mat *const *down, int E,
            int64_t M, const float *x, int64_t ldx, int P, const int32_t *pe, const int32_t *prow, const float *pw,
            float *out, int64_t ldo, int wround, int act, float act_a, float act_b) {
     if (E <= 0 || P <= 0 || M <= 0) return -1;
     if (act != QM_SILU && (act != QM_SITU || !(act_a > 0.f) || !(act_b >= 0.f) || !isfinite(act_a)
-                           || !isfinite(act_b))) return -1;
+                           || !isfinite(act_b))
+        && (act != QM_SILU_CLAMP || !(act_a > 0.f) || !isfinite(act_a))) return -1;
     const int64_t H = gate[0]->k, I = gate[0]->n;
     for (int e = 0; e < E; e++)
         if (!mat_ok(gate[e]) || !mat_ok(up[e]) || !mat_ok(down[e]) || gate[e]->k != H || up[e]->k != H
@@ -89,6 +101,7 @@ int qp_mlp(const qp_mat *const *gate, const qp_mat *const *up, const qp_mat *con
         for (int64_t p = 0; p < P; p++) {
             float *g = hg + p * I, *u = hu + p * I;
             if (act == QM_SILU) silu_mul(g, u, I);
+            else if (act == QM_SILU_CLAMP) silu_clamp_mul(g, u, I, act_a);
             else situ_mul(g, u, I, act_a, act_b);
         }
         #pragma omp single

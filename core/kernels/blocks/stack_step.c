@@ -2,7 +2,8 @@
  * Every layer of a stack of latent-attention layers for B sequences at one position in one call: input
  * norm, the absorbed latent-attention step (qp_latent_step, appending to the layer's cache), residual, post-
  * attention norm, the dense gated MLP or the MoE (the layer's router, qp_router: router.c; the
- * routed experts and the shared experts through qp_mlp, SiLU-gated), residual; then the final norm.
+ * routed experts and the shared experts through qp_mlp, gated by the layer's act: SiLU unless it says
+ * otherwise), residual; then the final norm.
  * The arithmetic is the per-layer steps' own, in their order (a float32 model): the choice of
  * experts is the router's route_one (float32 scores, the choice and the weights in double, ties to
  * the lower id), each token's experts summed in ascending id order. */
@@ -88,20 +89,20 @@ static int moe_rows(const qp_layer *l, int64_t B, int64_t H, const float *h, con
         if (bf) {
             float *o2 = h2 + 2 * B * H;
             memcpy(h2, h, sizeof(float) * (size_t)(B * H)); memcpy(h2 + B * H, h, sizeof(float) * (size_t)(B * H));
-            rc = qp_mlp(mats, mats + (P + 1), mats + 2 * (P + 1), used + 1, 2 * B, h2, H, (int)(p + B), pe2, prow2, pw2, o2, H, wround, QM_SILU, 0.f, 0.f);
+            rc = qp_mlp(mats, mats + (P + 1), mats + 2 * (P + 1), used + 1, 2 * B, h2, H, (int)(p + B), pe2, prow2, pw2, o2, H, wround, l->act, l->act_a, l->act_b);
             if (rc == 0)  /* each module's output in the model dtype, then their sum (as below) */
                 for (int64_t i = 0; i < B * H; i++) out[i] = round_bf16(round_bf16(o2[i]) + round_bf16(o2[B * H + i]));
         } else {
-            rc = qp_mlp(mats, mats + (P + 1), mats + 2 * (P + 1), used + 1, B, h, H, (int)(p + B), pe2, prow2, pw2, out, H, wround, QM_SILU, 0.f, 0.f);
+            rc = qp_mlp(mats, mats + (P + 1), mats + 2 * (P + 1), used + 1, B, h, H, (int)(p + B), pe2, prow2, pw2, out, H, wround, l->act, l->act_a, l->act_b);
         }
         free(pe2); free(pw2); free(h2);
         if (rc != -3) goto done;  /* -3: the shared experts quantize their inputs otherwise: two calls */
     }
-    rc = qp_mlp(mats, mats + (P + 1), mats + 2 * (P + 1), used, B, h, H, (int)p, pe, prow, pw, out, H, wround, QM_SILU, 0.f, 0.f);
+    rc = qp_mlp(mats, mats + (P + 1), mats + 2 * (P + 1), used, B, h, H, (int)p, pe, prow, pw, out, H, wround, l->act, l->act_a, l->act_b);
     if (rc == 0 && l->sg) {
         const qp_mat *g1[1] = {l->sg}, *u1[1] = {l->su}, *d1[1] = {l->sd};
         for (int64_t b = 0; b < B; b++) { pe[b] = 0; prow[b] = (int32_t)b; pw[b] = 1.f; }
-        rc = qp_mlp(g1, u1, d1, 1, B, h, H, (int)B, pe, prow, pw, tmp, H, wround, QM_SILU, 0.f, 0.f);
+        rc = qp_mlp(g1, u1, d1, 1, B, h, H, (int)B, pe, prow, pw, tmp, H, wround, l->act, l->act_a, l->act_b);
         if (rc == 0 && wround == QR_BF16)  /* each module's output in the model dtype, then their sum */
             for (int64_t i = 0; i < B * H; i++) out[i] = round_bf16(round_bf16(out[i]) + round_bf16(tmp[i]));
         else if (rc == 0)
@@ -150,7 +151,7 @@ static int qp_stack_step(const qp_layer *layers, int L, int64_t H, int64_t B, fl
             if (!pe || !pw) rc = -2;
             else {
                 for (int64_t b = 0; b < B; b++) { pe[b] = 0; pe[B + b] = (int32_t)b; pw[b] = 1.f; }
-                rc = qp_mlp(l->gate, l->up, l->down, 1, B, h, H, (int)B, pe, pe + B, pw, a, H, wround, QM_SILU, 0.f, 0.f);
+                rc = qp_mlp(l->gate, l->up, l->down, 1, B, h, H, (int)B, pe, pe + B, pw, a, H, wround, l->act, l->act_a, l->act_b);
             }
             free(pe); free(pw);
         }
