@@ -52,12 +52,13 @@ class TestDeepseekV4(ArchitectureConformance):
     #: with E8M0 ``.scale``, FP4 routed experts). The kit's other fixture writers
     #: (quantplug.testing.formats) quantize the linears their pattern ``LINEAR`` names, all under
     #: ``model.layers.`` (V3 / Kimi module names): a V4 checkpoint in the release's names holds none of
-    #: them; the bundled exporters below write V4 instead (GGUF's has no DeepSeek-V4 layout)
+    #: them; the bundled exporters below write V4 instead (GGUF's in llama.cpp's ``deepseek4`` layout)
     formats = ("fp8",)
     #: each backend's own quantplug_export of the loaded float model, loaded back (the release's BF16
     #: linears: compressors' wkv / wgate, the indexer's weights_proj, the router, the head: float)
     exporters = ("compressed-tensors-w4a16", "modelslim-w4a8", "modelslim-w8a8", "quark-mxfp4",
-                 "modelopt-w4a16-nvfp4", "modelopt-nvfp4", "modelopt-fp8", "gptq-int4", "awq-int4")
+                 "modelopt-w4a16-nvfp4", "modelopt-nvfp4", "modelopt-fp8", "gptq-int4", "awq-int4",
+                 "fp8-block", "gguf-q8_0", "gguf-q4_0", "gguf-q8_0-expert-pack")
 
     def write_checkpoint(self, path: Path) -> None:
         tensors = release_names(reference_model(Q_LORA).state_dict())
@@ -76,7 +77,10 @@ class TestDeepseekV4(ArchitectureConformance):
         modules = dict(model.named_modules())
 
         def scheme(name: str) -> str:
-            return type(getattr(modules[name], "scheme", None)).__name__
+            sch = getattr(modules[name], "scheme", None)
+            if getattr(sch, "ggml_type", None) in ("F32", "F16", "BF16"):
+                return "DenseScheme"  # a GGUF float tensor: the ggml scheme of a float type
+            return type(sch).__name__
 
         for name in ("layers.1.attn.compressor.wkv", "layers.1.attn.compressor.wgate",
                      "layers.1.attn.indexer.compressor.wkv", "layers.2.attn.compressor.wgate", "head"):
