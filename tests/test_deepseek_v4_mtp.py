@@ -375,3 +375,55 @@ def test_bounded_rollback(v4):
         model(seq[:, :3], cache=off)
         with pytest.raises(GenerationError, match="keeps no roll-back log"):
             off.truncate(2)
+
+
+# -- every bundled exporter -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def exported_source(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path, list[int]]:
+    """The float model with its MTP block at q_lora_rank 32 (the group-32 / 16 formats' widths), loaded;
+    a scratch root; its plain greedy tokens."""
+    from v4_models import CONFIG
+
+    ref = reference_model(32)
+    mtp = _mtp_tensors(_mtp_layer(ref))
+    root = tmp_path_factory.mktemp("v4mtp-export")
+    path = write_float_checkpoint(root / "ckpt", ref, mtp, config={**CONFIG, "q_lora_rank": 32})
+    model = load(path, progress=False)
+    return model, root, model.generate(PROMPT, 12, eos_token_id=None)[0, PROMPT.shape[1]:].tolist()
+
+
+def _exports() -> list[Any]:
+    from quantplug.testing.engines import EXPORTS
+
+    return [pytest.param(row, id=row.label) for row in EXPORTS if row.backend is not None]
+
+
+@pytest.mark.parametrize("row", _exports())
+def test_every_exporter_keeps_the_mtp_block_speculative_equals_greedy(exported_source, row):
+    """Each bundled exporter writes ``mtp.0.*`` in its format (the fp8 one as the release does: FP8
+    ``e_proj`` / ``h_proj``, FP4 experts) and the export's speculative greedy equals its plain greedy;
+    GGUF leaves the MTP block out as llama.cpp's converter does, and speculative decoding says so."""
+    from quantplug.testing.engines import installed_backends
+    from quantplug.testing.probes import isolated_plugin_manager
+
+    source, root, _ = exported_source
+    backends = installed_backends()
+    if row.backend not in backends:
+        pytest.skip(f"backend {row.backend!r} is not installed")
+    pm = isolated_plugin_manager({row.backend: backends[row.backend]})
+    res = pm.export(row.backend, model=source, destination=root / row.label, plan=source.quantplug_plan,
+                    options=row.options)[row.pick]
+    model = load(res.path, plugin_manager=pm, progress=False)
+    if row.backend == "expert_pack":
+        assert len(model.mtp) == 0
+        with pytest.raises(GenerationError):
+            model.generate(PROMPT, 4, speculative="mtp")
+        return
+    assert len(model.mtp) == 1
+    if row.backend == "fp8":
+        schemes = model.quantplug_plan.schemes()
+        assert "fp4" in schemes["mtp.0.ffn.experts.gate_proj"] and schemes["mtp.0.e_proj"] != "dense"
+    plain = model.generate(PROMPT, 12, eos_token_id=None)[0, PROMPT.shape[1]:].tolist()
+    spec = [int(t[0]) for t in model.stream(PROMPT, 12, eos_token_id=None, speculative="mtp")]
+    assert spec == plain

@@ -7,7 +7,8 @@ one to one (:data:`~.names.V4_LAYER` and neighbours), the routed experts stacked
 ``wq_b``, ``wkv``, ``wo_a``, ``wo_b``, ``indexer.wq_b``, the shared expert) as Q8_0, the release's
 BF16 matrices (embedding, head, router, compressors, ``indexer.weights_proj``) as BF16, the F32
 ones (``hc_*``, ``ape``) and every 1-D tensor as F32, ``tid2eid`` as I32; ``gate.bias`` of the
-hash-routed layers is not written (llama.cpp routes them by ``tid2eid`` alone). The metadata are
+hash-routed layers is not written (llama.cpp routes them by ``tid2eid`` alone), nor is the MTP block
+``mtp.K`` (the converter writes it only into a separate MTP file, which quantplug does not map). The metadata are
 the converter's keys (``set_gguf_parameters``), written by name so that a gguf-py without the
 ``deepseek4`` helpers writes them too.
 """
@@ -48,6 +49,8 @@ def gguf_state_v4(state: Mapping[str, torch.Tensor], cfg: Any) -> dict[str, torc
         if name not in names:
             if re.match(r"^layers\.(\d+)\.ffn\.gate\.bias$", name):
                 continue  # a hash-routed layer's unused bias
+            if name.startswith("mtp."):
+                continue  # the MTP block: llama.cpp's converter leaves it out of the model's file too
             raise QuantplugError(f"export: tensor {name} has no llama.cpp {ARCH} name")
         out[names[name]] = t
     for (base, proj), per in experts.items():

@@ -9,7 +9,8 @@ router's ``e_score_correction_bias`` F32; config.json gains DeepSeek's ``quantiz
 (at the top level and, for a Kimi wrapper, inside ``text_config`` too).
 
 DeepSeek-V4 (``model_type: deepseek_v4``) is written in its release's layout and names: the FP8
-linears (``attn.wq_a / wq_b / wkv / wo_a / wo_b``, ``attn.indexer.wq_b``, ``ffn.shared_experts.w1-3``)
+linears (``attn.wq_a / wq_b / wkv / wo_a / wo_b``, ``attn.indexer.wq_b``, ``ffn.shared_experts.w1-3``, and
+the MTP block's ``e_proj`` / ``h_proj``; the MTP block ``mtp.K`` as a layer)
 as ``weight`` F8_E4M3 + ``scale`` F8_E8M0 per [128, 128] block (``scale_fmt: ue8m0``); the routed
 experts as FP4 (export option ``expert_dtype=fp4``, the default: ``weight`` I8 packed E2M1 +
 ``scale`` F8_E8M0 per 32) or the same FP8 blocks (``expert_dtype=fp8``), ``expert_dtype`` written at
@@ -37,8 +38,10 @@ LINEAR = re.compile(r"\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?(q_a_proj|q_b_proj|
                     r"o_proj|g_proj|gate_proj|up_proj|down_proj|indexer\.wq_b|indexer\.wk)\.weight$")
 BLOCK = (128, 128)
 #: DeepSeek-V4's FP8 linears, release names
-V4_LINEAR = re.compile(r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])\.weight$")
-V4_EXPERT = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
+#: the main layers' and the MTP blocks' (``mtp.K``: its block, ``e_proj`` and ``h_proj``) FP8 linears
+V4_LINEAR = re.compile(r"^(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]"
+                       r"|e_proj|h_proj)\.weight$")
+V4_EXPERT = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
 V4_F32 = re.compile(r"(^|\.)(attn_sink|ape|hc_[a-z]+_(fn|base|scale)|gate\.bias)$")
 
 
