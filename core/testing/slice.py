@@ -278,15 +278,10 @@ def _check_empty(root: Path) -> None:
         raise FileExistsError(f"{root}: exists and is not empty; choose a new directory (nothing was written)")
 
 
-def write_fp8_checkpoint(path: str | Path, cfg: Mapping[str, Any], source: WeightSource | None = None, *,
-                         shard_bytes: int = SHARD_BYTES, reserve: int = 2 << 30,
-                         progress: Progress | None = None) -> SliceResult:
-    """Write ``cfg``'s FP8 release layout with random weights into the new directory ``path``:
-    config.json, model.safetensors.index.json and the shards, tensor by tensor. Checks free disk
-    space first (:class:`~quantplug.testing.scale.DiskSpaceError` naming the numbers)."""
-    source = source or WeightSource()
-    root = Path(path)
-    layout = fp8_plan(cfg, shard_bytes)
+def _write_layout(root: Path, cfg: Mapping[str, Any], layout: Mapping[str, Sequence[Any]], source: Any,
+                  reserve: int, progress: Progress | None) -> SliceResult:
+    """config.json, the shards of ``layout`` (each tensor's chunks from ``source``, the next generated on
+    a second thread while this one is written) and the index, after checking free disk space."""
     need = sum(len(safetensors_header(g)) + sum(t.nbytes for t in g) for g in layout.values())
     check_free_disk(root, need, reserve)
     _check_empty(root)
@@ -303,6 +298,18 @@ def write_fp8_checkpoint(path: str | Path, cfg: Mapping[str, Any], source: Weigh
                     progress(tensor.name, written)
     write_index(root, layout)
     return SliceResult(root, [root / f for f in layout], written, time.perf_counter() - t0)
+
+
+def write_fp8_checkpoint(path: str | Path, cfg: Mapping[str, Any], source: WeightSource | None = None, *,
+                         shard_bytes: int = SHARD_BYTES, reserve: int = 2 << 30,
+                         progress: Progress | None = None) -> SliceResult:
+    """Write ``cfg``'s FP8 release layout with random weights into the new directory ``path``:
+    config.json, model.safetensors.index.json and the shards, tensor by tensor. Checks free disk
+    space first (:class:`~quantplug.testing.scale.DiskSpaceError` naming the numbers)."""
+    source = source or WeightSource()
+    root = Path(path)
+    layout = fp8_plan(cfg, shard_bytes)
+    return _write_layout(root, cfg, layout, source, reserve, progress)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -818,19 +825,4 @@ def write_v4_checkpoint(path: str | Path, cfg: Mapping[str, Any], *, seed: int =
     root = Path(path)
     layout = v4_plan(cfg, shard_bytes)
     source = V4WeightSource({t.name: t for g in layout.values() for t in g}, seed)
-    need = sum(len(safetensors_header(g)) + sum(t.nbytes for t in g) for g in layout.values())
-    check_free_disk(root, need, reserve)
-    _check_empty(root)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(dict(cfg), indent=2))
-    t0 = time.perf_counter()
-    written = 0
-    for fname, group in layout.items():
-        with ShardWriter(root / fname, group) as w:
-            for tensor, chunk in ahead((t, c) for t in group for c in source.chunks(t)):
-                w.write(tensor.name, chunk)
-                written += chunk.nbytes
-                if progress is not None and w.current is not tensor:
-                    progress(tensor.name, written)
-    write_index(root, layout)
-    return SliceResult(root, [root / f for f in layout], written, time.perf_counter() - t0)
+    return _write_layout(root, cfg, layout, source, reserve, progress)
