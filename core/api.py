@@ -104,6 +104,7 @@ from .models.declarations import (
     DeclarationError,
     EngineExperts,
     EngineFloats,
+    EngineGroupedLinear,
     EngineLatentAttention,
     EngineMLP,
     EngineRename,
@@ -389,7 +390,7 @@ __all__ = [
     # ... a router declared as data (1.11)
     "RouterSpec", "route",
     # ... declaring how engines take it (qp_engine_plan, 1.6)
-    "EngineExperts", "EngineLatentAttention", "EngineMLP", "LatentAttention", "RoutedExperts",
+    "EngineExperts", "EngineGroupedLinear", "EngineLatentAttention", "EngineMLP", "LatentAttention", "RoutedExperts",
     # ... renaming its modules for the engines and giving them float tensors in their form (1.10)
     "EngineFloats", "EngineRename",
     # ... and declaring its tensor-parallel plan (qp_tp_plan) and dense-state mapping (qp_dense_state)
