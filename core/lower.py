@@ -312,6 +312,7 @@ def _moe_route_rows(m: MoE, route: torch.Tensor, flat: torch.Tensor, shape: Any,
         else:
             idx, w = m.gate(route, ids=ids)
             rows_ids, rows_w = idx.tolist(), w.tolist()
+        _prefetch_next(m, route, ids)
         return ex.forward_step(flat, rows_ids, rows_w).view(shape)
     return MoE._route_rows(m, route, flat, shape, ids)
 
@@ -337,16 +338,23 @@ def _moe_routed(m: MoE, route: torch.Tensor, flat: torch.Tensor, shape: Any) -> 
     return MoE._routed(m, route, flat, shape)
 
 
-def _prefetch_next(m: MoE, flat: torch.Tensor) -> None:
+def _prefetch_next(m: MoE, flat: torch.Tensor, ids: torch.Tensor | None = None) -> None:
     """Experts served from files: start reading the next MoE layer's likely experts (its router on
-    this layer's input, one row) while this layer computes."""
+    this layer's input, one row; a router that routes by token id: exactly the token's experts, from
+    ``ids``) while this layer computes."""
     nxt = m.qp_next
     store = None if nxt is None else nxt.experts.qp_store
     if nxt is None or store is None or not m.qp_prefetch or flat.shape[0] != 1:
         return
     ex = nxt.experts
-    ids, _ = nxt.gate.route_one(flat)
-    store.prefetch([e - ex.slot_base for e in ids if ex.first <= e < ex.first + ex.count])
+    spec = getattr(nxt.gate, "spec", None)
+    if isinstance(spec, RouterSpec) and spec.by_token:
+        if ids is None or ids.numel() != 1:
+            return
+        chosen = nxt.gate.route_ids(flat, ids)[0][0]
+    else:
+        chosen, _ = nxt.gate.route_one(flat)
+    store.prefetch([e - ex.slot_base for e in chosen if ex.first <= e < ex.first + ex.count])
 
 
 # -- per block: KDA ----------------------------------------------------------------------------------

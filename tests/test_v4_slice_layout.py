@@ -265,3 +265,27 @@ def test_refuses_a_full_directory_and_a_full_disk(tmp_path: Path) -> None:
     with pytest.raises(DiskSpaceError, match="need"):
         write_v4_checkpoint(tmp_path / "y", TINY, reserve=1 << 60)
     assert not (tmp_path / "y").exists()
+
+
+@pytest.mark.parametrize("hash_layers", [1, 2])
+def test_decode_prefetches_the_next_layers_experts(tmp_path: Path, hash_layers: int) -> None:
+    """With the routed experts served from the files, a decode step starts reading the next MoE layer's
+    experts: a learned next router by its scores on this layer's input, a hash-routed next layer exactly
+    the token's experts (``tid2eid``); the same requests and tokens as without prefetch."""
+    from quantplug.api import stats_sources
+
+    root = tmp_path / "ckpt"
+    write_v4_checkpoint(root, {**TINY, "num_hash_layers": hash_layers}, seed=3, shard_bytes=120_000, reserve=0)
+    ids = torch.tensor([[5, 17, 42, 9, 77, 3, 60, 21]])
+    runs = {}
+    for prefetch in (True, False):
+        model = load(root, options={"expert_cache_mb": 0.05, "expert_prefetch": prefetch}, progress=False)
+        with torch.inference_mode():
+            gen = model.generate(ids, 6)
+        runs[prefetch] = gen, stats_sources(model)["expert_cache"].stats()
+    (g_on, s_on), (g_off, s_off) = runs[True], runs[False]
+    assert torch.equal(g_on, g_off)
+    assert s_off["prefetched"] == 0 and s_on["prefetched"] > 0
+    assert s_on["requests"] == s_off["requests"]
+    if hash_layers == 2:  # layer 1 routes by token id: every expert prefetched for it is one it uses
+        assert s_on["prefetch_hits"] > 0
