@@ -113,17 +113,27 @@ def quantize(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torc
     Per block: s = amax / 448 (1.0 for an all-zero block), q = fp8_e4m3(w / s) rounded to
     nearest even, as DeepSeek's block quantization. Partial edge blocks use their own amax.
     """
-    w = w.to(torch.float32)
+    tiles = _tiles(w, block)
+    amax = tiles.abs().amax(dim=(1, 3))
+    s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return _codes(tiles, s, w.shape), s.contiguous()
+
+
+def _tiles(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``w`` [out, in] as float32 blocks [out blocks, bn, in blocks, bk], zero-padded at the edges."""
     rows, cols = w.shape
     bn, bk = block
     r_blocks, c_blocks = scale_shape(rows, cols, block)
     padded = torch.zeros(r_blocks * bn, c_blocks * bk)
-    padded[:rows, :cols] = w
-    tiles = padded.view(r_blocks, bn, c_blocks, bk)
-    amax = tiles.abs().amax(dim=(1, 3))
-    s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    padded[:rows, :cols] = w.to(torch.float32)
+    return padded.view(r_blocks, bn, c_blocks, bk)
+
+
+def _codes(tiles: torch.Tensor, s: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The E4M3 codes of ``tiles`` over their block scales ``s``, back in the weight's ``shape``."""
+    r_blocks, bn, c_blocks, bk = tiles.shape
     q = (tiles / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(r_blocks * bn, c_blocks * bk)[:rows, :cols].contiguous(), s.contiguous()
+    return q.view(r_blocks * bn, c_blocks * bk)[:shape[0], :shape[1]].contiguous()
 
 
 def act_quant(x: torch.Tensor, group: int = 128, scale_fmt: str | None = None) -> torch.Tensor:
@@ -175,18 +185,10 @@ def quantize_e8m0(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple
     """Dense [out, in] -> (F8_E4M3 weight, F8_E8M0 scale [ceil(out/bn), ceil(in/bk)]): DeepSeek-V4's
     ``scale_fmt: ue8m0`` blocks, s = 2^ceil(log2(amax / 448)) (1 for an all-zero block), q =
     fp8_e4m3(w / s) rounded to nearest even. Already-quantized values come back unchanged."""
-    w = w.to(torch.float32)
-    rows, cols = w.shape
-    bn, bk = block
-    r_blocks, c_blocks = scale_shape(rows, cols, block)
-    padded = torch.zeros(r_blocks * bn, c_blocks * bk)
-    padded[:rows, :cols] = w
-    tiles = padded.view(r_blocks, bn, c_blocks, bk)
+    tiles = _tiles(w, block)
     exp = _pow2_exponent(tiles.abs().amax(dim=(1, 3)), FP8_MAX)
     s = torch.exp2(exp.to(torch.float32))
-    q = (tiles / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return (q.view(r_blocks * bn, c_blocks * bk)[:rows, :cols].contiguous(),
-            (exp + 127).to(torch.uint8).view(torch.float8_e8m0fnu).contiguous())
+    return _codes(tiles, s, w.shape), (exp + 127).to(torch.uint8).view(torch.float8_e8m0fnu).contiguous()
 
 
 _E2M1_MAGS = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
