@@ -23,6 +23,20 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 LIM = 0.6
 
 
+def count_calls(monkeypatch: pytest.MonkeyPatch, *names: str) -> dict[str, int]:
+    """Count the calls of the native library's functions ``names`` (a dict that fills as they run)."""
+    lib = native.library()
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        real = getattr(lib, name)
+
+        def counted(*args, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(*args)
+        monkeypatch.setattr(lib, name, counted)
+    return calls
+
+
 def clamp_act(limit: float):
     return lambda g, u: silu_clamp_mul(g, u, limit)
 
@@ -148,15 +162,7 @@ def test_v4_decode_runs_moe_and_mhc_natively_and_equals_transformers(v4, monkeyp
         assert layer.ffn.experts.step.act[0] == compute.MLP_ACTS["silu_clamp"]
         assert layer.attn.step is not None
     assert model.hc_head.step is not None
-    lib = native.library()
-    calls = {"qp_mlp": 0, "qp_hyper_pre": 0, "qp_hyper_post": 0, "qp_window_step": 0}
-    for name in calls:
-        real = getattr(lib, name)
-
-        def counted(*args, _real=real, _name=name):
-            calls[_name] += 1
-            return _real(*args)
-        monkeypatch.setattr(lib, name, counted)
+    calls = count_calls(monkeypatch, "qp_mlp", "qp_hyper_pre", "qp_hyper_post", "qp_window_step")
     ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(11))
     model._stack = None  # block by block here (the whole-stack step: test_v4_decodes_in_one_native_call_per_token)
     cache = model.qp_new_cache(1, 64, 64)
@@ -238,15 +244,7 @@ def test_v4_decodes_in_one_native_call_per_token(v4, monkeypatch):
 
     ref, path = v4
     model = quantplug.load(path)
-    lib = native.library()
-    calls = {"qp_hyper_decode_step": 0, "qp_window_step": 0, "qp_mlp": 0, "qp_hyper_pre": 0}
-    for name in calls:
-        real = getattr(lib, name)
-
-        def counted(*args, _real=real, _name=name):
-            calls[_name] += 1
-            return _real(*args)
-        monkeypatch.setattr(lib, name, counted)
+    calls = count_calls(monkeypatch, "qp_hyper_decode_step", "qp_window_step", "qp_mlp", "qp_hyper_pre")
     ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(21))
     new = 16  # crosses the window and the compression windows, new entries appear while decoding
     with torch.no_grad():
@@ -319,18 +317,12 @@ def test_v4_release_format_decodes_in_one_native_call_per_token(v4, tmp_path, mo
     for layer in plain.layers:
         layer.attn.step = layer.hc_attn.step = layer.hc_ffn.step = layer.ffn.experts.step = None
         layer.ffn.shared_experts.step = None
-    lib = native.library()
-    real, calls = lib.qp_hyper_decode_step, [0]
-
-    def counted(*args):
-        calls[0] += 1
-        return real(*args)
-    monkeypatch.setattr(lib, "qp_hyper_decode_step", counted)
+    calls = count_calls(monkeypatch, "qp_hyper_decode_step")
     ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(2))
     new = 12
     with torch.no_grad():
         out = model.generate(ids, new, eos_token_id=None)
-        assert calls[0] == new - 1
+        assert calls["qp_hyper_decode_step"] == new - 1
         assert torch.equal(plain.generate(ids, new, eos_token_id=None), out)
         if act == "none":
             want = v4_models.set_release_weights(ref, values).generate(
@@ -349,24 +341,18 @@ def test_v4_stack_declines_for_hooks_and_replaced_tensors(v4, monkeypatch):
     ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         want = model.generate(ids, 6, eos_token_id=None)
-    lib = native.library()
-    real, calls = lib.qp_hyper_decode_step, [0]
-
-    def counted(*args):
-        calls[0] += 1
-        return real(*args)
-    monkeypatch.setattr(lib, "qp_hyper_decode_step", counted)
+    calls = count_calls(monkeypatch, "qp_hyper_decode_step")
     seen = []
     handle = model.layers[1].ffn.register_forward_hook(lambda *a: seen.append(1))
     with torch.no_grad():
         assert torch.equal(model.generate(ids, 6, eos_token_id=None), want)
-    assert calls[0] == 0 and len(seen) == 6  # the prompt and five decode tokens through the block
+    assert calls["qp_hyper_decode_step"] == 0 and len(seen) == 6  # the prompt and five decode tokens through the block
     handle.remove()
     gate = model.layers[2].ffn.gate
     gate.weight = torch.nn.Parameter(gate.weight.detach().clone(), requires_grad=False)
     with torch.no_grad():
         assert torch.equal(model.generate(ids, 6, eos_token_id=None), want)
-    assert calls[0] == 0
+    assert calls["qp_hyper_decode_step"] == 0
 
 
 @needs_native
