@@ -8,19 +8,6 @@
  * the streams, the final norm, the LM head and each row's greedy pick. The arithmetic is the
  * per-block native steps' own, in their order (float32 models). Python: compute.py HyperStackStep. */
 
-static int hyper_ffn_ok(const qp_layer *l, int64_t H) {
-    if (!l || !l->gate || !l->up || !l->down) return 0;
-    const int E = l->E > 0 ? l->E : 1;
-    for (int e = 0; e < E; e++)
-        if (!l->gate[e] || !l->up[e] || !l->down[e] || !mat_ok(l->gate[e]) || l->gate[e]->k != H || l->down[e]->n != H)
-            return 0;
-    if (l->E > 0) {
-        if (!l->route.weight || !router_ok(&l->route, l->E)) return 0;
-        if (l->sg && (!l->su || !l->sd || !mat_ok(l->sg) || l->sg->k != H || l->sd->n != H)) return 0;
-    }
-    return 1;
-}
-
 /* ids [B] token ids; emb [V, H]; layers / states [L]; the head's collapse (h_fn [N, N H], h_base [N],
  * h_scale [1]), the final norm fnorm [H] (feps); hid [B, H] the final norm's output; head [V', H]
  * (NULL: no logits), logits [B, V'], best [B] (or NULL). Every argument is checked before any cache
@@ -38,7 +25,7 @@ int qp_hyper_decode_step(const qp_hyper_block *layers, const qp_window_state *st
     for (int i = 0; i < L; i++) {
         const qp_hyper_block *l = &layers[i];
         const qp_window_state *s = &states[i];
-        if (!l->attn || !window_ok(l->attn) || l->attn->H != H || !hyper_ffn_ok(l->ffn, H) || l->hc != N
+        if (!l->attn || !window_ok(l->attn) || l->attn->H != H || !ffn_ok(l->ffn, H) || l->hc != N
             || l->iters < 1 || !l->attn_norm || !l->ffn_norm || !l->a_fn || !l->a_base || !l->a_scale || !l->f_fn
             || !l->f_base || !l->f_scale || !s->win || s->nwin < 1 || s->nwin > l->attn->window || !s->cos || !s->sin
             || (l->attn->comp && !s->comp) || (l->attn->idx_q && !s->idx)) return -1;

@@ -26,9 +26,10 @@ static void add_rows(float *x, float *a, int64_t n, int round) {
     else for (int64_t j = 0; j < n; j++) x[j] = x[j] + a[j];
 }
 
-static int layer_ok(const qp_layer *l, int64_t H) {
-    if (!l->attn || !latent_ok(l->attn) || l->attn->H != H || !l->attn_norm || !l->ffn_norm) return 0;
-    if (!l->gate || !l->up || !l->down) return 0;
+/* a layer's FFN (an MLP, or routed experts with their router and an optional shared expert) over
+ * hidden width H (also the hyper-connection stack's, blocks/hyper_stack.c) */
+static int ffn_ok(const qp_layer *l, int64_t H) {
+    if (!l || !l->gate || !l->up || !l->down) return 0;
     const int E = l->E > 0 ? l->E : 1;
     for (int e = 0; e < E; e++)
         if (!l->gate[e] || !l->up[e] || !l->down[e] || !mat_ok(l->gate[e]) || l->gate[e]->k != H || l->down[e]->n != H)
@@ -38,6 +39,11 @@ static int layer_ok(const qp_layer *l, int64_t H) {
         if (l->sg && (!l->su || !l->sd || !mat_ok(l->sg) || l->sg->k != H || l->sd->n != H)) return 0;
     }
     return 1;
+}
+
+static int layer_ok(const qp_layer *l, int64_t H) {
+    if (!l->attn || !latent_ok(l->attn) || l->attn->H != H || !l->attn_norm || !l->ffn_norm) return 0;
+    return ffn_ok(l, H);
 }
 
 /* the MoE of one layer for B normed rows h [B, H]: out [B, H] = routed (+ shared) */
